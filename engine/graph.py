@@ -1,0 +1,247 @@
+"""Write the ONNX decoder for a Llama / Qwen2 / Mistral model straight from its numpy weights.
+
+The graph is built for ONNX Runtime on CPU with batch size 1:
+
+* inputs  ``input_ids`` int64 [S], ``seqlens_k`` int32 [1] (= total length - 1),
+  ``total_sequence_length`` int32 scalar, ``num_logits`` int64 [1] (how many trailing
+  positions get logits), and per layer ``past.{i}.key`` / ``past.{i}.value``
+  float32 [1, kv_heads, max_len, head_dim];
+* outputs ``logits`` float32 [num_logits, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
+
+Attention is ``com.microsoft.GroupQueryAttention`` with a packed Q|K|V input, rotary embedding
+inside the op and a KV buffer shared between past and present (bind the same OrtValue to both):
+the cache is preallocated once and rewinding a sequence only means passing a smaller
+``seqlens_k``.  Activations between layers are 2-D [S, hidden].
+
+Every weight matmul goes through a *linear emitter* (``DenseLinear`` by default) so the wafer
+package can replace it with a partitioned version without touching the rest of the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+#: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
+GRAPH_VERSION = 1
+
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class GraphBuilder:
+    """Accumulates nodes, initializers, inputs and outputs; hands out unique value names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.domains: set[str] = set()
+        self._names: set[str] = set()
+        self._consts: dict[tuple, str] = {}
+        self._counter = 0
+
+    def unique(self, base: str) -> str:
+        """Return ``base`` or ``base_N`` — a name not used yet in this graph."""
+        name = base
+        while name in self._names:
+            self._counter += 1
+            name = f"{base}_{self._counter}"
+        self._names.add(name)
+        return name
+
+    def initializer(self, name: str, array: np.ndarray) -> str:
+        """Add a constant tensor (weights etc.); returns its (uniquified) value name."""
+        name = self.unique(name)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "",
+             name: str | None = None, **attrs) -> str | list[str]:
+        """Add one node; returns its output name (``n_out == 1``) or list of output names."""
+        name = self.unique(name or op_type)
+        outs = [self.unique(f"{name}/out{i}" if n_out > 1 else f"{name}/out") for i in range(n_out)]
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain or None, **attrs))
+        if domain:
+            self.domains.add(domain)
+        return outs[0] if n_out == 1 else outs
+
+    def const_i64(self, values) -> str:
+        """A cached small int64 constant (scalar for an int, 1-D for a sequence)."""
+        arr = np.asarray(values, dtype=np.int64)
+        key = ("i64", arr.shape, arr.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.initializer("const_i64", arr)
+        return self._consts[key]
+
+    def const_f32(self, values) -> str:
+        """A cached small float32 constant."""
+        arr = np.asarray(values, dtype=np.float32)
+        key = ("f32", arr.shape, arr.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.initializer("const_f32", arr)
+        return self._consts[key]
+
+    def input(self, name: str, elem_type: int, shape: list) -> str:
+        self._names.add(name)
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, value: str, name: str, elem_type: int, shape: list) -> str:
+        """Expose ``value`` as graph output ``name`` (via Identity if the names differ)."""
+        if value != name:
+            self._names.add(name)
+            self.nodes.append(helper.make_node("Identity", [value], [name], name=f"{name}/identity"))
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def to_model(self, graph_name: str = "decoder", metadata: dict[str, str] | None = None) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.initializers)
+        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="spark-lsp")
+        model.ir_version = 8
+        for k, v in (metadata or {}).items():
+            entry = model.metadata_props.add()
+            entry.key, entry.value = k, v
+        return model
+
+
+class LinearEmitter(Protocol):
+    """What ``build_decoder`` needs from a linear emitter."""
+
+    def emit(self, gb: GraphBuilder, x: str, weight: np.ndarray, *, name: str, role: str,
+             bias: np.ndarray | None = None) -> str: ...
+
+
+class DenseLinear:
+    """Default emitter: y = x @ W (+ b), one MatMul (ORT fuses MatMul+Add into Gemm)."""
+
+    def emit(self, gb: GraphBuilder, x: str, weight: np.ndarray, *, name: str, role: str,
+             bias: np.ndarray | None = None) -> str:
+        w = gb.initializer(f"{name}.weight", weight.astype(np.float32, copy=False))
+        y = gb.node("MatMul", [x, w], name=f"{name}/matmul")
+        if bias is not None:
+            b = gb.initializer(f"{name}.bias", bias.astype(np.float32, copy=False))
+            y = gb.node("Add", [y, b], name=f"{name}/bias")
+        return y
+
+    def cache_key(self) -> str:
+        return "dense"
+
+
+ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def rope_cache(head_dim: int, max_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [max_len, head_dim/2] for the non-interleaved (rotate-half) RoPE of HF Llama."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    freqs = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def _linear_weight(weights: dict[str, np.ndarray], key: str) -> np.ndarray:
+    try:
+        return weights[key]
+    except KeyError:
+        raise KeyError(f"weight {key!r} missing from the model's safetensors") from None
+
+
+def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter | None = None, *,
+                  max_len: int | None = None) -> onnx.ModelProto:
+    """Build the decoder graph (see module docstring for its inputs and outputs).
+
+    ``max_len`` bounds the positions the rotary tables cover (default: the model's
+    ``max_position_embeddings``); the runtime's KV buffers must not exceed it.
+    """
+    linear = linear or DenseLinear()
+    c = config
+    H, N, NKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    max_len = int(max_len or c.max_position_embeddings)
+    w = weights
+    gb = GraphBuilder()
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+
+    ids = gb.input("input_ids", i64, ["seq"])
+    seqlens_k = gb.input("seqlens_k", i32, [1])
+    total_len = gb.input("total_sequence_length", i32, [])
+    num_logits = gb.input("num_logits", i64, [1])
+
+    cos, sin = rope_cache(H, max_len, c.rope_theta)
+    cos_c, sin_c = gb.initializer("rope.cos", cos), gb.initializer("rope.sin", sin)
+    eps = float(c.rms_norm_eps)
+
+    def skip_norm(pending: str, residual: str, gamma: str, name: str) -> tuple[str, str]:
+        outs = gb.node("SkipSimplifiedLayerNormalization", [pending, residual, gamma], n_out=4,
+                       domain=MS_DOMAIN, name=name, epsilon=eps)
+        gb.nodes[-1].output[1] = ""
+        gb.nodes[-1].output[2] = ""
+        return outs[0], outs[3]
+
+    embed = gb.initializer("embed_tokens", _linear_weight(w, "model.embed_tokens.weight").astype(np.float32, copy=False))
+    residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [S, D]
+    pending: str | None = None
+    qkv_width = (N + 2 * NKV) * H
+
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        g_in = gb.initializer(f"layers.{i}.input_norm", w[p + "input_layernorm.weight"])
+        if pending is None:
+            x = gb.node("SimplifiedLayerNormalization", [residual, g_in], name=f"layers.{i}.input_norm",
+                        axis=-1, epsilon=eps)
+        else:
+            x, residual = skip_norm(pending, residual, g_in, f"layers.{i}.input_norm")
+
+        a = p + "self_attn."
+        w_qkv = np.concatenate([_linear_weight(w, a + f"{k}_proj.weight") for k in "qkv"], axis=0).T
+        b_qkv = None
+        if c.attention_bias:
+            b_qkv = np.concatenate([_linear_weight(w, a + f"{k}_proj.bias") for k in "qkv"], axis=0)
+        qkv = linear.emit(gb, x, np.ascontiguousarray(w_qkv), name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
+        qkv3 = gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
+        past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
+        past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
+        attn, pk, pv = gb.node("GroupQueryAttention", [qkv3, "", "", past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
+                               n_out=3, domain=MS_DOMAIN, name=f"layers.{i}.attn", num_heads=N, kv_num_heads=NKV,
+                               do_rotary=1, rotary_interleaved=0, scale=float(H) ** -0.5)
+        gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
+        gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
+        attn2 = gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
+        w_o = np.ascontiguousarray(_linear_weight(w, a + "o_proj.weight").T)
+        pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o")
+
+        g_post = gb.initializer(f"layers.{i}.post_norm", w[p + "post_attention_layernorm.weight"])
+        x, residual = skip_norm(pending, residual, g_post, f"layers.{i}.post_norm")
+        m = p + "mlp."
+        w_gu = np.concatenate([_linear_weight(w, m + "gate_proj.weight"), _linear_weight(w, m + "up_proj.weight")], axis=0).T
+        gu = linear.emit(gb, x, np.ascontiguousarray(w_gu), name=f"layers.{i}.gate_up", role="gate_up")
+        gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=1)
+        act = gb.node("Mul", [gb.node("Mul", [gate, gb.node("Sigmoid", [gate], name=f"layers.{i}.sigmoid")],
+                                      name=f"layers.{i}.silu"), up], name=f"layers.{i}.swiglu")
+        w_down = np.ascontiguousarray(_linear_weight(w, m + "down_proj.weight").T)
+        pending = linear.emit(gb, act, w_down, name=f"layers.{i}.down", role="down")
+    del qkv_width
+
+    # Only the trailing `num_logits` positions reach the final norm and the LM head.
+    start = gb.node("Neg", [num_logits], name="logits_start")
+    end = gb.const_i64([INT64_MAX])
+    axes = gb.const_i64([0])
+    pending_t = gb.node("Slice", [pending, start, end, axes], name="tail_pending")
+    residual_t = gb.node("Slice", [residual, start, end, axes], name="tail_residual")
+    g_final = gb.initializer("final_norm", w["model.norm.weight"])
+    x, _ = skip_norm(pending_t, residual_t, g_final, "final_norm")
+    if c.tie_word_embeddings or "lm_head.weight" not in w:
+        w_head = w["model.embed_tokens.weight"].T
+    else:
+        w_head = w["lm_head.weight"].T
+    logits = linear.emit(gb, x, np.ascontiguousarray(w_head, dtype=np.float32), name="lm_head", role="lm_head")
+    gb.output(logits, "logits", f32, ["num_logits", V])
+    meta = {"spark_lsp.graph_version": str(GRAPH_VERSION), "spark_lsp.max_len": str(max_len)}
+    return gb.to_model(metadata=meta)
