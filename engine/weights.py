@@ -1,0 +1,261 @@
+"""Read (and write) safetensors weights with numpy only — no torch at run time.
+
+The header is parsed here rather than through ``safetensors.numpy`` because numpy has no bfloat16:
+bf16 tensors are widened to float32 by shifting their 16 bits into the high half of a uint32.
+Every tensor the decoder needs is checked for presence and shape, so a truncated or mismatched
+checkpoint fails at load time with the file and tensor named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from .config import ModelConfig, ModelError, model_path
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor (HF name → shape) the decoder reads; lm_head only when embeddings are untied."""
+    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+        if config.attention_bias:
+            shapes.update({
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            })
+        if config.attention_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a folder: the shards named by the index, or the single file."""
+    folder = model_path(model_dir)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return sorted({folder / f for f in _read_index(index).values()})
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise ModelError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{index.name}: cannot parse: {e}") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise ModelError(f"{index.name}: field 'weight_map' must map tensor names to file names")
+    for f in set(wm.values()):
+        if os.path.basename(f) != f:
+            raise ModelError(f"{index.name}: weight_map names file {f!r} outside the model folder")
+        if not (index.parent / f).is_file():
+            raise ModelError(f"{index.name}: shard {f} listed in weight_map is missing")
+    return wm
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """Parse a safetensors header: (tensor name → {dtype, shape, data_offsets}, data start offset)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelError(f"{path.name}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            raise ModelError(f"{path.name}: corrupt safetensors header (length {n} > file size {size})")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelError(f"{path.name}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path.name}: corrupt safetensors header (not an object)")
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (a, b) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ModelError(f"{path.name}: tensor {name}: malformed header entry") from None
+        if dtype not in _ITEMSIZE:
+            raise ModelError(
+                f"{path.name}: tensor {name}: dtype {dtype} is not supported (supported: F32, F16, BF16)"
+            )
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if not (0 <= a <= b <= data_len) or b - a != count * _ITEMSIZE[dtype]:
+            raise ModelError(f"{path.name}: tensor {name}: data offsets {a}..{b} do not match shape {shape} "
+                             f"and dtype {dtype} within a {data_len}-byte data section (truncated file?)")
+    return header, 8 + n
+
+
+def _to_float32(buf: memoryview | bytes, dtype: str, shape: list[int]) -> np.ndarray:
+    raw = np.frombuffer(buf, dtype=_NP_DTYPES[dtype])
+    if dtype == "BF16":
+        out = (raw.astype(np.uint32) << 16).view(np.float32)
+    else:
+        out = raw.astype(np.float32)  # always a copy: the result must outlive the mmap
+    return out.reshape(shape)
+
+
+def read_tensors(path: Path, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """Read tensors (all, or the given names) from one safetensors file as float32 arrays."""
+    header, start = read_header(path)
+    wanted = list(header) if names is None else [n for n in names if n in header]
+    out: dict[str, np.ndarray] = {}
+    if not wanted:
+        return out
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            for name in wanted:
+                info = header[name]
+                a, b = info["data_offsets"]
+                out[name] = _to_float32(view[start + a:start + b], info["dtype"], info["shape"])
+        finally:
+            view.release()
+    return out
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """All decoder tensors by HF name, as float32 numpy arrays, checked against ``config``.
+
+    With tied embeddings ``lm_head.weight`` is the *same* array object as
+    ``model.embed_tokens.weight`` (test with ``is`` to share one initializer).
+    Tensors the decoder does not use (e.g. ``rotary_emb.inv_freq``) are ignored.
+    """
+    folder = model_path(model_dir)
+    shapes = expected_shapes(config)
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    index = folder / INDEX_FILE
+    if index.is_file():
+        wm = _read_index(index)
+        by_file: dict[str, list[str]] = {}
+        for name in list(shapes) + sorted(optional):
+            if name in wm:
+                by_file.setdefault(wm[name], []).append(name)
+            elif name not in optional:
+                raise ModelError(f"{INDEX_FILE}: tensor {name} is missing from weight_map")
+        out: dict[str, np.ndarray] = {}
+        for fname, names in by_file.items():
+            got = read_tensors(folder / fname, names)
+            for name in names:
+                if name not in got:
+                    raise ModelError(f"{fname}: tensor {name} is missing (listed in {INDEX_FILE})")
+            out.update(got)
+    else:
+        files = weight_files(folder)
+        out = read_tensors(files[0], list(shapes) + sorted(optional))
+        for name in shapes:
+            if name not in out:
+                raise ModelError(f"{files[0].name}: tensor {name} is missing")
+    for name, shape in shapes.items():
+        if tuple(out[name].shape) != shape:
+            raise ModelError(f"{_where(folder, name)}: tensor {name} has shape {list(out[name].shape)}, "
+                             f"expected {list(shape)} from config.json")
+    if config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    for name, arr in out.items():
+        if not np.isfinite(arr).all():
+            raise ModelError(f"{_where(folder, name)}: tensor {name} contains NaN or infinite values")
+    return out
+
+
+def _where(folder: Path, name: str) -> str:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return _read_index(index).get(name, INDEX_FILE)
+    return SINGLE_FILE
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """Content hash of ``config.json`` + the weight files: a graph-cache key.
+
+    Hashes the bytes (not names or mtimes), memoised per (path, size, mtime) so a second call in
+    the same process is free.
+    """
+    folder = model_path(model_dir)
+    h = hashlib.blake2b(digest_size=16)
+    for p in [folder / "config.json", *weight_files(folder)]:
+        if not p.is_file():
+            raise ModelError(f"{p}: file not found")
+        h.update(p.name.encode() + b"\0" + _file_digest(p).encode())
+    return h.hexdigest()
+
+
+def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write tensors to a safetensors file in F32, F16 or BF16 (round-to-nearest-even), with numpy."""
+    if dtype not in ("F32", "F16", "BF16"):
+        raise ValueError(f"dtype={dtype!r}: expected F32, F16 or BF16")
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    blobs, offset = [], 0
+    for name, arr in tensors.items():
+        a = np.ascontiguousarray(arr, dtype=np.float32)
+        if dtype == "F16":
+            data = a.astype(np.float16).tobytes()
+        elif dtype == "BF16":
+            u = a.view(np.uint32).astype(np.uint64)
+            data = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+        else:
+            data = a.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for b in blobs:
+            f.write(b)
+    os.replace(tmp, path)
