@@ -19,7 +19,6 @@ package can replace it with a partitioned version without touching the rest of t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import numpy as np
@@ -139,9 +138,8 @@ class DenseLinear:
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
-def rope_cache(head_dim: int, max_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(inv_freq: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables [max_len, head_dim/2] for the non-interleaved (rotate-half) RoPE of HF Llama."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     freqs = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
@@ -174,7 +172,11 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     total_len = gb.input("total_sequence_length", i32, [])
     num_logits = gb.input("num_logits", i64, [1])
 
-    cos, sin = rope_cache(H, max_len, c.rope_theta)
+    if hasattr(c, "rope_inv_freq"):
+        inv_freq = np.asarray(c.rope_inv_freq(), dtype=np.float64)
+    else:
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    cos, sin = rope_cache(inv_freq, max_len)
     cos_c, sin_c = gb.initializer("rope.cos", cos), gb.initializer("rope.sin", sin)
     eps = float(c.rms_norm_eps)
 
@@ -188,7 +190,6 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     embed = gb.initializer("embed_tokens", _linear_weight(w, "model.embed_tokens.weight").astype(np.float32, copy=False))
     residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [S, D]
     pending: str | None = None
-    qkv_width = (N + 2 * NKV) * H
 
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -215,7 +216,8 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
         attn2 = gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
         w_o = np.ascontiguousarray(_linear_weight(w, a + "o_proj.weight").T)
-        pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o")
+        b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
+        pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
 
         g_post = gb.initializer(f"layers.{i}.post_norm", w[p + "post_attention_layernorm.weight"])
         x, residual = skip_norm(pending, residual, g_post, f"layers.{i}.post_norm")
@@ -227,7 +229,6 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
                                       name=f"layers.{i}.silu"), up], name=f"layers.{i}.swiglu")
         w_down = np.ascontiguousarray(_linear_weight(w, m + "down_proj.weight").T)
         pending = linear.emit(gb, act, w_down, name=f"layers.{i}.down", role="down")
-    del qkv_width
 
     # Only the trailing `num_logits` positions reach the final norm and the LM head.
     start = gb.node("Neg", [num_logits], name="logits_start")

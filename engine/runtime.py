@@ -1,0 +1,146 @@
+"""Run the decoder graph in ONNX Runtime with preallocated KV buffers and IOBinding.
+
+Each :class:`KVBuffers` owns one sequence's cache: per layer a key and a value OrtValue of shape
+[1, kv_heads, max_len, head_dim], allocated once and bound as both ``past`` and ``present``
+(GroupQueryAttention writes the new positions in place).  Rewinding a sequence is free: the next
+run simply passes a smaller position.  The decode step reuses a fully pre-bound IOBinding whose
+inputs and logits output are numpy-backed OrtValues, so a step is: write three integers, run,
+read one logits row — no allocation, no KV copy, no numpy conversion of the cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .config import ModelError
+
+
+def physical_cores() -> int:
+    """Physical CPU cores available to this process (SMT siblings counted once)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return max(1, (os.cpu_count() or 2) // 2)
+    cores = set()
+    for cpu in allowed:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        cores.add(siblings)
+    return max(1, len(cores))
+
+
+def session_options(threads: int | None = None, *, spinning: bool = False,
+                    optimized_path: str | None = None) -> ort.SessionOptions:
+    """Session options for low-latency decoding on a shared machine.
+
+    Spinning is off by default: intra-op threads then sleep between the many tiny decode steps
+    instead of burning the CPU an editor (and the language server) needs.
+    """
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = int(threads or physical_cores())
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.log_severity_level = 3
+    if optimized_path:
+        so.optimized_model_filepath = optimized_path
+    return so
+
+
+class KVBuffers:
+    """One sequence's preallocated KV cache plus the IOBindings that use it."""
+
+    def __init__(self, runtime: "Runtime") -> None:
+        rt = runtime
+        shape = [1, rt.kv_heads, rt.max_len, rt.head_dim]
+        self.values = {}
+        for i in range(rt.num_layers):
+            for t in ("key", "value"):
+                self.values[i, t] = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
+        # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays.
+        self.step_ids = np.zeros([1], np.int64)
+        self.step_seqlens = np.zeros([1], np.int32)
+        self.step_total = np.zeros([], np.int32)
+        self.step_logits = np.zeros([1, rt.vocab_size], np.float32)
+        self._keep = [ort.OrtValue.ortvalue_from_numpy(a) for a in
+                      (self.step_ids, self.step_seqlens, self.step_total, rt.one_logit, self.step_logits)]
+        self.step_binding = rt.session.io_binding()
+        for name, v in zip(("input_ids", "seqlens_k", "total_sequence_length", "num_logits"), self._keep[:4]):
+            self.step_binding.bind_ortvalue_input(name, v)
+        self.step_binding.bind_ortvalue_output("logits", self._keep[4])
+        self._bind_kv(self.step_binding)
+        # General forward (prefill, several logits): inputs/outputs re-bound per call.
+        self.binding = rt.session.io_binding()
+        self._bind_kv(self.binding)
+
+    def _bind_kv(self, binding: ort.IOBinding) -> None:
+        for (i, t), v in self.values.items():
+            binding.bind_ortvalue_input(f"past.{i}.{t}", v)
+            binding.bind_ortvalue_output(f"present.{i}.{t}", v)
+
+
+class Runtime:
+    """An ORT session over a decoder graph built by :func:`engine.graph.build_decoder`."""
+
+    def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,
+                 spinning: bool = False, optimized_path: str | None = None) -> None:
+        self.config = config
+        self.max_len = int(max_len)
+        self.num_layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.vocab_size = config.vocab_size
+        self.threads = int(threads or physical_cores())
+        so = session_options(self.threads, spinning=spinning, optimized_path=optimized_path)
+        if optimized_path and Path(optimized_path).is_file():
+            # Already optimised (and saved) by an earlier start: skip the optimiser.
+            so.optimized_model_filepath = ""
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            model_path = optimized_path
+        self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        self.one_logit = np.ones([1], np.int64)
+
+    def new_kv(self) -> KVBuffers:
+        return KVBuffers(self)
+
+    def kv_bytes(self) -> int:
+        """Bytes of one sequence's KV buffers."""
+        return 2 * self.num_layers * self.kv_heads * self.max_len * self.head_dim * 4
+
+    def _check_span(self, pos: int, n: int) -> None:
+        if pos < 0 or n < 1 or pos + n > self.max_len:
+            raise ModelError(f"sequence of {pos + n} tokens exceeds the context of {self.max_len} tokens")
+
+    def forward(self, kv: KVBuffers, tokens, pos: int, num_logits: int = 1,
+                run_options: ort.RunOptions | None = None) -> np.ndarray:
+        """Write KV for ``tokens`` at positions ``pos..``; return logits [num_logits, vocab] (a new array)."""
+        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        self._check_span(pos, n)
+        num_logits = max(1, min(int(num_logits), n))
+        b = kv.binding
+        logits = np.empty([num_logits, self.vocab_size], np.float32)
+        feeds = (ids, np.array([pos + n - 1], np.int32), np.array(pos + n, np.int32), np.array([num_logits], np.int64))
+        for name, arr in zip(("input_ids", "seqlens_k", "total_sequence_length", "num_logits"), feeds):
+            b.bind_cpu_input(name, arr)
+        out = ort.OrtValue.ortvalue_from_numpy(logits)
+        b.bind_ortvalue_output("logits", out)
+        self.session.run_with_iobinding(b, run_options)
+        return logits
+
+    def decode(self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None) -> np.ndarray:
+        """One decode step; returns the logits row [vocab] (a view valid until the next step on ``kv``)."""
+        if pos + 1 > self.max_len:
+            self._check_span(pos, 1)
+        kv.step_ids[0] = token
+        kv.step_seqlens[0] = pos
+        kv.step_total[...] = pos + 1
+        self.session.run_with_iobinding(kv.step_binding, run_options)
+        return kv.step_logits[0]
