@@ -1,1 +1,29 @@
-"""spark-lsp inference engine: model folder -> ONNX decoder -> ONNX Runtime, with KV cache reuse."""
+"""spark-lsp inference engine: model folder -> ONNX decoder -> ONNX Runtime, with KV cache reuse.
+
+The public names are imported lazily so that ``import engine.config`` (e.g. from a CLI parser)
+does not load ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__all__ = ["Chunk", "Engine", "Generation", "GenerationParams", "ModelError"]
+
+_WHERE = {"Engine": "engine", "Generation": "generate", "GenerationParams": "generate", "Chunk": "generate",
+          "ModelError": "config"}
+
+if TYPE_CHECKING:
+    from .config import ModelError
+    from .engine import Engine
+    from .generate import Chunk, Generation, GenerationParams
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,180 @@
+"""The engine façade: load a model folder once, then generate many times.
+
+``Engine.load`` validates the folder, takes the decoder graph from the on-disk cache (building
+it from the weights on a miss), opens an ONNX Runtime session and a prefix cache of KV slots.
+``generate`` returns a streaming :class:`~engine.generate.Generation`; model runs are serialised
+by one lock, so the engine can be shared between threads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from . import graph_cache
+from .config import ModelConfig, ModelError, load_config, model_path
+from .generate import Generation, GenerationParams
+from .graph import DenseLinear, build_decoder
+from .prefix_cache import PrefixCache
+from .runtime import Runtime
+from .tokenizer import Tokenizer
+from .weights import load_weights, weights_digest
+
+log = logging.getLogger(__name__)
+
+#: KV buffers are preallocated for the whole context; cap it so a 128k-context model does not
+#: reserve gigabytes per slot.  Override with ``Engine.load(max_context=...)``.
+DEFAULT_MAX_CONTEXT = 8192
+#: Prompt tokens per prefill run: bounds the attention scratch memory and lets a cancel keep the
+#: chunks already written.
+PREFILL_CHUNK = 1024
+
+
+def _linear_emitter(wafer: bool, grid):
+    """TiledLinear from the wafer package when asked for and installed, else DenseLinear."""
+    if not wafer:
+        return DenseLinear()
+    try:
+        partition = importlib.import_module("engine.wafer.partition")
+    except ImportError as e:
+        log.info("engine.wafer.partition unavailable (%s); using DenseLinear", e)
+        return DenseLinear()
+    return partition.TiledLinear(grid)
+
+
+class Engine:
+    """A loaded model: ``tokenizer``, ``config``, ``name``, ``model_dir`` and ``generate()``."""
+
+    def __init__(self, model_dir: Path, config: ModelConfig, tokenizer: Tokenizer, runtime: Runtime, *,
+                 slots: int = 1, graph_path: Path | None = None, graph_built: bool = False,
+                 linear=None, load_s: float = 0.0) -> None:
+        self.model_dir = model_dir
+        self.name = model_dir.name
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runtime = runtime
+        self.linear = linear
+        self.graph_path = graph_path
+        self.graph_built = graph_built  # False: the graph came from the on-disk cache
+        self.load_s = load_s
+        self.context = runtime.max_len
+        self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(config.eos_token_ids)
+        self.prefill_chunk = PREFILL_CHUNK
+        # Padded embedding rows past the tokenizer's vocabulary are never sampled (undecodable).
+        self.sample_vocab = min(config.vocab_size, tokenizer.vocab_size)
+        self._lock = threading.RLock()
+        self._cache = PrefixCache(runtime, slots)
+        self._scratch = None
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
+             cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
+             spinning: bool = False) -> "Engine":
+        """Load a Hugging Face model folder (``None``: the bundled default model).
+
+        ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
+        (``engine.wafer.partition.TiledLinear``); ``wafer=False`` uses plain MatMuls.
+        ``threads``: intra-op threads (default: physical cores).  ``slots``: how many sequences
+        keep their KV cache for prefix reuse.  ``max_context``: cap on the KV buffer length.
+        """
+        t0 = time.perf_counter()
+        if model_dir is None:
+            try:
+                models = importlib.import_module("engine.models")
+            except ImportError:
+                raise ModelError("no model folder given and no bundled default model is installed "
+                                 "(engine.models is missing); pass model_dir") from None
+            model_dir = models.default_model_dir()
+        folder = model_path(model_dir)
+        config = load_config(folder)
+        tokenizer = Tokenizer.load(folder)
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 2):
+            raise ValueError(f"max_context={max_context!r} must be an integer >= 2")
+        max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
+        linear = _linear_emitter(wafer, grid)
+        options = {"rope_len": config.max_position_embeddings}
+        key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
+
+        def build():
+            log.info("building the decoder graph for %s", folder)
+            return build_decoder(config, load_weights(folder, config), linear, max_len=options["rope_len"])
+
+        path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir)
+        runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
+        return cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
+                   linear=linear, load_s=time.perf_counter() - t0)
+
+    # -- generation ----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (text or ids), checked against the vocabulary and the context."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not ids:
+            if self.config.bos_token_id is None:
+                raise ValueError("prompt is empty and the model has no bos_token_id to start from")
+            ids = [self.config.bos_token_id]
+        if len(ids) >= self.context:
+            raise ModelError(f"prompt has {len(ids)} tokens but the context is {self.context} tokens "
+                             f"(at most {self.context - 1} prompt tokens leave room for one new token)")
+        return ids
+
+    def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
+                 slot: Hashable = None) -> Generation:
+        """Start a generation (lazily: the work happens while iterating).
+
+        ``slot``: a key (e.g. a document URI) whose KV cache is reused for the common prefix.
+        Generation stops at the context end with finish_reason 'length'.
+        """
+        params = params or GenerationParams()
+        ids = self.encode_prompt(prompt)
+        room = self.context - len(ids)
+        if params.max_new_tokens > room:
+            params = _replace_max(params, room)
+        return Generation(self, ids, params, slot)
+
+    def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] for every position of a sequence (evaluation, tests)."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("forward_logits needs at least one token")
+        if len(ids) > self.context:
+            raise ModelError(f"sequence has {len(ids)} tokens but the context is {self.context} tokens")
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = self.runtime.new_kv()
+            out = []
+            for start in range(0, len(ids), self.prefill_chunk):
+                part = ids[start:start + self.prefill_chunk]
+                out.append(self.runtime.forward(self._scratch, part, start, num_logits=len(part)))
+            return np.concatenate(out, axis=0)
+
+    def slot_tokens(self, slot: Hashable = None) -> int:
+        """How many tokens of ``slot`` have KV cached (0 if the slot is unknown)."""
+        with self._lock:
+            s = self._cache._slots.get(slot)
+            return len(s.tokens) if s is not None else 0
+
+    def reset(self) -> None:
+        """Forget every cached sequence."""
+        with self._lock:
+            self._cache.clear()
+
+    def __repr__(self) -> str:
+        return f"Engine({self.name!r}, context={self.context}, linear={graph_cache.emitter_key(self.linear)})"
+
+
+def _replace_max(params: GenerationParams, n: int) -> GenerationParams:
+    from dataclasses import replace
+    return replace(params, max_new_tokens=max(1, n))

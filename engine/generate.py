@@ -1,0 +1,235 @@
+"""A streaming generation: prefill with prefix reuse, then decode token by token.
+
+The work happens in the thread that iterates (no background thread).  The engine lock is held
+for the prefill and for each decode step, never while the consumer handles a chunk, so several
+generations on different slots interleave fairly and an abandoned generation holds nothing.
+``cancel()`` may be called from any thread: it sets a flag checked before every step and
+terminates an ONNX Runtime run in flight (``RunOptions.terminate``).
+
+Only tokens whose KV was completely written are recorded in the slot, so a cancel in the middle
+of a prefill or a decode step leaves the prefix cache consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Iterator
+
+import onnxruntime as ort
+
+from .config import ModelError
+from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How to generate. ``stop``: strings that end the text (not included in it).
+
+    ``ignore_eos`` keeps generating past eos tokens (benchmarks, reference comparisons).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_time_s: float | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be non-empty strings")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise ValueError(f"max_time_s={self.max_time_s!r} must be positive or None")
+        Sampler(self.temperature, self.top_k, self.top_p, self.seed)  # validates the sampling fields
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One generated token and the text it completed ("" while a UTF-8 character or a possible
+    stop string is incomplete).  A final chunk carrying an eos id may flush held-back text."""
+
+    token_id: int
+    text: str
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Generation:
+    """Iterate for :class:`Chunk` objects; then read ``text``, ``tokens``, ``finish_reason``, ``stats``."""
+
+    def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None) -> None:
+        self._engine = engine
+        self.prompt = prompt
+        self.params = params
+        self.slot_key = slot
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stats: dict[str, float | int] = {
+            "prompt_tokens": len(prompt), "reused_tokens": 0, "new_tokens": 0,
+            "ttft_ms": 0.0, "decode_tok_s": 0.0, "total_ms": 0.0,
+        }
+        self._cancel = threading.Event()
+        self._run_options = ort.RunOptions()
+        self._sampler = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
+        self._t0 = time.perf_counter()
+        self._iter = self._run()
+
+    # -- public ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._iter)
+
+    def cancel(self) -> None:
+        """Stop as soon as possible (thread-safe); aborts an ONNX Runtime run in flight."""
+        self._cancel.set()
+        self._run_options.terminate = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> str:
+        """Run to the end (if not yet) and return the text."""
+        for _ in self:
+            pass
+        return self.text
+
+    # -- work --------------------------------------------------------------------------------
+    def _check(self, slot) -> None:
+        if self._cancel.is_set() or slot.owner is not self:
+            raise _Cancelled
+
+    def _run_model(self, fn, *args):
+        try:
+            return fn(*args, run_options=self._run_options)
+        except ModelError:
+            raise
+        except Exception:
+            if self._cancel.is_set():  # ORT raises when RunOptions.terminate aborts the run
+                raise _Cancelled from None
+            raise
+
+    def _prefill(self):
+        """Rewind the slot to the common prefix, prefill the rest; returns (slot, last logits row)."""
+        eng = self._engine
+        rt = eng.runtime
+        with eng._lock:
+            slot = eng._cache.acquire(self.slot_key)
+            slot.owner = self
+            self._check(slot)
+            reused = slot.rewind(self.prompt)
+            self.stats["reused_tokens"] = reused
+            pos = reused
+            logits = None
+            chunk = eng.prefill_chunk
+            while pos < len(self.prompt):
+                self._check(slot)
+                part = self.prompt[pos:pos + chunk]
+                logits = self._run_model(rt.forward, slot.kv, part, pos)
+                slot.tokens.extend(part)
+                pos += len(part)
+            return slot, logits[-1]
+
+    def _run(self) -> Iterator[Chunk]:
+        p = self.params
+        eng = self._engine
+        stops = p.stop
+        eos = frozenset() if p.ignore_eos else eng.eos_ids
+        stream = eng.tokenizer.stream()
+        held = ""
+        deadline = None if p.max_time_s is None else self._t0 + p.max_time_s
+        t_first = t_last = None
+        slot = None
+        nv = eng.sample_vocab  # ids the tokenizer can decode (model vocabularies are often padded)
+        try:
+            slot, logits = self._prefill()
+            pos = len(slot.tokens)
+            while True:
+                token = self._sampler(logits[:nv])
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                    self.stats["ttft_ms"] = (now - self._t0) * 1e3
+                t_last = now
+                if token in eos:
+                    self.finish_reason = "eos"
+                    rest = held + stream.flush()
+                    if rest:
+                        self.text += rest
+                        yield Chunk(token, rest)
+                    return
+                self.tokens.append(token)
+                buf = held + stream.push(token)
+                last = len(self.tokens) >= p.max_new_tokens
+                timed_out = deadline is not None and now >= deadline
+                if stops:
+                    cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
+                    if cut >= 0:
+                        self.text += buf[:cut]
+                        self.finish_reason = "stop"
+                        yield Chunk(token, buf[:cut])
+                        return
+                    if last or timed_out:
+                        buf += stream.flush()
+                        k = 0
+                    else:
+                        k = _held_suffix(buf, stops)
+                    out, held = buf[:len(buf) - k], buf[len(buf) - k:]
+                else:
+                    out = buf + stream.flush() if (last or timed_out) else buf
+                self.text += out
+                if last or timed_out:
+                    self.finish_reason = "length" if last else "time"
+                    yield Chunk(token, out)
+                    return
+                yield Chunk(token, out)
+                with eng._lock:
+                    self._check(slot)
+                    logits = self._run_model(eng.runtime.decode, slot.kv, token, pos)
+                    slot.tokens.append(token)
+                    pos += 1
+        except _Cancelled:
+            self.finish_reason = "cancelled"
+        finally:
+            if self.finish_reason is None:  # an exception or the consumer closed the iterator
+                self.finish_reason = "cancelled"
+            if slot is not None and slot.owner is self:
+                slot.owner = None
+            end = time.perf_counter()
+            self.stats["new_tokens"] = len(self.tokens)
+            self.stats["total_ms"] = (end - self._t0) * 1e3
+            if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:
+                self.stats["decode_tok_s"] = (len(self.tokens) - 1) / (t_last - t_first)

@@ -1,0 +1,90 @@
+"""On-disk cache of built decoder graphs, so a second start does not rebuild (or even read the weights).
+
+Key: the weights' content digest + the validated config + the build options + the linear
+emitter's ``cache_key()`` + the graph builder's version.  An entry is a folder
+``<root>/<model>-<key>/`` with ``model.onnx`` + ``model.onnx.data`` (external weights, so models
+over 2 GB work) and ``meta.json``; it is written to a temporary folder and renamed into place, so
+a crash or a concurrent start never leaves a half-written entry behind.
+
+Root: ``cache_dir`` argument, else ``$SPARK_LSP_CACHE/graphs``, else ``~/.cache/spark-lsp/graphs``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import onnx
+
+from .graph import GRAPH_VERSION
+
+#: Number of graphs built (cache misses) in this process — lets tests assert "no rebuild".
+builds = 0
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SPARK_LSP_CACHE")
+    if env:
+        return Path(env).expanduser() / "graphs"
+    return Path.home() / ".cache" / "spark-lsp" / "graphs"
+
+
+def emitter_key(linear: Any) -> str:
+    """The emitter's own ``cache_key()`` if it has one, else its class path."""
+    fn = getattr(linear, "cache_key", None)
+    return str(fn()) if callable(fn) else f"{type(linear).__module__}.{type(linear).__qualname__}"
+
+
+def graph_key(digest: str, config: Any, options: dict[str, Any], linear: Any) -> str:
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    blob = json.dumps({"weights": digest, "config": cfg, "options": options, "emitter": emitter_key(linear),
+                       "graph_version": GRAPH_VERSION, "onnx": onnx.__version__}, sort_keys=True, default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
+
+
+def _safe_name(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40] or "model"
+
+
+def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
+                 cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """Path of the cached ``model.onnx`` for ``key``, building it with ``build()`` on a miss.
+
+    Returns ``(path, built)``.
+    """
+    global builds
+    root = cache_root(cache_dir)
+    entry = root / f"{_safe_name(name)}-{key}"
+    model_path = entry / MODEL_FILE
+    if model_path.is_file() and (entry / "meta.json").is_file():
+        return model_path, False
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = build()
+    builds += 1
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    try:
+        onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=DATA_FILE, size_threshold=1024)
+        meta = {"name": name, "key": key, "graph_version": GRAPH_VERSION, "build_s": round(time.perf_counter() - t0, 3)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not model_path.is_file():  # not a concurrent writer that won the race: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model_path, True
