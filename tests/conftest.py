@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import tiny_models`
 
-import tiny_models  # noqa: E402
+import tiny_models as _tm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,10 +32,10 @@ def tiny_models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tiny_models_dir) -> dict[str, Path]:
-    paths = {a: tiny_models_dir / f"tiny_{a}" for a in tiny_models.ARCHS}
+    paths = {a: tiny_models_dir / f"tiny_{a}" for a in _tm.ARCHS}
     if all((p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file() for p in paths.values()):
         return paths
-    return tiny_models.build_all(tiny_models_dir)
+    return _tm.build_all(tiny_models_dir)
 
 
 @pytest.fixture(scope="session")

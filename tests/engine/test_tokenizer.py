@@ -1,0 +1,122 @@
+"""Tokenizer: agreement with transformers, special tokens / eos / FIM detection, streaming decode, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import ModelError
+from engine.tokenizer import StreamDecoder, Tokenizer
+from tiny_models import copy_model
+
+TEXTS = [
+    "def foo(x):\n    return x + 1\n",
+    "  indented\ttabs\r\nand CRLF",
+    "unicode: é ß 東京 😀🚀 — ok",
+    "",
+    "<fim_prefix>a = <fim_suffix>\n<fim_middle>",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    return Tokenizer.load(tiny_llama)
+
+
+def test_matches_transformers(tiny_llama, tok):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(tiny_llama))
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text == ref.decode(ids)
+
+
+def test_special_tokens(tok):
+    assert tok.eos_ids == frozenset({tok.token_to_id("<|endoftext|>")})
+    assert tok.pad_id == tok.token_to_id("<pad>") and tok.bos_id is None
+    assert set(tok.special_tokens) >= {"<|endoftext|>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<pad>", "<file_sep>"}
+    assert tok.vocab_size == 640
+    assert tok.id_to_token(tok.special_tokens["<pad>"]) == "<pad>"
+    assert tok.encode("<fim_middle>") == [tok.special_tokens["<fim_middle>"]]
+    assert tok.decode(tok.encode("a<|endoftext|>b"), skip_special_tokens=True) == "ab"
+    fim = tok.fim
+    assert fim.name == "starcoder" and (fim.prefix, fim.suffix, fim.middle) == ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+    assert fim.middle_id == tok.token_to_id("<fim_middle>") and fim.file_sep == "<file_sep>"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([10_000])
+
+
+@pytest.mark.parametrize("text", TEXTS + ["ééé東京東京😀😀😀 mixed ascii 😀"])
+def test_stream_decoder_reassembles_text(tok, text):
+    sd = StreamDecoder(tok)
+    ids = tok.encode(text)
+    chunks = [sd.push(i) for i in ids]
+    assert "".join(chunks) + sd.flush() == text
+    assert not any("\ufffd" in c for c in chunks)
+    if any(ord(c) > 127 for c in text):
+        assert "" in chunks  # multi-byte characters were held back until complete
+
+
+def test_stream_decoder_flushes_incomplete_utf8(tok):
+    ids = tok.encode("😀")
+    assert len(ids) > 1
+    sd = tok.stream()
+    assert "".join(sd.push(i) for i in ids[:-1]) == ""
+    assert sd.flush() == "\ufffd"
+    assert sd.flush() == ""
+
+
+def test_eos_from_generation_config_and_fallback(tiny_llama, tmp_path):
+    folder = copy_model(tiny_llama, tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
+    assert Tokenizer.load(folder).eos_ids == {0, 5}
+    for f in ("generation_config.json", "tokenizer_config.json", "config.json"):
+        (folder / f).unlink()
+    t = Tokenizer.load(folder)
+    assert t.eos_ids == {t.token_to_id("<|endoftext|>")} and t.pad_id is None
+
+
+def test_other_fim_styles(tmp_path):
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abc")}
+    for specials, style in ((["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"], "qwen"),
+                            (["<PRE>", "<SUF>", "<MID>", "<EOT>"], "codellama"),
+                            (["x"], None)):
+        hf = HF(models.WordLevel(vocab, unk_token="a"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf.add_special_tokens(specials)
+        t = Tokenizer(hf)
+        assert (t.fim.name if t.fim else None) == style
+        if style:
+            assert t.fim.prefix == specials[0] and t.eos_ids == {hf.token_to_id(specials[3])}
+
+
+def test_missing_and_corrupt_files(tiny_llama, tmp_path):
+    folder = copy_model(tiny_llama, tmp_path / "m")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    with pytest.raises(ModelError, match="tokenizer.json: cannot load"):
+        Tokenizer.load(folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match="tokenizer.json: file not found"):
+        Tokenizer.load(folder)
+
+
+def test_bad_special_token_config(tiny_llama, tmp_path):
+    folder = copy_model(tiny_llama, tmp_path / "m")
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token"] = "<not-a-token>"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=r"tokenizer_config.json: eos_token='<not-a-token>' is not in the vocabulary"):
+        Tokenizer.load(folder)
+    cfg_path.write_text("{oops")
+    with pytest.raises(ModelError, match="tokenizer_config.json: cannot parse"):
+        Tokenizer.load(folder)
+    cfg_path.unlink()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 99999}))
+    with pytest.raises(ModelError, match="generation_config.json: eos_token_id=99999 is outside"):
+        Tokenizer.load(folder)
