@@ -1,0 +1,223 @@
+"""Code actions that edit: what each one asks the model, and what region of the document it replaces.
+
+Listing is free (titles and a little data); the model runs only when an action is resolved or
+executed. Every action becomes an `EditPlan`: a FIM prompt (prefix/suffix text), the document region
+the result replaces, and how raw output becomes the region's new text. The result is applied as
+minimal TextEdits, never a whole-file replacement.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import postprocess
+from .documents import indentation, split_lines
+
+REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = "rewrite", "complete", "docstring", "test", "instruct"
+TITLES = {
+    REWRITE: "Spark: Rewrite selection",
+    COMPLETE: "Spark: Complete this function / block",
+    DOCSTRING: "Spark: Add docstring",
+    TEST: "Spark: Generate a test for this function",
+    INSTRUCT: "Spark: Edit selection with instruction…",
+}
+KINDS = {REWRITE: "refactor.rewrite", COMPLETE: "refactor.rewrite", DOCSTRING: "refactor.rewrite",
+         TEST: "refactor.extract", INSTRUCT: "refactor.rewrite"}
+ACTIONS = tuple(TITLES)
+
+_DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
+
+
+class ActionError(ValueError):
+    """The action does not apply here (e.g. no function around the cursor)."""
+
+
+@dataclass
+class EditPlan:
+    action: str
+    start: int                     # region to replace: document offsets [start, end)
+    end: int
+    prefix: str                    # FIM prefix text (ends where the generated text begins)
+    suffix: str                    # FIM suffix text
+    stop: tuple[str, ...] = ()
+    max_tokens: int = 256
+    head: str = ""                 # fixed text written before the generated text
+    tail: str = ""                 # fixed text written after it
+    finish: Callable[[str], str] = field(default=lambda s: s)  # raw output -> generated body
+    multiline_ctx: postprocess.Context | None = None           # cut like a block when set
+
+    def region_text(self, raw: str, final: bool) -> str:
+        body = self.finish(raw) if final else raw
+        return self.head + body + (self.tail if final else "")
+
+
+@dataclass
+class Block:
+    header_line: int               # line index of the `def` / `class` line
+    body_end_line: int             # exclusive
+    indent: str
+    kind: str
+    name: str
+    header_end_line: int           # line index where the header ends (the line with the ':')
+
+
+def enclosing_block(lines: list[str], line: int, kinds=("def", "class")) -> Block | None:
+    """The innermost Python def/class whose header or body contains `line`."""
+    for i in range(min(line, len(lines) - 1), -1, -1):
+        m = _DEF_RE.match(lines[i])
+        if not m or m.group(2) not in kinds:
+            continue
+        indent = m.group(1)
+        # header may span lines until a line ending with ':'
+        h = i
+        while h < len(lines) - 1 and not lines[h].split("#")[0].rstrip().endswith(":"):
+            h += 1
+        end = h + 1
+        while end < len(lines):
+            ln = lines[end]
+            if ln.strip() and len(indentation(ln)) <= len(indent):
+                break
+            end += 1
+        while end - 1 > h and not lines[end - 1].strip():
+            end -= 1
+        if i <= line < max(end, h + 1):
+            return Block(i, end, indent, m.group(2), m.group(3), h)
+    return None
+
+
+def available(text: str, start: int, end: int, cursor_line: int) -> list[str]:
+    """Actions that make sense for this selection / cursor (cheap: no model)."""
+    lines = split_lines(text)
+    block = enclosing_block(lines, cursor_line)
+    out = []
+    if end > start:
+        out.append(REWRITE)
+    out.append(COMPLETE)
+    if block is not None and not _has_docstring(lines, block):
+        out.append(DOCSTRING)
+    fn = enclosing_block(lines, cursor_line, kinds=("def",))
+    if fn is not None and not fn.name.startswith("test"):
+        out.append(TEST)
+    out.append(INSTRUCT)
+    return out
+
+
+def _has_docstring(lines: list[str], block: Block) -> bool:
+    nxt = next((ln for ln in lines[block.header_end_line + 1:block.body_end_line] if ln.strip()), "")
+    return nxt.strip().startswith(('"""', "'''", 'r"""', "r'''"))
+
+
+def _ends_newline(s: str) -> str:
+    return s if s.endswith("\n") or not s else s + "\n"
+
+
+def plan(action: str, text: str, start: int, end: int, cursor_line: int,
+         max_tokens: int, instruction: str | None = None, count_tokens: Callable[[str], int] | None = None
+         ) -> EditPlan:
+    """The EditPlan of `action` for the selection [start, end) (a cursor when start == end)."""
+    lines = split_lines(text)
+    line_starts = [0]
+    for ln in lines:
+        line_starts.append(line_starts[-1] + len(ln))
+
+    if action in (REWRITE, INSTRUCT):
+        if start == end:  # a cursor: act on its whole line
+            s_line = cursor_line
+            start, end = line_starts[s_line], line_starts[s_line + 1]
+        selected = text[start:end]
+        if not selected.strip():
+            raise ActionError("the selection is empty; select the code to rewrite")
+        budget = max(32, int((count_tokens(selected) if count_tokens else len(selected) // 3) * 1.5) + 32)
+        prefix, suffix = text[:start], text[end:]
+        if action == INSTRUCT:
+            if not instruction or not instruction.strip():
+                raise ActionError("an instruction is required (third argument of spark.editWithInstruction)")
+            first = selected.split("\n", 1)[0]
+            at_line_start = start == 0 or text[start - 1] == "\n"
+            ind = indentation(first) if at_line_start else ""
+            comment = "".join(f"{ind}# {ln.strip()}\n" for ln in instruction.strip().splitlines())
+            if at_line_start:
+                prefix = prefix + comment
+        keep_nl = selected.endswith("\n")
+
+        def finish(raw: str, keep_nl=keep_nl) -> str:
+            out = raw.rstrip()
+            return out + "\n" if keep_nl and out else out
+        return EditPlan(action, start, end, prefix, suffix, stop=(), max_tokens=min(budget, max_tokens),
+                        finish=finish)
+
+    if action == COMPLETE:
+        at = end
+        ctx_line = text[line_starts[cursor_line]:at] if cursor_line < len(lines) else ""
+        nxt = tuple(ln.rstrip("\r\n") for ln in lines[cursor_line + 1:cursor_line + 7])
+        prv = tuple(ln.rstrip("\r\n") for ln in lines[max(0, cursor_line - 6):cursor_line])
+        after = lines[cursor_line][len(ctx_line):].rstrip("\r\n") if cursor_line < len(lines) else ""
+        ctx = postprocess.Context(ctx_line, after, nxt, prv)
+
+        def finish(raw: str, ctx=ctx) -> str:
+            return postprocess.clean(raw, ctx, multiline=True, max_lines=200)
+        return EditPlan(action, at, at, text[:at], text[at:], stop=("\n\n\n",), max_tokens=max_tokens,
+                        finish=finish, multiline_ctx=ctx)
+
+    if action == DOCSTRING:
+        block = enclosing_block(lines, cursor_line)
+        if block is None:
+            raise ActionError("no function or class around the cursor to document")
+        if _has_docstring(lines, block):
+            raise ActionError(f"{block.kind} {block.name!r} already has a docstring")
+        body_line = block.header_end_line + 1
+        nxt_body = next((ln for ln in lines[body_line:block.body_end_line] if ln.strip()), None)
+        ind = indentation(nxt_body) if nxt_body is not None else block.indent + "    "
+        at = line_starts[body_line] if body_line < len(lines) else len(text)
+        prefix = _ends_newline(text[:at]) + ind + '"""'
+        head = ("" if text[:at].endswith("\n") or not text[:at] else "\n") + ind + '"""'
+
+        def finish(raw: str, ind=ind) -> str:
+            body = raw.split('"""', 1)[0].rstrip()
+            if not body.strip():
+                raise ActionError("the model produced an empty docstring")
+            return body + ("\n" + ind if "\n" in body else "")
+        return EditPlan(action, at, at, prefix, text[at:], stop=('"""',), max_tokens=min(max_tokens, 160),
+                        head=head, tail='"""\n', finish=finish)
+
+    if action == TEST:
+        fn = enclosing_block(lines, cursor_line, kinds=("def",))
+        if fn is None:
+            raise ActionError("no function around the cursor to test")
+        name = fn.name.lstrip("_") or fn.name
+        at = len(text)
+        head = ("" if text.endswith("\n") or not text else "\n") + f"\n\ndef test_{name}():\n    "
+        prefix = text + head
+        ctx = postprocess.Context("    ", "", (), (f"def test_{name}():",))
+
+        def finish(raw: str, ctx=ctx) -> str:
+            body = postprocess.clean(raw, ctx, multiline=True, max_lines=60)
+            if not body.strip():
+                raise ActionError("the model produced an empty test")
+            return body + "\n"
+        return EditPlan(action, at, at, prefix, "", stop=("\n\n\n",), max_tokens=max_tokens,
+                        head=head, finish=finish, multiline_ctx=ctx)
+
+    raise ActionError(f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
+
+
+def generated_is_done(p: EditPlan, raw: str) -> bool:
+    """Early stop for block-shaped actions once the block is complete."""
+    if p.multiline_ctx is None:
+        return False
+    return postprocess.block_done(raw, p.multiline_ctx, 200)
+
+
+def run_plan(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
+             on_text: Callable[[str], None] | None = None) -> tuple[str, dict]:
+    """Generate the region's final text for plan `p` (engine thread)."""
+    from .completions import generate_text
+
+    ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
+    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=p.stop)
+    raw, stats, finish = generate_text(engine, job, ids, params,
+                                       done=(lambda s: generated_is_done(p, s)), on_text=on_text)
+    stats = {**stats, "finish_reason": finish}
+    return p.region_text(raw, final=True), stats

@@ -1,0 +1,67 @@
+"""`spark-lsp serve`: run the language server over stdio (default), TCP or WebSocket."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", value
+    try:
+        p = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or PORT, got {value!r}") from None
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port {p} is outside 0..65535")
+    return host or "127.0.0.1", p
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the language server (stdio by default)",
+                              description="Run the spark-lsp language server. Editors start it with --stdio; "
+                                          "TCP and WebSocket bind 127.0.0.1 unless HOST is given.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (default)")
+    g.add_argument("--tcp", metavar="HOST:PORT", type=_host_port, help="listen for one TCP client")
+    g.add_argument("--ws", metavar="HOST:PORT", type=_host_port, help="listen for WebSocket clients")
+    p.add_argument("--model", metavar="DIR", help="model folder (default: the bundled model)")
+    p.add_argument("--log-file", metavar="FILE", help="write the server's debug log here")
+    p.add_argument("--log-level", default=os.environ.get("SPARK_LSP_LOG", "WARNING"),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (stderr or --log-file)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.model and not os.path.isdir(args.model):
+        print(f"spark-lsp serve: --model {args.model}: not a directory", file=sys.stderr)
+        return 2
+    handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(args.log_level)
+    if args.log_level != "DEBUG":
+        logging.getLogger("pygls").setLevel(logging.WARNING)  # pygls logs every message at INFO
+
+    from spark_lsp.server import create_server
+
+    server = create_server(os.path.abspath(args.model) if args.model else None)
+    if args.tcp:
+        server.start_tcp(*args.tcp)
+    elif args.ws:
+        server.start_ws(*args.ws)
+    else:
+        server.start_io()
+    return 0
+
+
+if __name__ == "__main__":  # `python -m spark_lsp.commands.serve ...`: what demo/bench/tests spawn
+    _parser = argparse.ArgumentParser(prog="spark-lsp")
+    register(_parser.add_subparsers())
+    _args = _parser.parse_args(["serve", *sys.argv[1:]])
+    sys.exit(run(_args))

@@ -1,0 +1,150 @@
+"""Inline completion core: context -> prompt -> engine -> cleaned suggestions, plus typing-through.
+
+Engine-facing work (`complete`) runs on the scheduler's engine thread; everything else is cheap and
+runs on the event loop. Typing-through keeps the suggestion alive while the user types what it
+suggests: no model call, so the answer takes microseconds and the ghost text never flickers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import postprocess
+from .documents import line_at, split_lines
+from .prompt import PromptBuilder
+from .scheduler import Cancelled, Job
+from .settings import Settings
+
+INVOKED, AUTOMATIC = 1, 2
+EXTRA_SEEDS = (1, 2)          # sampled alternatives for an Invoked request
+ALT_TEMPERATURE = 0.8
+
+
+@dataclass
+class Shown:
+    """The last suggestion shown for a document: what typing-through answers from."""
+
+    text: str                 # document text when it was computed
+    offset: int               # cursor offset then
+    items: list[str]
+
+
+@dataclass
+class Result:
+    items: list[str]
+    stats: dict = field(default_factory=dict)
+    source: str = "model"     # 'model' | 'typing-through'
+
+
+def context_at(text: str, offset: int, n: int = 6) -> postprocess.Context:
+    before, after = line_at(text, offset)
+    line_start = offset - len(before)
+    line_end = offset + len(after)
+    prev = split_lines(text[max(0, line_start - 2000):line_start])[:-1]
+    nxt = split_lines(text[line_end:line_end + 2000])[1:]
+    strip = lambda ls: tuple(x.rstrip("\r\n") for x in ls)  # noqa: E731
+    return postprocess.Context(before, after, strip(nxt[:n]), strip(prev[-n:]))
+
+
+class TypingThrough:
+    """Per-document memory of the shown suggestion."""
+
+    def __init__(self) -> None:
+        self._shown: dict[str, Shown] = {}
+
+    def remember(self, uri: str, text: str, offset: int, items: list[str]) -> None:
+        if items:
+            self._shown[uri] = Shown(text, offset, list(items))
+        else:
+            self._shown.pop(uri, None)
+
+    def forget(self, uri: str) -> None:
+        self._shown.pop(uri, None)
+
+    def answer(self, uri: str, text: str, offset: int) -> list[str] | None:
+        """Remaining suggestions if `text` is the remembered text plus typed characters at the
+        remembered cursor that match a suggestion, the cursor right after them; else None."""
+        s = self._shown.get(uri)
+        if s is None:
+            return None
+        typed_len = offset - s.offset
+        if typed_len < 0 or len(text) != len(s.text) + typed_len:
+            return None
+        if text[offset:] != s.text[s.offset:] or text[:s.offset] != s.text[:s.offset]:
+            return None
+        typed = text[s.offset:offset]
+        rest = []
+        for item in s.items:
+            if item.startswith(typed) and len(item) > typed_len:
+                r = item[typed_len:]
+                if r.strip() and r not in rest:
+                    rest.append(r)
+        return rest or None
+
+
+def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
+                  done: Callable[[str], bool] | None = None,
+                  on_text: Callable[[str], None] | None = None) -> tuple[str, dict, str]:
+    """Run one generation on the engine thread, streaming; stops early once `done(text)` says the
+    output is complete. Returns (text, stats, finish_reason); raises Cancelled if the job was."""
+    gen = job.attach(engine.generate(ids, params, slot=job.slot))
+    text = ""
+    early = False
+    try:
+        for chunk in gen:
+            text += chunk.text
+            if on_text is not None and chunk.text:
+                on_text(text)
+            if job.cancelled:
+                break
+            if done is not None and chunk.text and done(text):
+                early = True
+                gen.cancel()
+                break
+        if job.cancelled or early:
+            for _ in gen:  # drain: the engine finishes the cancelled step and releases itself
+                pass
+    finally:
+        job.detach(gen)
+        job.mark_stopped()
+    if job.cancelled:
+        raise Cancelled(job.reason)
+    stats = dict(getattr(gen, "stats", {}) or {})
+    return text, stats, ("stop" if early else str(getattr(gen, "finish_reason", "")))
+
+
+def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
+             settings: Settings, trigger: int, params_cls: Any) -> Result:
+    """Suggestions for the cursor at `offset` (engine thread)."""
+    t0 = time.perf_counter()
+    ctx = context_at(text, offset)
+    multiline = settings.multiline and postprocess.choose_multiline(ctx)
+    prompt = builder.build(text, offset, settings.context_tokens, key=job.slot)
+    limit = getattr(getattr(engine, "config", None), "max_position_embeddings", None)
+    max_new = settings.max_tokens if multiline else min(settings.max_tokens, 48)
+    if limit and len(prompt.ids) + max_new > limit:
+        raise ValueError(f"prompt of {len(prompt.ids)} tokens plus {max_new} new ones exceeds the "
+                         f"model's context of {limit}; lower the 'contextTokens' setting")
+    stop = ("\n",) if not multiline else ("\n\n\n",)
+    done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else None
+    n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
+    items: list[str] = []
+    stats: dict = {}
+    for k in range(n):
+        if k == 0:
+            params = params_cls(max_new_tokens=max_new, temperature=settings.temperature,
+                                seed=0 if settings.temperature > 0 else None, stop=stop)
+        else:
+            params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
+                                top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop)
+        raw, st, finish = generate_text(engine, job, prompt.ids, params, done)
+        if k == 0:
+            stats = {**st, "finish_reason": finish}
+        item = postprocess.clean(raw, ctx, multiline, settings.max_lines)
+        if item and item not in items:
+            items.append(item)
+    stats.update(multiline=multiline, items=len(items), fim=prompt.fim,
+                 server_ms=(time.perf_counter() - t0) * 1e3, prompt_len=len(prompt.ids))
+    return Result(items, stats)

@@ -1,0 +1,163 @@
+"""Text positions: LSP (line, UTF-16 code unit) positions <-> Python string offsets, and minimal edits.
+
+LSP clients count characters in UTF-16 code units by default, Python strings in code points; every
+conversion between the two goes through here so an emoji or CJK text never shifts a suggestion.
+Lines end at "\\n", "\\r\\n" or "\\r" as the LSP specification says.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_LINE_RE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+
+
+class PositionError(ValueError):
+    """A position or range that does not lie inside the document."""
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines of `text` with their line endings kept; a trailing empty line is included."""
+    lines = _LINE_RE.findall(text)
+    if not lines or lines[-1].endswith(("\n", "\r")):
+        lines.append("")
+    return lines
+
+
+def utf16_len(s: str) -> int:
+    """Length of `s` in UTF-16 code units."""
+    return len(s) + sum(1 for ch in s if ord(ch) > 0xFFFF)
+
+
+def utf16_to_index(line: str, units: int) -> int:
+    """Code-point index in `line` of the UTF-16 column `units` (clamped inside a surrogate pair)."""
+    if units <= 0:
+        return 0
+    count = 0
+    for i, ch in enumerate(line):
+        count += 2 if ord(ch) > 0xFFFF else 1
+        if count >= units:
+            return i + 1
+    return len(line)
+
+
+def strip_eol(line: str) -> str:
+    return line.rstrip("\r\n")
+
+
+@dataclass(frozen=True)
+class Pos:
+    """A zero-based (line, UTF-16 character) position, independent of lsprotocol."""
+
+    line: int
+    character: int
+
+
+def offset_at(text: str, line: int, character: int, *, lines: list[str] | None = None,
+              strict: bool = True) -> int:
+    """String offset of an LSP position. With `strict`, a line past the end or a character past the
+    end of its line raises PositionError (clients must not send those); otherwise they are clamped."""
+    lines = lines if lines is not None else split_lines(text)
+    if line < 0 or character < 0:
+        raise PositionError(f"position ({line}, {character}) is negative")
+    if line >= len(lines):
+        if strict:
+            raise PositionError(f"line {line} is outside the document ({len(lines)} lines)")
+        return len(text)
+    content = strip_eol(lines[line])
+    if strict and character > utf16_len(content):
+        raise PositionError(
+            f"character {character} is past the end of line {line} ({utf16_len(content)} UTF-16 units)")
+    start = sum(len(ln) for ln in lines[:line])
+    return start + utf16_to_index(content, character)
+
+
+def position_at(text: str, offset: int) -> Pos:
+    """LSP position of a string offset (clamped to the document)."""
+    offset = max(0, min(offset, len(text)))
+    before = text[:offset]
+    lines = split_lines(before)
+    return Pos(len(lines) - 1, utf16_len(lines[-1]))
+
+
+def advance(pos: Pos, inserted: str) -> Pos:
+    """Position just after `inserted` when it is inserted at `pos`."""
+    lines = split_lines(inserted)
+    if len(lines) == 1:
+        return Pos(pos.line, pos.character + utf16_len(lines[0]))
+    return Pos(pos.line + len(lines) - 1, utf16_len(lines[-1]))
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace text[start:end] with `new_text` (offsets into the old text)."""
+
+    start: int
+    end: int
+    new_text: str
+
+
+def minimal_edit(old: str, new: str, base: int = 0) -> Edit | None:
+    """The single smallest replacement that turns `old` into `new` (common prefix and suffix
+    trimmed), with offsets shifted by `base`; None when they are equal."""
+    if old == new:
+        return None
+    n = min(len(old), len(new))
+    p = 0
+    while p < n and old[p] == new[p]:
+        p += 1
+    s = 0
+    while s < n - p and old[len(old) - 1 - s] == new[len(new) - 1 - s]:
+        s += 1
+    # Never split a "\r\n" pair or a surrogate-sensitive boundary across the edit.
+    while p > 0 and old[p - 1] == "\r" and p < len(old) and old[p] == "\n":
+        p -= 1
+    return Edit(base + p, base + len(old) - s, new[p:len(new) - s])
+
+
+def minimal_edits(old: str, new: str, base: int = 0) -> list[Edit]:
+    """Minimal line-level edits turning `old` into `new`: unchanged lines are never rewritten, so a
+    rewrite that keeps most of a function touches only the lines that changed."""
+    import difflib
+
+    a, b = split_lines(old), split_lines(new)
+    edits: list[Edit] = []
+    a_off = [0]
+    for ln in a:
+        a_off.append(a_off[-1] + len(ln))
+    matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        old_chunk = "".join(a[i1:i2])
+        new_chunk = "".join(b[j1:j2])
+        edit = minimal_edit(old_chunk, new_chunk, base + a_off[i1])
+        if edit is not None:
+            edits.append(edit)
+    return edits
+
+
+def apply_edits(text: str, edits: list[Edit]) -> str:
+    """Apply non-overlapping edits given in old-text offsets."""
+    out, last = [], 0
+    for e in sorted(edits, key=lambda e: e.start):
+        if e.start < last:
+            raise ValueError("overlapping edits")
+        out.append(text[last:e.start])
+        out.append(e.new_text)
+        last = e.end
+    out.append(text[last:])
+    return "".join(out)
+
+
+def line_at(text: str, offset: int) -> tuple[str, str]:
+    """(text of the line before offset, text of the line after offset), without line endings."""
+    start = max(text.rfind("\n", 0, offset), text.rfind("\r", 0, offset)) + 1
+    m = re.compile(r"\r|\n").search(text, offset)
+    end = m.start() if m else len(text)
+    return text[start:offset], text[offset:end]
+
+
+def indentation(line: str) -> str:
+    return line[: len(line) - len(line.lstrip(" \t"))]

@@ -1,0 +1,94 @@
+"""Edits that stream into the document while the model writes them, and stop when the user types.
+
+A session owns one region of one document. Each flush turns "what the region shows now" into
+"what it should show" with minimal TextEdits sent by `workspace/applyEdit`. Generated lines
+overwrite the original lines one by one (the rest of the original stays below until the final
+flush), so an interrupted rewrite leaves valid text and what was written stays.
+
+Our own edits come back as `didChange`; they are recognised by the document text they produce.
+Any other change to the document is the user's, and stops the session within one decode step.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Callable
+
+from .documents import Pos, advance, minimal_edit, split_lines
+
+
+@dataclass
+class RangeEdit:
+    start: Pos
+    end: Pos
+    new_text: str
+
+
+def frame(original: str, generated: str, final: bool) -> str:
+    """What the region shows mid-stream: the generated text, then the original lines it has not
+    overwritten yet (a partial last line overwrites its original line too)."""
+    if final:
+        return generated
+    gen_lines = split_lines(generated)
+    orig_lines = split_lines(original)
+    # complete generated lines replace as many original lines; a partial line replaces one more
+    covered = len(gen_lines) - (1 if gen_lines[-1] == "" else 0)
+    rest = "".join(orig_lines[covered:])
+    if rest and not generated.endswith(("\n", "\r")) and generated:
+        return generated + "\n" + rest
+    return generated + rest
+
+
+class LiveEdit:
+    """State of one streamed edit: the region, what it shows, and the texts our edits produce."""
+
+    def __init__(self, uri: str, doc_text: str, start: int, end: int, start_pos: Pos,
+                 on_user_change: Callable[[], None]):
+        self.uri = uri
+        self.region_start = start
+        self.start_pos = start_pos
+        self.original = doc_text[start:end]
+        self.shown = self.original          # region text as the document has it now
+        self._doc = doc_text                # document text once all our sent edits apply
+        self._expected: collections.deque[str] = collections.deque()
+        self._on_user_change = on_user_change
+        self.stopped_by_user = False
+        self.flushes = 0
+
+    def edits_to(self, region_text: str) -> list[RangeEdit]:
+        """Minimal edits turning the region's current text into `region_text`; records the
+        document text they will produce so the echoing didChange is recognised as ours."""
+        # one TextEdit per flush: every client echoes it as one didChange we can recognise
+        edit = minimal_edit(self.shown, region_text)
+        if edit is None:
+            return []
+        edits = [edit]
+        out = []
+        for e in edits:
+            s = advance(self.start_pos, self.shown[:e.start])
+            t = advance(self.start_pos, self.shown[:e.end])
+            out.append(RangeEdit(s, t, e.new_text))
+        a = self.region_start
+        self._doc = self._doc[:a] + region_text + self._doc[a + len(self.shown):]
+        self.shown = region_text
+        self._expected.append(self._doc)
+        self.flushes += 1
+        return out
+
+    def rejected(self) -> None:
+        """The client did not apply our last edit."""
+        if self._expected:
+            self._expected.pop()
+
+    def on_did_change(self, doc_text: str) -> bool:
+        """Feed every didChange of the document; returns True if it was ours. A change that is
+        not ours is the user's: the session stops (once)."""
+        if doc_text in self._expected:
+            while self._expected and self._expected.popleft() != doc_text:
+                pass
+            return True
+        if not self.stopped_by_user:
+            self.stopped_by_user = True
+            self._on_user_change()
+        return False

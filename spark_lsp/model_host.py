@@ -1,0 +1,100 @@
+"""Loads the engine once, off the event loop, and lets requests wait for it.
+
+The model loads in a background thread after `initialized` so the editor gets its capabilities at
+once; requests that need the model await `ready()` and get a clear error if loading failed or takes
+longer than the `loadTimeoutS` setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from .prompt import PromptBuilder
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotReady(RuntimeError):
+    """The model is still loading (after the timeout) or failed to load."""
+
+
+class ModelHost:
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.builder: PromptBuilder | None = None
+        self.params_cls: Any = None
+        self.model_dir: str | None = None
+        self.error: str | None = None
+        self.load_s: float | None = None
+        self._event: asyncio.Event | None = None
+        self._loading = False
+        self._generation = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.engine, "name", None) or self.model_dir or "model")
+
+    def start(self, loop: asyncio.AbstractEventLoop, model_dir: str | None,
+              on_done: Callable[[bool, str], None] | None = None) -> None:
+        """Begin loading `model_dir` (None: the bundled default) in a background thread."""
+        self._generation += 1
+        gen = self._generation
+        self._event = asyncio.Event()
+        self.error = None
+        self._loading = True
+        self.model_dir = model_dir
+        event = self._event
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                from engine import Engine, GenerationParams
+
+                eng = Engine.load(model_dir=model_dir, slots=4)
+                builder = PromptBuilder(eng.tokenizer)
+                ok, msg = True, ""
+            except BaseException as exc:  # report, never crash the server
+                log.exception("model load failed")
+                eng, builder, ok = None, None, False
+                msg = f"cannot load model {model_dir or '(bundled default)'}: {exc}"
+
+            def finish() -> None:
+                if gen != self._generation:
+                    return  # a newer load superseded this one
+                self._loading = False
+                if ok:
+                    self.engine, self.builder, self.params_cls = eng, builder, GenerationParams
+                    self.load_s = time.perf_counter() - t0
+                else:
+                    self.error = msg
+                event.set()
+                if on_done is not None:
+                    on_done(ok, msg)
+            try:
+                loop.call_soon_threadsafe(finish)
+            except RuntimeError:
+                pass
+
+        threading.Thread(target=work, name="spark-model-load", daemon=True).start()
+
+    async def ready(self, timeout: float) -> None:
+        """Wait until the model is loaded; raise ModelNotReady on failure or timeout."""
+        if self.engine is not None and not self._loading:
+            return
+        if self._event is None:
+            raise ModelNotReady("the model is not loaded (the client has not sent 'initialized' yet)")
+        try:
+            await asyncio.wait_for(asyncio.shield(self._event.wait()), timeout)
+        except asyncio.TimeoutError:
+            raise ModelNotReady(f"the model is still loading after {timeout:g} s "
+                                "(raise the 'loadTimeoutS' setting)") from None
+        if self.error:
+            raise ModelNotReady(self.error)

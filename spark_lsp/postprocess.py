@@ -1,0 +1,181 @@
+"""Turning raw model output into a suggestion an editor can show and the user can accept.
+
+Users' top complaints about AI completions are suggestions that repeat the text after the cursor,
+leave brackets or quotes unbalanced, or come back at the wrong indentation; each rule here fixes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .documents import indentation
+
+OPENERS = {"(": ")", "[": "]", "{": "}"}
+CLOSERS = {v: k for k, v in OPENERS.items()}
+BLOCK_OPENERS = (":", "{", "(", "[", "=>", "->")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the cursor sits in: the text of its line around it and the lines after it."""
+
+    line_before: str          # cursor line, before the cursor
+    line_after: str           # cursor line, after the cursor (no line ending)
+    next_lines: tuple[str, ...] = ()  # a few following lines, without line endings
+    prev_lines: tuple[str, ...] = ()  # a few preceding lines (nearest last), without line endings
+
+    @property
+    def mid_line(self) -> bool:
+        return bool(self.line_after.strip())
+
+
+def choose_multiline(ctx: Context) -> bool:
+    """Multi-line at the end of a block opener or on an empty line inside a block; otherwise the
+    rest of the current line only."""
+    if ctx.mid_line:
+        return False
+    before = ctx.line_before.rstrip()
+    if before.endswith(BLOCK_OPENERS):
+        return True
+    if before == "":
+        prev = next((p for p in reversed(ctx.prev_lines) if p.strip()), "")
+        if not prev:
+            return True  # empty file or top of file: a whole definition is welcome
+        return bool(indentation(ctx.line_before)) or prev.rstrip().endswith(BLOCK_OPENERS) \
+            or bool(indentation(prev))
+    return False
+
+
+def _strip_suffix_overlap(text: str, line_after: str) -> str:
+    """Drop the end of a single-line suggestion that repeats what already follows the cursor."""
+    after = line_after.strip()
+    if not after:
+        return text
+    if text.rstrip().endswith(after):
+        return text.rstrip()[: len(text.rstrip()) - len(after)]
+    # closers/quotes right after the cursor that the suggestion also typed: keep one copy
+    lead = line_after.lstrip(" ")
+    k = 0
+    while k < len(lead) and lead[k] in ")]}\"':;,":
+        k += 1
+    for j in range(k, 0, -1):
+        if text.endswith(lead[:j]):
+            return text[: len(text) - j]
+    return text
+
+
+def _cut_unbalanced(text: str, ctx: Context) -> str:
+    """Cut the suggestion at a closing bracket that nothing opened: one the suffix already closes
+    (mid-line) or one that does not match the prefix's innermost open bracket."""
+    stack: list[str] = []
+    prefix_open: list[str] = []
+    for ch in ctx.line_before:  # brackets left open on the cursor line, nearest last
+        if ch in OPENERS:
+            prefix_open.append(ch)
+        elif ch in CLOSERS and prefix_open and prefix_open[-1] == CLOSERS[ch]:
+            prefix_open.pop()
+    quote: str | None = None
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == quote:
+                quote = None
+            elif ch == "\n" and quote in "'\"":
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#":
+            nl = text.find("\n", i)
+            if nl < 0:
+                break
+            i = nl
+            continue
+        elif ch in OPENERS:
+            stack.append(ch)
+        elif ch in CLOSERS:
+            if stack:
+                if stack[-1] != CLOSERS[ch]:
+                    return text[:i].rstrip()
+                stack.pop()
+            else:
+                if ctx.mid_line and ctx.line_after.lstrip().startswith(ch):
+                    return text[:i]
+                if not prefix_open or prefix_open[-1] != CLOSERS[ch]:
+                    return text[:i].rstrip()
+                prefix_open.pop()
+        i += 1
+    return text
+
+
+def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
+    """Keep the lines of a multi-line suggestion that belong to the block being written: stop at a
+    dedent past the block, at two blank lines, at a line repeating the next line of the document,
+    or at `max_lines`."""
+    lines = text.split("\n")
+    first_indent = None
+    cursor_indent = indentation(ctx.line_before)
+    opener = ctx.line_before.rstrip().endswith(BLOCK_OPENERS)
+    next_line = next((ln.strip() for ln in ctx.next_lines if ln.strip()), None)
+    kept: list[str] = []
+    blanks = 0
+    for n, line in enumerate(lines):
+        full = (ctx.line_before + line) if n == 0 else line
+        if n > 0 and not line.strip():
+            blanks += 1
+            if blanks >= 2:
+                break
+            kept.append(line)
+            continue
+        blanks = 0
+        if n > 0:
+            ind = len(indentation(full))
+            if first_indent is None:
+                first_indent = ind
+                if opener and ind <= len(cursor_indent):
+                    break  # a block opener must be followed by an indented body
+            elif ind < first_indent:
+                break
+            if next_line is not None and line.strip() == next_line and line.strip() not in ("", ")", "]", "}"):
+                break
+        elif ctx.line_before.strip() == "" and line.strip():
+            first_indent = len(indentation(full))
+        kept.append(line)
+        if len([k for k in kept if k.strip()]) >= max_lines:
+            break
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return "\n".join(kept)
+
+
+def clean(raw: str, ctx: Context, multiline: bool, max_lines: int = 12) -> str:
+    """The suggestion to show for raw model output `raw` inserted at the cursor described by `ctx`;
+    "" when nothing useful is left."""
+    text = raw.replace("\r\n", "\n").replace("\r", "\n")
+    if not multiline:
+        text = text.split("\n", 1)[0]
+        text = _cut_unbalanced(text, ctx)
+        text = _strip_suffix_overlap(text, ctx.line_after)
+        text = text.rstrip() if not ctx.mid_line else text
+    else:
+        if ctx.line_before.strip() == "" and text.startswith("\n"):
+            text = text.lstrip("\n")  # an empty line asked for a body, not a blank line first
+        text = _cut_block(text, ctx, max_lines)
+        text = _cut_unbalanced(text, ctx)
+        text = "\n".join(ln.rstrip() for ln in text.split("\n")).rstrip()
+    return text if text.strip() else ""
+
+
+def block_done(text: str, ctx: Context, max_lines: int) -> bool:
+    """True once streamed output already holds a finished block, so generation can stop early."""
+    if "\n" not in text:
+        return False
+    complete = text[: text.rfind("\n")]
+    if not complete.strip():
+        return False
+    if _cut_block(complete + "\n", ctx, max_lines).rstrip() != complete.rstrip():
+        return True
+    return len([ln for ln in complete.split("\n") if ln.strip()]) >= max_lines

@@ -1,0 +1,155 @@
+"""Fill-in-the-middle prompts within a token budget, laid out so the engine's prefix cache hits.
+
+Why the layout matters: the engine reuses the KV cache for the longest common token prefix with the
+previous prompt of the same document. With suffix-prefix-middle (SPM) order the prompt reads
+`<suffix-token> suffix <prefix-token> prefix <middle-token>`: while the user types, the suffix and
+the head of the prefix stay identical, so each keystroke only prefills the few new tokens. The
+windows are anchored: the prefix keeps starting at the same line until it outgrows its budget (then
+it jumps forward by a quarter of the budget, not one line per keystroke), and the suffix is cut at
+a line count that depends only on the suffix text.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .documents import split_lines
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    prefix: str          # the prefix text actually in the prompt
+    suffix: str          # the suffix text actually in the prompt
+    prefix_start_line: int
+    fim: bool            # False: no FIM tokens in this tokenizer, plain left-to-right prompt
+
+
+class TokenCounter:
+    """Token counts per line, memoised: lines rarely change between keystrokes."""
+
+    def __init__(self, encode: Callable[[str], list[int]], capacity: int = 20000):
+        self._encode = encode
+        self._memo: OrderedDict[str, int] = OrderedDict()
+        self._capacity = capacity
+
+    def line(self, text: str) -> int:
+        n = self._memo.get(text)
+        if n is None:
+            n = len(self._encode(text)) if text else 0
+            self._memo[text] = n
+            if len(self._memo) > self._capacity:
+                self._memo.popitem(last=False)
+        return n
+
+
+# FIM styles whose models were trained on suffix-first prompts. Our bundled model (StarCoder token
+# names) is trained on `<fim_suffix>S<fim_prefix>P<fim_middle>` half of the time; Qwen2.5-Coder and
+# DeepSeek only know prefix-first, and CodeLlama's SPM variant puts the middle token elsewhere.
+SPM_STYLES = {"starcoder"}
+
+
+def fim_ids(fim: Any, prefix_ids: list[int], suffix_ids: list[int], spm: bool) -> list[int]:
+    """Token layout of a FIM prompt: SPM `<suf> S <pre> P <mid>` or PSM `<pre> P <suf> S <mid>`."""
+    if spm:
+        return [fim.suffix_id, *suffix_ids, fim.prefix_id, *prefix_ids, fim.middle_id]
+    return [fim.prefix_id, *prefix_ids, fim.suffix_id, *suffix_ids, fim.middle_id]
+
+
+class PromptBuilder:
+    """Builds FIM prompts for one model; keeps one prefix anchor per document."""
+
+    def __init__(self, tokenizer: Any, fim: Any | None = None):
+        self.tokenizer = tokenizer
+        self.fim = fim if fim is not None else getattr(tokenizer, "fim", None)
+        self.spm = self.fim is not None and getattr(self.fim, "name", "") in SPM_STYLES
+        self.counter = TokenCounter(tokenizer.encode)
+        self._anchors: dict[str, int] = {}
+
+    def forget(self, key: str) -> None:
+        self._anchors.pop(key, None)
+
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        enc = self.tokenizer.encode
+        if self.fim is None:
+            return list(enc(prefix))
+        return fim_ids(self.fim, list(enc(prefix)), list(enc(suffix)) if suffix else [], self.spm)
+
+    def build(self, text: str, offset: int, budget: int, key: str | None = None,
+              suffix_share: float | None = None) -> Prompt:
+        """Prompt for the cursor at string offset `offset` of `text`, at most about `budget` tokens
+        of document text (a few FIM tokens come on top)."""
+        lines = split_lines(text)
+        # locate the cursor line
+        pos, line_no = 0, 0
+        for line_no, ln in enumerate(lines):
+            if pos + len(ln) > offset or line_no == len(lines) - 1:
+                break
+            pos += len(ln)
+        line_start = pos
+        head = text[line_start:offset]                 # cursor line, before the cursor
+        tail = lines[line_no][offset - line_start:]    # cursor line, after the cursor
+
+        if suffix_share is None:
+            # PSM prompts re-prefill the whole suffix on every keystroke: keep it short there
+            suffix_share = 0.25 if self.spm else 0.1
+        suffix_budget = int(budget * suffix_share) if self.fim is not None else 0
+        # suffix: rest of the cursor line, then whole lines while they fit
+        used = self.counter.line(tail) if suffix_budget else 0
+        end = line_no + 1
+        while suffix_budget and end < len(lines):
+            n = self.counter.line(lines[end])
+            if used + n > suffix_budget:
+                break
+            used += n
+            end += 1
+        suffix = (tail + "".join(lines[line_no + 1:end])) if suffix_budget else ""
+        prefix_budget = max(budget - used, 8)
+
+        # prefix: anchored start line
+        head_n = self.counter.line(head)
+        start = self._anchors.get(key) if key is not None else None
+        if start is not None and start <= line_no:
+            total = head_n + sum(self.counter.line(lines[i]) for i in range(start, line_no))
+            if total > prefix_budget:
+                start = None
+        else:
+            start = None
+        if start is None:
+            target = prefix_budget * 0.75 if key is not None else prefix_budget
+            total, start = head_n, line_no
+            while start > 0:
+                n = self.counter.line(lines[start - 1])
+                if total + n > target:
+                    break
+                total += n
+                start -= 1
+        if key is not None:
+            self._anchors[key] = start
+        prefix = "".join(lines[start:line_no]) + head
+        return Prompt(self.encode_fim(prefix, suffix), prefix, suffix, start, self.fim is not None)
+
+    def build_parts(self, prefix: str, suffix: str, budget: int) -> list[int]:
+        """FIM prompt ids for explicit prefix/suffix texts (code actions), keeping the lines nearest
+        the middle: the prefix is cut at its start, the suffix at its end, whole lines at a time."""
+        suffix_budget = int(budget * 0.3) if self.fim is not None and suffix else 0
+        s_lines = split_lines(suffix) if suffix_budget else []
+        used, k = 0, 0
+        while k < len(s_lines):
+            n = self.counter.line(s_lines[k])
+            if used + n > suffix_budget:
+                break
+            used += n
+            k += 1
+        suffix = "".join(s_lines[:k])
+        p_lines = split_lines(prefix)
+        total, j = 0, len(p_lines)
+        while j > 0:
+            n = self.counter.line(p_lines[j - 1])
+            if total + n > budget - used and j < len(p_lines):
+                break
+            total += n
+            j -= 1
+        return self.encode_fim("".join(p_lines[j:]), suffix)

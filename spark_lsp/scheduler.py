@@ -1,0 +1,197 @@
+"""One engine thread, at most one job per document, cancellation bridged from asyncio.
+
+Why a dedicated thread: pygls reads stdin through its own thread pool, so model work there could
+stall reading `$/cancelRequest`. Handlers stay async and await a Job's future; the job runs here.
+Why one job per document: a newer request for the same document makes the older one useless, so
+submitting cancels it (queued: dropped; running: stopped within one decode step). The queue is
+FIFO over documents, so several documents take turns instead of one starving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+class Cancelled(Exception):
+    """The job was cancelled (superseded, `$/cancelRequest`, or the user typed)."""
+
+
+class Job:
+    """A unit of engine work for one key (document URI); thread-safe cancel."""
+
+    def __init__(self, key: str, fn: Callable[["Job"], Any], loop: asyncio.AbstractEventLoop,
+                 kind: str = "completion", slot: str | None = None):
+        self.key = key
+        self.slot = slot if slot is not None else key   # engine prefix-cache slot
+        self.kind = kind
+        self.fn = fn
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._gens: list[Any] = []
+        self.reason = ""
+        self.t_submit = time.perf_counter()
+        self.t_start: float | None = None
+        self.t_cancel: float | None = None
+        self.t_stopped: float | None = None   # when the engine stopped after a cancel
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def attach(self, gen: Any) -> Any:
+        """Register a running engine Generation so cancel() can stop it; cancels it at once if the
+        job was cancelled before the generation started."""
+        with self._lock:
+            self._gens.append(gen)
+            if self._cancelled:
+                gen.cancel()
+        return gen
+
+    def detach(self, gen: Any) -> None:
+        with self._lock:
+            if gen in self._gens:
+                self._gens.remove(gen)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            self.reason = reason
+            self.t_cancel = time.perf_counter()
+            for g in self._gens:
+                g.cancel()
+
+    def mark_stopped(self) -> None:
+        """Called by the job when its generation has actually ended; times the cancel latency."""
+        if self._cancelled and self.t_stopped is None:
+            self.t_stopped = time.perf_counter()
+
+    def check(self) -> None:
+        if self._cancelled:
+            raise Cancelled(self.reason)
+
+    def call_soon(self, fn: Callable, *args: Any) -> None:
+        """Run fn(*args) on the event loop (from the engine thread)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.future.done():
+                return
+            if exc is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(result)
+        self.call_soon(settle)
+
+
+class Scheduler:
+    """FIFO of jobs over documents, run one at a time on a dedicated engine thread."""
+
+    def __init__(self, name: str = "spark-engine"):
+        self._cond = threading.Condition()
+        self._queue: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self._running: Job | None = None
+        self._stop = False
+        self.cancel_latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job`, superseding any queued or running job of the same key."""
+        with self._cond:
+            old = self._queue.pop(job.key, None)
+            if old is not None:
+                old.cancel("superseded")
+                old._resolve(exc=Cancelled("superseded"))
+            if self._running is not None and self._running.key == job.key:
+                self._running.cancel("superseded")
+            self._queue[job.key] = job
+            self._cond.notify()
+        return job
+
+    def cancel(self, key: str, reason: str = "cancelled", kind: str | None = None) -> bool:
+        """Cancel the queued and running job of `key` (only of that kind when given)."""
+        hit = False
+        with self._cond:
+            q = self._queue.get(key)
+            if q is not None and (kind is None or q.kind == kind):
+                del self._queue[key]
+                q.cancel(reason)
+                q._resolve(exc=Cancelled(reason))
+                hit = True
+            r = self._running
+            if r is not None and r.key == key and (kind is None or r.kind == kind):
+                r.cancel(reason)
+                hit = True
+        return hit
+
+    def busy(self, key: str | None = None) -> bool:
+        with self._cond:
+            if key is None:
+                return self._running is not None or bool(self._queue)
+            return (self._running is not None and self._running.key == key) or key in self._queue
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            for job in self._queue.values():
+                job.cancel("shutdown")
+                job._resolve(exc=Cancelled("shutdown"))
+            self._queue.clear()
+            if self._running is not None:
+                self._running.cancel("shutdown")
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                _, job = self._queue.popitem(last=False)
+                self._running = job
+            job.t_start = time.perf_counter()
+            try:
+                if job.cancelled:
+                    raise Cancelled(job.reason)
+                result = job.fn(job)
+                if job.cancelled:
+                    raise Cancelled(job.reason)
+                job._resolve(result)
+            except Cancelled as exc:
+                job._resolve(exc=exc)
+            except BaseException as exc:  # never let a job kill the engine thread
+                log.exception("engine job %s for %s failed", job.kind, job.key)
+                job._resolve(exc=exc)
+            finally:
+                if job.cancelled and job.t_cancel is not None:
+                    job.mark_stopped()
+                    self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
+                with self._cond:
+                    self._running = None
+
+
+async def run_job(scheduler: Scheduler, job: Job) -> Any:
+    """Submit and await `job`; if the awaiting task is cancelled (pygls `$/cancelRequest`), cancel
+    the job so the engine stops within one decode step, then re-raise."""
+    scheduler.submit(job)
+    try:
+        return await asyncio.shield(job.future)
+    except asyncio.CancelledError:
+        job.cancel("request cancelled")
+        raise
