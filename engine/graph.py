@@ -8,6 +8,9 @@ The graph is built for ONNX Runtime on CPU with batch size 1:
   float32 [1, kv_heads, max_len, head_dim];
 * outputs ``logits`` float32 [num_logits, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
 
+``head_dim`` in the KV buffers is the model's head size rounded up to a multiple of 16 (the op's
+requirement); the padding is zero rows in the q/k/v/o weights, so the results are unchanged.
+
 Attention is ``com.microsoft.GroupQueryAttention`` with a packed Q|K|V input, rotary embedding
 inside the op and a KV buffer shared between past and present (bind the same OrtValue to both):
 the cache is preallocated once and rewinding a sequence only means passing a smaller
@@ -26,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 1
+GRAPH_VERSION = 2
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -144,6 +147,36 @@ def rope_cache(inv_freq: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarr
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """Head size used in the graph: GroupQueryAttention on CPU needs a multiple of 16."""
+    return -(-head_dim // 16) * 16
+
+
+def _pad_rotary_rows(w: np.ndarray, heads: int, h: int, hp: int) -> np.ndarray:
+    """Pad the per-head rows of a q/k projection ([heads*h, ...]) to ``hp``, keeping rotate-half pairs.
+
+    Row layout per head becomes [first half, zeros, second half, zeros]: the op's pairs (i, i+hp/2)
+    are then the model's pairs (i, i+h/2) or pairs of zeros, and zeros add nothing to q.k.
+    """
+    if hp == h:
+        return w
+    src = w.reshape(heads, h, *w.shape[1:])
+    out = np.zeros((heads, hp, *w.shape[1:]), dtype=w.dtype)
+    half, phalf = h // 2, hp // 2
+    out[:, :half] = src[:, :half]
+    out[:, phalf:phalf + half] = src[:, half:]
+    return out.reshape(heads * hp, *w.shape[1:])
+
+
+def _pad_value_rows(w: np.ndarray, heads: int, h: int, hp: int) -> np.ndarray:
+    """Pad the per-head rows of a v projection to ``hp`` with zeros at the end of each head."""
+    if hp == h:
+        return w
+    out = np.zeros((heads, hp, *w.shape[1:]), dtype=w.dtype)
+    out[:, :h] = w.reshape(heads, h, *w.shape[1:])
+    return out.reshape(heads * hp, *w.shape[1:])
+
+
 def _linear_weight(weights: dict[str, np.ndarray], key: str) -> np.ndarray:
     try:
         return weights[key]
@@ -160,7 +193,8 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     """
     linear = linear or DenseLinear()
     c = config
-    H, N, NKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    H0, N, NKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    H = padded_head_dim(H0)
     D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
     max_len = int(max_len or c.max_position_embeddings)
     w = weights
@@ -175,7 +209,8 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     if hasattr(c, "rope_inv_freq"):
         inv_freq = np.asarray(c.rope_inv_freq(), dtype=np.float64)
     else:
-        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, H0, 2, dtype=np.float64) / H0))
+    inv_freq = np.concatenate([inv_freq, np.zeros(H // 2 - H0 // 2)])  # padded dims: no rotation
     cos, sin = rope_cache(inv_freq, max_len)
     cos_c, sin_c = gb.initializer("rope.cos", cos), gb.initializer("rope.sin", sin)
     eps = float(c.rms_norm_eps)
@@ -201,21 +236,23 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
             x, residual = skip_norm(pending, residual, g_in, f"layers.{i}.input_norm")
 
         a = p + "self_attn."
-        w_qkv = np.concatenate([_linear_weight(w, a + f"{k}_proj.weight") for k in "qkv"], axis=0).T
-        b_qkv = None
-        if c.attention_bias:
-            b_qkv = np.concatenate([_linear_weight(w, a + f"{k}_proj.bias") for k in "qkv"], axis=0)
+        def qkv_rows(kind: str) -> list[np.ndarray]:
+            q, k, v = (_linear_weight(w, a + f"{n}_proj.{kind}") for n in "qkv")
+            return [_pad_rotary_rows(q, N, H0, H), _pad_rotary_rows(k, NKV, H0, H), _pad_value_rows(v, NKV, H0, H)]
+
+        w_qkv = np.concatenate(qkv_rows("weight"), axis=0).T
+        b_qkv = np.concatenate(qkv_rows("bias"), axis=0) if c.attention_bias else None
         qkv = linear.emit(gb, x, np.ascontiguousarray(w_qkv), name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
         qkv3 = gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
         past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
         past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
         attn, pk, pv = gb.node("GroupQueryAttention", [qkv3, "", "", past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
                                n_out=3, domain=MS_DOMAIN, name=f"layers.{i}.attn", num_heads=N, kv_num_heads=NKV,
-                               do_rotary=1, rotary_interleaved=0, scale=float(H) ** -0.5)
+                               do_rotary=1, rotary_interleaved=0, scale=float(H0) ** -0.5)
         gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
         gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
         attn2 = gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
-        w_o = np.ascontiguousarray(_linear_weight(w, a + "o_proj.weight").T)
+        w_o = np.ascontiguousarray(_pad_value_rows(_linear_weight(w, a + "o_proj.weight").T, N, H0, H))
         b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
 
@@ -244,5 +281,6 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         w_head = w["lm_head.weight"].T
     logits = linear.emit(gb, x, np.ascontiguousarray(w_head, dtype=np.float32), name="lm_head", role="lm_head")
     gb.output(logits, "logits", f32, ["num_logits", V])
-    meta = {"spark_lsp.graph_version": str(GRAPH_VERSION), "spark_lsp.max_len": str(max_len)}
+    meta = {"spark_lsp.graph_version": str(GRAPH_VERSION), "spark_lsp.max_len": str(max_len),
+            "spark_lsp.kv_head_dim": str(H)}
     return gb.to_model(metadata=meta)

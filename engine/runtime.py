@@ -95,7 +95,6 @@ class Runtime:
         self.max_len = int(max_len)
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
         self.threads = int(threads or physical_cores())
         so = session_options(self.threads, spinning=spinning, optimized_path=optimized_path)
@@ -106,6 +105,8 @@ class Runtime:
             model_path = optimized_path
         self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
         self.one_logit = np.ones([1], np.int64)
+        # KV head size as built (the graph pads it to a multiple of 16).
+        self.head_dim = int(next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key"))
 
     def new_kv(self) -> KVBuffers:
         return KVBuffers(self)

@@ -1,0 +1,64 @@
+"""Shared helpers for the engine tests: load engines into a per-session graph cache and run the
+transformers reference (greedy decoding with its own KV cache)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from engine import Engine, GenerationParams
+
+
+def graph_cache_dir(tmp_path_factory) -> Path:
+    """One graph cache for the whole test session, so each tiny model is built once."""
+    return tmp_path_factory.getbasetemp() / "graph_cache"
+
+
+def load_engine(model_dir: Path, tmp_path_factory, **kw) -> Engine:
+    kw.setdefault("wafer", False)
+    return Engine.load(model_dir, cache_dir=graph_cache_dir(tmp_path_factory), **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(model_dir)(torch.tensor([ids])).logits[0].numpy()
+
+
+def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from transformers (eos ignored), incremental with its KV cache."""
+    import torch
+
+    model = hf_model(model_dir)
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def greedy(engine: Engine, ids, n: int, slot=None):
+    """Run a greedy generation to the end (eos ignored); returns the Generation."""
+    gen = engine.generate(list(ids), GenerationParams(max_new_tokens=n, ignore_eos=True), slot=slot)
+    gen.result()
+    return gen
+
+
+def random_ids(engine: Engine, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, engine.sample_vocab, n).tolist()
