@@ -150,6 +150,7 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
 
     if action == COMPLETE:
         at = end
+        cursor_line = text.count("\n", 0, at)
         ctx_line = text[line_starts[cursor_line]:at] if cursor_line < len(lines) else ""
         nxt = tuple(ln.rstrip("\r\n") for ln in lines[cursor_line + 1:cursor_line + 7])
         prv = tuple(ln.rstrip("\r\n") for ln in lines[max(0, cursor_line - 6):cursor_line])

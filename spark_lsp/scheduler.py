@@ -34,6 +34,8 @@ class Job:
         self.fn = fn
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
+        # the awaiting handler may be gone (cancelled); mark the outcome as seen either way
+        self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._lock = threading.Lock()
         self._cancelled = False
         self._gens: list[Any] = []

@@ -105,6 +105,10 @@ class SparkServer(LanguageServer):
         parse error a -32700 response with a null id, as JSON-RPC prescribes."""
         import json
 
+        from pygls.exceptions import FeatureRequestError
+
+        if source is FeatureRequestError:
+            return  # the request already got its error response
         cause = error.__cause__ or error.__context__
         if isinstance(error, json.JSONDecodeError) or isinstance(cause, json.JSONDecodeError) \
                 or isinstance(error, UnicodeDecodeError):
@@ -299,7 +303,7 @@ class SparkServer(LanguageServer):
         await self._ready()
         builder = self.host.builder
         try:
-            plan = actions.plan(name, text, start, end, start_pos.line if start == end else end_pos.line,
+            plan = actions.plan(name, text, start, end, start_pos.line,
                                 self.settings.max_edit_tokens, instruction,
                                 count_tokens=lambda s: len(builder.tokenizer.encode(s)))
         except actions.ActionError as exc:

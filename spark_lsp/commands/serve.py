@@ -46,7 +46,8 @@ def run(args) -> int:
     root.addHandler(handler)
     root.setLevel(args.log_level)
     if args.log_level != "DEBUG":
-        logging.getLogger("pygls").setLevel(logging.WARNING)  # pygls logs every message at INFO
+        # pygls logs every message at INFO and every error response with a traceback
+        logging.getLogger("pygls").setLevel(logging.CRITICAL)
 
     from spark_lsp.server import create_server
 

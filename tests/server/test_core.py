@@ -1,0 +1,241 @@
+"""Engine-independent server logic: positions, settings, post-processing, prompts, typing-through,
+scheduling, live-edit framing and code-action plans."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from spark_lsp import actions, completions, postprocess
+from spark_lsp.documents import (Pos, PositionError, apply_edits, minimal_edit, minimal_edits, offset_at,
+                                 position_at, split_lines, utf16_len)
+from spark_lsp.live_edits import LiveEdit, frame
+from spark_lsp.prompt import PromptBuilder
+from spark_lsp.scheduler import Cancelled, Job, Scheduler, run_job
+from spark_lsp.settings import Settings, SettingsError, update
+
+
+# -- positions ------------------------------------------------------------------------------------
+def test_utf16_positions_round_trip():
+    text = "a = '😀é'\r\nb = 1\nc"
+    assert utf16_len("😀") == 2
+    off = offset_at(text, 0, 7)  # after the emoji (2 UTF-16 units) -> code point index 6
+    assert text[off] == "é"
+    assert position_at(text, off) == Pos(0, 7)
+    assert offset_at(text, 1, 0) == text.index("b")
+    assert position_at(text, len(text)) == Pos(2, 1)
+    for bad in ((5, 0), (0, 99), (-1, 0)):
+        with pytest.raises(PositionError):
+            offset_at(text, *bad)
+
+
+def test_minimal_edits_touch_only_changed_lines():
+    old = "def f(x):\n    y = x + 1\n    return y\n"
+    new = "def f(x):\n    y = x + 2\n    return y\n"
+    e = minimal_edit(old, new)
+    assert (e.start, e.end, e.new_text) == (old.index("1"), old.index("1") + 1, "2")
+    edits = minimal_edits(old + "\n# tail\n", new + "\n# tail changed\n")
+    assert len(edits) == 2 and apply_edits(old + "\n# tail\n", edits) == new + "\n# tail changed\n"
+    assert minimal_edits("same", "same") == []
+    assert split_lines("a\nb") == ["a\n", "b"] and split_lines("a\n") == ["a\n", ""]
+
+
+# -- settings -------------------------------------------------------------------------------------
+def test_settings_validate_and_name_the_field():
+    s, warnings = update(Settings(), {"spark": {"maxTokens": 32, "liveEdits": False, "waferGrid": "4x8"}})
+    assert (s.max_tokens, s.live_edits, s.wafer_grid) == (32, False, (4, 8))
+    assert update(s, {"max_tokens": 7})[0].max_tokens == 7
+    assert "ignored unknown setting" in update(s, {"colour": 1})[1][0]
+    for bad, name in (({"maxTokens": -1}, "maxTokens"), ({"temperature": "hot"}, "temperature"),
+                      ({"liveEdits": 1}, "liveEdits"), ({"waferGrid": [0, 2]}, "waferGrid"),
+                      ({"contextTokens": 1.5}, "contextTokens")):
+        with pytest.raises(SettingsError, match=name):
+            update(s, bad)
+    with pytest.raises(SettingsError):
+        update(s, [1, 2])
+
+
+# -- post-processing ------------------------------------------------------------------------------
+def ctx(before, after="", nxt=(), prev=()):
+    return postprocess.Context(before, after, tuple(nxt), tuple(prev))
+
+
+def test_single_line_drops_suffix_repeat_and_unmatched_closer():
+    c = ctx("    total = compute(", ")")
+    assert not postprocess.choose_multiline(c)
+    assert postprocess.clean("a, b)", c, multiline=False) == "a, b"
+    assert postprocess.clean("a, b)\nmore", c, multiline=False) == "a, b"
+    c2 = ctx("    x = [1, 2", "]")
+    assert postprocess.clean(", 3]", c2, multiline=False) == ", 3"
+    # a closer that matches nothing on the line is cut
+    assert postprocess.clean("1 + 2) * 3", ctx("y = "), multiline=False) == "1 + 2"
+    # brackets opened and closed inside the suggestion are kept
+    assert postprocess.clean("f(a)[0]  ", ctx("y = "), multiline=False) == "f(a)[0]"
+
+
+def test_multiline_stops_at_block_end_and_at_next_line_repeat():
+    c = ctx("def add(a, b):", "", nxt=("", "def main():"), prev=("import os",))
+    assert postprocess.choose_multiline(c)
+    raw = "\n    s = a + b\n    return s\n\ndef other():\n    pass\n"
+    assert postprocess.clean(raw, c, multiline=True) == "\n    s = a + b\n    return s"
+    assert postprocess.block_done(raw, c, 12)
+    assert not postprocess.block_done("\n    s = a + b\n", c, 12)
+    c2 = ctx("    ", "", nxt=("    return y",), prev=("def f(x):",))
+    assert postprocess.choose_multiline(c2)
+    assert postprocess.clean("y = x * 2\n    return y\n", c2, multiline=True) == "y = x * 2"
+    assert postprocess.clean("   \n\n", c2, multiline=True) == ""
+
+
+# -- typing through -------------------------------------------------------------------------------
+def test_typing_through_serves_the_rest_of_the_suggestion():
+    tt = completions.TypingThrough()
+    text = "x = foo(\nz = 1\n"
+    off = text.index("(") + 1
+    tt.remember("u", text, off, ["a, b)", "c)"])
+    typed = text[:off] + "a, " + text[off:]
+    assert tt.answer("u", typed, off + 3) == ["b)"]
+    assert tt.answer("u", text[:off] + "q" + text[off:], off + 1) is None       # diverged
+    assert tt.answer("u", typed + "#", off + 3) is None                          # other edit too
+    assert tt.answer("u", text[:off] + "a, b)" + text[off:], off + 5) is None    # fully typed
+    assert tt.answer("other", typed, off + 3) is None
+
+
+# -- prompts --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from engine.tokenizer import Tokenizer
+    return Tokenizer.load(tiny_llama)
+
+
+def test_prompt_is_spm_and_stable_while_typing(tokenizer):
+    b = PromptBuilder(tokenizer)
+    assert b.fim is not None and b.spm
+    body = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(200))
+    text = body + "def g(y):\n    ret\n\nprint(g(1))\n"
+    off = text.rindex("    ret") + len("    ret")
+    p1 = b.build(text, off, 256, key="doc")
+    assert p1.ids[0] == tokenizer.fim.suffix_id and p1.ids[-1] == tokenizer.fim.middle_id
+    assert p1.suffix.startswith("\n\nprint(g(1))") and p1.prefix.endswith("    ret")
+    assert len(p1.ids) <= 256 + 8
+    text2 = text[:off] + "u" + text[off:]
+    p2 = b.build(text2, off + 1, 256, key="doc")
+    assert p2.prefix_start_line == p1.prefix_start_line            # anchored window
+    common = next(i for i, (x, y) in enumerate(zip(p1.ids, p2.ids)) if x != y)
+    assert common >= len(p1.ids) - 4                                # only the tail re-prefills
+
+
+def test_build_parts_keeps_text_near_the_middle(tokenizer):
+    b = PromptBuilder(tokenizer)
+    prefix = "".join(f"line_{i} = {i}\n" for i in range(500))
+    ids = b.build_parts(prefix, "after = 1\n" * 300, 200)
+    assert len(ids) <= 200 + 8
+    assert tokenizer.decode(ids).count("line_499") == 1 and "line_0 " not in tokenizer.decode(ids)
+
+
+# -- live edits -----------------------------------------------------------------------------------
+def test_live_edit_frames_and_recognises_its_own_changes():
+    original = "a = 1\nb = 2\nc = 3\n"
+    assert frame(original, "A = 1\nB", final=False) == "A = 1\nB\nc = 3\n"
+    assert frame(original, "A = 1\n", final=False) == "A = 1\nb = 2\nc = 3\n"
+    assert frame(original, "A = 1\n", final=True) == "A = 1\n"
+    doc = "# head\n" + original + "# tail\n"
+    stopped = []
+    s = LiveEdit("u", doc, 7, 7 + len(original), Pos(1, 0), on_user_change=lambda: stopped.append(1))
+    (e,) = s.edits_to(frame(original, "A = 1\nB", final=False))
+    assert e.start == Pos(1, 0) and e.end.line == 2 and e.new_text.startswith("A")
+    ours = "# head\nA = 1\nB\nc = 3\n# tail\n"
+    assert s.on_did_change(ours) and not stopped
+    assert not s.on_did_change(ours + "typed") and stopped == [1]
+
+
+# -- code-action plans ----------------------------------------------------------------------------
+SRC = "import os\n\n\ndef add(a, b):\n    return a + b\n\n\ndef main():\n    print(add(1, 2))\n"
+
+
+def test_action_plans():
+    line = SRC.splitlines().index("    return a + b")
+    names = actions.available(SRC, 0, 0, line)
+    assert {actions.DOCSTRING, actions.TEST, actions.COMPLETE, actions.INSTRUCT} <= set(names)
+    assert actions.REWRITE not in names
+    d = actions.plan(actions.DOCSTRING, SRC, 0, 0, line, 100)
+    at = SRC.index("    return a + b")
+    assert d.start == d.end == at and d.prefix.endswith('def add(a, b):\n    """')
+    assert d.region_text('Add two numbers."""junk', final=True) == '    """Add two numbers."""\n'
+    t = actions.plan(actions.TEST, SRC, 0, 0, line, 100)
+    assert t.start == len(SRC) and t.prefix.endswith("def test_add():\n    ")
+    assert t.region_text("assert add(1, 2) == 3\n\n\nprint()", final=True).endswith("    assert add(1, 2) == 3\n")
+    s, e = SRC.index("def main"), len(SRC)
+    i = actions.plan(actions.INSTRUCT, SRC, s, e, 7, 100, instruction="print the sum twice")
+    assert i.prefix.endswith("# print the sum twice\n") and i.suffix == ""
+    with pytest.raises(actions.ActionError, match="instruction"):
+        actions.plan(actions.INSTRUCT, SRC, s, e, 7, 100, instruction=" ")
+    with pytest.raises(actions.ActionError):
+        actions.plan(actions.DOCSTRING, "x = 1\n", 0, 0, 0, 100)
+
+
+# -- scheduler ------------------------------------------------------------------------------------
+class FakeGen:
+    """A generation that yields a token every `step` seconds until cancelled (tests only)."""
+
+    def __init__(self, n=1000, step=0.002):
+        self.n, self.step, self._cancel = n, step, threading.Event()
+
+    def cancel(self):
+        self._cancel.set()
+
+    def __iter__(self):
+        for _ in range(self.n):
+            if self._cancel.is_set():
+                return
+            time.sleep(self.step)
+            yield type("C", (), {"text": "x", "token_id": 1})()
+
+
+def _long_job(job):
+    gen = job.attach(FakeGen())
+    for _ in gen:
+        job.check()
+    job.mark_stopped()
+    return "done"
+
+
+async def test_scheduler_supersedes_cancels_and_is_fair():
+    loop = asyncio.get_running_loop()
+    sched = Scheduler()
+    try:
+        first = Job("a", _long_job, loop)
+        sched.submit(first)
+        await asyncio.sleep(0.05)
+        second = Job("a", lambda j: "second", loop)
+        sched.submit(second)                                  # supersedes the running one
+        with pytest.raises(Cancelled, match="superseded"):
+            await first.future
+        assert await second.future == "second"
+        assert sched.cancel_latencies_ms and sched.cancel_latencies_ms[-1] < 1000
+
+        order = []
+        jobs = [Job(k, (lambda k: lambda j: order.append(k))(k), loop) for k in ("x", "y", "x", "z")]
+        blocker = Job("b", lambda j: time.sleep(0.05), loop)
+        sched.submit(blocker)
+        for j in jobs:
+            sched.submit(j)
+        await asyncio.gather(blocker.future, *[j.future for j in jobs[1:]])
+        assert order == ["y", "x", "z"]  # the second "x" replaced the first; FIFO across docs
+
+        # cancelling the awaiting task (a $/cancelRequest) stops the engine work
+        job = Job("c", _long_job, loop)
+        task = asyncio.ensure_future(run_job(sched, job))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if job.t_stopped:
+                break
+            await asyncio.sleep(0.01)
+        assert job.cancelled and job.t_stopped is not None
+    finally:
+        sched.shutdown()
