@@ -1,0 +1,147 @@
+"""Partitioned execution: every weight matmul runs as per-PE tiles over an emulated mesh.
+
+``TiledLinear`` is the linear emitter ``engine.graph.build_decoder`` uses when the engine runs
+with ``wafer=True`` (the default).  A weight ``W[K, N]`` on an ``R x C`` mesh is tiled in 2D,
+PE ``(i, j)`` holding one block, and computed the MeshGEMV way:
+
+* ``qkv``, ``gate_up``, ``lm_head`` — the input is split along the mesh *rows* (K over R) and
+  PE (i, j) holds ``W[K-block i, N-block j]``; the partial products are reduced over the rows
+  and the output comes out split over the columns.
+* ``o``, ``down`` — stored *transposed on the mesh*: PE (i, j) holds ``W[K-block j, N-block i]``,
+  so the input is split along the columns (exactly how the previous reduction left it) and the
+  reduction runs over the columns.  Consecutive reductions alternate axes; nothing is ever
+  transposed on the mesh.
+
+Q, K and V are one fused weight, as are gate and up, so they share one reduction.  Uneven
+splits give the last PEs smaller blocks (exact sizes, no padding).
+
+ONNX form, chosen by measurement (``spark-lsp bench wafer``; see README "wafer"): for each
+*mesh line* along the reduction axis one ``[K/R, N]`` initializer holds that line's tiles side
+by side (column block j is PE (i, j)'s tile: splitting a GEMV's output columns needs no
+communication, so adjacent storage changes nothing numerically).  The input is ``Split`` over
+the reduction axis, line 0 computes its partial with ``MatMul`` and every next line adds its
+own partial product to the running sum with ``Gemm(x_i, W_i, C=partial)`` — an explicit chain
+(systolic) reduction along the mesh axis.  Every weight stays a 2-D constant, which ONNX
+Runtime pre-packs; the "one batched MatMul over a [R, C, K/R, N/C] tile tensor + ReduceSum"
+alternative decoded at ~0.55-0.6x dense speed because ORT does not pre-pack 3-D weights, and
+per-PE MatMul nodes + Sum + Concat at ~0.65x.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: Default emulated grid: 2 x 2 is the smallest mesh on which every linear has a real
+#: reduction along its axis (qkv/gate_up/lm_head over 2 rows, o/down over 2 columns) and, by
+#: measurement, the one whose extra ops cost least (each extra mesh line adds one Gemm).
+DEFAULT_GRID = (2, 2)
+
+#: Roles whose reduction runs over the mesh rows (input split along rows).
+ROW_REDUCE = ("qkv", "gate_up", "lm_head")
+#: Roles stored transposed on the mesh: reduction over the mesh columns.
+COL_REDUCE = ("o", "down")
+
+
+def parse_grid(text: str, what: str = "--grid") -> tuple[int, int]:
+    """``"RxC"`` -> ``(R, C)``; a ValueError naming ``what`` otherwise."""
+    parts = str(text).strip().lower().replace("×", "x").split("x")
+    try:
+        r, c = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{what} {text!r}: expected RxC with positive integers, e.g. 4x4") from None
+    if r <= 0 or c <= 0:
+        raise ValueError(f"{what} {text!r}: rows and columns must be positive")
+    return r, c
+
+
+def reduce_axis(role: str) -> str:
+    """The mesh axis a linear's input is split along and its partial sums are reduced over."""
+    if role in ROW_REDUCE:
+        return "rows"
+    if role in COL_REDUCE:
+        return "cols"
+    raise ValueError(f"unknown linear role {role!r}; expected one of {ROW_REDUCE + COL_REDUCE}")
+
+
+def block_sizes(n: int, parts: int) -> list[int]:
+    """Split ``n`` elements over ``parts`` PEs: blocks of ceil(n/parts), the last ones smaller.
+
+    PEs that would get nothing are dropped (a grid wider than the dimension).
+    """
+    b = math.ceil(n / parts)
+    return [min(b, n - p * b) for p in range(parts) if p * b < n]
+
+
+def pe_tiles(weight: np.ndarray, grid: tuple[int, int], role: str) -> dict[tuple[int, int], np.ndarray]:
+    """The block each PE (i, j) stores (a view into ``weight``); the reference for tests/reports."""
+    R, C = grid
+    K, N = weight.shape
+    k_parts, n_parts = (R, C) if reduce_axis(role) == "rows" else (C, R)
+    ko = np.cumsum([0] + block_sizes(K, k_parts))
+    no = np.cumsum([0] + block_sizes(N, n_parts))
+    tiles = {}
+    for a in range(len(ko) - 1):
+        for b in range(len(no) - 1):
+            pe = (a, b) if reduce_axis(role) == "rows" else (b, a)
+            tiles[pe] = weight[ko[a]:ko[a + 1], no[b]:no[b + 1]]
+    return tiles
+
+
+class TiledLinear:
+    """Linear emitter that stores weights as per-PE tiles and reduces explicitly over the mesh.
+
+    ``grid`` is the emulated execution grid (R rows x C columns of PEs per weight); ``None``
+    picks :data:`DEFAULT_GRID`.  ``layout`` records, per emitted linear, its role, shape, grid,
+    reduction axis and block sizes.
+    """
+
+    def __init__(self, grid: tuple[int, int] | None = None) -> None:
+        if grid is None:
+            grid = DEFAULT_GRID
+        try:
+            r, c = (int(v) for v in grid)
+        except (TypeError, ValueError):
+            raise ValueError(f"grid must be a pair (rows, cols), got {grid!r}") from None
+        if r <= 0 or c <= 0:
+            raise ValueError(f"grid rows and cols must be positive, got {grid!r}")
+        self.grid = (r, c)
+        self.layout: dict[str, dict] = {}
+
+    def cache_key(self) -> str:
+        return f"tiled-{self.grid[0]}x{self.grid[1]}-chain-v1"
+
+    def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str,
+             bias: np.ndarray | None = None) -> str:
+        weight = np.asarray(weight, dtype=np.float32)
+        if weight.ndim != 2:
+            raise ValueError(f"{name}: weight must be 2-D [K, N], got shape {weight.shape}")
+        K, N = weight.shape
+        R, C = self.grid
+        axis = reduce_axis(role)
+        k_parts, n_parts = (R, C) if axis == "rows" else (C, R)
+        k_sizes, n_sizes = block_sizes(K, k_parts), block_sizes(N, n_parts)
+        self.layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
+                             "k_blocks": k_sizes, "n_blocks": n_sizes}
+
+        # Split the input along the reduction axis: mesh line p receives x[:, K-block p].
+        if len(k_sizes) > 1:
+            xs = gb.node("Split", [x, gb.const_i64(k_sizes)], n_out=len(k_sizes),
+                         name=f"{name}/to_mesh", axis=1)
+        else:
+            xs = [x]
+        line = "row" if axis == "rows" else "col"
+        y = None
+        k0 = 0
+        for p, (xp, kp) in enumerate(zip(xs, k_sizes)):
+            wp = gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0:k0 + kp]))
+            k0 += kp
+            if y is None:
+                y = gb.node("MatMul", [xp, wp], name=f"{name}/{line}{p}_gemv")
+            else:  # this line's partial products + the partial sum arriving from line p-1
+                y = gb.node("Gemm", [xp, wp, y], name=f"{name}/{line}{p}_gemv_reduce")
+        if bias is not None:
+            b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
+            y = gb.node("Add", [y, b], name=f"{name}/bias")
+        return y
