@@ -1,0 +1,427 @@
+"""`spark-lsp bench engine`: our engine against transformers and onnxruntime-genai on the same weights.
+
+Measured in one process, on one model folder, with the same prompt (random token ids), the same
+number of new tokens (greedy, eos ignored), the same intra-op thread count, after a warm-up run:
+
+- prefill: time to the first token of a cold prompt (``T1``), as tokens/s;
+- decode: ``(N - 1) / (T_N - T_1)`` where ``T_N`` is the time to N new tokens — the same formula for
+  every runner, so per-runner overheads (session setup, sampling) are charged alike;
+- TTFT cold vs. reused: the same prompt with ONE token changed at the end, prefix-reused;
+- cancel latency: ms from ``cancel()`` (another thread) until the consuming iterator stops,
+  during decode and during a prefill.
+
+``synthetic-8m`` names a reference model: a random-initialised fp32 Llama (d=256, 4 layers,
+d_ff=768, vocab 8192, untied: ~7.6M parameters) written with numpy into a cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+SYNTHETIC = {"synthetic-8m": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, vocab_size=8192,
+                                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048)}
+_SYNTHETIC_VERSION = 1
+
+
+def bench_root() -> Path:
+    """``$SPARK_LSP_CACHE/bench`` or ``~/.cache/spark-lsp/bench`` (synthetic models, peer builds)."""
+    env = os.environ.get("SPARK_LSP_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "spark-lsp"
+    return root / "bench"
+
+
+def _synthetic_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on Python stdlib source (the model is random; the vocab just has to exist)."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(lib.glob("*.py"))[:120]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer=trainer)
+    return tok
+
+
+def synthetic_model(name: str = "synthetic-8m", root: Path | None = None, seed: int = 0) -> Path:
+    """Write (once) a random-initialised fp32 Llama model folder; returns its path."""
+    from .weights import save_safetensors
+
+    if name not in SYNTHETIC:
+        raise ValueError(f"unknown synthetic model {name!r}; known: {', '.join(SYNTHETIC)}")
+    out = (root or bench_root()) / f"{name}-v{_SYNTHETIC_VERSION}"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    spec = SYNTHETIC[name]
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok = _synthetic_tokenizer(spec["vocab_size"])
+    eos, pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<pad>",
+        "model_max_length": spec["max_position_embeddings"]}, indent=2))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+              "bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad, "initializer_range": 0.02, **spec}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(seed)
+    h, i, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+
+    def normal(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal(v, h)}
+    for n in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        t.update({p + "input_layernorm.weight": np.ones(h, np.float32),
+                  p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.k_proj.weight": normal(h, h),
+                  p + "self_attn.v_proj.weight": normal(h, h), p + "self_attn.o_proj.weight": normal(h, h),
+                  p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+                  p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
+                  p + "mlp.down_proj.weight": normal(h, i)})
+    t["model.norm.weight"] = np.ones(h, np.float32)
+    t["lm_head.weight"] = normal(v, h)
+    save_safetensors(tmp / "model.safetensors", t)
+    if out.exists():  # another process won the race
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_model(spec: str | None) -> Path:
+    """A model argument: a synthetic model name, a folder, or None for the bundled model."""
+    if spec in SYNTHETIC:
+        return synthetic_model(spec)
+    if spec is None:
+        import importlib
+
+        from .config import ModelError
+        try:
+            return Path(importlib.import_module("engine.models").default_model_dir())
+        except ImportError:
+            raise ModelError("no --model given and no bundled default model is installed") from None
+    return Path(spec)
+
+
+@dataclass
+class BenchOptions:
+    prompt_tokens: int = 1000
+    new_tokens: int = 128
+    repeats: int = 5
+    cancels: int = 10
+    threads: int | None = None
+    peers: bool = True
+    wafer: bool = True
+    grid: tuple[int, int] | None = None
+    spinning: bool = False
+    seed: int = 0
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _p95(xs: list[float]) -> float:
+    return float(np.percentile(np.asarray(xs), 95))
+
+
+class _Ours:
+    """Our engine behind the peers' ``timed`` interface (each call cold: nothing reused)."""
+
+    name = "spark-lsp"
+
+    def __init__(self, eng) -> None:
+        from .generate import GenerationParams
+
+        self.eng = eng
+        self._params = GenerationParams
+        self.version = "spark-lsp engine"
+        self.stats: list[dict] = []
+
+    def run(self, prompt: list[int], new_tokens: int, slot: Any = "bench"):
+        gen = self.eng.generate(prompt, self._params(max_new_tokens=new_tokens, ignore_eos=True), slot=slot)
+        for _ in gen:
+            pass
+        return gen
+
+    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+        self.eng.reset()  # cold: no prefix to reuse (the KV buffers stay allocated)
+        t0 = time.perf_counter()
+        gen = self.run(prompt, new_tokens)
+        dt = time.perf_counter() - t0
+        if gen.stats["reused_tokens"]:
+            raise RuntimeError("a cold run reused a prefix; the benchmark would be unfair")
+        self.stats.append(dict(gen.stats))
+        return list(gen.tokens), dt
+
+
+def _rates(runner, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """Medians of T1 (time to 1 new token) and TN (time to n), alternated per repeat."""
+    t1s, tns, tokens = [], [], None
+    for p in prompts:
+        t1s.append(runner.timed(p, 1)[1])
+        toks, tn = runner.timed(p, n)
+        tns.append(tn)
+        tokens = tokens or toks
+    t1, tn = _median(t1s), _median(tns)
+    plen = len(prompts[0])
+    return {"ttft_ms": t1 * 1e3, "prefill_tok_s": plen / t1, "decode_tok_s": (n - 1) / max(tn - t1, 1e-9),
+            "t1_ms": [x * 1e3 for x in t1s], "tn_ms": [x * 1e3 for x in tns], "tokens": tokens}
+
+
+def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, phase: str, cold_ms: float,
+                    rng: np.random.Generator) -> dict[str, Any]:
+    """Cancel from the main thread while another thread iterates; ms until the iterator stops."""
+    from .generate import GenerationParams
+
+    lat, reasons = [], []
+    for k in range(count):
+        prompt = prompt_for(k)
+        eng.reset()
+        room = eng.context - len(prompt) - 1
+        gen = eng.generate(prompt, GenerationParams(max_new_tokens=room, ignore_eos=True), slot="bench")
+        started = threading.Event()
+        want = int(rng.integers(2, 20))
+        stopped: list[float] = []
+
+        def consume():
+            n = 0
+            for _ in gen:
+                n += 1
+                if n == want:
+                    started.set()
+            stopped.append(time.perf_counter())
+            started.set()
+
+        th = threading.Thread(target=consume, daemon=True)
+        th.start()
+        if phase == "decode":
+            started.wait()
+        else:  # somewhere inside the prefill
+            time.sleep(float(rng.uniform(0.1, 0.8)) * cold_ms / 1e3)
+        t_cancel = time.perf_counter()
+        gen.cancel()
+        th.join(timeout=30)
+        if not stopped:
+            raise RuntimeError("a cancelled generation did not stop within 30 s")
+        lat.append(max(0.0, stopped[0] - t_cancel) * 1e3)
+        reasons.append(gen.finish_reason)
+    return {"median_ms": _median(lat), "p95_ms": _p95(lat), "n": len(lat),
+            "cancelled": sum(r == "cancelled" for r in reasons)}
+
+
+def _agree(a: list[int] | None, b: list[int] | None) -> int:
+    n = 0
+    for x, y in zip(a or [], b or []):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the whole engine benchmark; returns the figures (see ``format_table``)."""
+    from .config import ModelError, load_config
+    from .engine import Engine
+    from .runtime import physical_cores
+    from .graph_cache import emitter_key
+    from .weights import expected_shapes, weights_digest
+
+    if opts.repeats < 1 or opts.new_tokens < 2 or opts.prompt_tokens < 2 or opts.cancels < 0:
+        raise ValueError("--repeats must be >= 1, --new-tokens >= 2, --prompt-tokens >= 2, --cancels >= 0")
+    folder = resolve_model(str(model) if model is not None else None)
+    threads = opts.threads or physical_cores()
+    cfg = load_config(folder)
+    eng = Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning)
+    n_new = opts.new_tokens
+    plen = opts.prompt_tokens
+    if plen + n_new + 1 > eng.context:
+        raise ModelError(f"--prompt-tokens {plen} + --new-tokens {n_new} exceed the model context ({eng.context})")
+
+    rng = np.random.default_rng(opts.seed)
+    avoid = set(eng.tokenizer.special_tokens.values()) | set(eng.eos_ids)
+    pool = np.array([t for t in range(eng.sample_vocab) if t not in avoid])
+
+    def prompt_for(k: int) -> list[int]:
+        r = np.random.default_rng(opts.seed * 1000 + k)
+        return [int(t) for t in r.choice(pool, plen)]
+
+    prompts = [prompt_for(k) for k in range(opts.repeats)]
+    n_params = int(sum(np.prod(s) for s in expected_shapes(cfg).values()))
+    result: dict[str, Any] = {
+        "model": str(folder), "architecture": cfg.architecture, "parameters": n_params,
+        "prompt_tokens": plen, "new_tokens": n_new, "repeats": opts.repeats, "threads": threads,
+        "emitter": emitter_key(eng.linear), "spinning": opts.spinning,
+    }
+    log(f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
+        f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads")
+
+    ours = _Ours(eng)
+    ours.timed(prompts[0], 8)  # warm-up
+    ours.stats.clear()
+    r = _rates(ours, prompts, n_new)
+    internal = [s["decode_tok_s"] for s in ours.stats if s["new_tokens"] == n_new]
+
+    # TTFT cold vs. the same prompt with the last token changed (prefix reused).
+    cold, warm, reused = [], [], []
+    for p in prompts:
+        eng.reset()
+        g = ours.run(p, 1)
+        cold.append(g.stats["ttft_ms"])
+        p2 = p[:-1] + [int(pool[(np.searchsorted(pool, p[-1]) + 1) % len(pool)])]
+        g = ours.run(p2, 1)
+        warm.append(g.stats["ttft_ms"])
+        reused.append(g.stats["reused_tokens"])
+    engine_res = {
+        "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"],
+        "decode_tok_s_internal": _median(internal) if internal else None,
+        "ttft_cold_ms": _median(cold), "ttft_reused_ms": _median(warm), "reused_tokens": int(_median(reused)),
+        "reused_over_cold": _median(warm) / _median(cold), "load_s": eng.load_s,
+    }
+    log(f"spark-lsp: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, "
+        f"TTFT cold {engine_res['ttft_cold_ms']:.1f} ms / reused {engine_res['ttft_reused_ms']:.2f} ms")
+    if opts.cancels:
+        engine_res["cancel_decode"] = _cancel_latency(eng, prompt_for, opts.cancels, "decode", 0.0, rng)
+        engine_res["cancel_prefill"] = _cancel_latency(eng, lambda k: prompt_for(100 + k), opts.cancels, "prefill",
+                                                       engine_res["ttft_cold_ms"], rng)
+    result["engine"] = engine_res
+
+    peers: dict[str, Any] = {}
+    if opts.peers:
+        from . import peers as peer_mod
+
+        factories = {
+            "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
+            "onnxruntime-genai": lambda: peer_mod.GenaiPeer(folder, threads, weights_digest(folder), bench_root(), log),
+        }
+        for name, make in factories.items():
+            try:
+                peer = make()
+            except peer_mod.PeerUnavailable as e:
+                log(f"{name}: skipped: {e}")
+                peers[name] = {"skipped": str(e)}
+                continue
+            peer.timed(prompts[0], 8)  # warm-up
+            pr = _rates(peer, prompts, n_new)
+            peers[name] = {"version": peer.version, "prefill_tok_s": pr["prefill_tok_s"],
+                           "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
+                           "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}"}
+            log(f"{name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s")
+            del peer
+    result["peers"] = peers
+    result["ratios"] = {
+        f"{k}_vs_{name}": engine_res[k] / p[k]
+        for name, p in peers.items() if "skipped" not in p for k in ("decode_tok_s", "prefill_tok_s")
+    }
+    return result
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """The benchmark as a table for people."""
+    e = res["engine"]
+    lines = [
+        f"model: {res['model']} ({res['architecture']}, {res['parameters'] / 1e6:.1f}M params)",
+        f"prompt {res['prompt_tokens']} tokens, {res['new_tokens']} new tokens (greedy), medians of "
+        f"{res['repeats']}, {res['threads']} threads, emitter {res['emitter']}",
+        "",
+        f"{'runner':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'TTFT ms':>10}{'decode ratio':>14}  notes",
+        f"{'spark-lsp':<20}{e['prefill_tok_s']:>15.0f}{e['decode_tok_s']:>15.0f}{e['ttft_cold_ms']:>10.1f}"
+        f"{'1.00':>14}",
+    ]
+    for name, p in res["peers"].items():
+        if "skipped" in p:
+            lines.append(f"{name:<20}{'skipped':>15}  {p['skipped']}")
+            continue
+        ratio = e["decode_tok_s"] / p["decode_tok_s"]
+        lines.append(f"{name:<20}{p['prefill_tok_s']:>15.0f}{p['decode_tok_s']:>15.0f}{p['ttft_ms']:>10.1f}"
+                     f"{ratio:>13.2f}x  greedy agreement {p['greedy_agreement']}; {p['version']}")
+    lines += [
+        "",
+        f"TTFT cold {e['ttft_cold_ms']:.2f} ms; last token changed (reused {e['reused_tokens']} tokens): "
+        f"{e['ttft_reused_ms']:.2f} ms = {100 * e['reused_over_cold']:.1f}% of cold",
+    ]
+    for phase in ("decode", "prefill"):
+        c = e.get(f"cancel_{phase}")
+        if c:
+            lines.append(f"cancel latency during {phase}: median {c['median_ms']:.2f} ms, p95 {c['p95_ms']:.2f} ms "
+                         f"({c['cancelled']}/{c['n']} cancelled)")
+    if res["ratios"]:
+        lines.append("ours/peer: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.bench`` — same as ``spark-lsp bench engine``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="spark-lsp bench engine", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="model folder, or 'synthetic-8m' (default: the bundled model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--prompt-tokens", type=int, default=1000, metavar="N")
+    p.add_argument("--new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--repeats", type=int, default=5, metavar="R")
+    p.add_argument("--cancels", type=int, default=10, metavar="N", help="cancels per phase for the latency figures")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op threads for every runner")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
+    p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter")
+    p.add_argument("--grid", default=None, metavar="RxC", help="emulated PE grid (default: the wafer default)")
+    p.add_argument("--spinning", action="store_true",
+                   help="let ORT threads spin between steps (faster, but burns CPU the editor needs)")
+
+
+def run(args) -> int:
+    from .config import ModelError
+
+    grid = None
+    try:
+        if args.grid:
+            try:
+                r, c = (int(x) for x in str(args.grid).lower().split("x"))
+                assert r > 0 and c > 0
+            except (ValueError, AssertionError):
+                raise ValueError(f"--grid {args.grid!r}: expected RxC with positive integers, e.g. 4x4") from None
+            grid = (r, c)
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be a positive integer")
+        opts = BenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
+                            cancels=args.cancels, threads=args.threads, peers=not args.no_peers,
+                            wafer=not args.no_wafer, grid=grid, spinning=args.spinning)
+        log = (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))
+        res = bench_engine(args.model, opts, log=log)
+    except (ModelError, ValueError, OSError) as e:
+        print(f"spark-lsp bench engine: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print()
+        print(format_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Benchmark peers: transformers ``generate()`` and onnxruntime-genai's generator on the same weights.
+
+Both are imported lazily (they are optional and torch must never load at run time otherwise).
+Every runner exposes the same ``timed(prompt_ids, new_tokens) -> (token ids, seconds)``: greedy,
+eos ignored, exactly ``new_tokens`` new tokens, wall time from the call until the last token, so
+``engine.bench`` can derive prefill and decode rates the same way for every runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class PeerUnavailable(Exception):
+    """A peer is not installed or cannot run this model; the message says why."""
+
+
+class TransformersPeer:
+    """transformers + torch (fp32, eager CPU), ``model.generate`` with greedy search."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        try:
+            import torch
+            import transformers
+        except ImportError as e:
+            raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install 'spark-lsp[peers]'") from None
+        torch.set_num_threads(threads)
+        self._torch = torch
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.eval()
+        gc = self.model.generation_config
+        gc.eos_token_id = None  # generate exactly new_tokens tokens, like the other runners
+        gc.pad_token_id = gc.pad_token_id if gc.pad_token_id is not None else 0
+
+    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+        torch = self._torch
+        ids = torch.tensor([prompt], dtype=torch.long)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, num_beams=1)
+            dt = time.perf_counter() - t0
+        return out[0, len(prompt):].tolist(), dt
+
+
+def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -> Path:
+    """Build (once, cached by the weights digest) onnxruntime-genai's fp32 CPU model of a folder."""
+    out = cache_root / "genai" / digest
+    if (out / "genai_config.json").is_file():
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix="genai-", dir=cache_root))
+    log(f"building the onnxruntime-genai model (once; cached in {out}) ...")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(tmp / "model"),
+           "-p", "fp32", "-e", "cpu", "-c", str(tmp / "hf_cache")]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0 or not (tmp / "model" / "genai_config.json").is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise PeerUnavailable(f"onnxruntime-genai builder failed: {tail[0]}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / "model", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class GenaiPeer:
+    """onnxruntime-genai's generator (its own builder: GroupQueryAttention, shared KV buffer)."""
+
+    name = "onnxruntime-genai"
+
+    def __init__(self, model_dir: Path, threads: int, digest: str, cache_root: Path, log=print) -> None:
+        try:
+            import onnxruntime_genai as og
+        except ImportError as e:
+            raise PeerUnavailable(f"onnxruntime-genai not installed ({e.name}); pip install 'spark-lsp[peers]'") from None
+        try:
+            import onnx_ir  # noqa: F401  (the builder needs it)
+        except ImportError:
+            raise PeerUnavailable("onnx-ir not installed (needed by the onnxruntime-genai builder)") from None
+        self._og = og
+        self.version = f"onnxruntime-genai {og.__version__}"
+        path = genai_model_dir(model_dir, digest, cache_root, log)
+        self._set_threads(path, threads)
+        self.model = og.Model(str(path))
+
+    @staticmethod
+    def _set_threads(path: Path, threads: int) -> None:
+        """Pin intra-op threads in genai_config.json (the same count our session uses)."""
+        cfg_path = path / "genai_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        so = cfg["model"]["decoder"].setdefault("session_options", {})
+        if so.get("intra_op_num_threads") != threads:
+            so["intra_op_num_threads"] = threads
+            so["inter_op_num_threads"] = 1
+            cfg_path.write_text(json.dumps(cfg, indent=4))
+
+    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+        og = self._og
+        t0 = time.perf_counter()
+        params = og.GeneratorParams(self.model)
+        total = len(prompt) + new_tokens
+        params.set_search_options(do_sample=False, max_length=total, min_length=total)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(prompt)
+        out: list[int] = []
+        while len(out) < new_tokens and not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        dt = time.perf_counter() - t0
+        return out, dt
