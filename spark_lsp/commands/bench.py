@@ -1,0 +1,94 @@
+"""`spark-lsp bench`: speed measurements — engine, edits, lsp, wafer, or all of them.
+
+Each benchmark lives in its own module, imported only when run (torch etc. load lazily):
+
+    engine -> engine.bench          edits -> engine.bench_edits
+    lsp    -> spark_lsp.bench_lsp   wafer -> engine.wafer.bench
+
+A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
+(``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
+so its options appear here. ``all`` runs every benchmark that is installed with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+MODULES = {
+    "engine": "engine.bench",
+    "edits": "engine.bench_edits",
+    "lsp": "spark_lsp.bench_lsp",
+    "wafer": "engine.wafer.bench",
+}
+HELP = {
+    "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
+    "edits": "streamed code-action edits (speculative edits vs plain decoding)",
+    "lsp": "end-to-end language-server latency (keystroke to completion)",
+    "wafer": "partitioned-weight emitter and the wafer performance model",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure speed (engine, edits, lsp, wafer, all)",
+                       description=__doc__.splitlines()[0])
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+    bsub.required = True
+    eng = bsub.add_parser("engine", help=HELP["engine"], description=HELP["engine"])
+    _add_engine_arguments(eng)
+    eng.set_defaults(func=_run_engine)
+    for name in ("edits", "lsp", "wafer"):
+        # Options belong to the module (imported lazily): pass every argument through untouched.
+        q = bsub.add_parser(name, help=HELP[name], add_help=False, prefix_chars="\0")
+        q.add_argument("argv", nargs="*")
+        q.set_defaults(func=run, bench_name=name)
+    a = bsub.add_parser("all", help="every installed benchmark, with its defaults")
+    a.add_argument("--model", default=None, metavar="DIR", help="model folder for the engine benchmark")
+    a.set_defaults(func=_run_all)
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    # engine.bench imports only numpy at module level, so its option list is cheap to get.
+    importlib.import_module("engine.bench").add_arguments(p)
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    return int(importlib.import_module("engine.bench").run(args) or 0)
+
+
+def _load(name: str):
+    """The benchmark module, or None when it is not installed (yet)."""
+    try:
+        return importlib.import_module(MODULES[name])
+    except ModuleNotFoundError as e:
+        if e.name and MODULES[name].startswith(e.name):
+            return None
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    """Delegate ``bench <name> ARGS...`` to the module's ``main(argv)``."""
+    name = args.bench_name
+    mod = _load(name)
+    if mod is None or not hasattr(mod, "main"):
+        print(f"spark-lsp bench {name}: error: not available in this installation "
+              f"({MODULES[name]}.main is missing)", file=sys.stderr)
+        return 2
+    return int(mod.main(list(args.argv)) or 0)
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    rc = 0
+    for name in MODULES:
+        print(f"\n=== bench {name} ===", flush=True)
+        mod = _load(name)
+        if mod is None or not hasattr(mod, "main"):
+            print(f"(skipped: {MODULES[name]} is not available yet)", flush=True)
+            continue
+        argv = ["--model", args.model] if (name == "engine" and args.model) else []
+        code = int(mod.main(argv) or 0)
+        if code:
+            print(f"(bench {name} exited with {code})", flush=True)
+            rc = rc or code
+    return rc
