@@ -106,7 +106,8 @@ class Engine:
             log.info("building the decoder graph for %s", folder)
             return build_decoder(config, load_weights(folder, config), linear, max_len=options["rope_len"])
 
-        path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir)
+        info = {"model_dir": str(folder), "emitter": graph_cache.emitter_key(linear), "options": options}
+        path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
         runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
         return cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
                    linear=linear, load_s=time.perf_counter() - t0)

@@ -58,10 +58,10 @@ def _safe_name(name: str) -> str:
 
 
 def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
-                 cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+                 cache_dir: str | Path | None = None, info: dict[str, Any] | None = None) -> tuple[Path, bool]:
     """Path of the cached ``model.onnx`` for ``key``, building it with ``build()`` on a miss.
 
-    Returns ``(path, built)``.
+    Returns ``(path, built)``.  ``info`` is recorded in the entry's ``meta.json``.
     """
     global builds
     root = cache_root(cache_dir)
@@ -77,7 +77,8 @@ def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
     try:
         onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=DATA_FILE, size_threshold=1024)
-        meta = {"name": name, "key": key, "graph_version": GRAPH_VERSION, "build_s": round(time.perf_counter() - t0, 3)}
+        meta = {"name": name, "key": key, "graph_version": GRAPH_VERSION,
+                "build_s": round(time.perf_counter() - t0, 3), **(info or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(tmp, entry)
