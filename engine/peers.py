@@ -59,6 +59,7 @@ def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -
     out = cache_root / "genai" / digest
     if (out / "genai_config.json").is_file():
         return out
+    cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="genai-", dir=cache_root))
     log(f"building the onnxruntime-genai model (once; cached in {out}) ...")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(tmp / "model"),

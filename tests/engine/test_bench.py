@@ -1,0 +1,142 @@
+"""`spark-lsp bench`: the synthetic reference model, the engine benchmark's figures, the peers, and
+the dispatcher. No timing assertions — only that the measurements are made and consistent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from engine import bench
+from engine.config import load_config
+from engine.tokenizer import Tokenizer
+from engine.weights import expected_shapes, load_weights
+from spark_lsp.commands import bench as bench_cmd
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPARK_LSP_CACHE", str(tmp_path_factory.getbasetemp() / "bench_cache"))
+
+
+def cli(argv, capsys):
+    parser = argparse.ArgumentParser(prog="spark-lsp")
+    bench_cmd.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *argv])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_synthetic_model_folder(tmp_path, monkeypatch):
+    spec = dict(bench.SYNTHETIC["synthetic-8m"], hidden_size=32, intermediate_size=48, vocab_size=400,
+                num_hidden_layers=2, max_position_embeddings=256)
+    monkeypatch.setitem(bench.SYNTHETIC, "synthetic-test", spec)
+    folder = bench.synthetic_model("synthetic-test", root=tmp_path)
+    assert bench.synthetic_model("synthetic-test", root=tmp_path) == folder  # cached
+    cfg = load_config(folder)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (32, 2, 400, False)
+    w = load_weights(folder, cfg)
+    assert abs(float(np.std(w["model.layers.0.mlp.up_proj.weight"])) - 0.02) < 0.003
+    tok = Tokenizer.load(folder)
+    assert tok.vocab_size <= 400 and tok.eos_ids == {tok.token_to_id("<|endoftext|>")}
+    assert tok.decode(tok.encode("def f(x): return x")) == "def f(x): return x"
+    with pytest.raises(ValueError, match="unknown synthetic model"):
+        bench.synthetic_model("synthetic-1t", root=tmp_path)
+
+
+def test_reference_model_size():
+    """synthetic-8m is the issue's ~8M-parameter fp32 Llama (d=256, 4 layers, d_ff=768, vocab 8192)."""
+    from engine.config import ModelConfig
+
+    s = bench.SYNTHETIC["synthetic-8m"]
+    cfg = ModelConfig("llama", s["vocab_size"], s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"],
+                      s["num_attention_heads"], s["num_key_value_heads"], 64, 1e-5, 1e4, 2048, False, False, False,
+                      (0,), None, "float32", None)
+    n = sum(int(np.prod(x)) for x in expected_shapes(cfg).values())
+    assert 7_000_000 < n < 9_000_000
+
+
+def test_engine_bench_without_peers(tiny_llama, capsys):
+    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--no-peers", "--prompt-tokens", "200",
+                        "--new-tokens", "8", "--repeats", "2", "--cancels", "3", "--no-wafer"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    e = res["engine"]
+    assert res["prompt_tokens"] == 200 and res["new_tokens"] == 8 and res["peers"] == {} and res["ratios"] == {}
+    assert e["reused_tokens"] == 199  # one token changed at the end
+    for k in ("prefill_tok_s", "decode_tok_s", "ttft_cold_ms", "ttft_reused_ms"):
+        assert e[k] > 0
+    for phase in ("cancel_decode", "cancel_prefill"):
+        c = e[phase]
+        assert c["n"] == 3 and c["median_ms"] >= 0 and c["p95_ms"] >= c["median_ms"]
+    assert e["cancel_decode"]["cancelled"] == 3  # always mid-stream: the generation cannot end by itself
+
+
+def test_engine_bench_table_and_errors(tiny_llama, capsys):
+    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--no-peers", "--prompt-tokens", "64",
+                        "--new-tokens", "4", "--repeats", "1", "--cancels", "1"], capsys)
+    assert rc == 0, err
+    assert "spark-lsp" in out and "TTFT cold" in out and "cancel latency during decode" in out
+    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--no-peers", "--prompt-tokens", "600"], capsys)
+    assert rc == 2 and "exceed the model context (512)" in err and err.count("\n") == 1
+    rc, out, err = cli(["engine", "--model", "/nonexistent", "--no-peers"], capsys)
+    assert rc == 2 and "model folder not found" in err
+    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--grid", "bad"], capsys)
+    assert rc == 2 and "--grid 'bad'" in err
+
+
+@pytest.mark.slow
+def test_engine_bench_with_peers(tiny_llama, capsys):
+    """Both peers run on the same weights and agree with our greedy tokens."""
+    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--prompt-tokens", "100",
+                        "--new-tokens", "16", "--repeats", "1", "--cancels", "0", "--no-wafer"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    for name in ("transformers", "onnxruntime-genai"):
+        p = res["peers"][name]
+        assert "skipped" not in p, p
+        assert p["decode_tok_s"] > 0 and p["greedy_agreement"] == "16/16"
+        assert res["ratios"][f"decode_tok_s_vs_{name}"] > 0
+
+
+def test_peer_unavailable_is_reported(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "torch", None)
+    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--prompt-tokens", "32",
+                        "--new-tokens", "4", "--repeats", "1", "--cancels", "0"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert "not installed" in res["peers"]["transformers"]["skipped"]
+    assert "not installed" in res["peers"]["onnxruntime-genai"]["skipped"]
+    assert "skipped" in err
+
+
+def test_dispatcher_passes_arguments_through(capsys, monkeypatch):
+    seen = {}
+    fake = types.ModuleType("fake_bench")
+    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setitem(bench_cmd.MODULES, "wafer", "fake_bench")
+    rc, _, _ = cli(["wafer", "--json", "--grid", "4x4", "--help"], capsys)
+    assert rc == 0 and seen["argv"] == ["--json", "--grid", "4x4", "--help"]
+
+    monkeypatch.setitem(bench_cmd.MODULES, "lsp", "no_such_module_for_bench")
+    rc, out, err = cli(["lsp"], capsys)
+    assert rc == 2 and "not available" in err
+
+    # `all` runs what exists and says what is missing
+    calls = []
+    for name in ("engine", "edits", "wafer"):
+        m = types.ModuleType(f"fake_{name}")
+        m.main = (lambda n: lambda argv: calls.append((n, argv)) or 0)(name)
+        monkeypatch.setitem(sys.modules, f"fake_{name}", m)
+        monkeypatch.setitem(bench_cmd.MODULES, name, f"fake_{name}")
+    rc, out, _ = cli(["all", "--model", "synthetic-8m"], capsys)
+    assert rc == 0
+    assert calls == [("engine", ["--model", "synthetic-8m"]), ("edits", []), ("wafer", [])]
+    assert "=== bench lsp ===" in out and "no_such_module_for_bench is not available" in out
