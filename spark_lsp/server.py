@@ -505,6 +505,8 @@ def create_server(model_dir: str | None = None) -> SparkServer:
         if len(args) != 3 or not isinstance(args[0], str) or not isinstance(args[1], dict) \
                 or not isinstance(args[2], str):
             raise JsonRpcInvalidParams(f"{CMD_INSTRUCT} takes [uri, range, instruction text]")
+        if not args[2].strip():
+            raise JsonRpcInvalidParams(f"{CMD_INSTRUCT}: the instruction is empty")
         data = {"action": actions.INSTRUCT, "uri": args[0], "range": args[1]}
         return await apply_action_with(ls, data, args[2])
 

@@ -1,0 +1,233 @@
+"""End to end over stdio with pytest-lsp and a tiny random model: protocol behaviour, not content."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from lsprotocol import types as T
+from pygls.exceptions import JsonRpcException
+
+from conftest import plain
+
+URI = "file:///work/sample.py"
+AUTO, INVOKED = T.InlineCompletionTriggerKind.Automatic, T.InlineCompletionTriggerKind.Invoked
+
+
+async def test_initialize_advertises_capabilities(tiny_llama):
+    from conftest import start_editor
+
+    client, ed = await start_editor(tiny_llama)
+    try:
+        caps = client.protocol.server_capabilities if hasattr(client.protocol, "server_capabilities") else None
+        res = await ed.metrics()
+        assert res["loaded"] and res["model"] == "tiny_llama"
+        assert res["settings"]["contextTokens"] == 192
+        # the model load was reported as work-done progress
+        assert any(t.startswith("spark-load") for t in client.progress_reports)
+        del caps
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+
+
+async def test_initialize_result(tiny_llama):
+    from pytest_lsp import client_capabilities, make_test_lsp_client
+
+    from conftest import SERVER
+
+    client = make_test_lsp_client()
+    await client.start_io(*SERVER, "--model", str(tiny_llama))
+    try:
+        res = await client.initialize_session(T.InitializeParams(capabilities=client_capabilities("neovim")))
+        caps = res.capabilities
+        assert caps.inline_completion_provider is not None
+        assert caps.code_action_provider.resolve_provider is True
+        assert {"spark.editWithInstruction", "spark.cancel", "spark.toggle"} <= set(caps.execute_command_provider.commands)
+        sync = caps.text_document_sync
+        assert sync.change == T.TextDocumentSyncKind.Incremental
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+
+
+async def test_inline_completion_and_status(editor, sample):
+    editor.open(URI, sample)
+    off = sample.index("total = add(") + len("total = add(")
+    res = await editor.inline(URI, off)
+    assert isinstance(res, T.InlineCompletionList) and len(res.items) <= 1
+    for item in res.items:
+        assert item.range.start == editor.pos(URI, off) == item.range.end
+        assert item.filter_text == item.insert_text and "\n" not in item.insert_text
+    for _ in range(50):
+        if editor.status:
+            break
+        await asyncio.sleep(0.05)
+    st = editor.status[-1]
+    assert st["model"] == "tiny_llama" and st["promptTokens"] > 0 and "ttftMs" in st
+    # Invoked may offer up to three distinct items
+    res = await editor.inline(URI, off, INVOKED)
+    texts = [i.insert_text for i in res.items]
+    assert len(texts) <= 3 and len(set(texts)) == len(texts)
+
+
+async def test_typing_through_needs_no_model_call(editor, sample):
+    editor.open(URI, sample)
+    line_end = sample.index("    print(total)") + len("    print(total)")
+    # find a cursor where the tiny model suggests something at least 2 characters long
+    items = []
+    for off in (sample.index("out.append(") + len("out.append("), sample.index("total = add(") + 12, line_end):
+        res = await editor.inline(URI, off)
+        items = [i.insert_text for i in res.items if len(i.insert_text) >= 2]
+        if items:
+            break
+    assert items, "the tiny model gave no suggestion anywhere"
+    before = await editor.metrics()
+    off = editor.type(URI, off, items[0][0])
+    res = await editor.inline(URI, off)
+    after = await editor.metrics()
+    assert [i.insert_text for i in res.items] == [items[0][1:]]
+    assert after["typingThrough"] == before["typingThrough"] + 1
+    assert after["modelCalls"] == before["modelCalls"]
+    # typing something else falls back to the model
+    off = editor.type(URI, off, "\u00a7")
+    await editor.inline(URI, off)
+    assert (await editor.metrics())["modelCalls"] == before["modelCalls"] + 1
+
+
+async def test_cancel_request_stops_the_engine(editor, sample):
+    await editor.command("spark.configure", {"maxTokens": 300, "maxLines": 200, "contextTokens": 128})
+    editor.open(URI, sample)
+    off = sample.index("def main():") + len("def main():")
+    mid, fut = editor.start_inline(URI, off)
+    await asyncio.sleep(0.01)
+    editor.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
+    with pytest.raises(JsonRpcException) as info:
+        await fut
+    assert info.value.code == -32800
+    for _ in range(100):
+        m = await editor.metrics()
+        if m["cancelLatencyMs"]:
+            break
+        await asyncio.sleep(0.02)
+    assert m["cancelled"] >= 1 and m["cancelLatencyMs"], m
+    # and the server keeps answering
+    assert isinstance(await editor.inline(URI, off), T.InlineCompletionList)
+
+
+async def test_did_change_supersedes_in_flight_request(editor, sample):
+    await editor.command("spark.configure", {"maxTokens": 300, "maxLines": 200, "contextTokens": 128})
+    editor.open(URI, sample)
+    off = sample.index("def main():") + len("def main():")
+    _, fut = editor.start_inline(URI, off)
+    await asyncio.sleep(0.01)
+    editor.type(URI, 0, "#")
+    try:
+        await fut
+        superseded = False
+    except JsonRpcException as exc:
+        assert exc.code == -32801  # ContentModified
+        superseded = True
+    m = await editor.metrics()
+    assert superseded and m["superseded"] >= 1, m
+
+
+@pytest.mark.parametrize("action", ["rewrite", "complete", "docstring", "test"])
+async def test_code_action_produces_minimal_edit(editor, sample, action):
+    editor.open(URI, sample)
+    lines = sample.splitlines()
+    fn = lines.index("def scale(values, factor):")
+    rng = T.Range(T.Position(fn + 2, 0), T.Position(fn + 4, 0)) if action == "rewrite" else \
+        T.Range(T.Position(fn + 1, 4), T.Position(fn + 1, 4))
+    listed = await editor.client.text_document_code_action_async(T.CodeActionParams(
+        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
+    by_action = {plain(a.data)["action"]: a for a in listed if getattr(a, "data", None)}
+    assert action in by_action and by_action[action].edit is None  # lazy: listing costs nothing
+    resolved = await editor.client.code_action_resolve_async(by_action[action])
+    edits = resolved.edit.changes[URI]
+    assert edits, "no edit"
+    n_lines = len(lines)
+    for e in edits:
+        assert not (e.range.start.line == 0 and e.range.end.line >= n_lines - 1), "whole-file replace"
+    editor.change(URI, [(e.range, e.new_text) for e in reversed(edits)])
+    new = editor.text(URI)
+    if action == "docstring":
+        assert '    """' in new.split("def scale", 1)[1].split("out = []")[0]
+    elif action == "test":
+        assert new.startswith(sample) and "\n\ndef test_scale():\n    " in new
+    elif action == "rewrite":
+        sel_start = sample.index("    for v in values")
+        sel_end = sample.index("    return out")
+        assert new[:sel_start] == sample[:sel_start] and new.endswith(sample[sel_end:])
+    else:
+        assert new.count("def main():") == 1 and len(new) > len(sample)
+
+
+async def test_edit_with_instruction_applies_through_apply_edit(editor, sample):
+    editor.open(URI, sample)
+    fn = sample.splitlines().index("def main():")
+    rng = {"start": {"line": fn + 1, "character": 0}, "end": {"line": fn + 3, "character": 0}}
+    res = await editor.command("spark.editWithInstruction", URI, rng, "print the total twice")
+    assert res["outcome"] == "done" and editor.applied
+    assert editor.text(URI).startswith(sample.split("    total = add")[0])
+    with pytest.raises(JsonRpcException) as info:
+        await editor.command("spark.editWithInstruction", URI, rng, "   ")
+    assert info.value.code == -32602 and "instruction" in info.value.message
+
+
+async def test_live_edit_is_interrupted_by_typing(editor, sample):
+    await editor.command("spark.configure", {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 300,
+                                             "contextTokens": 128})
+    body = "".join(f"    value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 40))
+    text = sample + "\n\ndef long():\n" + body
+    editor.open(URI, text)
+    start = text.index("    value_1 =")
+    rng = T.Range(editor.pos(URI, start), editor.pos(URI, len(text)))
+    listed = await editor.client.text_document_code_action_async(T.CodeActionParams(
+        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
+    rewrite = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite")
+    resolved = await editor.client.code_action_resolve_async(rewrite)
+    assert resolved.command.command == "spark.applyAction"
+
+    typed = []
+
+    def user_types(uri):  # the user types at the top of the file after the first streamed edit
+        if not typed:
+            typed.append(1)
+            editor.type(uri, 0, "# user\n")
+    editor.after_apply = user_types
+    res = await editor.command(resolved.command.command, *resolved.command.arguments)
+    assert res["outcome"] == "stopped by the user" and not res["complete"], res
+    assert editor.text(URI).startswith("# user\n" + sample)   # what was written stays, typing too
+    m = await editor.metrics()
+    assert m["cancelLatencyMs"], m
+    # progress was begun and ended
+    kinds = [p.kind for tok, ps in editor.client.progress_reports.items() if tok.startswith("spark-edit") for p in ps]
+    assert kinds[0] == "begin" and kinds[-1] == "end"
+
+
+async def test_bad_params_get_errors_and_server_survives(editor, sample):
+    editor.open(URI, sample)
+    def params(uri, line, ch):
+        return T.InlineCompletionParams(text_document=T.TextDocumentIdentifier(uri), position=T.Position(line, ch),
+                                        context=T.InlineCompletionContext(trigger_kind=AUTO))
+    bad = [params(URI, 999, 0), params(URI, 0, 500), params("file:///nope.py", 0, 0)]
+    for params in bad:
+        with pytest.raises(JsonRpcException) as info:
+            await editor.client.text_document_inline_completion_async(params)
+        assert info.value.code == -32602
+    with pytest.raises(JsonRpcException) as info:
+        await editor.command("spark.configure", {"maxTokens": "lots", "temperature": -1})
+    assert "maxTokens" in info.value.message and "temperature" in info.value.message
+    with pytest.raises(JsonRpcException):
+        await editor.client.code_action_resolve_async(T.CodeAction(title="forged", data={"action": "explode"}))
+    # a bad didChangeConfiguration is reported, the old settings stay
+    editor.client.workspace_did_change_configuration(T.DidChangeConfigurationParams(settings={"spark": {"debounceMs": -5}}))
+    for _ in range(50):
+        if any("debounceMs" in m.message for m in editor.client.messages):
+            break
+        await asyncio.sleep(0.05)
+    assert any("debounceMs" in m.message for m in editor.client.messages)
+    assert (await editor.metrics())["settings"]["debounceMs"] == 0
+    res = await editor.inline(URI, sample.index("print(") + 6)
+    assert isinstance(res, T.InlineCompletionList)
