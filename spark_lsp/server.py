@@ -27,7 +27,7 @@ from .documents import PositionError, minimal_edits, offset_at, position_at
 from .model_host import ModelHost, ModelNotReady
 from .scheduler import Cancelled, Job, Scheduler, run_job
 from .settings import Settings, SettingsError, to_json, update
-from .status import METRICS_METHOD, STATUS_METHOD, Metrics, status_payload, wafer_projection
+from .status import METRICS_METHOD, STATUS_METHOD, Metrics, WaferProjector, status_payload
 
 log = logging.getLogger("spark_lsp")
 
@@ -87,6 +87,7 @@ class SparkServer(LanguageServer):
         self.scheduler: Scheduler | None = None
         self.typing = completions.TypingThrough()
         self.metrics = Metrics()
+        self.wafer = WaferProjector()
         self.live: dict[str, live_edits.LiveEdit] = {}
         self.enabled = True
         self._tokens = itertools.count(1)
@@ -149,6 +150,16 @@ class SparkServer(LanguageServer):
     def apply_settings(self, raw: Any, source: str) -> None:
         """Validate and apply settings; raises SettingsError (the caller reports it)."""
         new, warnings = update(self.settings, raw)
+        if new.wafer_chip and new.wafer_chip != self.settings.wafer_chip:
+            try:
+                from engine.wafer.chips import ChipError, load_chip
+            except ImportError:
+                pass
+            else:
+                try:
+                    load_chip(new.wafer_chip)
+                except ChipError as exc:
+                    raise SettingsError(f"setting 'waferChip': {exc}") from None
         for w in warnings:
             self.log(f"{source}: {w}", T.MessageType.Warning)
         old = self.settings
@@ -160,7 +171,7 @@ class SparkServer(LanguageServer):
     def send_status(self, kind: str, stats: dict) -> None:
         self.metrics.record_generation(stats)
         try:
-            wafer = wafer_projection(self.host.engine, self.settings)
+            wafer = self.wafer.get(self.host.engine, self.settings)
             self.protocol.notify(STATUS_METHOD, status_payload(self.host.name, kind, stats, wafer))
         except Exception as exc:
             log.debug("status notification failed: %s", exc)
@@ -176,6 +187,7 @@ class SparkServer(LanguageServer):
                     message="ready" if ok else "failed"))
             if ok:
                 self.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
+                self.wafer.get(self.host.engine, self.settings)  # start the projection early
             else:
                 self.log(msg, T.MessageType.Error)
                 self.window_show_message(T.ShowMessageParams(type=T.MessageType.Error, message=msg))

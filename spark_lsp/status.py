@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import statistics
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,29 +23,47 @@ def _num(v: Any, nd: int = 2) -> float | None:
         return None
 
 
-def wafer_projection(engine: Any, settings: Settings) -> dict | None:
-    """Projected decode speed on the emulated wafer for this model, if the engine's wafer package
-    offers a performance model; None otherwise (it is optional)."""
-    try:
-        from engine.wafer import perf  # noqa: F401  (optional module)
-    except Exception:
-        return None
-    try:
-        fn = getattr(perf, "project_decode", None)
-        if fn is None:
+class WaferProjector:
+    """Projected decode speed of the loaded model on the emulated wafer (engine.wafer's analytic
+    performance model). Computed once per (model, chip, grid) in a background thread, since
+    searching region sizes can take a while; None until ready or when engine.wafer is absent."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, dict | None] = {}
+        self._lock = threading.Lock()
+
+    def get(self, engine: Any, settings: Settings) -> dict | None:
+        if engine is None:
             return None
-        kw = {}
-        if settings.wafer_chip:
-            kw["chip"] = settings.wafer_chip
-        if settings.wafer_grid:
-            kw["grid"] = settings.wafer_grid
-        out = fn(engine.config, **kw)
-        if isinstance(out, dict):
-            return out
-        return {"decode_tok_s": _num(out, 1)}
-    except Exception as exc:  # a projection must never break a completion
-        log.debug("wafer projection failed: %s", exc)
+        key = (id(engine), settings.wafer_chip, settings.wafer_grid)
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+            self._cache[key] = None
+        threading.Thread(target=self._compute, args=(key, engine, settings), daemon=True,
+                         name="spark-wafer-projection").start()
         return None
+
+    def _compute(self, key: tuple, engine: Any, settings: Settings) -> None:
+        try:
+            from engine.wafer.chips import load_chip
+            from engine.wafer.perfmodel import plan
+            from engine.wafer.placement import ModelShape
+        except Exception as exc:  # optional package
+            log.debug("no wafer performance model: %s", exc)
+            return
+        try:
+            chip = load_chip(settings.wafer_chip or "wse3")
+            shape = ModelShape.from_config(engine.config, name=str(getattr(engine, "name", "model")))
+            placement, proj = plan(shape, chip, grid=settings.wafer_grid)
+            out = {"chip": chip.name, "grid": list(placement.grid),
+                   "decode_tok_s": round(float(proj.decode_tok_s), 1),
+                   "ttft_ms": round(float(proj.ttft_s) * 1e3, 3)}
+        except Exception as exc:  # a projection must never break a completion
+            log.warning("wafer projection failed: %s", exc)
+            out = {"error": str(exc)}
+        with self._lock:
+            self._cache[key] = out
 
 
 def status_payload(model: str, kind: str, stats: dict, wafer: dict | None) -> dict:
@@ -61,7 +80,7 @@ def status_payload(model: str, kind: str, stats: dict, wafer: dict | None) -> di
     }
     if wafer:
         out["wafer"] = wafer
-        if "decode_tok_s" in wafer:
+        if wafer.get("decode_tok_s") is not None:
             out["waferDecodeTokensPerSecond"] = wafer["decode_tok_s"]
     return out
 
