@@ -1,0 +1,215 @@
+"""`spark-lsp bench lsp`: keystroke-to-suggestion latency from a replayed typing trace.
+
+The server runs as editors run it (a child process over stdio). A real Python file is opened with
+one function's body removed; the body is then typed back character by character at about 10
+characters a second with a pause after each line, auto-indent inserting the indentation with the
+newline. Every keystroke sends `didChange` then `textDocument/inlineCompletion` (Automatic), and a
+request still pending when the next key arrives is cancelled with `$/cancelRequest`, as VS Code
+does. Latency is request sent -> response received, measured in the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+DEFAULT_FILE = "functools.py"  # ~1,000 lines of real stdlib Python
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="model folder (default: the bundled model)")
+    p.add_argument("--file", metavar="PY", help=f"Python file to type into (default: stdlib {DEFAULT_FILE})")
+    p.add_argument("--function", metavar="NAME", help="function whose body is typed (default: a 8-40 line "
+                                                      "function in the middle of the file)")
+    p.add_argument("--cps", type=float, default=10.0, help="typing speed, characters per second (default 10)")
+    p.add_argument("--line-pause", type=float, default=0.6, help="pause after each line, seconds (default 0.6)")
+    p.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (tests: 10)")
+    p.add_argument("--max-chars", type=int, default=None, help="stop after typing this many characters")
+    p.add_argument("--context-tokens", type=int, default=None, help="server setting contextTokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="server setting maxTokens")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spark-lsp bench lsp", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def pick_function(source: str, name: str | None) -> tuple[int, int, str]:
+    """(body start offset, body end offset, function name): the body is what gets typed."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for ln in lines:
+        starts.append(starts[-1] + len(ln))
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if name:
+        funcs = [f for f in funcs if f.name == name]
+        if not funcs:
+            raise SystemExit(f"spark-lsp bench lsp: --function {name}: no such function in the file")
+    else:
+        funcs = [f for f in funcs if 8 <= (f.end_lineno - f.lineno) <= 40 and f.col_offset == 0] or \
+            [f for f in funcs if 4 <= (f.end_lineno - f.lineno) <= 60]
+        if not funcs:
+            raise SystemExit("spark-lsp bench lsp: no function of a suitable size in the file; use --function")
+        funcs.sort(key=lambda f: f.lineno)
+        funcs = [funcs[len(funcs) // 2]]
+    f = funcs[0]
+    first = f.body[0]
+    if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+            and isinstance(first.value.value, str) and len(f.body) > 1:
+        first = f.body[1]  # keep the docstring: it is context the user already wrote
+    body_start = starts[first.lineno - 1] + len(lines[first.lineno - 1]) - len(lines[first.lineno - 1].lstrip())
+    body_end = starts[f.end_lineno]
+    return body_start, body_end, f.name
+
+
+def keystrokes(body: str) -> list[str]:
+    """The body as editor changes: one per character, but a newline carries the next line's
+    indentation (auto-indent)."""
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\n":
+            j = i + 1
+            while j < len(body) and body[j] in " \t":
+                j += 1
+            out.append(body[i:j])
+            i = j
+        else:
+            out.append(ch)
+            i += 1
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run(args) -> int:
+    from .rpc_client import LspClient, RpcError, server_cmd
+
+    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        print(f"spark-lsp bench lsp: --file {path}: {exc}", file=sys.stderr)
+        return 2
+    if args.speed <= 0 or args.cps <= 0:
+        print("spark-lsp bench lsp: --speed and --cps must be positive", file=sys.stderr)
+        return 2
+    start, end, fname = pick_function(source, args.function)
+    body = source[start:end]
+    keys = keystrokes(body)
+    if args.max_chars:
+        acc, cut = 0, 0
+        for cut, k in enumerate(keys):
+            acc += len(k)
+            if acc >= args.max_chars:
+                break
+        keys = keys[:cut + 1]
+    text = source[:start] + source[end:]
+    options = {"liveEdits": False}
+    if args.context_tokens:
+        options["contextTokens"] = args.context_tokens
+    if args.max_tokens:
+        options["maxTokens"] = args.max_tokens
+
+    client = LspClient(server_cmd(args.model))
+    try:
+        t0 = time.perf_counter()
+        client.initialize(options)
+        info = client.wait_ready()
+        load_s = time.perf_counter() - t0
+        uri = path.resolve().as_uri()
+        client.open(uri, text)
+        # warm up: the first request prefills the whole prompt (as when a file is opened)
+        client.inline(uri, start).result(120)
+        base = client.call("spark/metrics", {})
+
+        key_dt = 1.0 / (args.cps * args.speed)
+        pause = args.line_pause / args.speed
+        offset = start
+        pending = None
+        results = []  # (latency_ms, served_items)
+        cancelled = 0
+        futures = []
+        t_next = time.perf_counter()
+        for k in keys:
+            now = time.perf_counter()
+            if t_next > now:
+                time.sleep(t_next - now)
+            if pending is not None and not pending.done():
+                client.cancel(pending)
+            offset = client.type_text(uri, offset, k)
+            pending = client.inline(uri, offset)
+            futures.append(pending)
+            t_next += key_dt + (pause if "\n" in k else 0.0)
+        for f in futures:
+            try:
+                res = f.result(120)
+                results.append((f.latency_ms, len((res or {}).get("items", []))))
+            except RpcError as exc:
+                if exc.code in (-32800, -32801):
+                    cancelled += 1
+                else:
+                    raise
+        final = client.call("spark/metrics", {})
+    finally:
+        client.shutdown()
+
+    lat = [r[0] for r in results]
+    served = {k: final[k] - base.get(k, 0) for k in ("inlineRequests", "typingThrough", "modelCalls",
+                                                     "prefixCacheHits", "promptTokens", "reusedTokens")}
+    out = {
+        "file": str(path), "lines": source.count("\n"), "function": fname, "model": info.get("model"),
+        "keystrokes": len(keys), "chars": sum(len(k) for k in keys),
+        "cps": args.cps, "speed": args.speed, "load_s": round(load_s, 2),
+        "answered": len(lat), "cancelled_or_superseded": cancelled,
+        "with_suggestion": sum(1 for r in results if r[1]),
+        "latency_ms_median": round(statistics.median(lat), 2) if lat else None,
+        "latency_ms_p95": round(_pct(lat, 95), 2) if lat else None,
+        "latency_ms_max": round(max(lat), 2) if lat else None,
+        "typing_through": served["typingThrough"], "model_calls": served["modelCalls"],
+        "prefix_cache_hits": served["prefixCacheHits"],
+        "prompt_tokens": served["promptTokens"], "reused_prompt_tokens": served["reusedTokens"],
+        "cancel_latency_ms_median": final.get("cancelLatencyMsMedian"),
+        "cancel_latency_ms_p95": final.get("cancelLatencyMsP95"),
+        "cancels_measured": len(final.get("cancelLatencyMs") or []),
+        "ttft_ms_median": final.get("ttftMsMedian"),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"bench lsp: typed {out['chars']} chars of {fname}() into {path.name} ({out['lines']} lines) "
+              f"with {out['model']}, {args.cps:g} chars/s x{args.speed:g}")
+        rows = [("requests answered", out["answered"]), ("cancelled / superseded", cancelled),
+                ("latency median (ms)", out["latency_ms_median"]), ("latency p95 (ms)", out["latency_ms_p95"]),
+                ("latency max (ms)", out["latency_ms_max"]),
+                ("served by typing-through", out["typing_through"]), ("model calls", out["model_calls"]),
+                ("model calls reusing the prefix cache", out["prefix_cache_hits"]),
+                ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),
+                ("cancel latency median / p95 (ms)",
+                 f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']}"),
+                ("TTFT median (ms)", out["ttft_ms_median"])]
+        w = max(len(r[0]) for r in rows)
+        for name, val in rows:
+            print(f"  {name:<{w}}  {val}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
