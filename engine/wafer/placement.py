@@ -158,7 +158,7 @@ def layer_fill(shape: ModelShape, R: int, C: int, context: int, per_pe: bool = F
     peak["vectors"], peak["kv_cache"] = vec, kv
     if per_pe:
         return fill + vec + kv
-    return sum(peak.values()), sum(rb.values()) + kv_total + vec * R * C, peak
+    return sum(peak.values()), sum(rb.values()) + (kv + vec) * R * C, peak
 
 
 def head_fill(shape: ModelShape, R: int, C: int) -> tuple[int, int]:
