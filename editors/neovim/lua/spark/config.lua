@@ -1,0 +1,105 @@
+--- Options of require('spark').setup() with their defaults, validated so that a typo names the
+--- option instead of failing later inside a callback.
+local M = {}
+
+M.defaults = {
+  -- Server command. nil: `spark-lsp serve --stdio` if spark-lsp is executable, else
+  -- `python3 -m spark_lsp.cli serve --stdio`.
+  cmd = nil,
+  -- Model folder; nil/'' = the bundled default model. Sent as the `model` setting.
+  model = nil,
+  -- Filetypes to attach to; '*' attaches to every normal file buffer.
+  filetypes = { 'python', 'lua', 'javascript', 'typescript', 'javascriptreact', 'typescriptreact',
+    'c', 'cpp', 'rust', 'go', 'java', 'sh', 'ruby', 'zig' },
+  root_markers = { '.git', 'pyproject.toml', 'package.json', 'Cargo.toml', 'go.mod' },
+  -- Ghost text: 'auto' (native vim.lsp.inline_completion on Neovim 0.12+, extmarks before),
+  -- 'native', 'extmark', or false for none (code actions and :SparkEdit still work).
+  inline = 'auto',
+  -- Client-side debounce of automatic requests in the extmark path (ms).
+  debounce_ms = 60,
+  -- How long Neovim batches didChange notifications (ms); small so typing stops a live edit fast.
+  debounce_text_changes = 20,
+  -- Insert-mode keys; false disables one.
+  keys = {
+    accept = '<Tab>',
+    accept_word = '<C-Right>',
+    accept_line = '<C-Down>',
+    dismiss = '<C-]>',
+    trigger = '<M-\\>',
+    next = '<M-]>',
+    prev = '<M-[>',
+  },
+  -- Server settings (camelCase, see the server's README): maxTokens, maxEditTokens, temperature,
+  -- contextTokens, debounceMs, liveEdits, liveEditHz, multiline, maxLines, waferChip, waferGrid…
+  settings = {},
+  -- Called with each `spark/status` payload (e.g. to refresh a statusline).
+  on_status = nil,
+}
+
+local function check(name, value, types, optional)
+  if value == nil and optional then
+    return
+  end
+  local t = type(value)
+  for _, want in ipairs(type(types) == 'table' and types or { types }) do
+    if t == want then
+      return
+    end
+  end
+  error(string.format('spark.setup: option %q must be %s, got %s', name,
+    table.concat(type(types) == 'table' and types or { types }, ' or '), vim.inspect(value)), 0)
+end
+
+--- Merged and validated options (raises an error naming the bad option).
+function M.resolve(opts)
+  check('opts', opts, 'table', true)
+  local o = vim.tbl_deep_extend('force', vim.deepcopy(M.defaults), opts or {})
+  check('cmd', o.cmd, { 'table', 'string' }, true)
+  check('model', o.model, 'string', true)
+  check('filetypes', o.filetypes, { 'table', 'string' })
+  check('root_markers', o.root_markers, 'table')
+  check('debounce_ms', o.debounce_ms, 'number')
+  check('debounce_text_changes', o.debounce_text_changes, 'number')
+  check('keys', o.keys, 'table')
+  check('settings', o.settings, 'table')
+  check('on_status', o.on_status, 'function', true)
+  if not vim.tbl_contains({ 'auto', 'native', 'extmark', false }, o.inline) then
+    error(string.format("spark.setup: option 'inline' must be 'auto', 'native', 'extmark' or false, got %s",
+      vim.inspect(o.inline)), 0)
+  end
+  for k, v in pairs(o.keys) do
+    if v ~= false then
+      check('keys.' .. k, v, 'string')
+    end
+  end
+  if type(o.filetypes) == 'string' then
+    o.filetypes = { o.filetypes }
+  end
+  if type(o.cmd) == 'string' then
+    o.cmd = { o.cmd }
+  end
+  return o
+end
+
+--- The settings object the server receives (initializationOptions / didChangeConfiguration).
+function M.server_settings(o)
+  local s = vim.deepcopy(o.settings)
+  if o.model and o.model ~= '' then
+    s.model = vim.fs.normalize(o.model)
+  end
+  return s
+end
+
+--- The server command line.
+function M.server_cmd(o)
+  if o.cmd then
+    return o.cmd
+  end
+  if vim.fn.executable('spark-lsp') == 1 then
+    return { 'spark-lsp', 'serve', '--stdio' }
+  end
+  local py = vim.fn.executable('python3') == 1 and 'python3' or 'python'
+  return { py, '-m', 'spark_lsp.cli', 'serve', '--stdio' }
+end
+
+return M

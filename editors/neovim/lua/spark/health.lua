@@ -1,0 +1,65 @@
+--- :checkhealth spark
+local M = {}
+
+function M.check()
+  local h = vim.health
+  h.start('spark: Neovim')
+  local v = vim.version()
+  local vs = string.format('%d.%d.%d', v.major, v.minor, v.patch)
+  if vim.fn.has('nvim-0.10') == 0 then
+    h.error('Neovim ' .. vs .. ' is too old: spark needs 0.10+ (inline virtual text)')
+  elseif require('spark.compat').has_native_inline then
+    h.ok('Neovim ' .. vs .. ': native vim.lsp.inline_completion available')
+  else
+    h.ok('Neovim ' .. vs .. ': ghost text drawn with extmarks (0.12+ would use the native API)')
+  end
+
+  h.start('spark: setup')
+  local spark = require('spark')
+  if not spark.opts then
+    h.warn('require("spark").setup() has not been called', { 'Add require("spark").setup({}) to your init.lua' })
+    return
+  end
+  h.ok('inline suggestions: ' .. tostring(spark.mode) .. (spark.is_enabled() and ' (on)' or ' (off)'))
+  h.info('filetypes: ' .. table.concat(spark.opts.filetypes, ', '))
+
+  h.start('spark: server')
+  local cmd = require('spark.config').server_cmd(spark.opts)
+  if vim.fn.executable(cmd[1]) == 1 then
+    h.ok('server command: ' .. table.concat(cmd, ' '))
+    if cmd[1]:match('python') then
+      local out = vim.fn.system({ cmd[1], '-c', 'import spark_lsp, pygls; print(spark_lsp.__version__)' })
+      if vim.v.shell_error == 0 then
+        h.ok('spark_lsp ' .. vim.trim(out) .. ' importable by ' .. cmd[1])
+      else
+        h.error('spark_lsp is not importable by ' .. cmd[1], { 'pip install spark-lsp (or pip install -e .)' })
+      end
+    end
+  else
+    h.error('server command not found: ' .. cmd[1],
+      { 'pip install spark-lsp, or set cmd = { "/path/to/spark-lsp", "serve", "--stdio" } in setup()' })
+  end
+  local model = spark.opts.model
+  if model and model ~= '' then
+    local dir = vim.fs.normalize(model)
+    if vim.fn.filereadable(dir .. '/config.json') == 1 then
+      h.ok('model folder: ' .. dir)
+    else
+      h.error('model folder has no config.json: ' .. dir)
+    end
+  else
+    h.info('model: the bundled default')
+  end
+  local clients = require('spark.compat').get_clients({ name = 'spark' })
+  if #clients > 0 then
+    local c = clients[1]
+    h.ok(string.format('server running (client id %d)', c.id))
+    local caps = c.server_capabilities or {}
+    h.info('inlineCompletionProvider: ' .. tostring(caps.inlineCompletionProvider ~= nil)
+      .. ', codeActionProvider: ' .. tostring(caps.codeActionProvider ~= nil))
+  else
+    h.info('server not running yet (starts when a buffer of a configured filetype opens)')
+  end
+end
+
+return M

@@ -1,0 +1,286 @@
+-- End-to-end scenario in a real (headless) Neovim with the spark plugin and a real spark-lsp
+-- server: keys go through nvim_input() like a user's typing, so mappings, autocmds and the
+-- plugin's debounce/cancel logic all run. Results go to $SPARK_TEST_OUT as JSON, one entry per
+-- check: { ok = bool, detail = ... }; tests/editors/test_neovim.py asserts on them.
+local out_path = assert(os.getenv('SPARK_TEST_OUT'))
+local file = assert(os.getenv('SPARK_TEST_FILE'))
+local spark = require('spark')
+local results = { _order = {} }
+local t_start = vim.uv.hrtime()
+
+local function now_ms()
+  return (vim.uv.hrtime() - t_start) / 1e6
+end
+
+local function record(name, ok, detail)
+  results[name] = { ok = ok and true or false, detail = detail }
+  table.insert(results._order, name)
+end
+
+local function finish()
+  results._elapsed_ms = now_ms()
+  local f = assert(io.open(out_path, 'w'))
+  f:write(vim.json.encode(results))
+  f:close()
+  vim.cmd('qall!')
+end
+
+local co
+local function sleep(ms)
+  vim.defer_fn(function()
+    local ok, err = coroutine.resume(co)
+    if not ok then
+      record('scenario_error', false, debug.traceback(co, err))
+      finish()
+    end
+  end, ms)
+  coroutine.yield()
+end
+
+local function wait_for(pred, timeout_ms, step)
+  local t0 = now_ms()
+  while now_ms() - t0 < timeout_ms do
+    local ok, v = pcall(pred)
+    if ok and v then
+      return v
+    end
+    sleep(step or 10)
+  end
+  return nil
+end
+
+local function client()
+  return vim.lsp.get_clients({ name = 'spark', bufnr = 0 })[1]
+end
+
+local function sync_request(method, params, timeout_ms)
+  local done, res, e
+  client():request(method, params, function(err, result)
+    done, res, e = true, result, err
+  end, 0)
+  wait_for(function() return done end, timeout_ms or 10000)
+  return res, e
+end
+
+local function server_metrics()
+  return sync_request('workspace/executeCommand', { command = 'spark.status', arguments = {} })
+end
+
+local function buf_text()
+  return table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n')
+end
+
+-- LspRequest events: request id -> list of types seen ('pending', 'complete', 'cancel', 'error').
+local req_events = {}
+vim.api.nvim_create_autocmd('LspRequest', {
+  callback = function(ev)
+    local r = ev.data.request
+    if r and r.method == 'textDocument/inlineCompletion' then
+      local id = ev.data.request_id
+      req_events[id] = req_events[id] or {}
+      table.insert(req_events[id], r.type)
+    end
+  end,
+})
+
+local function pending_inline_ids()
+  local ids = {}
+  for id, r in pairs(client().requests) do
+    if r.method == 'textDocument/inlineCompletion' and r.type == 'pending' then
+      table.insert(ids, id)
+    end
+  end
+  return ids
+end
+
+--- Type `chars` one at a time until a suggestion shows; returns it (or nil).
+local function type_until_ghost(chars, per_char_ms)
+  for i = 1, #chars do
+    vim.api.nvim_input(chars:sub(i, i))
+    local g = wait_for(function() return spark.current(0) end, per_char_ms)
+    if g and g ~= '' then
+      return g, i
+    end
+  end
+  return nil
+end
+
+local function scenario()
+  vim.cmd('edit ' .. vim.fn.fnameescape(file))
+  local buf = vim.api.nvim_get_current_buf()
+  record('filetype', vim.bo.filetype == 'python', vim.bo.filetype)
+
+  local c = wait_for(function() local x = client(); return x and x.initialized and x end, 30000)
+  record('server_attached', c ~= nil, c and c.name)
+  if not c then
+    return
+  end
+  local loaded = wait_for(function()
+    local m = server_metrics()
+    return m and m.loaded and m
+  end, 120000, 200)
+  record('model_loaded', loaded ~= nil, loaded and loaded.model)
+  if not loaded then
+    return
+  end
+  record('mode', spark.mode == (os.getenv('SPARK_TEST_INLINE') or spark.mode), spark.mode)
+
+  -- 1. Typing shows ghost text from the server ------------------------------------------------
+  local last = vim.api.nvim_buf_line_count(buf)
+  vim.api.nvim_win_set_cursor(0, { last, 0 })
+  vim.api.nvim_input('o<C-u>    ')
+  sleep(50)
+  local t0 = now_ms()
+  local ghost, typed = type_until_ghost('return na', 3000)
+  record('ghost_text', ghost ~= nil, { text = ghost, typed_chars = typed, ms = now_ms() - t0 })
+  if not ghost then
+    return
+  end
+
+  -- 2. Accepting inserts it -------------------------------------------------------------------
+  local before = buf_text()
+  vim.api.nvim_input('<Tab>')
+  local accepted = wait_for(function() return buf_text() ~= before end, 3000)
+  -- (a random test model's text may hold control characters, which extmarks show as ^X: compare
+  -- the printable start of the suggestion)
+  local probe = vim.split(ghost, '\n', { plain = true })[1]:match('^[%w%p ]*'):sub(1, 12)
+  local after = buf_text()
+  record('accept_inserts', accepted ~= nil and #probe > 0 and after:find(probe, 1, true) ~= nil,
+    { ghost = ghost, line = vim.api.nvim_get_current_line() })
+
+  -- 2b. Typing what the suggestion shows keeps it (trimmed) with no new request; accepting one
+  -- word inserts just that word.
+  vim.api.nvim_input('<Esc>o<C-u>    ')
+  sleep(50)
+  local g2 = type_until_ghost('value = ', 3000)
+  if g2 then
+    local n_req = vim.tbl_count(req_events)
+    local ch = g2:sub(1, 1)
+    if os.getenv('SPARK_TEST_INLINE') == 'extmark' and ch:match('[%w%p ]') then
+      vim.api.nvim_input(ch == '<' and '<lt>' or ch)
+      local trimmed = wait_for(function() return spark.current(0) == g2:sub(2) end, 1000)
+      record('typing_through', trimmed ~= nil and vim.tbl_count(req_events) == n_req,
+        { ghost = g2, now = spark.current(0), new_requests = vim.tbl_count(req_events) - n_req })
+      g2 = spark.current(0) or g2
+    end
+    local line0 = vim.api.nvim_get_current_line()
+    local word = g2:match('^[ \t]*[%w_]+') or g2:match('^[ \t]*[^%w_%s]+') or g2
+    vim.api.nvim_input('<C-Right>')
+    local grown = wait_for(function() return vim.api.nvim_get_current_line() ~= line0 end, 2000)
+    local line1 = vim.api.nvim_get_current_line()
+    record('accept_word', grown ~= nil and line1 == line0 .. word:gsub('\n.*', ''),
+      { before = line0, after = line1, word = word })
+  else
+    record('accept_word', false, 'no suggestion to accept a word of')
+  end
+
+  -- 3. Typing more cancels the request in flight ------------------------------------------------
+  vim.api.nvim_input('<Esc>')
+  sleep(400) -- let requests started by the accept settle
+  spark.configure({ debounceMs = 600 }) -- keeps each automatic request in flight for 600 ms
+  sleep(100)
+  local m0 = server_metrics()
+  vim.api.nvim_input('o<C-u>    x')
+  local first = wait_for(function() local ids = pending_inline_ids(); return #ids > 0 and ids[1] end, 3000)
+  vim.api.nvim_input('y')
+  local cancelled = wait_for(function()
+    return first and req_events[first] and vim.tbl_contains(req_events[first], 'cancel')
+  end, 1000)
+  -- ...the newest request still completes and shows a suggestion,
+  local newer_done = wait_for(function()
+    for id, ev in pairs(req_events) do
+      if first and id > first and vim.tbl_contains(ev, 'complete') then
+        return true
+      end
+    end
+  end, 5000)
+  local later = newer_done and wait_for(function() return spark.current(0) end, 2000)
+  record('suggestion_after_cancel', later ~= nil, later)
+  -- ...and the cancelled one never reached the model: one model call for the two requests.
+  local m1 = server_metrics()
+  record('typing_cancels_inflight', first ~= nil and cancelled ~= nil
+    and m1.inlineRequests - m0.inlineRequests >= 2 and m1.modelCalls - m0.modelCalls == 1, {
+      request = first, events = first and req_events[first],
+      inline_requests = m1.inlineRequests - m0.inlineRequests, model_calls = m1.modelCalls - m0.modelCalls,
+    })
+  spark.configure({ debounceMs = 0 })
+  vim.api.nvim_input('<Esc>')
+  sleep(100)
+
+  -- 4. A code action edits the buffer (vim.lsp.buf.code_action, as a user picks it) ------------
+  vim.api.nvim_win_set_cursor(0, { 4, 4 }) -- inside `def add`
+  local titles = {}
+  local before_ca = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  vim.lsp.buf.code_action({
+    filter = function(a)
+      table.insert(titles, a.title)
+      return a.title == 'Spark: Add docstring'
+    end,
+    apply = true,
+  })
+  local changed = wait_for(function()
+    return #vim.api.nvim_buf_get_lines(0, 0, -1, false) ~= #before_ca
+  end, 15000)
+  wait_for(function() return next(require('spark.status').progress) == nil end, 15000)
+  sleep(200)
+  local lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  record('code_action_edits', changed ~= nil and lines[4]:match('^def add') ~= nil
+    and (lines[5] or ''):match('^%s+"""') ~= nil, { titles = titles, lines = { unpack(lines, 3, 8) } })
+
+  -- 5. A live edit stops when the user types -----------------------------------------------------
+  spark.configure({ maxEditTokens = 400, liveEditHz = 50 })
+  sleep(100)
+  local n = vim.api.nvim_buf_line_count(0)
+  local result, done = nil, false
+  local tick0 = vim.api.nvim_buf_get_changedtick(0)
+  spark.edit('rewrite this in a different style', 1, n, false, function(err, res)
+    result, done = err or res, true
+  end)
+  local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 2)
+  local text_at_first_flush = buf_text()
+  vim.api.nvim_win_set_cursor(0, { 1, 0 })
+  vim.api.nvim_input('I# typed by the user <Esc>')
+  wait_for(function() return done end, 20000)
+  local tick_done = vim.api.nvim_buf_get_changedtick(0)
+  sleep(400)
+  local final = buf_text()
+  record('live_edit_stops_on_typing', streamed ~= nil and type(result) == 'table'
+    and result.outcome == 'stopped by the user'
+    and vim.api.nvim_buf_get_changedtick(0) == tick_done
+    and final:find('# typed by the user', 1, true) ~= nil, {
+      result = result, streamed = streamed ~= nil, first_flush_len = #text_at_first_flush,
+      final_len = #final,
+    })
+
+  -- 6. The other commands ----------------------------------------------------------------------
+  local on = spark.is_enabled()
+  vim.cmd('SparkToggle')
+  local off = spark.is_enabled()
+  vim.cmd('SparkToggle')
+  record('toggle', on and not off and spark.is_enabled(), { before = on, after = off })
+  record('statusline', spark.statusline():match('tok/s') ~= nil, spark.statusline())
+  local ok_health, health_err = pcall(vim.cmd, 'checkhealth spark')
+  local health = ok_health and table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n') or health_err
+  record('checkhealth', ok_health and health:find('server running', 1, true) ~= nil
+    and not health:find('ERROR', 1, true), health)
+end
+
+co = coroutine.create(function()
+  local ok, err = xpcall(scenario, debug.traceback)
+  if not ok then
+    record('scenario_error', false, err)
+  end
+  finish()
+end)
+vim.defer_fn(function()
+  local ok, err = coroutine.resume(co)
+  if not ok then
+    record('scenario_error', false, err)
+    finish()
+  end
+end, 10)
+-- Hard stop, whatever happens.
+vim.defer_fn(function()
+  record('scenario_timeout', false, 'scenario did not finish in time')
+  finish()
+end, tonumber(os.getenv('SPARK_TEST_TIMEOUT_MS') or '240000'))
