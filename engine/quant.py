@@ -1,0 +1,483 @@
+"""Quantised weights: int8 / 4-bit linear emitters for the decoder graph, and a measured choice.
+
+Decode on a small model is bound by the bytes of weights read per token (see
+``../shared/research/engine.md``), so storing them in 8 or 4 bits is the largest single lever after
+the KV cache.  :class:`QuantLinear` is a *linear emitter* (same interface as
+``engine.graph.DenseLinear``): every weight matmul, the LM head included, becomes one
+``com.microsoft.MatMulNBits`` node with ``accuracy_level=4`` — ORT quantises the activations per
+block to int8 and uses VNNI int8 dot products, so the weights stay small *and* the arithmetic is
+integer.
+
+Composition with the wafer partitioning (``engine.wafer.partition.TiledLinear``, the engine's
+default): with ``inner=TiledLinear(...)`` the weight is quantised **per PE tile** — every
+quantisation block lies inside one tile (the block size divides the tile's K extent), so each PE
+holds its own int codes and scales, exactly as it would on the mesh.  Two ONNX forms:
+
+* ``form="fused"`` (default): one MatMulNBits over the whole weight.  Because blocks never cross a
+  tile boundary, this computes the same per-tile products and sums them over the mesh axis inside
+  the kernel's K loop — the mesh reduction is fused into the op.
+* ``form="mesh"``: the input is split along the reduction axis, one MatMulNBits per mesh line
+  and an explicit ``Sum`` (the reduction as a separate op, like TiledLinear's ReduceSum).  Same
+  numbers; ~2x slower on CPU (measured in BENCHMARKS.md), kept for inspection and tests.
+
+:func:`choose_precision` measures fp32 against the quantised candidates on the model itself (decode
+tok/s and greedy agreement) and returns the fastest one that agrees with fp32 on at least 95 % of
+tokens; the decision is cached on disk so an engine start pays for it once per model and machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+PRECISIONS = ("fp32", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+#: Default quantisation block (weights per scale along K) per bit width, from the measurements in
+#: BENCHMARKS.md: 4-bit needs small blocks to keep greedy agreement, 8-bit does not.
+DEFAULT_BLOCK = {8: 128, 4: 32}
+_VALID_BLOCKS = (256, 128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
+
+
+# -- packing -------------------------------------------------------------------------------------
+
+@dataclass
+class QuantizedWeight:
+    """A [K, N] weight in MatMulNBits layout.
+
+    ``packed`` uint8 [N, n_blocks, block_size * bits / 8] (column n, block b holds
+    W[b*bs:(b+1)*bs, n], 4-bit codes two per byte, low nibble first); ``scales`` float32
+    [N, n_blocks]; ``zero_points`` uint8 (8-bit: [N, n_blocks]; 4-bit: [N, ceil(n_blocks/2)]
+    packed like the codes) or None for symmetric (the op then uses 2**(bits-1)).
+    """
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    K: int
+    N: int
+    bits: int
+    block_size: int
+
+
+def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, *, symmetric: bool = False) -> QuantizedWeight:
+    """Round-to-nearest block quantisation of ``W[K, N]`` along K (one scale per block and column).
+
+    Asymmetric (min/max with a zero point) by default: it keeps a block's whole range and measurably
+    improves 4-bit greedy agreement; ``symmetric=True`` drops the zero points.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r}: only 4 and 8 are supported")
+    if block_size not in _VALID_BLOCKS:
+        raise ValueError(f"block_size={block_size!r} must be one of {_VALID_BLOCKS}")
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
+    K, N = w.shape
+    nb = -(-K // block_size)
+    padded = np.zeros((nb * block_size, N), np.float32)
+    padded[:K] = w
+    blocks = padded.T.reshape(N, nb, block_size).astype(np.float64)
+    qmax = (1 << bits) - 1
+    if symmetric:
+        half = 1 << (bits - 1)
+        amax = np.abs(blocks).max(-1)
+        scale = amax / (half - 1)
+        scale[scale == 0] = 1.0
+        zp = np.full((N, nb), half, np.int64)
+    else:
+        lo = np.minimum(blocks.min(-1), 0.0)
+        hi = np.maximum(blocks.max(-1), 0.0)
+        scale = (hi - lo) / qmax
+        scale[scale == 0] = 1.0
+        zp = np.clip(np.round(-lo / scale), 0, qmax).astype(np.int64)
+    q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
+    if bits == 4:
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    else:
+        packed = q
+    zero_points = None
+    if not symmetric:
+        z = zp.astype(np.uint8)
+        if bits == 4:
+            if nb % 2:
+                z = np.concatenate([z, np.zeros((N, 1), np.uint8)], axis=1)
+            z = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+        zero_points = np.ascontiguousarray(z)
+    return QuantizedWeight(np.ascontiguousarray(packed), scale.astype(np.float32), zero_points, K, N, bits, block_size)
+
+
+def dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """The float32 ``W[K, N]`` a :class:`QuantizedWeight` represents (reference for tests)."""
+    N, nb, _ = qw.packed.shape
+    if qw.bits == 4:
+        codes = np.empty((N, nb, qw.block_size), np.uint8)
+        codes[..., 0::2] = qw.packed & 0x0F
+        codes[..., 1::2] = qw.packed >> 4
+    else:
+        codes = qw.packed
+    if qw.zero_points is None:
+        zp = np.full((N, nb), 1 << (qw.bits - 1), np.float32)
+    elif qw.bits == 4:
+        zp = np.empty((N, qw.zero_points.shape[1] * 2), np.float32)
+        zp[:, 0::2] = qw.zero_points & 0x0F
+        zp[:, 1::2] = qw.zero_points >> 4
+        zp = zp[:, :nb]
+    else:
+        zp = qw.zero_points.astype(np.float32)
+    w = (codes.astype(np.float32) - zp[..., None]) * qw.scales[..., None]
+    return np.ascontiguousarray(w.reshape(N, nb * qw.block_size).T[: qw.K])
+
+
+# -- the emitter ---------------------------------------------------------------------------------
+
+def _block_for(k_extent: int, preferred: int) -> int | None:
+    """Largest valid block size <= ``preferred`` that divides ``k_extent`` (None if there is none)."""
+    for b in _VALID_BLOCKS:
+        if b <= preferred and k_extent % b == 0:
+            return b
+    return None
+
+
+class QuantLinear:
+    """Linear emitter with ``bits``-bit weights (MatMulNBits, int8 compute).
+
+    ``inner``: the float emitter this one stands in for.  A ``TiledLinear`` (anything with
+    ``effective_grid(shape, role)``) makes the quantisation per PE tile, and its ``layout`` report
+    is filled in as if it had emitted the weights; ``None``/``DenseLinear`` quantises the whole
+    matrix.  ``block_size``: weights per scale along K (default :data:`DEFAULT_BLOCK`; lowered to
+    divide the tile size).  ``roles``: which linears to quantise (others go to ``inner``).
+    """
+
+    def __init__(self, bits: int = 8, inner: Any = None, *, block_size: int | None = None, form: str = "fused",
+                 accuracy_level: int = 4, symmetric: bool = False, roles: Iterable[str] | None = None) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits!r}: QuantLinear supports 4 or 8")
+        if form not in ("fused", "mesh"):
+            raise ValueError(f"form={form!r}: expected 'fused' or 'mesh'")
+        block_size = DEFAULT_BLOCK[bits] if block_size is None else int(block_size)
+        if block_size not in _VALID_BLOCKS:
+            raise ValueError(f"block_size={block_size!r} must be one of {_VALID_BLOCKS}")
+        if accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy_level={accuracy_level!r} must be 0..4")
+        self.bits = bits
+        self.inner = inner
+        self.block_size = block_size
+        self.form = form
+        self.accuracy_level = accuracy_level
+        self.symmetric = symmetric
+        self.roles = frozenset(roles) if roles is not None else None
+        self.layout: dict[str, dict] = {}
+
+    @property
+    def precision(self) -> str:
+        return f"int{self.bits}"
+
+    def cache_key(self) -> str:
+        inner = getattr(self.inner, "cache_key", None)
+        inner_key = inner() if callable(inner) else "dense"
+        roles = "all" if self.roles is None else "+".join(sorted(self.roles))
+        return (f"q{self.bits}-b{self.block_size}-{self.form}-acc{self.accuracy_level}"
+                f"-{'sym' if self.symmetric else 'asym'}-{roles}-v1/{inner_key}")
+
+    # The K extents each quantisation must respect: one per tile along the reduction axis.
+    def _k_parts(self, shape: tuple[int, int], role: str) -> list[int]:
+        grid_of = getattr(self.inner, "effective_grid", None)
+        if grid_of is None:
+            return [shape[0]]
+        from .wafer.partition import mesh_axes, split_sizes
+
+        R, C = grid_of(shape, role)
+        parts = R if mesh_axes(role)[0] == "rows" else C
+        kb = split_sizes(shape[0], parts)
+        return [min(kb, shape[0] - p * kb) for p in range(parts) if p * kb < shape[0]]
+
+    def _nbits(self, gb, x: str, w: np.ndarray, name: str, block: int) -> str:
+        qw = quantize_blockwise(w, self.bits, block, symmetric=self.symmetric)
+        ins = [x, gb.initializer(f"{name}.q{self.bits}", qw.packed), gb.initializer(f"{name}.scales", qw.scales)]
+        if qw.zero_points is not None:
+            ins.append(gb.initializer(f"{name}.zero_points", qw.zero_points))
+        return gb.node("MatMulNBits", ins, domain=MS_DOMAIN, name=f"{name}/matmul_nbits", K=qw.K, N=qw.N,
+                       bits=self.bits, block_size=block, accuracy_level=self.accuracy_level or None)
+
+    def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str, bias: np.ndarray | None = None) -> str:
+        if self.roles is not None and role not in self.roles:
+            inner = self.inner
+            if inner is None:
+                from .graph import DenseLinear
+                inner = DenseLinear()
+            return inner.emit(gb, x, weight, name=name, role=role, bias=bias)
+        w = np.asarray(weight, dtype=np.float32)
+        if w.ndim != 2:
+            raise ValueError(f"{name}: weight must be 2-D [K, N], got shape {w.shape}")
+        K, N = w.shape
+        parts = self._k_parts((K, N), role)
+        kb = parts[0]
+        block = _block_for(kb, self.block_size) if len(parts) > 1 else self.block_size
+        form = self.form if block is not None else "mesh"  # no block fits the tiles: explicit mesh lines
+        if form == "fused":
+            y = self._nbits(gb, x, w, name, block)
+        else:
+            offs = np.cumsum([0] + parts)
+            xs = gb.node("Split", [x, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k",
+                         axis=1) if len(parts) > 1 else [x]
+            ys = [self._nbits(gb, xs[p], np.ascontiguousarray(w[offs[p]:offs[p + 1]]), f"{name}.line{p}",
+                              _block_for(parts[p], self.block_size) or 16)
+                  for p in range(len(parts))]
+            y = gb.node("Sum", ys, name=f"{name}/mesh_reduce") if len(ys) > 1 else ys[0]
+        self.layout[name] = {"role": role, "shape": (K, N), "k_tiles": parts, "bits": self.bits,
+                             "block_size": block or 16, "form": form}
+        inner_layout = getattr(self.inner, "layout", None)
+        grid_of = getattr(self.inner, "effective_grid", None)
+        if isinstance(inner_layout, dict) and grid_of is not None:
+            R, C = grid_of((K, N), role)
+            inner_layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "tile": (kb, None),
+                                  "quant": f"int{self.bits}/b{block or 16}/{form}"}
+        if bias is not None:
+            b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
+            y = gb.node("Add", [y, b], name=f"{name}/bias")
+        return y
+
+
+def make_linear(precision: str, wafer: bool = True, grid=None, **kw) -> Any:
+    """The linear emitter for ``precision`` ('fp32' | 'int8' | 'int4') on the engine's float emitter.
+
+    ``wafer``/``grid`` mean what they mean for ``Engine.load``: the float emitter is TiledLinear
+    (partitioned, the default) or DenseLinear; quantised precisions wrap it per tile.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    from .engine import _linear_emitter
+
+    base = _linear_emitter(wafer, grid)
+    if precision == "fp32":
+        return base
+    return QuantLinear(BITS[precision], inner=base, **kw)
+
+
+def load_engine(model_dir: str | Path | None, linear: Any, *, threads: int | None = None,
+                cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
+                spinning: bool = False):
+    """``Engine.load`` with an explicit linear emitter (e.g. a :class:`QuantLinear`).
+
+    Same steps as ``Engine.load``: validate, take the graph from the on-disk cache (keyed by the
+    emitter's ``cache_key()``) or build it, open the runtime.
+    """
+    from . import graph_cache
+    from .config import load_config, model_path
+    from .engine import DEFAULT_MAX_CONTEXT, Engine
+    from .graph import build_decoder
+    from .runtime import Runtime
+    from .tokenizer import Tokenizer
+    from .weights import load_weights, weights_digest
+
+    t0 = time.perf_counter()
+    if model_dir is None:
+        from .bench import resolve_model
+        model_dir = resolve_model(None)
+    folder = model_path(model_dir)
+    config = load_config(folder)
+    tokenizer = Tokenizer.load(folder)
+    max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
+    options = {"rope_len": config.max_position_embeddings}
+    key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
+
+    def build():
+        return build_decoder(config, load_weights(folder, config), linear, max_len=options["rope_len"])
+
+    path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir)
+    runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
+    return Engine(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
+                  linear=linear, load_s=time.perf_counter() - t0)
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0) -> list[list[int]]:
+    """Token windows of real Python source (this Python's standard library), fixed by ``seed``.
+
+    Files under ``Lib/`` the bundled model held out would be better still, but any real code gives a
+    meaningful agreement figure; random tokens would not (their logits are nearly flat).
+    """
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 8000)
+    if not files:
+        raise RuntimeError(f"no Python sources found under {lib} to build evaluation prompts from")
+    rng = np.random.default_rng(seed)
+    prompts: list[list[int]] = []
+    for f in rng.permutation(len(files)):
+        if len(prompts) >= count:
+            break
+        ids = tokenizer.encode(files[f].read_text(encoding="utf-8", errors="replace"))
+        if len(ids) < length + 64:
+            continue
+        start = int(rng.integers(0, len(ids) - length - 64))
+        prompts.append(ids[start:start + length])
+    return prompts
+
+
+def greedy_agreement(ref, test, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64) -> dict[str, Any]:
+    """How often ``test`` picks the same greedy token as ``ref`` (both engines on the same tokenizer).
+
+    ``teacher_forced``: ``ref`` generates greedily; ``test`` reads the same sequence and we count the
+    positions where its argmax equals ``ref``'s token (the standard per-token agreement, not
+    penalising one early flip twice).  ``free_running``: both generate; the fraction of tokens
+    generated before the first divergence.
+    """
+    from .generate import GenerationParams
+
+    nv = min(ref.sample_vocab, test.sample_vocab)
+    params = GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    agree = total = same_prefix = gen_total = 0
+    per_prompt = []
+    for p in prompts:
+        p = list(p)
+        r = ref.generate(p, params)
+        r.result()
+        t = test.generate(p, params)
+        t.result()
+        logits = test.forward_logits(p + r.tokens[:-1])[len(p) - 1:]
+        picks = logits[:, :nv].argmax(-1)
+        a = int((picks == np.asarray(r.tokens)).sum())
+        agree += a
+        total += len(r.tokens)
+        k = 0
+        for x, y in zip(r.tokens, t.tokens):
+            if x != y:
+                break
+            k += 1
+        same_prefix += k
+        gen_total += len(r.tokens)
+        per_prompt.append({"tokens": len(r.tokens), "teacher_forced": a, "identical_prefix": k})
+    return {"teacher_forced": agree / max(total, 1), "free_running": same_prefix / max(gen_total, 1),
+            "tokens": total, "prompts": len(prompts), "per_prompt": per_prompt}
+
+
+def decode_speed(eng, prompt: Sequence[int], new_tokens: int = 64, repeats: int = 3) -> float:
+    """Median decode tok/s of a cold greedy generation (eos ignored), as ``spark-lsp bench`` counts it."""
+    from .generate import GenerationParams
+
+    params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
+    rates = []
+    for _ in range(repeats + 1):
+        eng.reset()
+        g = eng.generate(list(prompt), params)
+        g.result()
+        rates.append(g.stats["decode_tok_s"])
+    return float(statistics.median(rates[1:]))  # the first run warms the session up
+
+
+@dataclass
+class PrecisionChoice:
+    """The outcome of :func:`choose_precision` (``precision`` is what to load)."""
+
+    precision: str
+    decode_tok_s: dict[str, float] = field(default_factory=dict)
+    agreement: dict[str, float] = field(default_factory=dict)
+    speedup: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    measured_at: str = ""
+    cached: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cpu_id() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return model
+
+
+def _decision_path(cache_dir: str | Path | None, key: str) -> Path:
+    from .graph_cache import cache_root
+
+    return cache_root(cache_dir).parent / "precision" / f"{key}.json"
+
+
+def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] = ("int8", "int4"), wafer: bool = True,
+                     grid=None, threads: int | None = None, cache_dir: str | Path | None = None,
+                     min_agreement: float = 0.95, min_speedup: float = 1.15, prompts: int = 4,
+                     new_tokens: int = 48, remeasure: bool = False, log_fn=log.info) -> PrecisionChoice:
+    """Measure fp32 and each quantised candidate on this model and machine; pick the fastest good one.
+
+    A candidate qualifies when its teacher-forced greedy agreement with fp32 is at least
+    ``min_agreement`` on real-code prompts and its decode is at least ``min_speedup`` times fp32's
+    (quantising must pay for its accuracy cost).  Among qualifiers the fastest wins; otherwise
+    fp32.  The decision is stored under ``<cache root>/precision/`` keyed by the weights, the
+    emitter settings, the CPU model, ONNX Runtime's version and the thread count, so it is measured
+    once (tens of seconds on a small model) and read back on every later start; pass
+    ``remeasure=True`` to force a new measurement.
+    """
+    import onnxruntime as ort
+
+    from .config import model_path
+    from .weights import weights_digest
+
+    if model_dir is None:
+        from .bench import resolve_model
+        model_dir = resolve_model(None)
+    folder = model_path(model_dir)
+    bad = [c for c in candidates if c not in PRECISIONS or c == "fp32"]
+    if bad:
+        raise ValueError(f"candidates: {bad[0]!r} is not a quantised precision; expected int8 / int4")
+    blob = json.dumps({"weights": weights_digest(folder), "candidates": list(candidates), "wafer": bool(wafer),
+                       "grid": list(grid) if grid else None, "threads": threads, "cpu": _cpu_id(),
+                       "ort": ort.__version__, "min_agreement": min_agreement, "min_speedup": min_speedup,
+                       "emitters": [make_linear(c, wafer, grid).cache_key() if c != "fp32" else "" for c in candidates],
+                       "v": 1}, sort_keys=True)
+    key = hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
+    path = _decision_path(cache_dir, key)
+    if path.is_file() and not remeasure:
+        try:
+            data = json.loads(path.read_text())
+            choice = PrecisionChoice(**{**data, "cached": True})
+            if choice.precision in PRECISIONS:
+                return choice
+        except (OSError, ValueError, TypeError):
+            pass  # unreadable decision: measure again
+    engines = {"fp32": load_engine(folder, make_linear("fp32", wafer, grid), threads=threads, cache_dir=cache_dir)}
+    for c in candidates:
+        engines[c] = load_engine(folder, make_linear(c, wafer, grid), threads=threads, cache_dir=cache_dir)
+    ps = eval_prompts(engines["fp32"].tokenizer, count=prompts)
+    speeds = {name: decode_speed(e, ps[0], new_tokens) for name, e in engines.items()}
+    agreement, speedup = {}, {}
+    for c in candidates:
+        agreement[c] = greedy_agreement(engines["fp32"], engines[c], ps, new_tokens)["teacher_forced"]
+        speedup[c] = speeds[c] / speeds["fp32"]
+    good = [c for c in candidates if agreement[c] >= min_agreement and speedup[c] >= min_speedup]
+    best = max(good, key=lambda c: speeds[c]) if good else "fp32"
+    why = (f"{best}: {speedup[best]:.2f}x fp32 decode, {agreement[best]:.1%} greedy agreement" if best != "fp32"
+           else "no quantised candidate was both faster (>= %.2fx) and in agreement (>= %.0f%%)"
+           % (min_speedup, 100 * min_agreement))
+    choice = PrecisionChoice(best, speeds, agreement, speedup, why, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    log_fn(f"precision for {folder.name}: {why} (decode tok/s: "
+           + ", ".join(f"{k} {v:.0f}" for k, v in speeds.items()) + ")")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(choice.to_dict(), indent=2))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache only costs a re-measurement next time
+        log.warning("could not store the precision decision in %s: %s", path, e)
+    return choice
