@@ -115,18 +115,24 @@ def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
     return text, stats, ("stop" if early else str(getattr(gen, "finish_reason", "")))
 
 
+def context_limit(engine: Any) -> int | None:
+    """Tokens the engine can hold (prompt + new), or None when it does not say."""
+    n = getattr(engine, "context", None) or getattr(getattr(engine, "config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) else None
+
+
 def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
              settings: Settings, trigger: int, params_cls: Any) -> Result:
     """Suggestions for the cursor at `offset` (engine thread)."""
     t0 = time.perf_counter()
     ctx = context_at(text, offset)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
-    prompt = builder.build(text, offset, settings.context_tokens, key=job.slot)
-    limit = getattr(getattr(engine, "config", None), "max_position_embeddings", None)
     max_new = settings.max_tokens if multiline else min(settings.max_tokens, 48)
-    if limit and len(prompt.ids) + max_new > limit:
-        raise ValueError(f"prompt of {len(prompt.ids)} tokens plus {max_new} new ones exceeds the "
-                         f"model's context of {limit}; lower the 'contextTokens' setting")
+    limit = context_limit(engine)
+    budget = settings.context_tokens
+    if limit:  # the prompt budget never overflows the model's context
+        budget = max(16, min(budget, limit - max_new - 8))
+    prompt = builder.build(text, offset, budget, key=job.slot)
     stop = ("\n",) if not multiline else ("\n\n\n",)
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else None
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)

@@ -168,24 +168,26 @@ class Scheduler:
                 _, job = self._queue.popitem(last=False)
                 self._running = job
             job.t_start = time.perf_counter()
+            result: Any = None
+            error: BaseException | None = None
             try:
                 if job.cancelled:
                     raise Cancelled(job.reason)
                 result = job.fn(job)
                 if job.cancelled:
                     raise Cancelled(job.reason)
-                job._resolve(result)
             except Cancelled as exc:
-                job._resolve(exc=exc)
+                error = exc
             except BaseException as exc:  # never let a job kill the engine thread
                 log.exception("engine job %s for %s failed", job.kind, job.key)
-                job._resolve(exc=exc)
-            finally:
-                if job.cancelled and job.t_cancel is not None:
-                    job.mark_stopped()
-                    self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
-                with self._cond:
-                    self._running = None
+                error = exc
+            # record before resolving, so whoever awaits the job sees its cancel latency
+            if job.cancelled and job.t_cancel is not None:
+                job.mark_stopped()
+                self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
+            with self._cond:
+                self._running = None
+            job._resolve(result, error)
 
 
 async def run_job(scheduler: Scheduler, job: Job) -> Any:

@@ -332,7 +332,7 @@ class SparkServer(LanguageServer):
     async def _edit_job(self, uri: str, plan: actions.EditPlan, on_text=None):
         engine, builder, params_cls = self.host.engine, self.host.builder, self.host.params_cls
         budget = self.settings.context_tokens
-        limit = getattr(getattr(engine, "config", None), "max_position_embeddings", None)
+        limit = completions.context_limit(engine)
         if limit:
             budget = max(16, min(budget, limit - plan.max_tokens - 8))
         job = Job(uri + EDIT_SUFFIX,
