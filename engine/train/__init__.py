@@ -1,0 +1,1 @@
+"""Training of the bundled default model (tokenizer, data, model, export); needs the `train` extra."""
