@@ -335,3 +335,40 @@ if __name__ == "__main__":  # print the fit and the table
     print(f"eta = {k.eta:.4f}, c0 = {k.c0:.1f}")
     for row in calibration_table(s, WSE2, k):
         print(row)
+
+
+def summary(placement: Placement, proj: Projection) -> dict:
+    """The JSON form of a plan (``spark-lsp wafer --json``)."""
+    p, chip = placement, placement.chip
+
+    def region(r: Region) -> dict:
+        return {"wafer": r.wafer, "row": r.row, "col": r.col, "rows": r.rows, "cols": r.cols}
+
+    layers = []
+    for info in proj.per_layer:
+        r = p.layer_regions()[info["layer"]]
+        layers.append({"layer": info["layer"], "region": region(r), "cycles": info["cycles"],
+                       "compute_cycles": info["compute"], "reduce_cycles": info["reduce"],
+                       "peak_sram_kb": info["peak_kb"]})
+    others = {r.kind: dict(region(r), peak_sram_kb=round(r.peak_bytes / 1024, 2))
+              for r in p.regions if r.kind != "layer"}
+    return {
+        "model": {"name": p.shape.name, "params": p.shape.params, "layers": p.shape.layers,
+                  "hidden": p.shape.hidden},
+        "chip": chip.name,
+        "chip_spec": chip.to_dict(),
+        "grid": f"{p.grid[0]}x{p.grid[1]}",
+        "context": p.context,
+        "wafers": p.wafers,
+        "pes_used": p.pes_used,
+        "sram_budget": p.budget,
+        "sram_utilization": round(p.sram_utilization, 4),
+        "peak_sram_fill": round(p.peak_fill, 4),
+        "decode_tok_s": round(proj.decode_tok_s, 1),
+        "decode_cycles_on_wafer": round(proj.decode_cycles, 1),
+        "ttft_ms": round(proj.ttft_s * 1e3, 3),
+        "prompt_tokens": proj.prompt_tokens,
+        "embed": others.get("embed"),
+        "lm_head": others.get("lm_head"),
+        "per_layer": layers,
+    }

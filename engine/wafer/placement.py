@@ -47,13 +47,15 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied: bool = False
+    max_context: int = 8192
 
     @classmethod
     def from_config(cls, config, name: str = "model") -> "ModelShape":
         return cls(name=name, hidden=config.hidden_size, ffn=config.intermediate_size,
                    layers=config.num_hidden_layers, heads=config.num_attention_heads,
                    kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                   vocab=config.vocab_size, tied=bool(config.tie_word_embeddings))
+                   vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
+                   max_context=config.max_position_embeddings)
 
     @property
     def q_dim(self) -> int:

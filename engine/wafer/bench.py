@@ -1,0 +1,142 @@
+"""`spark-lsp bench wafer`: what partitioned execution costs on this CPU, and what the layout
+would reach on a wafer.
+
+Loads the same model twice — partitioned over the emulated grid (``wafer=True``, the engine's
+default) and dense (``wafer=False``) — checks they produce the same greedy tokens, then decodes
+in alternating rounds (dense, partitioned, dense, ...) so both see the same machine load, and
+reports the median decode tok/s of each and the median of the per-round ratios.  Then it plans
+the model on a chip with the performance model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="model folder, or 'synthetic-8m' (default: the bundled model, else synthetic-8m)")
+    p.add_argument("--grid", default=None, metavar="RxC",
+                   help="emulated execution grid of the partitioned model (default: the engine's default)")
+    p.add_argument("--tokens", type=int, default=64, metavar="N", help="new tokens per round (default 64)")
+    p.add_argument("--rounds", type=int, default=9, metavar="N", help="alternating rounds (default 9)")
+    p.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
+    p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _resolve(spec):
+    from engine.bench import resolve_model
+    from engine.config import ModelError
+
+    try:
+        return resolve_model(spec)
+    except ModelError:
+        if spec is None:
+            return resolve_model("synthetic-8m")
+        raise
+
+
+def bench_wafer(args, log=print) -> dict:
+    from engine import Engine, GenerationParams
+    from engine.wafer.chips import load_chip
+    from engine.wafer.partition import DEFAULT_GRID, parse_grid
+    from engine.wafer.perfmodel import plan, summary
+    from engine.wafer.placement import ModelShape
+
+    for name in ("tokens", "rounds", "prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    grid = parse_grid(args.grid) if args.grid else DEFAULT_GRID
+    chip = load_chip(args.chip)
+    model = _resolve(args.model)
+    t0 = time.perf_counter()
+    dense = Engine.load(model, wafer=False, threads=args.threads)
+    tiled = Engine.load(model, wafer=True, grid=grid, threads=args.threads)
+    log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s (dense, and tiled over {grid[0]}x{grid[1]})")
+    vocab = dense.sample_vocab
+    prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]
+    params = GenerationParams(max_new_tokens=args.tokens, ignore_eos=True)
+
+    def decode(eng) -> tuple[float, list[int]]:
+        gen = eng.generate(prompt, params)
+        gen.result()
+        return gen.stats["decode_tok_s"], gen.tokens
+
+    _, ref = decode(dense)  # warm-up + reference tokens
+    _, got = decode(tiled)
+    rates = {"dense": [], "partitioned": []}
+    ratios = []
+    for r in range(args.rounds):
+        order = (("dense", dense), ("partitioned", tiled)) if r % 2 == 0 else (("partitioned", tiled), ("dense", dense))
+        rnd = {}
+        for name, eng in order:
+            rnd[name] = decode(eng)[0]
+            rates[name].append(rnd[name])
+        ratios.append(rnd["partitioned"] / rnd["dense"])
+        log(f"round {r + 1}: dense {rnd['dense']:.0f} tok/s, partitioned {rnd['partitioned']:.0f} tok/s")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    shape = ModelShape.from_config(dense.config, name=dense.name)
+    placement, proj = plan(shape, chip, context=min(4096, shape.max_context))
+    return {
+        "model": str(model),
+        "grid": f"{grid[0]}x{grid[1]}",
+        "threads": dense.runtime.threads,
+        "tokens_per_round": args.tokens,
+        "rounds": args.rounds,
+        "greedy_tokens_identical": got == ref,
+        "dense_decode_tok_s": round(med["dense"], 1),
+        "partitioned_decode_tok_s": round(med["partitioned"], 1),
+        "ratio_of_medians": round(med["partitioned"] / med["dense"], 3),
+        "median_round_ratio": round(statistics.median(ratios), 3),
+        "best_dense_tok_s": round(max(rates["dense"]), 1),
+        "best_partitioned_tok_s": round(max(rates["partitioned"]), 1),
+        "projection": {k: v for k, v in summary(placement, proj).items() if k != "per_layer"},
+    }
+
+
+def format_result(res: dict) -> str:
+    p = res["projection"]
+    return "\n".join([
+        f"partitioned execution ({res['grid']} emulated grid) vs dense, {res['model']}, "
+        f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
+        f"  {'':24}{'dense':>12}{'partitioned':>14}{'ratio':>8}",
+        f"  {'decode tok/s (median)':24}{res['dense_decode_tok_s']:>12,.1f}{res['partitioned_decode_tok_s']:>14,.1f}"
+        f"{res['ratio_of_medians']:>8.3f}",
+        f"  {'decode tok/s (best)':24}{res['best_dense_tok_s']:>12,.1f}{res['best_partitioned_tok_s']:>14,.1f}"
+        f"{res['best_partitioned_tok_s'] / res['best_dense_tok_s']:>8.3f}",
+        f"  median per-round ratio {res['median_round_ratio']:.3f}; greedy tokens identical: "
+        f"{res['greedy_tokens_identical']}",
+        f"projection on {p['chip']}: {p['grid']} PEs per layer, {p['wafers']} wafer(s), {p['pes_used']:,} PEs, "
+        f"decode {p['decode_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms']:,.2f} ms ({p['prompt_tokens']}-token prompt)",
+    ])
+
+
+def run(args) -> int:
+    from engine.config import ModelError
+    from engine.wafer.chips import ChipError
+    from engine.wafer.placement import PlacementError
+
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    try:
+        res = bench_wafer(args, log)
+    except (ModelError, ChipError, PlacementError, ValueError) as e:
+        print(f"spark-lsp bench wafer: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=2) if args.json else format_result(res))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spark-lsp bench wafer", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
