@@ -58,9 +58,24 @@ def offset_at(text: str, line: int, character: int, *, lines: list[str] | None =
               strict: bool = True) -> int:
     """String offset of an LSP position. With `strict`, a line past the end or a character past the
     end of its line raises PositionError (clients must not send those); otherwise they are clamped."""
-    lines = lines if lines is not None else split_lines(text)
     if line < 0 or character < 0:
         raise PositionError(f"position ({line}, {character}) is negative")
+    if lines is None and "\r" not in text:  # fast path: find the line start without splitting
+        start = 0
+        for _ in range(line):
+            nl = text.find("\n", start)
+            if nl < 0:
+                if strict:
+                    raise PositionError(f"line {line} is outside the document ({text.count(chr(10)) + 1} lines)")
+                return len(text)
+            start = nl + 1
+        end = text.find("\n", start)
+        content = text[start:] if end < 0 else text[start:end]
+        if strict and character > utf16_len(content):
+            raise PositionError(
+                f"character {character} is past the end of line {line} ({utf16_len(content)} UTF-16 units)")
+        return start + utf16_to_index(content, character)
+    lines = lines if lines is not None else split_lines(text)
     if line >= len(lines):
         if strict:
             raise PositionError(f"line {line} is outside the document ({len(lines)} lines)")

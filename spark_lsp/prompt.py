@@ -11,6 +11,7 @@ a line count that depends only on the suffix text.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,7 +24,7 @@ class Prompt:
     ids: list[int]
     prefix: str          # the prefix text actually in the prompt
     suffix: str          # the suffix text actually in the prompt
-    prefix_start_line: int
+    prefix_start: int    # document offset where the prefix text begins
     fim: bool            # False: no FIM tokens in this tokenizer, plain left-to-right prompt
 
 
@@ -81,14 +82,20 @@ class PromptBuilder:
               suffix_share: float | None = None) -> Prompt:
         """Prompt for the cursor at string offset `offset` of `text`, at most about `budget` tokens
         of document text (a few FIM tokens come on top)."""
-        lines = split_lines(text)
+        # Work on a window around the cursor (a token is rarely over 12 characters): splitting a
+        # whole large file into lines on every keystroke would cost more than the model's prefill.
+        reach = max(budget, 64) * 12
+        ws = text.rfind("\n", 0, max(0, offset - reach)) + 1 if offset > reach else 0
+        we = text.find("\n", min(len(text), offset + reach))
+        we = len(text) if we < 0 or offset + reach >= len(text) else we + 1
+        lines = split_lines(text[ws:we])
+        starts = [ws]
+        for ln in lines:
+            starts.append(starts[-1] + len(ln))
         # locate the cursor line
-        pos, line_no = 0, 0
-        for line_no, ln in enumerate(lines):
-            if pos + len(ln) > offset or line_no == len(lines) - 1:
-                break
-            pos += len(ln)
-        line_start = pos
+        line_no = max(0, bisect.bisect_right(starts, offset) - 1)
+        line_no = min(line_no, len(lines) - 1)
+        line_start = starts[line_no]
         head = text[line_start:offset]                 # cursor line, before the cursor
         tail = lines[line_no][offset - line_start:]    # cursor line, after the cursor
 
@@ -108,15 +115,16 @@ class PromptBuilder:
         suffix = (tail + "".join(lines[line_no + 1:end])) if suffix_budget else ""
         prefix_budget = max(budget - used, 8)
 
-        # prefix: anchored start line
+        # prefix: anchored start line (kept as a document offset)
         head_n = self.counter.line(head)
-        start = self._anchors.get(key) if key is not None else None
-        if start is not None and start <= line_no:
-            total = head_n + sum(self.counter.line(lines[i]) for i in range(start, line_no))
-            if total > prefix_budget:
-                start = None
-        else:
-            start = None
+        anchor = self._anchors.get(key) if key is not None else None
+        start = None
+        if anchor is not None:
+            i = bisect.bisect_left(starts, anchor)
+            if i <= line_no and starts[i] == anchor:
+                total = head_n + sum(self.counter.line(lines[j]) for j in range(i, line_no))
+                if total <= prefix_budget:
+                    start = i
         if start is None:
             target = prefix_budget * 0.75 if key is not None else prefix_budget
             total, start = head_n, line_no
@@ -127,9 +135,9 @@ class PromptBuilder:
                 total += n
                 start -= 1
         if key is not None:
-            self._anchors[key] = start
+            self._anchors[key] = starts[start]
         prefix = "".join(lines[start:line_no]) + head
-        return Prompt(self.encode_fim(prefix, suffix), prefix, suffix, start, self.fim is not None)
+        return Prompt(self.encode_fim(prefix, suffix), prefix, suffix, starts[start], self.fim is not None)
 
     def build_parts(self, prefix: str, suffix: str, budget: int) -> list[int]:
         """FIM prompt ids for explicit prefix/suffix texts (code actions), keeping the lines nearest
