@@ -38,8 +38,7 @@ def draw(placement: Placement, out: str | Path, *, title: str | None = None) -> 
     width = max(8.0, 4.6 * cols + 1.4)
     fig, axes = plt.subplots(rows, cols, figsize=(width, (width - 1.4) / cols * aspect * rows + 1.0), squeeze=False,
                              layout="constrained")
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#e9e9e9")  # PEs no region uses
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#e9e9e9")  # grey: PEs no region uses
     im = None
     for w in range(rows * cols):
         ax = axes[w // cols][w % cols]

@@ -118,10 +118,12 @@ def _print_text(o: dict) -> None:
           f"for a {o['prompt_tokens']}-token prompt")
     layers = o["per_layer"]
     print("layer  wafer  region (row,col rows x cols)  cycles")
-    for r in layers[:3] + (layers[-1:] if len(layers) > 3 else []):
+    shown = layers if len(layers) <= 4 else layers[:3] + [None] + layers[-1:]
+    for r in shown:
+        if r is None:
+            print(f"  ... {len(layers) - 4} more")
+            continue
         g = r["region"]
         print(f"{r['layer']:>5}  {g['wafer'] + 1:>5}  {g['row']:>4},{g['col']:<4} {g['rows']} x {g['cols']:<12} {r['cycles']:,.0f}")
-        if r is layers[2] and len(layers) > 4:
-            print(f"  ... {len(layers) - 4} more")
     if "png" in o:
         print(f"wrote {o['png']}")
