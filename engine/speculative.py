@@ -1,0 +1,371 @@
+"""Draft-free speculative decoding: verify several drafted tokens in one forward pass.
+
+Greedy decoding of input-grounded text repeats a lot of what the model has already seen: a
+rewrite keeps most of the original, a completion re-uses identifiers and lines from the prompt.
+Instead of a draft *model*, the draft comes from text we already have:
+
+* :class:`EditDrafter` — for rewrite-style edits the original text is the draft ("speculative
+  edits", like OpenAI's Predicted Outputs).  A cursor follows the output through the original;
+  after a mismatch the output's latest n-gram is looked up in the original again (nearest match
+  after the old cursor first), so inserted or changed tokens cost one miss, not the rest of it.
+* :class:`PromptLookup` — for completions: the longest recent n-gram of the context that occurred
+  earlier is looked up and what followed it is the draft ("prompt lookup decoding").
+
+:class:`SpeculativeGeneration` runs ``[last token] + draft`` through the decoder in one pass with
+logits for every position (``Runtime.forward(..., num_logits=k+1)``), accepts the longest prefix
+of the draft that equals the model's own argmax, and adds the model's token after it — so the
+output is exactly greedy decoding's, only several tokens arrive per pass.  The KV of rejected
+positions is left behind the slot's end, where the next pass overwrites it (rewinding is free).
+Drafting adapts: the draft grows after full acceptances, shrinks after partial ones, and is
+switched off for a growing number of steps after consecutive misses, so fresh text runs at
+(nearly) plain speed.  It is a :class:`~engine.generate.Generation` — same iterator, ``cancel()``,
+``text``/``tokens``/``finish_reason``/``stats`` — so callers use it interchangeably.  Sampling
+(temperature > 0) is not speculated: it runs the plain loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
+
+import numpy as np
+
+from .generate import Chunk, Generation, GenerationParams, _Cancelled, _held_suffix
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+# -- drafters ------------------------------------------------------------------------------------
+
+class _Tokens:
+    """A growing int64 token buffer (numpy, so n-gram searches are vectorised)."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.buf = np.zeros(max(64, 2 * len(tokens)), np.int64)
+        self.n = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        need = self.n + len(tokens)
+        if need > self.buf.shape[0]:
+            grown = np.zeros(max(need, 2 * self.buf.shape[0]), np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        self.buf[self.n:need] = tokens
+        self.n = need
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.buf[:self.n]
+
+
+def ngram_matches(hay: np.ndarray, tail: np.ndarray, end: int | None = None) -> np.ndarray:
+    """Start positions of the continuations after each occurrence of ``tail`` in ``hay[:end]``.
+
+    An occurrence ending at index ``i`` yields ``i + 1``; only occurrences with something after
+    them inside ``hay[:end]`` count.  Ascending order.
+    """
+    n = len(tail)
+    end = hay.shape[0] if end is None else end
+    if n == 0 or end <= n:
+        return np.zeros(0, np.int64)
+    last = hay[n - 1:end - 1]  # candidate occurrence ends: n-1 .. end-2
+    cand = np.flatnonzero(last == tail[-1]) + (n - 1)
+    for j in range(1, n):
+        if cand.size == 0:
+            break
+        cand = cand[hay[cand - j] == tail[-1 - j]]
+    return cand + 1
+
+
+class PromptLookup:
+    """n-gram prompt lookup: draft what followed the latest earlier occurrence of the context's tail.
+
+    Tries the longest n-gram first (``max_ngram`` down to ``min_ngram``); the most recent
+    occurrence wins (code repeats locally).
+    """
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self, context: _Tokens) -> None:
+        pass
+
+    def observe(self, tokens: Sequence[int], from_draft: int) -> None:
+        pass
+
+    def propose(self, context: _Tokens, k: int) -> list[int]:
+        ctx = context.view
+        L = ctx.shape[0]
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            hits = ngram_matches(ctx, ctx[L - n:], L)
+            if hits.size:
+                c = int(hits[-1])
+                return ctx[c:min(c + k, L)].tolist()
+        return []
+
+
+class EditDrafter:
+    """The original text of a rewrite is the draft; a cursor follows the output through it.
+
+    ``source``: token ids of the text being rewritten.  While the output copies the source the
+    cursor just advances; on a mismatch it is lost and re-found from the output's last
+    ``max_ngram..min_ngram`` tokens — the occurrence nearest after the old cursor, else the
+    nearest before it (single-token matches only within ``window`` tokens ahead, where they are
+    likely to be the same spot and not a coincidence).  When the source has nothing to offer,
+    ``fallback`` (prompt lookup by default) drafts from the context.
+    """
+
+    def __init__(self, source: Sequence[int], *, max_ngram: int = 4, min_ngram: int = 1, window: int = 24,
+                 fallback: PromptLookup | None = None) -> None:
+        self.source = np.asarray(list(source), np.int64)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.window = window
+        self.fallback = fallback if fallback is not None else PromptLookup()
+        self.cursor: int | None = 0
+        self._last = 0  # where the cursor was before it got lost
+
+    def start(self, context: _Tokens) -> None:
+        self.cursor, self._last = 0, 0
+
+    def observe(self, tokens: Sequence[int], from_draft: int) -> None:
+        if self.cursor is not None:
+            self.cursor += from_draft
+        for t in tokens[from_draft:]:
+            if self.cursor is not None and self.cursor < self.source.shape[0] and self.source[self.cursor] == t:
+                self.cursor += 1
+            elif self.cursor is not None:
+                self._last, self.cursor = self.cursor, None
+
+    def _resync(self, ctx: np.ndarray) -> int | None:
+        L = ctx.shape[0]
+        for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
+            hits = ngram_matches(self.source, ctx[L - n:])
+            if n == 1:
+                hits = hits[(hits >= self._last) & (hits <= self._last + self.window)]
+            if hits.size:
+                after = hits[hits >= self._last]
+                return int(after[0]) if after.size else int(hits[-1])
+        return None
+
+    def propose(self, context: _Tokens, k: int) -> list[int]:
+        if self.cursor is None:
+            self.cursor = self._resync(context.view)
+        if self.cursor is not None and self.cursor < self.source.shape[0]:
+            return self.source[self.cursor:self.cursor + k].tolist()
+        return self.fallback.propose(context, k)
+
+
+# -- adaptive draft length -----------------------------------------------------------------------
+
+@dataclass
+class DraftPolicy:
+    """How many tokens to draft next, from how the last drafts fared.
+
+    Full acceptance grows the draft by half (up to ``k_max``); a partial one sets it to what was
+    accepted plus one (at least ``k_min``).  ``max_misses`` consecutive drafts with nothing accepted
+    switch drafting off for ``backoff`` plain steps, doubling each time up to ``max_backoff``; any
+    accepted token resets the back-off.
+    """
+
+    k_init: int = 6
+    k_min: int = 2
+    k_max: int = 16
+    max_misses: int = 2
+    backoff: int = 4
+    max_backoff: int = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k_min <= self.k_init <= self.k_max:
+            raise ValueError(f"need 1 <= k_min ({self.k_min}) <= k_init ({self.k_init}) <= k_max ({self.k_max})")
+        self.k = self.k_init
+        self._misses = 0
+        self._off = 0
+        self._wait = self.backoff
+
+    def size(self) -> int:
+        """Draft length for the next step (0: take a plain step)."""
+        if self._off > 0:
+            self._off -= 1
+            return 0
+        return self.k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k_max, self.k + max(1, self.k // 2))
+        else:
+            self.k = max(self.k_min, min(self.k, accepted + 1))
+        if accepted == 0:
+            self._misses += 1
+            if self._misses >= self.max_misses:
+                self._off, self._misses = self._wait, 0
+                self._wait = min(self.max_backoff, self._wait * 2)
+        else:
+            self._misses = 0
+            self._wait = self.backoff
+
+
+# -- the generation ------------------------------------------------------------------------------
+
+class SpeculativeGeneration(Generation):
+    """A greedy :class:`Generation` that verifies drafted tokens in batches (see module docstring).
+
+    Extra ``stats``: ``drafted_tokens``, ``accepted_tokens``, ``acceptance`` (accepted/drafted),
+    ``model_runs`` (decoder passes after the prefill) and ``tokens_per_run``.
+    """
+
+    def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None, *,
+                 drafter=None, policy: DraftPolicy | None = None) -> None:
+        super().__init__(engine, prompt, params, slot)
+        self.drafter = drafter if drafter is not None else PromptLookup()
+        self.policy = policy if policy is not None else DraftPolicy()
+        self.stats.update({"drafted_tokens": 0, "accepted_tokens": 0, "acceptance": 0.0, "model_runs": 0,
+                           "tokens_per_run": 0.0})
+
+    def _run(self) -> Iterator[Chunk]:
+        if not self._sampler.greedy:
+            yield from super()._run()
+            return
+        p = self.params
+        eng = self._engine
+        rt = eng.runtime
+        stops = p.stop
+        eos = frozenset() if p.ignore_eos else eng.eos_ids
+        stream = eng.tokenizer.stream()
+        held = ""
+        deadline = None if p.max_time_s is None else self._t0 + p.max_time_s
+        t_first = t_last = None
+        slot = None
+        nv = eng.sample_vocab
+        drafted = accepted_total = runs = 0
+        try:
+            slot, logits = self._prefill()
+            pos = len(slot.tokens)
+            context = _Tokens(self.prompt)
+            self.drafter.start(context)
+            decided = [int(logits[:nv].argmax())]  # tokens chosen but not yet emitted
+            from_draft = 0  # how many leading `decided` tokens came from the draft
+            while True:
+                # Emit the decided tokens one by one, exactly as the plain loop would.
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                    self.stats["ttft_ms"] = (now - self._t0) * 1e3
+                for token in decided:
+                    t_last = now
+                    if token in eos:
+                        self.finish_reason = "eos"
+                        rest = held + stream.flush()
+                        if rest:
+                            self.text += rest
+                            yield Chunk(token, rest)
+                        return
+                    self.tokens.append(token)
+                    buf = held + stream.push(token)
+                    last = len(self.tokens) >= p.max_new_tokens
+                    timed_out = deadline is not None and time.perf_counter() >= deadline
+                    if stops:
+                        cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
+                        if cut >= 0:
+                            self.text += buf[:cut]
+                            self.finish_reason = "stop"
+                            yield Chunk(token, buf[:cut])
+                            return
+                        if last or timed_out:
+                            buf += stream.flush()
+                            k = 0
+                        else:
+                            k = _held_suffix(buf, stops)
+                        out, held = buf[:len(buf) - k], buf[len(buf) - k:]
+                    else:
+                        out = buf + stream.flush() if (last or timed_out) else buf
+                    self.text += out
+                    if last or timed_out:
+                        self.finish_reason = "length" if last else "time"
+                        yield Chunk(token, out)
+                        return
+                    yield Chunk(token, out)
+                context.extend(decided)
+                self.drafter.observe(decided, from_draft)
+                token = decided[-1]  # emitted, its KV not yet written
+                # Draft, then run [token] + draft through the model in one pass.
+                room = min(p.max_new_tokens - len(self.tokens) - 1, rt.max_len - pos - 1)
+                k = min(self.policy.size(), room)
+                draft = self.drafter.propose(context, k) if k > 0 else []
+                draft = [int(t) for t in draft[:k] if 0 <= t < nv]
+                with eng._lock:
+                    self._check(slot)
+                    if draft:
+                        logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
+                    else:
+                        logits = self._run_model(rt.decode, slot.kv, token, pos)[None, :]
+                    picks = logits[:, :nv].argmax(-1)
+                    a = 0
+                    while a < len(draft) and picks[a] == draft[a]:
+                        a += 1
+                    slot.tokens.append(token)
+                    slot.tokens.extend(draft[:a])
+                    pos += 1 + a
+                runs += 1
+                drafted += len(draft)
+                accepted_total += a
+                self.policy.update(len(draft), a)
+                decided = draft[:a] + [int(picks[a])]
+                from_draft = a
+        except _Cancelled:
+            self.finish_reason = "cancelled"
+        finally:
+            if self.finish_reason is None:
+                self.finish_reason = "cancelled"
+            if slot is not None and slot.owner is self:
+                slot.owner = None
+            end = time.perf_counter()
+            self.stats["new_tokens"] = len(self.tokens)
+            self.stats["total_ms"] = (end - self._t0) * 1e3
+            if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:
+                self.stats["decode_tok_s"] = (len(self.tokens) - 1) / (t_last - t_first)
+            self.stats.update({"drafted_tokens": drafted, "accepted_tokens": accepted_total,
+                               "acceptance": accepted_total / drafted if drafted else 0.0, "model_runs": runs,
+                               "tokens_per_run": (len(self.tokens) - 1) / runs if runs else 0.0})
+
+
+def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationParams | None = None,
+             slot: Hashable = None, *, draft: str | Sequence[int] | None = None, ngram: bool = True,
+             policy: DraftPolicy | None = None) -> Generation:
+    """Like ``engine.generate`` but speculative (greedy only; sampling runs the plain loop).
+
+    ``draft``: the text (or token ids) being rewritten — speculative edits; ``None`` drafts by
+    n-gram prompt lookup (``ngram=False`` turns that off too, leaving plain decoding in the same
+    class, for comparisons).
+    """
+    from dataclasses import replace
+
+    params = params or GenerationParams()
+    ids = engine.encode_prompt(prompt)
+    room = engine.context - len(ids)
+    if params.max_new_tokens > room:
+        params = replace(params, max_new_tokens=max(1, room))
+    if draft is not None:
+        src = engine.tokenizer.encode(draft) if isinstance(draft, str) else [int(t) for t in draft]
+        drafter = EditDrafter(src, fallback=PromptLookup() if ngram else _NoDraft())
+        policy = policy or DraftPolicy(k_init=8)
+    elif ngram:
+        drafter = PromptLookup()
+    else:
+        drafter = _NoDraft()
+    return SpeculativeGeneration(engine, ids, params, slot, drafter=drafter, policy=policy)
+
+
+class _NoDraft(PromptLookup):
+    """Never drafts (plain greedy decoding through the speculative loop)."""
+
+    def propose(self, context: _Tokens, k: int) -> list[int]:
+        return []
