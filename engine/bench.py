@@ -173,18 +173,27 @@ class _Ours:
         return list(gen.tokens), dt
 
 
-def _rates(runner, prompts: list[list[int]], n: int) -> dict[str, Any]:
-    """Medians of T1 (time to 1 new token) and TN (time to n), alternated per repeat."""
-    t1s, tns, tokens = [], [], None
+def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
+    """Per runner: medians of T1 (time to 1 new token) and TN (time to n new tokens).
+
+    The runners take turns within each repeat, so a change in machine load (a shared CPU) hits
+    all of them alike instead of whichever happened to run at that moment.
+    """
+    t1s: list[list[float]] = [[] for _ in runners]
+    tns: list[list[float]] = [[] for _ in runners]
+    tokens: list[list[int] | None] = [None for _ in runners]
     for p in prompts:
-        t1s.append(runner.timed(p, 1)[1])
-        toks, tn = runner.timed(p, n)
-        tns.append(tn)
-        tokens = tokens or toks
-    t1, tn = _median(t1s), _median(tns)
-    plen = len(prompts[0])
-    return {"ttft_ms": t1 * 1e3, "prefill_tok_s": plen / t1, "decode_tok_s": (n - 1) / max(tn - t1, 1e-9),
-            "t1_ms": [x * 1e3 for x in t1s], "tn_ms": [x * 1e3 for x in tns], "tokens": tokens}
+        for i, runner in enumerate(runners):
+            t1s[i].append(runner.timed(p, 1)[1])
+            toks, tn = runner.timed(p, n)
+            tns[i].append(tn)
+            tokens[i] = tokens[i] or toks
+    out = []
+    for i in range(len(runners)):
+        t1, tn = _median(t1s[i]), _median(tns[i])
+        out.append({"ttft_ms": t1 * 1e3, "prefill_tok_s": len(prompts[0]) / t1,
+                    "decode_tok_s": (n - 1) / max(tn - t1, 1e-9), "tokens": tokens[i]})
+    return out
 
 
 def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, phase: str, cold_ms: float,
@@ -275,10 +284,33 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads")
 
     ours = _Ours(eng)
-    ours.timed(prompts[0], 8)  # warm-up
+    runners: list = [ours]
+    peers: dict[str, Any] = {}
+    if opts.peers:
+        from . import peers as peer_mod
+
+        factories = {
+            "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
+            "onnxruntime-genai": lambda: peer_mod.GenaiPeer(folder, threads, weights_digest(folder), bench_root(), log),
+        }
+        for name, make in factories.items():
+            try:
+                runners.append(make())
+            except peer_mod.PeerUnavailable as e:
+                log(f"{name}: skipped: {e}")
+                peers[name] = {"skipped": str(e)}
+    for runner in runners:
+        runner.timed(prompts[0], 8)  # warm-up
     ours.stats.clear()
-    r = _rates(ours, prompts, n_new)
+    rates = _rates(runners, prompts, n_new)
+    r = rates[0]
     internal = [s["decode_tok_s"] for s in ours.stats if s["new_tokens"] == n_new]
+    for runner, pr in zip(runners[1:], rates[1:]):
+        peers[runner.name] = {"version": runner.version, "prefill_tok_s": pr["prefill_tok_s"],
+                              "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
+                              "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}"}
+        log(f"{runner.name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s")
+    del runners
 
     # TTFT cold vs. the same prompt with the last token changed (prefix reused).
     cold, warm, reused = [], [], []
@@ -304,28 +336,6 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
                                                        engine_res["ttft_cold_ms"], rng)
     result["engine"] = engine_res
 
-    peers: dict[str, Any] = {}
-    if opts.peers:
-        from . import peers as peer_mod
-
-        factories = {
-            "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
-            "onnxruntime-genai": lambda: peer_mod.GenaiPeer(folder, threads, weights_digest(folder), bench_root(), log),
-        }
-        for name, make in factories.items():
-            try:
-                peer = make()
-            except peer_mod.PeerUnavailable as e:
-                log(f"{name}: skipped: {e}")
-                peers[name] = {"skipped": str(e)}
-                continue
-            peer.timed(prompts[0], 8)  # warm-up
-            pr = _rates(peer, prompts, n_new)
-            peers[name] = {"version": peer.version, "prefill_tok_s": pr["prefill_tok_s"],
-                           "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
-                           "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}"}
-            log(f"{name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s")
-            del peer
     result["peers"] = peers
     result["ratios"] = {
         f"{k}_vs_{name}": engine_res[k] / p[k]
