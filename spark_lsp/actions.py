@@ -47,9 +47,12 @@ class EditPlan:
     tail: str = ""                 # fixed text written after it
     finish: Callable[[str], str] = field(default=lambda s: s)  # raw output -> generated body
     multiline_ctx: postprocess.Context | None = None           # cut like a block when set
+    prompt_text: str | None = None     # a complete (chat) prompt instead of FIM prefix/suffix
+    partial: Callable[[str], str] = field(default=lambda s: s)  # raw output -> body mid-stream
+    done: Callable[[str], bool] | None = None                   # early stop on raw output
 
     def region_text(self, raw: str, final: bool) -> str:
-        body = self.finish(raw) if final else raw
+        body = self.finish(raw) if final else self.partial(raw)
         return self.head + body + (self.tail if final else "")
 
 
@@ -114,8 +117,8 @@ def _ends_newline(s: str) -> str:
 
 
 def plan(action: str, text: str, start: int, end: int, cursor_line: int,
-         max_tokens: int, instruction: str | None = None, count_tokens: Callable[[str], int] | None = None
-         ) -> EditPlan:
+         max_tokens: int, instruction: str | None = None, count_tokens: Callable[[str], int] | None = None,
+         chat: Any = None) -> EditPlan:
     """The EditPlan of `action` for the selection [start, end) (a cursor when start == end)."""
     lines = split_lines(text)
     line_starts = [0]
@@ -145,6 +148,20 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         def finish(raw: str, keep_nl=keep_nl) -> str:
             out = raw.rstrip()
             return out + "\n" if keep_nl and out else out
+        if action == INSTRUCT and chat is not None:
+            from . import chat as chatmod
+
+            prompt = chat.render(chatmod.instruction_messages(instruction, selected, text[:start], text[end:]))
+
+            def chat_finish(raw: str, keep_nl=keep_nl) -> str:
+                code = chatmod.extract_code(raw, final=True).rstrip()
+                if not code.strip():
+                    raise ActionError("the model's reply held no code")
+                return code + "\n" if keep_nl else code
+            return EditPlan(action, start, end, "", "", stop=(), max_tokens=min(budget * 2, max_tokens),
+                            finish=chat_finish, prompt_text=prompt,
+                            partial=lambda raw: chatmod.extract_code(raw, final=False),
+                            done=lambda raw: raw.lstrip().startswith("```") and raw.count("```") >= 2)
         return EditPlan(action, start, end, prefix, suffix, stop=(), max_tokens=min(budget, max_tokens),
                         finish=finish)
 
@@ -206,6 +223,8 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
 
 def generated_is_done(p: EditPlan, raw: str) -> bool:
     """Early stop for block-shaped actions once the block is complete."""
+    if p.done is not None:
+        return p.done(raw)
     if p.multiline_ctx is None:
         return False
     return postprocess.block_done(raw, p.multiline_ctx, 200)
@@ -216,7 +235,12 @@ def run_plan(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, 
     """Generate the region's final text for plan `p` (engine thread)."""
     from .completions import generate_text
 
-    ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
+    if p.prompt_text is not None:
+        ids = list(builder.tokenizer.encode(p.prompt_text))
+        if len(ids) > context_tokens + 512:
+            raise ActionError(f"the chat prompt has {len(ids)} tokens; select less code")
+    else:
+        ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
     params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=p.stop)
     raw, stats, finish = generate_text(engine, job, ids, params,
                                        done=(lambda s: generated_is_done(p, s)), on_text=on_text)

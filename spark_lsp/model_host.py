@@ -27,6 +27,7 @@ class ModelHost:
         self.engine: Any = None
         self.builder: PromptBuilder | None = None
         self.params_cls: Any = None
+        self.chat: Any = None           # ChatTemplate of a chat model, else None
         self.model_dir: str | None = None
         self.error: str | None = None
         self.load_s: float | None = None
@@ -60,10 +61,13 @@ class ModelHost:
 
                 eng = Engine.load(model_dir=model_dir, slots=4)
                 builder = PromptBuilder(eng.tokenizer)
+                from .chat import load_chat_template
+                chat = load_chat_template(getattr(eng, "model_dir", model_dir), str(getattr(eng, "name", "")),
+                                          builder.fim is not None)
                 ok, msg = True, ""
             except BaseException as exc:  # report, never crash the server
                 log.exception("model load failed")
-                eng, builder, ok = None, None, False
+                eng, builder, chat, ok = None, None, None, False
                 msg = f"cannot load model {model_dir or '(bundled default)'}: {exc}"
 
             def finish() -> None:
@@ -72,6 +76,7 @@ class ModelHost:
                 self._loading = False
                 if ok:
                     self.engine, self.builder, self.params_cls = eng, builder, GenerationParams
+                    self.chat = chat
                     self.load_s = time.perf_counter() - t0
                 else:
                     self.error = msg

@@ -317,7 +317,8 @@ class SparkServer(LanguageServer):
         try:
             plan = actions.plan(name, text, start, end, start_pos.line,
                                 self.settings.max_edit_tokens, instruction,
-                                count_tokens=lambda s: len(builder.tokenizer.encode(s)))
+                                count_tokens=lambda s: len(builder.tokenizer.encode(s)),
+                                chat=self.host.chat if name == actions.INSTRUCT else None)
         except actions.ActionError as exc:
             raise JsonRpcInvalidParams(str(exc)) from None
         if uri in self.live:
@@ -571,5 +572,5 @@ def create_server(model_dir: str | None = None) -> SparkServer:
 def server_metrics(ls: SparkServer) -> dict:
     lat = list(ls.scheduler.cancel_latencies_ms) if ls.scheduler is not None else []
     return {"model": ls.host.name if ls.host.loaded else None, "loaded": ls.host.loaded,
-            "loadError": ls.host.error, "enabled": ls.enabled, "settings": to_json(ls.settings),
+            "loadError": ls.host.error, "enabled": ls.enabled, "chatModel": ls.host.chat is not None, "settings": to_json(ls.settings),
             **ls.metrics.snapshot(lat)}

@@ -246,3 +246,29 @@ async def test_scheduler_supersedes_cancels_and_is_fair():
         assert job.cancelled and job.t_stopped is not None
     finally:
         sched.shutdown()
+
+
+# -- chat-template instruction edits --------------------------------------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_prompt_and_code_extraction(tmp_path):
+    import json
+
+    from spark_lsp import chat
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    assert chat.load_chat_template(tmp_path, "coder-base", has_fim=True) is None   # base FIM model
+    tpl = chat.load_chat_template(tmp_path, "coder-instruct", has_fim=True)
+    assert tpl is not None
+    p = actions.plan(actions.INSTRUCT, SRC, SRC.index("def main"), len(SRC), 7, 200,
+                     instruction="print twice", chat=tpl)
+    assert p.prompt_text.startswith("<|im_start|>system\n") and p.prompt_text.endswith("<|im_start|>assistant\n")
+    assert "print twice" in p.prompt_text and "def main():" in p.prompt_text
+    reply = "```python\ndef main():\n    print(add(1, 2))\n    print(add(1, 2))\n```\nDone."
+    assert p.region_text(reply, final=True) == "def main():\n    print(add(1, 2))\n    print(add(1, 2))\n"
+    assert p.region_text("```python\ndef ma", final=False) == "def ma"
+    assert p.region_text("``", final=False) == ""
+    assert p.done(reply) and not p.done("```python\ndef")
+    assert chat.extract_code("x = 1\n", final=True) == "x = 1\n"

@@ -231,3 +231,34 @@ async def test_bad_params_get_errors_and_server_survives(editor, sample):
     assert (await editor.metrics())["settings"]["debounceMs"] == 0
     res = await editor.inline(URI, sample.index("print(") + 6)
     assert isinstance(res, T.InlineCompletionList)
+
+
+async def test_instruction_edit_uses_the_chat_template_of_a_chat_model(tiny_llama, tmp_path):
+    import json
+
+    import tiny_models
+
+    from conftest import start_editor
+
+    model = tiny_models.copy_model(tiny_llama, tmp_path / "tiny-chat")
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}assistant: {% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    client, ed = await start_editor(model)
+    try:
+        assert (await ed.metrics())["chatModel"] is True
+        src = "def f(x):\n    return x\n"
+        ed.open(URI, src)
+        rng = {"start": {"line": 1, "character": 0}, "end": {"line": 2, "character": 0}}
+        res = await ed.command("spark.editWithInstruction", URI, rng, "double it")
+        assert res["outcome"] == "done" and ed.text(URI).startswith("def f(x):\n")
+        for _ in range(50):
+            if ed.status:
+                break
+            await asyncio.sleep(0.05)
+        assert ed.status[-1]["kind"] == "edit:instruct" and ed.status[-1]["promptTokens"] > 40
+    finally:
+        await client.shutdown_session()
+        await client.stop()
