@@ -1,0 +1,70 @@
+"""engine.evaluate and `spark-lsp eval`: sampling, metrics, and an end-to-end run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from engine.evaluate import edit_similarity, resolve_files, sample_positions
+
+SRC = "import os\n\n\ndef f(x):\n    if x:\n        return os.path.join(x, 'a')\n    return None\n"
+
+
+def test_edit_similarity():
+    assert edit_similarity("", "") == 1.0
+    assert edit_similarity("abc", "abc") == 1.0
+    assert edit_similarity("abc", "") == 0.0
+    assert edit_similarity("kitten", "sitting") == pytest.approx(1 - 3 / 7)
+
+
+def test_positions_cut_a_line():
+    texts = {Path("a.py"): SRC}
+    for pos in sample_positions(texts, 50, seed=0):
+        assert pos.target and "\n" not in pos.target
+        assert pos.prefix + pos.target + pos.suffix == SRC  # short file: nothing truncated
+        assert pos.suffix == "" or pos.suffix.startswith("\n")
+        assert pos.prefix.rsplit("\n", 1)[-1].strip() or pos.target.strip()
+    assert sample_positions(texts, 5, seed=1) == sample_positions(texts, 5, seed=1)
+
+
+def test_resolve_files(tmp_path):
+    (tmp_path / "a.py").write_text(SRC)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text(SRC)
+    lst = tmp_path / "list.txt"
+    lst.write_text(f"{tmp_path / 'a.py'}\n")
+    assert len(resolve_files([str(tmp_path / "**" / "*.py")])) == 2
+    assert resolve_files([f"@{lst}"]) == [tmp_path / "a.py"]
+    with pytest.raises(ValueError, match="no files matched"):
+        resolve_files([str(tmp_path / "*.rs")])
+    with pytest.raises(ValueError, match="list file not found"):
+        resolve_files(["@/nonexistent/list.txt"])
+
+
+def test_eval_cli_end_to_end(tiny_llama, tmp_path, capsys):
+    from spark_lsp.cli import main
+
+    f = tmp_path / "m.py"
+    f.write_text(SRC * 3)
+    rc = main(["eval", "--model", str(tiny_llama), "--files", str(f), "--n", "4", "--max-new-tokens", "4",
+               "--json", "--threads", "1"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["n"] == 4 and len(res["samples"]) == 4
+    assert 0.0 <= res["exact_match"] <= 1.0 and 0.0 <= res["edit_similarity"] <= 1.0
+    # a random tiny model: close to log2(vocab) bits per token, several bits per byte
+    assert math.isfinite(res["bits_per_byte"]) and res["bits_per_byte"] > 0.5
+    assert res["bpb_bytes"] == len((SRC * 3).encode())
+
+
+def test_eval_cli_errors(tiny_llama, tmp_path, capsys):
+    from spark_lsp.cli import main
+
+    assert main(["eval", "--model", str(tiny_llama), "--files", str(tmp_path / "*.py")]) == 2
+    assert "no files matched" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "nope"), "--files", __file__, "--n", "1"]) == 2
+    assert "error" in capsys.readouterr().err
+    assert main(["eval", "--files", __file__, "--n", "0"]) == 2
