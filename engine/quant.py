@@ -154,8 +154,8 @@ def _block_for(k_extent: int, preferred: int) -> int | None:
 class QuantLinear:
     """Linear emitter with ``bits``-bit weights (MatMulNBits, int8 compute).
 
-    ``inner``: the float emitter this one stands in for.  A ``TiledLinear`` (anything with
-    ``effective_grid(shape, role)``) makes the quantisation per PE tile, and its ``layout`` report
+    ``inner``: the float emitter this one stands in for.  A ``TiledLinear`` (anything with a
+    ``grid``) makes the quantisation per PE tile, and its ``layout`` report
     is filled in as if it had emitted the weights; ``None``/``DenseLinear`` quantises the whole
     matrix.  ``block_size``: weights per scale along K (default :data:`DEFAULT_BLOCK`; lowered to
     divide the tile size).  ``roles``: which linears to quantise (others go to ``inner``).
@@ -192,17 +192,15 @@ class QuantLinear:
         return (f"q{self.bits}-b{self.block_size}-{self.form}-acc{self.accuracy_level}"
                 f"-{'sym' if self.symmetric else 'asym'}-{roles}-v1/{inner_key}")
 
-    # The K extents each quantisation must respect: one per tile along the reduction axis.
+    # The K extents each quantisation must respect: one per mesh line along the reduction axis.
     def _k_parts(self, shape: tuple[int, int], role: str) -> list[int]:
-        grid_of = getattr(self.inner, "effective_grid", None)
-        if grid_of is None:
+        grid = getattr(self.inner, "grid", None)
+        if grid is None:
             return [shape[0]]
-        from .wafer.partition import mesh_axes, split_sizes
+        from .wafer.partition import block_sizes, reduce_axis
 
-        R, C = grid_of(shape, role)
-        parts = R if mesh_axes(role)[0] == "rows" else C
-        kb = split_sizes(shape[0], parts)
-        return [min(kb, shape[0] - p * kb) for p in range(parts) if p * kb < shape[0]]
+        R, C = grid
+        return block_sizes(shape[0], R if reduce_axis(role) == "rows" else C)
 
     def _nbits(self, gb, x: str, w: np.ndarray, name: str, block: int) -> str:
         qw = quantize_blockwise(w, self.bits, block, symmetric=self.symmetric)
@@ -240,10 +238,13 @@ class QuantLinear:
         self.layout[name] = {"role": role, "shape": (K, N), "k_tiles": parts, "bits": self.bits,
                              "block_size": block or 16, "form": form}
         inner_layout = getattr(self.inner, "layout", None)
-        grid_of = getattr(self.inner, "effective_grid", None)
-        if isinstance(inner_layout, dict) and grid_of is not None:
-            R, C = grid_of((K, N), role)
-            inner_layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "tile": (kb, None),
+        if isinstance(inner_layout, dict) and getattr(self.inner, "grid", None) is not None:
+            from .wafer.partition import block_sizes, reduce_axis
+
+            R, C = self.inner.grid
+            axis = reduce_axis(role)
+            inner_layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
+                                  "k_blocks": parts, "n_blocks": block_sizes(N, C if axis == "rows" else R),
                                   "quant": f"int{self.bits}/b{block or 16}/{form}"}
         if bias is not None:
             b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
