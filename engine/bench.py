@@ -279,6 +279,7 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         "model": str(folder), "architecture": cfg.architecture, "parameters": n_params,
         "prompt_tokens": plen, "new_tokens": n_new, "repeats": opts.repeats, "threads": threads,
         "emitter": emitter_key(eng.linear), "spinning": opts.spinning,
+        "load_average_start": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
     }
     log(f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
         f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads")
@@ -337,6 +338,7 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     result["engine"] = engine_res
 
     result["peers"] = peers
+    result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["ratios"] = {
         f"{k}_vs_{name}": engine_res[k] / p[k]
         for name, p in peers.items() if "skipped" not in p for k in ("decode_tok_s", "prefill_tok_s")
@@ -351,6 +353,9 @@ def format_table(res: dict[str, Any]) -> str:
         f"model: {res['model']} ({res['architecture']}, {res['parameters'] / 1e6:.1f}M params)",
         f"prompt {res['prompt_tokens']} tokens, {res['new_tokens']} new tokens (greedy), medians of "
         f"{res['repeats']}, {res['threads']} threads, emitter {res['emitter']}",
+        f"machine load average {res['load_average_start']} -> {res['load_average_end']} on {res['cpus']} CPUs"
+        + ("  (busy machine: figures are noisy; the runners take turns so ratios stay comparable)"
+           if max(res["load_average_start"], res["load_average_end"]) > 0.5 * (res["cpus"] or 1) else ""),
         "",
         f"{'runner':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'TTFT ms':>10}{'decode ratio':>14}  notes",
         f"{'spark-lsp':<20}{e['prefill_tok_s']:>15.0f}{e['decode_tok_s']:>15.0f}{e['ttft_cold_ms']:>10.1f}"

@@ -34,6 +34,7 @@ class TransformersPeer:
         except ImportError as e:
             raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install 'spark-lsp[peers]'") from None
         torch.set_num_threads(threads)
+        transformers.utils.logging.disable_progress_bar()
         self._torch = torch
         self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         self.model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -100,7 +100,7 @@ class Tokenizer:
         gcfg = _read_optional_json(folder / "generation_config.json")
         mcfg = _read_optional_json(folder / "config.json")
 
-        def special(key: str, source: str) -> int | None:
+        def special(key: str) -> int | None:
             for cfg, fname in ((tcfg, "tokenizer_config.json"), (smap, "special_tokens_map.json")):
                 content = _token_content(cfg.get(key))
                 if content is not None:
@@ -112,7 +112,7 @@ class Tokenizer:
 
         vocab = tok.get_vocab_size(with_added_tokens=True)
         eos: list[int] = []
-        if (e := special("eos_token", "eos")) is not None:
+        if (e := special("eos_token")) is not None:
             eos.append(e)
         for cfg, fname in ((gcfg, "generation_config.json"), (mcfg, "config.json")):
             v = cfg.get("eos_token_id")
@@ -121,7 +121,7 @@ class Tokenizer:
                     if not 0 <= x < vocab:
                         raise ModelError(f"{fname}: eos_token_id={x} is outside the tokenizer vocabulary ({vocab})")
                     eos.append(x)
-        return cls(tok, eos_ids=eos, bos_id=special("bos_token", "bos"), pad_id=special("pad_token", "pad"),
+        return cls(tok, eos_ids=eos, bos_id=special("bos_token"), pad_id=special("pad_token"),
                    name=folder.name)
 
     # -- vocabulary ----------------------------------------------------------------------------
