@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("argv", nargs="*")
         q.set_defaults(func=run, bench_name=name)
     a = bsub.add_parser("all", help="every installed benchmark, with its defaults")
-    a.add_argument("--model", default=None, metavar="DIR", help="model folder for the engine benchmark")
+    a.add_argument("--model", default=None, metavar="DIR",
+                   help="model folder for every benchmark (a synthetic-* name: the engine benchmark only)")
     a.set_defaults(func=_run_all)
 
 
@@ -86,7 +87,9 @@ def _run_all(args: argparse.Namespace) -> int:
         if mod is None or not hasattr(mod, "main"):
             print(f"(skipped: {MODULES[name]} is not available yet)", flush=True)
             continue
-        argv = ["--model", args.model] if (name == "engine" and args.model) else []
+        # Every benchmark takes --model DIR; synthetic model names are known to the engine bench only.
+        synthetic = bool(args.model) and args.model.startswith("synthetic-")
+        argv = ["--model", args.model] if args.model and (name == "engine" or not synthetic) else []
         code = int(mod.main(argv) or 0)
         if code:
             print(f"(bench {name} exited with {code})", flush=True)

@@ -140,3 +140,7 @@ def test_dispatcher_passes_arguments_through(capsys, monkeypatch):
     assert rc == 0
     assert calls == [("engine", ["--model", "synthetic-8m"]), ("edits", []), ("wafer", [])]
     assert "=== bench lsp ===" in out and "no_such_module_for_bench is not available" in out
+    calls.clear()
+    rc, out, _ = cli(["all", "--model", "/models/m"], capsys)
+    assert calls == [("engine", ["--model", "/models/m"]), ("edits", ["--model", "/models/m"]),
+                     ("wafer", ["--model", "/models/m"])]
