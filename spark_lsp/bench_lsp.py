@@ -152,9 +152,10 @@ def run(args) -> int:
             now = time.perf_counter()
             if t_next > now:
                 time.sleep(t_next - now)
+            # as VS Code: the change is synced first, then the stale request cancelled
+            offset = client.type_text(uri, offset, k)
             if pending is not None and not pending.done():
                 client.cancel(pending)
-            offset = client.type_text(uri, offset, k)
             pending = client.inline(uri, offset)
             futures.append(pending)
             t_next += key_dt + (pause if "\n" in k else 0.0)
@@ -172,7 +173,8 @@ def run(args) -> int:
         client.shutdown()
 
     lat = [r[0] for r in results]
-    served = {k: final[k] - base.get(k, 0) for k in ("inlineRequests", "typingThrough", "modelCalls",
+    served = {k: final[k] - base.get(k, 0) for k in ("inlineRequests", "typingThrough", "joinedGeneration",
+                                                     "modelCalls",
                                                      "prefixCacheHits", "promptTokens", "reusedTokens")}
     out = {
         "file": str(path), "lines": source.count("\n"), "function": fname, "model": info.get("model"),
@@ -183,7 +185,8 @@ def run(args) -> int:
         "latency_ms_median": round(statistics.median(lat), 2) if lat else None,
         "latency_ms_p95": round(_pct(lat, 95), 2) if lat else None,
         "latency_ms_max": round(max(lat), 2) if lat else None,
-        "typing_through": served["typingThrough"], "model_calls": served["modelCalls"],
+        "typing_through": served["typingThrough"], "joined_generation": served["joinedGeneration"],
+        "model_calls": served["modelCalls"],
         "prefix_cache_hits": served["prefixCacheHits"],
         "prompt_tokens": served["promptTokens"], "reused_prompt_tokens": served["reusedTokens"],
         "cancel_latency_ms_median": final.get("cancelLatencyMsMedian"),
@@ -199,7 +202,9 @@ def run(args) -> int:
         rows = [("requests answered", out["answered"]), ("cancelled / superseded", cancelled),
                 ("latency median (ms)", out["latency_ms_median"]), ("latency p95 (ms)", out["latency_ms_p95"]),
                 ("latency max (ms)", out["latency_ms_max"]),
-                ("served by typing-through", out["typing_through"]), ("model calls", out["model_calls"]),
+                ("served by typing-through", out["typing_through"]),
+                ("served by joining a running generation", out["joined_generation"]),
+                ("model calls", out["model_calls"]),
                 ("model calls reusing the prefix cache", out["prefix_cache_hits"]),
                 ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),
                 ("cancel latency median / p95 (ms)",

@@ -20,6 +20,7 @@ from .settings import Settings
 INVOKED, AUTOMATIC = 1, 2
 EXTRA_SEEDS = (1, 2)          # sampled alternatives for an Invoked request
 ALT_TEMPERATURE = 0.8
+SINGLE_LINE_TOKENS = 32      # the rest of a line rarely needs more; bounds the latency of a miss
 
 
 @dataclass
@@ -84,6 +85,31 @@ class TypingThrough:
         return rest or None
 
 
+class Inflight:
+    """A completion being generated for a document, which later keystrokes may join: if the user
+    types exactly what the model is writing, the generation is kept and the new request answers
+    from it (like typing-through, before the suggestion is even finished)."""
+
+    def __init__(self, job: Job, text: str, offset: int):
+        self.job, self.text, self.offset = job, text, offset
+        self.partial = ""     # raw output so far of the first generation (written by the engine thread)
+        self.waiters = 0      # requests awaiting it; the job is cancelled when the last one is
+        self.expect_join = False  # a didChange typed along with it: the next request will join
+
+    def typed(self, text: str) -> str | None:
+        """The characters inserted at the request's cursor since it started, if nothing else changed."""
+        n = len(text) - len(self.text)
+        o = self.offset
+        if n < 0 or text[:o] != self.text[:o] or text[o + n:] != self.text[o:]:
+            return None
+        return text[o:o + n]
+
+    def followed_by(self, text: str) -> str | None:
+        """`typed` when it matches the output so far, else None."""
+        t = self.typed(text)
+        return t if t is not None and self.partial.startswith(t) else None
+
+
 def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
                   done: Callable[[str], bool] | None = None,
                   on_text: Callable[[str], None] | None = None) -> tuple[str, dict, str]:
@@ -122,12 +148,13 @@ def context_limit(engine: Any) -> int | None:
 
 
 def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
-             settings: Settings, trigger: int, params_cls: Any) -> Result:
+             settings: Settings, trigger: int, params_cls: Any,
+             on_partial: Callable[[str], None] | None = None) -> Result:
     """Suggestions for the cursor at `offset` (engine thread)."""
     t0 = time.perf_counter()
     ctx = context_at(text, offset)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
-    max_new = settings.max_tokens if multiline else min(settings.max_tokens, 48)
+    max_new = settings.max_tokens if multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
     limit = context_limit(engine)
     budget = settings.context_tokens
     if limit:  # the prompt budget never overflows the model's context
@@ -145,7 +172,8 @@ def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: i
         else:
             params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
                                 top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop)
-        raw, st, finish = generate_text(engine, job, prompt.ids, params, done)
+        raw, st, finish = generate_text(engine, job, prompt.ids, params, done,
+                                        on_text=on_partial if k == 0 else None)
         if k == 0:
             stats = {**st, "finish_reason": finish}
         item = postprocess.clean(raw, ctx, multiline, settings.max_lines)

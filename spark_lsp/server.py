@@ -38,6 +38,7 @@ CMD_TOGGLE = "spark.toggle"
 CMD_CONFIGURE = "spark.configure"
 CMD_STATUS = "spark.status"
 EDIT_SUFFIX = "#edit"   # scheduler key of a document's code-action edit
+JOIN_GRACE_S = 0.25     # how long a generation the user types along with waits for its next request
 
 
 @attrs.define
@@ -89,6 +90,7 @@ class SparkServer(LanguageServer):
         self.metrics = Metrics()
         self.wafer = WaferProjector()
         self.live: dict[str, live_edits.LiveEdit] = {}
+        self.inflight: dict[str, completions.Inflight] = {}
         self.enabled = True
         self._tokens = itertools.count(1)
 
@@ -219,16 +221,48 @@ class SparkServer(LanguageServer):
             self.metrics.typing_through += 1
             self._sched().cancel(uri, "superseded", kind="completion")  # stale work is useless now
             return self._items(through, params.position, trigger)
+        inf = self.inflight.get(uri)
+        if inf is not None and not inf.job.future.done() and not inf.job.cancelled:
+            typed = inf.followed_by(text)
+            if typed is not None and offset == inf.offset + len(typed):
+                inf.expect_join = False
+                result = await self._await_inflight(uri, inf)
+                rest = [it[len(typed):] for it in result.items if it.startswith(typed) and len(it) > len(typed)]
+                if rest:
+                    self.metrics.joined += 1
+                    self.typing.remember(uri, inf.text, inf.offset, result.items)
+                    return self._items(rest, params.position, trigger)
         if self.settings.debounce_ms and trigger == completions.AUTOMATIC:
             await asyncio.sleep(self.settings.debounce_ms / 1000)
         await self._ready()
         engine, builder, params_cls, settings = self.host.engine, self.host.builder, self.host.params_cls, self.settings
-        job = Job(uri, lambda j: completions.complete(engine, builder, j, text, offset, settings, trigger, params_cls),
+        holder: dict = {}
+        job = Job(uri, lambda j: completions.complete(engine, builder, j, text, offset, settings, trigger, params_cls,
+                                                      on_partial=lambda s: setattr(holder["inf"], "partial", s)),
                   asyncio.get_running_loop(), kind="completion")
+        inf = holder["inf"] = completions.Inflight(job, text, offset)
+        self.inflight[uri] = inf
+        self._sched().submit(job)
+        result = await self._await_inflight(uri, inf)
+        self.typing.remember(uri, text, offset, result.items)
+        self.send_status("completion", result.stats)
+        return self._items(result.items, params.position, trigger)
+
+    async def _await_inflight(self, uri: str, inf: completions.Inflight) -> completions.Result:
+        """Await a completion job shared by the requests that joined it; a cancelled request
+        (`$/cancelRequest`) cancels the job only if no other request still waits for it."""
+        inf.waiters += 1
         try:
-            result = await run_job(self._sched(), job)
+            return await asyncio.shield(inf.job.future)
         except asyncio.CancelledError:
             self.metrics.cancelled += 1
+            if inf.waiters <= 1:
+                if inf.expect_join:
+                    # the user typed what the model is writing; editors cancel the old request
+                    # before sending the new one that will join, so give it a moment
+                    asyncio.get_running_loop().call_later(JOIN_GRACE_S, self._cancel_unjoined, inf)
+                else:
+                    inf.job.cancel("request cancelled")
             raise
         except Cancelled as exc:
             self.metrics.superseded += 1
@@ -238,9 +272,15 @@ class SparkServer(LanguageServer):
         except ValueError as exc:
             self.metrics.errors += 1
             raise JsonRpcInvalidParams(str(exc)) from None
-        self.typing.remember(uri, text, offset, result.items)
-        self.send_status("completion", result.stats)
-        return self._items(result.items, params.position, trigger)
+        finally:
+            inf.waiters -= 1
+            if inf.job.future.done() and self.inflight.get(uri) is inf:
+                del self.inflight[uri]
+
+    @staticmethod
+    def _cancel_unjoined(inf: completions.Inflight) -> None:
+        if inf.waiters <= 0 and not inf.job.future.done():
+            inf.job.cancel("request cancelled")
 
     @staticmethod
     def _items(items: list[str], pos: T.Position, trigger: int) -> T.InlineCompletionList:
@@ -260,6 +300,15 @@ class SparkServer(LanguageServer):
                 text = None
             if text is not None and session.on_did_change(text):
                 return  # our own streamed edit coming back
+        inf = self.inflight.get(uri)
+        if inf is not None and not inf.job.future.done():
+            try:
+                text = self.workspace.get_text_document(uri).source
+            except Exception:
+                text = None
+            if text is not None and inf.followed_by(text) is not None:
+                inf.expect_join = True
+                return  # the user is typing what the model is writing: keep generating
         if self.scheduler is not None:
             self.scheduler.cancel(uri, "content modified", kind="completion")
 

@@ -99,6 +99,7 @@ class Metrics:
 
     inline_requests: int = 0
     typing_through: int = 0
+    joined: int = 0                   # requests answered by joining a generation already running
     model_calls: int = 0
     prefix_cache_hits: int = 0        # model calls whose prompt reused cached tokens
     prompt_tokens: int = 0
@@ -125,6 +126,7 @@ class Metrics:
         return {
             "inlineRequests": self.inline_requests,
             "typingThrough": self.typing_through,
+            "joinedGeneration": self.joined,
             "modelCalls": self.model_calls,
             "prefixCacheHits": self.prefix_cache_hits,
             "promptTokens": self.prompt_tokens,

@@ -272,3 +272,14 @@ def test_chat_prompt_and_code_extraction(tmp_path):
     assert p.region_text("``", final=False) == ""
     assert p.done(reply) and not p.done("```python\ndef")
     assert chat.extract_code("x = 1\n", final=True) == "x = 1\n"
+
+
+def test_inflight_is_joined_only_by_typing_what_the_model_writes():
+    inf = completions.Inflight(job=None, text="x = foo(\nz = 1\n", offset=8)
+    inf.partial = "a, b)"
+    typed = "x = foo(a,\nz = 1\n"
+    assert inf.typed(typed) == "a," and inf.followed_by(typed) == "a,"
+    assert inf.followed_by("x = foo(q\nz = 1\n") is None          # not what the model writes
+    assert inf.followed_by("x = foo(a,\nz = 2\n") is None         # another change elsewhere
+    assert inf.followed_by("x = foo(a, b) + 1\nz = 1\n") is None  # ahead of the output so far
+    assert inf.typed("x = foo\nz = 1\n") is None                  # deletion
