@@ -43,8 +43,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
-PRECISIONS = ("fp32", "int8", "int4")
-BITS = {"int8": 8, "int4": 4}
+TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (no onnx import here)
+PRECISIONS = ("fp32", "int8", "int8-rowq", "int4")
+#: precision -> QuantLinear arguments
+QUANT_ARGS = {"int8": {"bits": 8}, "int8-rowq": {"bits": 8, "op": "rowq"}, "int4": {"bits": 4}}
 #: Default quantisation block (weights per scale along K) per bit width, from the measurements in
 #: BENCHMARKS.md: 4-bit needs small blocks to keep greedy agreement, 8-bit does not.
 DEFAULT_BLOCK = {8: 128, 4: 32}
@@ -162,9 +164,14 @@ class QuantLinear:
     """
 
     def __init__(self, bits: int = 8, inner: Any = None, *, block_size: int | None = None, form: str = "fused",
-                 accuracy_level: int = 4, symmetric: bool = False, roles: Iterable[str] | None = None) -> None:
+                 accuracy_level: int = 4, symmetric: bool = False, roles: Iterable[str] | None = None,
+                 op: str = "nbits") -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits={bits!r}: QuantLinear supports 4 or 8")
+        if op not in ("nbits", "rowq"):
+            raise ValueError(f"op={op!r}: expected 'nbits' (MatMulNBits) or 'rowq' (per-row int8 MatMulInteger)")
+        if op == "rowq" and bits != 8:
+            raise ValueError("op='rowq' is int8 only (bits=8)")
         if form not in ("fused", "mesh"):
             raise ValueError(f"form={form!r}: expected 'fused' or 'mesh'")
         block_size = DEFAULT_BLOCK[bits] if block_size is None else int(block_size)
@@ -179,6 +186,7 @@ class QuantLinear:
         self.accuracy_level = accuracy_level
         self.symmetric = symmetric
         self.roles = frozenset(roles) if roles is not None else None
+        self.op = op
         self.layout: dict[str, dict] = {}
 
     @property
@@ -189,6 +197,8 @@ class QuantLinear:
         inner = getattr(self.inner, "cache_key", None)
         inner_key = inner() if callable(inner) else "dense"
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
+        if self.op == "rowq":
+            return f"rowq8-{self.form}-{roles}-v1/{inner_key}"
         return (f"q{self.bits}-b{self.block_size}-{self.form}-acc{self.accuracy_level}"
                 f"-{'sym' if self.symmetric else 'asym'}-{roles}-v1/{inner_key}")
 
@@ -223,6 +233,8 @@ class QuantLinear:
         K, N = w.shape
         parts = self._k_parts((K, N), role)
         kb = parts[0]
+        if self.op == "rowq":
+            return self._emit_rowq(gb, x, w, parts, name, role, bias)
         block = _block_for(kb, self.block_size) if len(parts) > 1 else self.block_size
         form = self.form if block is not None else "mesh"  # no block fits the tiles: explicit mesh lines
         if form == "fused":
@@ -252,8 +264,54 @@ class QuantLinear:
         return y
 
 
+    def _emit_rowq(self, gb, x: str, w: np.ndarray, parts: list[int], name: str, role: str,
+                   bias: np.ndarray | None) -> str:
+        """int8 weights (one scale per output column) x int8 activations (one scale per row).
+
+        Every row is quantised on its own, so a row's result does not depend on the other rows of
+        the batch: a k-token verification pass gives bit-for-bit the logits of k single steps
+        (which MatMulNBits' batched kernel does not promise, and which it runs ~per row anyway).
+        The mesh form reduces the lines' int32 partial sums with integer Adds (exact); the fused
+        form is one MatMulInteger (ORT may fuse it with the rescale into MatMulIntegerToFloat).
+        """
+        K, N = w.shape
+        col = np.abs(w).max(axis=0) / 127.0
+        col[col == 0] = 1.0
+        q = np.clip(np.round(w / col), -127, 127).astype(np.int8)
+        amax = gb.node("ReduceMax", [gb.node("Abs", [x], name=f"{name}/abs")], name=f"{name}/row_max",
+                       axes=[1], keepdims=1)
+        row = gb.node("Max", [gb.node("Mul", [amax, gb.const_f32(1.0 / 127.0)], name=f"{name}/row_scale0"),
+                              gb.const_f32(1e-30)], name=f"{name}/row_scale")
+        xr = gb.node("Round", [gb.node("Div", [x, row], name=f"{name}/x_div")], name=f"{name}/x_round")
+        xq = gb.node("Cast", [gb.node("Add", [xr, gb.const_f32(128.0)], name=f"{name}/x_shift")],
+                     name=f"{name}/x_u8", to=TensorProto_UINT8)
+        zp = gb.initializer(f"{name}.x_zero_point", np.array(128, np.uint8))
+        if self.form == "fused" or len(parts) == 1:
+            acc = gb.node("MatMulInteger", [xq, gb.initializer(f"{name}.q8", q), zp], name=f"{name}/matmul_int8")
+        else:
+            offs = np.cumsum([0] + parts)
+            xs = gb.node("Split", [xq, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k", axis=1)
+            acc = None
+            for p in range(len(parts)):
+                qp = gb.initializer(f"{name}.line{p}.q8", np.ascontiguousarray(q[offs[p]:offs[p + 1]]))
+                part = gb.node("MatMulInteger", [xs[p], qp, zp], name=f"{name}/line{p}_int8")
+                acc = part if acc is None else gb.node("Add", [acc, part], name=f"{name}/line{p}_reduce")
+        scale = gb.node("Mul", [row, gb.initializer(f"{name}.col_scale", col.astype(np.float32))], name=f"{name}/scale")
+        y = gb.node("Mul", [gb.node("Cast", [acc], name=f"{name}/acc_f32", to=TensorProto_FLOAT), scale],
+                    name=f"{name}/dequant")
+        self.layout[name] = {"role": role, "shape": (K, N), "k_tiles": parts, "bits": 8, "block_size": K,
+                             "form": self.form if len(parts) > 1 else "fused", "op": "rowq"}
+        if bias is not None:
+            y = gb.node("Add", [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))], name=f"{name}/bias")
+        return y
+
+
 def make_linear(precision: str, wafer: bool = True, grid=None, **kw) -> Any:
-    """The linear emitter for ``precision`` ('fp32' | 'int8' | 'int4') on the engine's float emitter.
+    """The linear emitter for ``precision`` on the engine's float emitter.
+
+    'fp32': the float emitter itself; 'int8' / 'int4': MatMulNBits (block-quantised weights, int8
+    compute); 'int8-rowq': per-row int8 activations x per-column int8 weights with MatMulInteger
+    (cheaper multi-token passes: speculative verification, prefill).
 
     ``wafer``/``grid`` mean what they mean for ``Engine.load``: the float emitter is TiledLinear
     (partitioned, the default) or DenseLinear; quantised precisions wrap it per tile.
@@ -265,7 +323,7 @@ def make_linear(precision: str, wafer: bool = True, grid=None, **kw) -> Any:
     base = _linear_emitter(wafer, grid)
     if precision == "fp32":
         return base
-    return QuantLinear(BITS[precision], inner=base, **kw)
+    return QuantLinear(inner=base, **{**QUANT_ARGS[precision], **kw})
 
 
 def load_engine(model_dir: str | Path | None, linear: Any, *, threads: int | None = None,
@@ -416,7 +474,8 @@ def _decision_path(cache_dir: str | Path | None, key: str) -> Path:
     return cache_root(cache_dir).parent / "precision" / f"{key}.json"
 
 
-def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] = ("int8", "int4"), wafer: bool = True,
+def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] = ("int8", "int8-rowq", "int4"),
+                     wafer: bool = True,
                      grid=None, threads: int | None = None, cache_dir: str | Path | None = None,
                      min_agreement: float = 0.95, min_speedup: float = 1.15, prompts: int = 4,
                      new_tokens: int = 48, remeasure: bool = False, log_fn=log.info) -> PrecisionChoice:
@@ -441,7 +500,7 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     folder = model_path(model_dir)
     bad = [c for c in candidates if c not in PRECISIONS or c == "fp32"]
     if bad:
-        raise ValueError(f"candidates: {bad[0]!r} is not a quantised precision; expected int8 / int4")
+        raise ValueError(f"candidates: {bad[0]!r} is not a quantised precision; expected some of {PRECISIONS[1:]}")
     blob = json.dumps({"weights": weights_digest(folder), "candidates": list(candidates), "wafer": bool(wafer),
                        "grid": list(grid) if grid else None, "threads": threads, "cpu": _cpu_id(),
                        "ort": ort.__version__, "min_agreement": min_agreement, "min_speedup": min_speedup,

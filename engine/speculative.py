@@ -106,7 +106,10 @@ class PromptLookup:
             hits = ngram_matches(ctx, ctx[L - n:], L)
             if hits.size:
                 c = int(hits[-1])
-                return ctx[c:min(c + k, L)].tolist()
+                draft = ctx[c:min(c + k, L)].tolist()
+                while len(draft) < k:  # the match runs into the present: the text repeats with period L - c
+                    draft.append(draft[len(draft) - (L - c)])
+                return draft
         return []
 
 

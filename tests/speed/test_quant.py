@@ -120,8 +120,8 @@ def test_int8_greedy_agreement_high(engines):
 
 def test_choose_precision_measures_once(tiny_llama, tmp_path):
     first = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", threads=1, prompts=2, new_tokens=16)
-    assert first.precision in ("fp32", "int8", "int4") and not first.cached
-    assert set(first.decode_tok_s) == {"fp32", "int8", "int4"}
+    assert first.precision in ("fp32", "int8", "int8-rowq", "int4") and not first.cached
+    assert set(first.decode_tok_s) == {"fp32", "int8", "int8-rowq", "int4"}
     assert all(0.0 <= a <= 1.0 for a in first.agreement.values())
     if first.precision != "fp32":  # a choice must satisfy its own rule
         assert first.agreement[first.precision] >= 0.95 and first.speedup[first.precision] >= 1.15
@@ -139,3 +139,35 @@ def test_dense_and_tiled_quant_agree(tiny_llama, tmp_path_factory):
     ids = dense.tokenizer.encode(PROMPT)
     a, b = dense.forward_logits(ids), tiled.forward_logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("form", ["fused", "mesh"])
+def test_rowq_rows_are_independent(form):
+    """int8-rowq: a batch of rows gives bit-for-bit the results of one row at a time."""
+    partition = pytest.importorskip("engine.wafer.partition")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((256, 96)).astype(np.float32) * 0.1
+    x = rng.standard_normal((6, 256)).astype(np.float32) * rng.uniform(0.1, 10, (6, 1)).astype(np.float32)
+    q = QuantLinear(8, inner=partition.TiledLinear((2, 2)), op="rowq", form=form)
+    batch = _run_linear(q, w, x)
+    single = np.concatenate([_run_linear(q, w, x[i:i + 1]) for i in range(6)])
+    assert np.array_equal(batch, single)
+    ref = x @ w
+    assert np.abs(batch - ref).max() <= 0.03 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="int8"):
+        QuantLinear(4, op="rowq")
+
+
+@pytest.mark.parametrize("precision", ["int8", "int8-rowq"])
+def test_speculation_identical_on_quantised_engine(tiny_llama, tmp_path_factory, precision):
+    from engine.speculative import generate
+
+    eng = load_engine(tiny_llama, make_linear(precision), cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
+                      threads=1)
+    params = GenerationParams(max_new_tokens=64, ignore_eos=True)
+    ref = eng.generate(PROMPT, params)
+    ref.result()
+    for draft in (ref.tokens, None, PROMPT):
+        gen = generate(eng, PROMPT, params, draft=draft)
+        gen.result()
+        assert gen.tokens == ref.tokens

@@ -233,8 +233,9 @@ def test_identical_on_bundled_model(tmp_path_factory):
         pytest.skip(f"no bundled model: {e}")
     from engine.bench_edits import TASKS
     for task in TASKS:
-        params = GenerationParams(max_new_tokens=task.max_new_tokens, ignore_eos=True)
-        ref = plain(eng, task.prompt, params)
-        gen = generate(eng, task.prompt, params, draft=task.draft)
+        ids = task.prompt_ids(eng)
+        params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True)
+        ref = plain(eng, ids, params)
+        gen = generate(eng, ids, params, draft=task.draft)
         gen.result()
         assert_same(gen, ref)
