@@ -108,7 +108,15 @@ class Engine:
 
         info = {"model_dir": str(folder), "emitter": graph_cache.emitter_key(linear), "options": options}
         path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
-        runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
+        try:
+            runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
+        except Exception as e:
+            if built:
+                raise
+            log.warning("cached graph %s cannot be loaded (%s); rebuilding", path, str(e).splitlines()[0] if str(e) else e)
+            graph_cache.invalidate(path)
+            path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
+            runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
         return cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
                    linear=linear, load_s=time.perf_counter() - t0)
 

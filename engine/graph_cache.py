@@ -57,6 +57,13 @@ def _safe_name(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40] or "model"
 
 
+def invalidate(model_path: str | Path) -> None:
+    """Remove a cache entry (e.g. one ONNX Runtime cannot load: truncated by a full disk)."""
+    entry = Path(model_path).parent
+    if (entry / "meta.json").is_file() or (entry / MODEL_FILE).is_file():
+        shutil.rmtree(entry, ignore_errors=True)
+
+
 def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
                  cache_dir: str | Path | None = None, info: dict[str, Any] | None = None) -> tuple[Path, bool]:
     """Path of the cached ``model.onnx`` for ``key``, building it with ``build()`` on a miss.

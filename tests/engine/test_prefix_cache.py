@@ -119,3 +119,15 @@ def test_sampler_rejects_bad_values():
     for kw in ({"temperature": -0.1}, {"top_k": -1}, {"top_p": 1.5}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             Sampler(**kw)
+
+
+def test_corrupt_cached_graph_is_rebuilt(tiny_qwen2, tmp_path):
+    first = Engine.load(tiny_qwen2, cache_dir=tmp_path, wafer=False)
+    ids = random_ids(first, 10, seed=45)
+    expected = first.forward_logits(ids)
+    data = first.graph_path.parent / graph_cache.DATA_FILE
+    data.write_bytes(data.read_bytes()[:1000])  # truncated, as after a full disk
+    before = graph_cache.builds
+    again = Engine.load(tiny_qwen2, cache_dir=tmp_path, wafer=False)
+    assert again.graph_built and graph_cache.builds == before + 1
+    np.testing.assert_array_equal(again.forward_logits(ids), expected)
