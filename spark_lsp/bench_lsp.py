@@ -132,7 +132,11 @@ def run(args) -> int:
     try:
         t0 = time.perf_counter()
         client.initialize(options)
-        info = client.wait_ready()
+        try:
+            info = client.wait_ready()
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"spark-lsp bench lsp: {exc}", file=sys.stderr)
+            return 1
         load_s = time.perf_counter() - t0
         uri = path.resolve().as_uri()
         client.open(uri, text)

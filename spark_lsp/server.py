@@ -216,6 +216,9 @@ class SparkServer(LanguageServer):
         if not self.enabled or uri in self.live:
             return T.InlineCompletionList(items=[])
         trigger = int(params.context.trigger_kind) if params.context else completions.AUTOMATIC
+        sel = params.context.selected_completion_info if params.context else None
+        if sel is not None:
+            return await self._complete_selected(uri, text, offset, trigger, sel)
         through = self.typing.answer(uri, text, offset)
         if through is not None and (trigger == completions.AUTOMATIC or len(through) > 1):
             self.metrics.typing_through += 1
@@ -234,6 +237,12 @@ class SparkServer(LanguageServer):
                     return self._items(rest, params.position, trigger)
         if self.settings.debounce_ms and trigger == completions.AUTOMATIC:
             await asyncio.sleep(self.settings.debounce_ms / 1000)
+        result = await self._generate(uri, text, offset, trigger)
+        self.typing.remember(uri, text, offset, result.items)
+        return self._items(result.items, params.position, trigger)
+
+    async def _generate(self, uri: str, text: str, offset: int, trigger: int) -> completions.Result:
+        """A fresh completion for `text` at `offset` on the engine thread (joinable while it runs)."""
         await self._ready()
         engine, builder, params_cls, settings = self.host.engine, self.host.builder, self.host.params_cls, self.settings
         holder: dict = {}
@@ -244,9 +253,22 @@ class SparkServer(LanguageServer):
         self.inflight[uri] = inf
         self._sched().submit(job)
         result = await self._await_inflight(uri, inf)
-        self.typing.remember(uri, text, offset, result.items)
         self.send_status("completion", result.stats)
-        return self._items(result.items, params.position, trigger)
+        return result
+
+    async def _complete_selected(self, uri: str, text: str, offset: int, trigger: int,
+                                 sel: T.SelectedCompletionInfo) -> T.InlineCompletionList:
+        """The completion menu has an item selected: suggest as if it were accepted, and return
+        items that extend its text over its range (as the protocol requires)."""
+        s, e = self._offset(text, sel.range.start), self._offset(text, sel.range.end)
+        if not s <= offset <= e or sel.range.start.line != sel.range.end.line:
+            raise JsonRpcInvalidParams("selectedCompletionInfo.range must be on the cursor's line and contain it")
+        result = await self._generate(uri, text[:s] + sel.text + text[e:], s + len(sel.text), trigger)
+        items = [sel.text + it for it in result.items] or [sel.text]
+        if trigger != completions.INVOKED:
+            items = items[:1]
+        return T.InlineCompletionList(items=[T.InlineCompletionItem(insert_text=t, filter_text=t, range=sel.range)
+                                             for t in items])
 
     async def _await_inflight(self, uri: str, inf: completions.Inflight) -> completions.Result:
         """Await a completion job shared by the requests that joined it; a cancelled request

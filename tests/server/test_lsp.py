@@ -262,3 +262,15 @@ async def test_instruction_edit_uses_the_chat_template_of_a_chat_model(tiny_llam
     finally:
         await client.shutdown_session()
         await client.stop()
+
+
+async def test_selected_completion_info_items_extend_the_selected_text(editor, sample):
+    editor.open(URI, sample)
+    off = sample.index("    print(total)") + len("    print(to")
+    start = editor.pos(URI, off - 2)
+    rng = T.Range(start, editor.pos(URI, off))
+    res = await editor.client.text_document_inline_completion_async(T.InlineCompletionParams(
+        text_document=T.TextDocumentIdentifier(URI), position=editor.pos(URI, off),
+        context=T.InlineCompletionContext(trigger_kind=AUTO,
+                                          selected_completion_info=T.SelectedCompletionInfo(range=rng, text="total"))))
+    assert res.items and all(i.insert_text.startswith("total") and i.range == rng for i in res.items)
