@@ -541,3 +541,103 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     except OSError as e:  # a read-only cache only costs a re-measurement next time
         log.warning("could not store the precision decision in %s: %s", path, e)
     return choice
+
+
+# -- profiling -----------------------------------------------------------------------------------
+
+def op_profile(eng, steps: int = 64, prompt_len: int = 128, verify: int = 0) -> dict[str, Any]:
+    """Where a decode step's time goes: ONNX Runtime's own profiler over ``steps`` single-token runs
+    (``verify > 0``: runs of ``verify`` tokens, like a speculative verification pass).
+
+    Opens a second, profiling session on the engine's cached graph (same options and the same
+    shared past/present KV binding as the runtime).  Returns per-op-type microseconds per run,
+    sorted, the kernel total and the wall time per run.
+    """
+    import onnxruntime as ort
+
+    from .runtime import session_options
+
+    rt = eng.runtime
+    so = session_options(rt.threads)
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"spark-ort-profile-{os.getpid()}")
+    sess = ort.InferenceSession(str(eng.graph_path), so, providers=["CPUExecutionProvider"])
+    binding = sess.io_binding()
+    for i in range(rt.num_layers):  # one buffer bound as past and present, as the runtime does
+        for t in ("key", "value"):
+            v = ort.OrtValue.ortvalue_from_shape_and_type([1, rt.kv_heads, rt.max_len, rt.head_dim], np.float32)
+            binding.bind_ortvalue_input(f"past.{i}.{t}", v)
+            binding.bind_ortvalue_output(f"present.{i}.{t}", v)
+    rng = np.random.default_rng(0)
+    n = max(1, verify)
+    ids = rng.integers(0, eng.sample_vocab, prompt_len + steps * n)
+
+    def run(tokens, pos):
+        k = len(tokens)
+        for name, arr in (("input_ids", np.asarray(tokens, np.int64)), ("seqlens_k", np.array([pos + k - 1], np.int32)),
+                          ("total_sequence_length", np.array(pos + k, np.int32)), ("num_logits", np.array([k], np.int64))):
+            binding.bind_cpu_input(name, arr)
+        binding.bind_output("logits")
+        sess.run_with_iobinding(binding)
+
+    run(ids[:prompt_len], 0)
+    pos = prompt_len
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run(ids[pos:pos + n], pos)
+        pos += n
+    wall = (time.perf_counter() - t0) / steps * 1e6
+    path = sess.end_profiling()
+    events = json.loads(Path(path).read_text())
+    Path(path).unlink(missing_ok=True)
+    per_op: dict[str, float] = {}
+    runs = 0
+    for e in events:
+        if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time"):
+            op = e.get("args", {}).get("op_name", "?")
+            per_op[op] = per_op.get(op, 0.0) + float(e.get("dur", 0))
+        elif e.get("cat") == "Session" and e.get("name") == "model_run":
+            runs += 1
+    runs = max(runs, 1)  # the prefill run is one of them
+    per_step = {op: us / runs for op, us in per_op.items()}
+    return {"per_op_us": dict(sorted(per_step.items(), key=lambda kv_: -kv_[1])),
+            "kernel_us": sum(per_step.values()), "wall_us": wall, "tokens_per_run": n, "runs": runs}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m engine.quant``: measure the precision choice, or profile a decode step per precision."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m engine.quant", description=_main.__doc__)
+    ap.add_argument("--model", default=None, help="model folder or 'synthetic-8m' (default: the bundled model)")
+    ap.add_argument("--profile", default=None, metavar="P1,P2", help="profile these precisions (e.g. fp32,int8)")
+    ap.add_argument("--verify", type=int, default=0, help="with --profile: tokens per run (a verification pass)")
+    ap.add_argument("--no-wafer", dest="wafer", action="store_false")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--remeasure", action="store_true", help="ignore a stored precision decision")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from .bench import resolve_model
+
+    folder = resolve_model(args.model)
+    if args.profile:
+        out = {}
+        for p in [s.strip() for s in args.profile.split(",") if s.strip()]:
+            eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
+            out[p] = op_profile(eng, verify=args.verify)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            for p, r in out.items():
+                top = ", ".join(f"{op} {us:.0f}" for op, us in list(r["per_op_us"].items())[:8])
+                print(f"{p:10s} kernels {r['kernel_us']:7.0f} us/run (wall {r['wall_us']:.0f}): {top}")
+        return 0
+    choice = choose_precision(folder, wafer=args.wafer, threads=args.threads, remeasure=args.remeasure,
+                              log_fn=lambda s: print(s, flush=True))
+    print(json.dumps(choice.to_dict(), indent=2) if args.json else
+          f"{choice.precision}: {choice.reason}{' (stored decision)' if choice.cached else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -16,9 +16,10 @@ logits for every position (``Runtime.forward(..., num_logits=k+1)``), accepts th
 of the draft that equals the model's own argmax, and adds the model's token after it — so the
 output is exactly greedy decoding's, only several tokens arrive per pass.  The KV of rejected
 positions is left behind the slot's end, where the next pass overwrites it (rewinding is free).
-Drafting adapts: the draft grows after full acceptances, shrinks after partial ones, and is
-switched off for a growing number of steps after consecutive misses, so fresh text runs at
-(nearly) plain speed.  It is a :class:`~engine.generate.Generation` — same iterator, ``cancel()``,
+Drafting adapts (:class:`DraftPolicy`): the draft length maximises expected tokens per second
+from the running acceptance rate and the measured cost of a longer pass, drafting stops when it
+would not pay, and consecutive misses switch it off for a growing number of steps, so fresh text
+runs at (nearly) plain speed.  It is a :class:`~engine.generate.Generation` — same iterator, ``cancel()``,
 ``text``/``tokens``/``finish_reason``/``stats`` — so callers use it interchangeably.  Sampling
 (temperature > 0) is not speculated: it runs the plain loop.
 """
@@ -169,43 +170,84 @@ class EditDrafter:
 
 @dataclass
 class DraftPolicy:
-    """How many tokens to draft next, from how the last drafts fared.
+    """How many tokens to draft next: the draft length that maximises expected tokens per second.
 
-    Full acceptance grows the draft by half (up to ``k_max``); a partial one sets it to what was
-    accepted plus one (at least ``k_min``).  ``max_misses`` consecutive drafts with nothing accepted
-    switch drafting off for ``backoff`` plain steps, doubling each time up to ``max_backoff``; any
-    accepted token resets the back-off.
+    Model: each drafted token is accepted with probability ``alpha`` (running estimate, decayed so
+    it follows the text), so a draft of k yields ``(1 - alpha**(k+1)) / (1 - alpha)`` tokens per
+    pass; a pass of ``1 + k`` tokens costs ``1 + beta * k`` plain steps (``beta`` measured on this
+    engine: cheap for fp32 GEMMs, dearer for kernels that work row by row).  The best k is drafted
+    when its expected speed-up is at least ``min_gain``.  Otherwise — and after ``max_misses``
+    consecutive drafts with nothing accepted — drafting is off for ``backoff`` plain steps
+    (doubling up to ``max_backoff``; reset by any accepted token), and the last step of a
+    back-off probes with ``k_min`` tokens, so fresh text costs at most a few short failed drafts.
     """
 
-    k_init: int = 6
     k_min: int = 2
     k_max: int = 16
     max_misses: int = 2
     backoff: int = 4
     max_backoff: int = 64
+    alpha: float = 0.7       # prior acceptance probability per drafted token
+    beta: float = 0.15       # prior cost of one extra token in a pass, in plain steps
+    min_gain: float = 1.05
+    decay: float = 0.9
 
     def __post_init__(self) -> None:
-        if not 1 <= self.k_min <= self.k_init <= self.k_max:
-            raise ValueError(f"need 1 <= k_min ({self.k_min}) <= k_init ({self.k_init}) <= k_max ({self.k_max})")
-        self.k = self.k_init
+        if not 1 <= self.k_min <= self.k_max:
+            raise ValueError(f"need 1 <= k_min ({self.k_min}) <= k_max ({self.k_max})")
+        if not 0.0 < self.alpha < 1.0 or self.beta < 0:
+            raise ValueError(f"alpha={self.alpha!r} must be in (0, 1) and beta={self.beta!r} >= 0")
+        self.k = self.k_min
+        self._hits = 4.0 * self.alpha  # decayed counts behind the alpha estimate (prior weight 4)
+        self._fails = 4.0 * (1 - self.alpha)
         self._misses = 0
         self._off = 0
         self._wait = self.backoff
+        self._step_s: float | None = None  # plain step time (EMA)
+        self._extra_s: float | None = None  # extra time per drafted token (EMA)
+
+    @staticmethod
+    def expected_tokens(alpha: float, k: int) -> float:
+        """Tokens one pass yields with a draft of ``k`` (accepted prefix + the model's own token)."""
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+    @property
+    def acceptance(self) -> float:
+        return self._hits / (self._hits + self._fails)
+
+    @property
+    def cost_per_token(self) -> float:
+        if self._step_s and self._extra_s is not None:
+            return max(0.0, self._extra_s / self._step_s)
+        return self.beta
+
+    def best(self) -> tuple[int, float]:
+        """(k, expected speed-up over plain decoding) for the current estimates."""
+        a, c = self.acceptance, self.cost_per_token
+        k = max(range(self.k_min, self.k_max + 1), key=lambda k: self.expected_tokens(a, k) / (1 + c * k))
+        return k, self.expected_tokens(a, k) / (1 + c * k)
 
     def size(self) -> int:
         """Draft length for the next step (0: take a plain step)."""
         if self._off > 0:
             self._off -= 1
+            return self.k_min if self._off == 0 else 0  # the last step of a back-off probes
+        k, gain = self.best()
+        self.k = k
+        if gain < self.min_gain:  # drafting does not pay now: plain steps, then probe again
+            self._off = self._wait
+            self._wait = min(self.max_backoff, self._wait * 2)
             return 0
-        return self.k
+        return k
 
     def update(self, drafted: int, accepted: int) -> None:
+        """A pass drafted ``drafted`` tokens and ``accepted`` of them matched the model."""
         if drafted == 0:
             return
-        if accepted == drafted:
-            self.k = min(self.k_max, self.k + max(1, self.k // 2))
-        else:
-            self.k = max(self.k_min, min(self.k, accepted + 1))
+        self._hits = self._hits * self.decay + accepted
+        self._fails = self._fails * self.decay + (1.0 if accepted < drafted else 0.0)
         if accepted == 0:
             self._misses += 1
             if self._misses >= self.max_misses:
@@ -214,6 +256,14 @@ class DraftPolicy:
         else:
             self._misses = 0
             self._wait = self.backoff
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A pass of ``tokens`` positions took ``seconds`` (feeds the cost model)."""
+        if tokens <= 1:
+            self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
+        elif self._step_s is not None:
+            extra = max(0.0, seconds - self._step_s) / (tokens - 1)
+            self._extra_s = extra if self._extra_s is None else 0.8 * self._extra_s + 0.2 * extra
 
 
 # -- the generation ------------------------------------------------------------------------------
@@ -306,10 +356,12 @@ class SpeculativeGeneration(Generation):
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
                 with eng._lock:
                     self._check(slot)
+                    t_run = time.perf_counter()
                     if draft:
                         logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
                     else:
                         logits = self._run_model(rt.decode, slot.kv, token, pos)[None, :]
+                    self.policy.timed(1 + len(draft), time.perf_counter() - t_run)
                     picks = logits[:, :nv].argmax(-1)
                     a = 0
                     while a < len(draft) and picks[a] == draft[a]:
@@ -359,7 +411,7 @@ def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationPa
     if draft is not None:
         src = engine.tokenizer.encode(draft) if isinstance(draft, str) else [int(t) for t in draft]
         drafter = EditDrafter(src, fallback=PromptLookup() if ngram else _NoDraft())
-        policy = policy or DraftPolicy(k_init=8)
+        policy = policy or DraftPolicy(alpha=0.9)
     elif ngram:
         drafter = PromptLookup()
     else:

@@ -204,23 +204,30 @@ def test_edit_drafter_follows_and_resyncs():
     assert d.propose(ctx, 2) == [122, 123]
 
 
-def test_policy_grows_shrinks_and_backs_off():
-    p = DraftPolicy(k_init=4, k_min=2, k_max=8, max_misses=2, backoff=3)
-    assert p.size() == 4
-    p.update(4, 4)
-    assert p.size() == 6
-    p.update(6, 2)
-    assert p.size() == 3
-    p.update(3, 0)
-    p.update(2, 0)  # second miss: off for 3 steps
-    assert [p.size() for _ in range(3)] == [0, 0, 0]
-    assert p.size() == 2
+def test_policy_follows_acceptance_and_cost():
+    p = DraftPolicy(k_min=2, k_max=12, max_misses=2, backoff=3, alpha=0.7, beta=0.15)
+    k0 = p.size()
+    assert 2 <= k0 <= 12
+    for _ in range(20):  # everything accepted: alpha -> 1, drafts grow to the cap
+        p.update(p.size() or 2, p.k)
+    assert p.size() == 12 and p.acceptance > 0.95
+    p.update(12, 0)
+    p.update(2, 0)  # two misses in a row: off for 3 plain steps, the last of which probes k_min
+    assert [p.size() for _ in range(3)] == [0, 0, 2]
     p.update(2, 0)
     p.update(2, 0)
-    assert [p.size() for _ in range(6)] == [0] * 6  # back-off doubled
-    assert p.size() > 0
+    assert [p.size() for _ in range(6)] == [0, 0, 0, 0, 0, 2]  # back-off doubled
+    # a pass that costs as much as its tokens: drafting never pays, steps stay plain
+    q = DraftPolicy(alpha=0.5)
+    q.timed(1, 0.001)
+    q.timed(9, 0.009)
+    assert q.cost_per_token == pytest.approx(1.0)
+    assert q.best()[1] < 1.0 and q.size() == 0
+    assert DraftPolicy.expected_tokens(0.5, 3) == pytest.approx(1.875)
     with pytest.raises(ValueError):
-        DraftPolicy(k_init=1, k_min=2)
+        DraftPolicy(k_min=0)
+    with pytest.raises(ValueError):
+        DraftPolicy(alpha=1.0)
 
 
 @pytest.mark.slow
