@@ -27,22 +27,22 @@ let output: vscode.LogOutputChannel;
 
 export async function activate(ctx: vscode.ExtensionContext): Promise<void> {
   output = vscode.window.createOutputChannel('Spark LSP', { log: true });
-  status = new StatusItem('spark.toggle');
+  status = new StatusItem('sparkLsp.toggle');
   status.setEnabled(inlineEnabled());
   ctx.subscriptions.push(output, status);
 
   const reg = (id: string, fn: (...args: any[]) => unknown) => ctx.subscriptions.push(vscode.commands.registerCommand(id, fn));
-  reg('spark.toggle', async () => {
+  reg('sparkLsp.toggle', async () => {
     const on = !inlineEnabled();
     await setInlineEnabled(on);
     status.setEnabled(on);
     void vscode.window.setStatusBarMessage(`Spark inline suggestions ${on ? 'on' : 'off'}`, 2000);
   });
-  reg('spark.triggerSuggestion', () => vscode.commands.executeCommand('editor.action.inlineSuggest.trigger'));
-  reg('spark.editSelection', () => editSelection());
-  reg('spark.cancel', () => cancelGeneration());
-  reg('spark.restartServer', async () => { await stopClient(); await startClient(ctx); });
-  reg('spark.showLog', () => output.show(true));
+  reg('sparkLsp.triggerSuggestion', () => vscode.commands.executeCommand('editor.action.inlineSuggest.trigger'));
+  reg('sparkLsp.editSelection', () => editSelection());
+  reg('sparkLsp.cancel', () => cancelGeneration());
+  reg('sparkLsp.restartServer', async () => { await stopClient(); await startClient(ctx); });
+  reg('sparkLsp.showLog', () => output.show(true));
 
   ctx.subscriptions.push(vscode.workspace.onDidChangeConfiguration(async (e) => {
     if (!e.affectsConfiguration('spark')) return;

@@ -63,7 +63,12 @@ export class ProgressTracker implements vscode.Disposable {
       this.running.set(token, entry);
       this.changed.fire(this.running.size);
       void vscode.window.withProgress(
-        { location: vscode.ProgressLocation.Notification, title: `Spark: ${value.title}`, cancellable: !!value.cancellable },
+        {
+          // A cancellable edit gets a notification with a Cancel button; model loading just the status bar.
+          location: value.cancellable ? vscode.ProgressLocation.Notification : vscode.ProgressLocation.Window,
+          title: `Spark: ${value.title}`,
+          cancellable: !!value.cancellable,
+        },
         (p, cancel) => {
           progress = p;
           entry.report(value.message, value.percentage);

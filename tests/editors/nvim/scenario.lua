@@ -105,8 +105,11 @@ local function type_until_ghost(chars, per_char_ms)
   return nil
 end
 
+local SAMPLE_TEXT
+
 local function scenario()
   vim.cmd('edit ' .. vim.fn.fnameescape(file))
+  SAMPLE_TEXT = buf_text()
   local buf = vim.api.nvim_get_current_buf()
   record('filetype', vim.bo.filetype == 'python', vim.bo.filetype)
 
@@ -228,29 +231,46 @@ local function scenario()
     and (lines[5] or ''):match('^%s+"""') ~= nil, { titles = titles, lines = { unpack(lines, 3, 8) } })
 
   -- 5. A live edit stops when the user types -----------------------------------------------------
-  spark.configure({ maxEditTokens = 400, liveEditHz = 50 })
+  -- The user types as soon as the first streamed edit lands. A small test model can finish the
+  -- whole edit before the keystroke reaches the server; such an attempt proves nothing, so it is
+  -- retried (up to 5 times) and the attempts are reported.
+  spark.configure({ maxEditTokens = 400, liveEditHz = 200 })
   sleep(100)
-  local n = vim.api.nvim_buf_line_count(0)
-  local result, done = nil, false
-  local tick0 = vim.api.nvim_buf_get_changedtick(0)
-  spark.edit('rewrite this in a different style', 1, n, false, function(err, res)
-    result, done = err or res, true
-  end)
-  local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 2)
-  local text_at_first_flush = buf_text()
-  vim.api.nvim_win_set_cursor(0, { 1, 0 })
-  vim.api.nvim_input('I# typed by the user <Esc>')
-  wait_for(function() return done end, 20000)
-  local tick_done = vim.api.nvim_buf_get_changedtick(0)
-  sleep(400)
-  local final = buf_text()
-  record('live_edit_stops_on_typing', streamed ~= nil and type(result) == 'table'
-    and result.outcome == 'stopped by the user'
-    and vim.api.nvim_buf_get_changedtick(0) == tick_done
-    and final:find('# typed by the user', 1, true) ~= nil, {
-      result = result, streamed = streamed ~= nil, first_flush_len = #text_at_first_flush,
-      final_len = #final,
-    })
+  local attempts = {}
+  local ok_live = false
+  for attempt = 1, 5 do
+    local n = vim.api.nvim_buf_line_count(0)
+    local result, done = nil, false
+    local tick0 = vim.api.nvim_buf_get_changedtick(0)
+    local marker = '# typed by the user ' .. attempt
+    spark.edit('rewrite this in a different style', 1, n, false, function(err, res)
+      result, done = err or res, true
+    end)
+    local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 1)
+    vim.api.nvim_win_set_cursor(0, { 1, 0 })
+    vim.api.nvim_input('I' .. marker .. '<Esc>')
+    wait_for(function() return done end, 20000)
+    local tick_done = vim.api.nvim_buf_get_changedtick(0)
+    sleep(300)
+    local final = buf_text()
+    local a = {
+      streamed = streamed ~= nil, result = result,
+      quiet_after = vim.api.nvim_buf_get_changedtick(0) == tick_done,
+      typed_kept = final:find(marker, 1, true) ~= nil,
+    }
+    table.insert(attempts, a)
+    if type(result) == 'table' and result.outcome == 'stopped by the user' then
+      ok_live = a.streamed and a.quiet_after and a.typed_kept
+      break
+    end
+    if not (type(result) == 'table' and result.outcome == 'done') then
+      break -- an error or another outcome: report it, do not retry
+    end
+    -- reset the buffer for the next attempt
+    vim.api.nvim_buf_set_lines(0, 0, -1, false, vim.split(SAMPLE_TEXT, '\n', { plain = true }))
+    sleep(200)
+  end
+  record('live_edit_stops_on_typing', ok_live, attempts)
 
   -- 6. The other commands ----------------------------------------------------------------------
   local on = spark.is_enabled()

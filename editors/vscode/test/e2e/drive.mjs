@@ -1,0 +1,170 @@
+// Drives VS Code (code-server) in headless Chromium like a user: open a Python file, type, see the
+// Spark ghost text, accept it with Tab, run a Spark code action from the Refactor menu, and check
+// the status bar figures. Writes screenshots and result.json to $E2E_OUT.
+//
+// Env: E2E_URL (code-server URL with ?folder=), E2E_OUT, E2E_MODULES (node_modules holding
+// playwright-core), E2E_CHROMIUM (browser binary), E2E_FILE (file name to open).
+import { createRequire } from 'node:module';
+import { writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+
+const require = createRequire(join(process.env.E2E_MODULES, 'noop.js'));
+const { chromium } = require('playwright-core');
+
+const out = process.env.E2E_OUT;
+const results = { checks: {}, timings_ms: {} };
+const t0 = Date.now();
+const mark = (name) => { results.timings_ms[name] = Date.now() - t0; };
+const check = (name, ok, detail) => {
+  results.checks[name] = { ok: !!ok, detail };
+  console.log(`${ok ? 'PASS' : 'FAIL'} ${name}${detail !== undefined ? ' ' + JSON.stringify(detail).slice(0, 300) : ''}`);
+};
+
+async function editorText(page) {
+  // The model is the truth, but the DOM only has rendered lines: read them in order.
+  return page.evaluate(() => {
+    const lines = [...document.querySelectorAll('.monaco-editor .view-lines .view-line')];
+    lines.sort((a, b) => parseFloat(a.style.top) - parseFloat(b.style.top));
+    return lines.map((l) => l.textContent.replace(/\u00a0/g, ' ')).join('\n');
+  });
+}
+
+async function ghostText(page) {
+  return page.evaluate(() => {
+    const els = [...document.querySelectorAll('.monaco-editor .ghost-text-decoration, .monaco-editor .ghost-text-decoration-preview, .monaco-editor .ghost-text')];
+    return els.map((e) => e.textContent.replace(/\u00a0/g, ' ')).join('\n');
+  });
+}
+
+async function statusText(page) {
+  return page.evaluate(() => {
+    const items = [...document.querySelectorAll('.statusbar-item')];
+    const it = items.find((e) => /Spark/.test(e.textContent || ''));
+    return it ? it.textContent.trim() : null;
+  });
+}
+
+async function main() {
+  const browser = await chromium.launch({
+    executablePath: process.env.E2E_CHROMIUM,
+    headless: true,
+    args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
+      '--disable-component-update', '--disable-sync', '--disable-dev-shm-usage'],
+  });
+  const page = await browser.newPage({ viewport: { width: 1280, height: 760 } });
+  page.setDefaultTimeout(60000);
+  try {
+    await page.goto(process.env.E2E_URL);
+    await page.waitForSelector('.monaco-workbench', { timeout: 90000 });
+    await page.waitForSelector('.statusbar-item', { timeout: 60000 });
+    mark('workbench_loaded');
+
+    // Open the file with Quick Open.
+    const file = process.env.E2E_FILE;
+    await page.keyboard.press('Control+P');
+    await page.waitForSelector('.quick-input-widget input');
+    await page.keyboard.type(file, { delay: 20 });
+    await page.locator('.quick-input-list .monaco-list-row', { hasText: file }).first().waitFor();
+    await page.keyboard.press('Enter');
+    const tab = page.locator('.tabs-container .tab', { hasText: file });
+    try {
+      await tab.first().waitFor({ timeout: 5000 });
+    } catch {
+      await page.keyboard.press('Escape');
+      await page.locator('.explorer-viewlet .monaco-list-row', { hasText: file }).first().dblclick();
+      await tab.first().waitFor({ timeout: 15000 });
+    }
+    await page.waitForSelector('.editor-instance .monaco-editor .view-lines');
+    mark('file_open');
+
+    // Wait for the extension: status bar item "Spark" in the ready state.
+    const ready = await page.waitForFunction(() => {
+      const it = [...document.querySelectorAll('.statusbar-item')].find((e) => /Spark/.test(e.textContent || ''));
+      return it && !/starting|stopped|error/.test(it.textContent) ? it.textContent.trim() : null;
+    }, null, { timeout: 90000 }).then((h) => h.jsonValue()).catch(() => null);
+    check('extension_started', ready, ready);
+    mark('extension_ready');
+
+    // Type at the end of the file: a new indented line in `greet`.
+    await page.click('.editor-instance .monaco-editor .view-lines');
+    await page.keyboard.press('Control+End');
+    await page.keyboard.press('Enter');
+    let ghost = '';
+    const typed = 'return na';
+    for (const ch of typed) {
+      await page.keyboard.type(ch, { delay: 30 });
+      try {
+        await page.waitForSelector('.monaco-editor .ghost-text-decoration', { timeout: 4000 });
+        ghost = await ghostText(page);
+        if (ghost.trim()) break;
+      } catch { /* no suggestion yet: keep typing */ }
+    }
+    check('ghost_text_shown', ghost.trim().length > 0, ghost);
+    mark('ghost_text');
+    await page.screenshot({ path: join(out, 'vscode-ghost-text.png') });
+
+    // Accept with Tab.
+    if (ghost.trim()) {
+      const before = await editorText(page);
+      await page.keyboard.press('Tab');
+      await page.waitForTimeout(500);
+      const after = await editorText(page);
+      // The longest printable run of the suggestion's first line (a random test model's text can hold
+      // control characters, which VS Code renders as symbols).
+      const runs = ghost.split('\n')[0].split(/[^\x21-\x7e]+/).filter((r) => r.length > 0);
+      const probe = runs.sort((a, b) => b.length - a.length)[0] || '';
+      check('tab_accepts', after !== before && probe.length >= 2 && after.includes(probe), { probe, lastLines: after.split('\n').slice(-3) });
+      await page.screenshot({ path: join(out, 'vscode-accepted.png') });
+    }
+    mark('accepted');
+    await page.keyboard.press('Escape');
+
+    // A code action: cursor into `def add`, open Refactor… (Ctrl+Shift+R), pick "Add docstring".
+    await page.keyboard.press('Control+Home');
+    for (let i = 0; i < 3; i++) await page.keyboard.press('ArrowDown'); // line 4: def add(a, b):
+    await page.keyboard.press('End');
+    const beforeCa = await editorText(page);
+    await page.keyboard.press('Control+Shift+R');
+    const item = page.locator('.action-widget .action-label, .action-widget .monaco-list-row', { hasText: 'Spark: Add docstring' }).first();
+    let picked = false;
+    try {
+      await item.waitFor({ timeout: 15000 });
+      await page.screenshot({ path: join(out, 'vscode-code-actions.png') });
+      await item.click();
+      picked = true;
+    } catch (e) {
+      check('code_action_listed', false, String(e).slice(0, 200));
+    }
+    if (picked) {
+      check('code_action_listed', true);
+      const changed = await page.waitForFunction((b) => {
+        const lines = [...document.querySelectorAll('.monaco-editor .view-lines .view-line')];
+        lines.sort((x, y) => parseFloat(x.style.top) - parseFloat(y.style.top));
+        const t = lines.map((l) => l.textContent.replace(/\u00a0/g, ' ')).join('\n');
+        return t !== b && /"""/.test(t) ? t : null;
+      }, beforeCa, { timeout: 30000 }).then((h) => h.jsonValue()).catch(() => null);
+      await page.waitForTimeout(1500); // let the live edit finish streaming
+      const text = await editorText(page);
+      const lines = text.split('\n');
+      const i = lines.findIndex((l) => l.startsWith('def add'));
+      check('code_action_edits', changed && i >= 0 && /^\s+"""/.test(lines[i + 1] || ''), lines.slice(Math.max(0, i - 1), i + 4));
+      await page.screenshot({ path: join(out, 'vscode-code-action.png') });
+    }
+    mark('code_action');
+
+    const st = await statusText(page);
+    check('status_bar_figures', st && /tok\/s/.test(st) && /TTFT/.test(st), st);
+  } catch (e) {
+    check('driver_error', false, String(e && e.stack || e).slice(0, 1000));
+    try { await page.screenshot({ path: join(out, 'vscode-error.png') }); } catch { /* ignore */ }
+  } finally {
+    results.total_ms = Date.now() - t0;
+    writeFileSync(join(out, 'result.json'), JSON.stringify(results, null, 2));
+    await browser.close();
+  }
+  const failed = Object.entries(results.checks).filter(([, v]) => !v.ok).map(([k]) => k);
+  console.log(`${Object.keys(results.checks).length - failed.length} passed, ${failed.length} failed`);
+  process.exit(failed.length ? 1 : 0);
+}
+
+main();

