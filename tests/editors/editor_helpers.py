@@ -25,9 +25,10 @@ def server_cmd(log_file: Path | None = None) -> list[str]:
 
 
 def bundled_model_present() -> bool:
-    """Whether the package ships a default model (then the tests run on it, as a user would)."""
-    models = ROOT / "engine" / "models"
-    return models.is_dir() and any((d / "config.json").is_file() for d in models.iterdir() if d.is_dir())
+    """Whether the package ships its default model (then the tests run on it, as a user would)."""
+    from engine.models import bundled_model_dir
+
+    return (bundled_model_dir() / "config.json").is_file()
 
 
 def editor_model(tiny_model: Path) -> str:

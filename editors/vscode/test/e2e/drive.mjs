@@ -154,6 +154,47 @@ async function main() {
 
     const st = await statusText(page);
     check('status_bar_figures', st && /tok\/s/.test(st) && /TTFT/.test(st), st);
+
+    // Clicking the status bar item toggles suggestions off and on again.
+    const spark = page.locator('.statusbar-item', { hasText: 'Spark' }).first();
+    await spark.click();
+    const off = await page.waitForFunction(() => [...document.querySelectorAll('.statusbar-item')]
+      .some((e) => /Spark off/.test(e.textContent || '')), null, { timeout: 10000 }).then(() => true).catch(() => false);
+    await page.locator('.statusbar-item', { hasText: 'Spark' }).first().click();
+    const on = await page.waitForFunction(() => [...document.querySelectorAll('.statusbar-item')]
+      .some((e) => /Spark/.test(e.textContent || '') && !/Spark off/.test(e.textContent || '')), null, { timeout: 10000 })
+      .then(() => true).catch(() => false);
+    check('status_bar_toggles', off && on, { off, on });
+    mark('toggle');
+
+    // "Edit Selection with Instruction…" from the command palette: select `def add`, give an instruction.
+    await page.click('.editor-instance .monaco-editor .view-lines');
+    await page.keyboard.press('Control+Home');
+    for (let i = 0; i < 3; i++) await page.keyboard.press('ArrowDown');
+    await page.keyboard.press('Home');
+    await page.keyboard.press('Shift+ArrowDown');
+    await page.keyboard.press('Shift+End');
+    const beforeEdit = await editorText(page);
+    await page.keyboard.press('F1');
+    await page.waitForSelector('.quick-input-widget input');
+    await page.keyboard.type('Spark: Edit Selection with Instruction', { delay: 10 });
+    await page.locator('.quick-input-list .monaco-list-row', { hasText: 'Edit Selection with Instruction' }).first().waitFor();
+    await page.keyboard.press('Enter');
+    const prompt = page.locator('.quick-input-widget', { hasText: 'Edit selection with instruction' });
+    let asked = false;
+    try { await prompt.first().waitFor({ timeout: 10000 }); asked = true; } catch { /* reported below */ }
+    if (asked) {
+      await page.keyboard.type('add type hints', { delay: 10 });
+      await page.keyboard.press('Enter');
+    }
+    const edited = await page.waitForFunction((b) => {
+      const lines = [...document.querySelectorAll('.monaco-editor .view-lines .view-line')];
+      lines.sort((x, y) => parseFloat(x.style.top) - parseFloat(y.style.top));
+      return lines.map((l) => l.textContent.replace(/\u00a0/g, ' ')).join('\n') !== b;
+    }, beforeEdit, { timeout: 30000 }).then(() => true).catch(() => false);
+    await page.waitForTimeout(1500);
+    check('instruction_edit', asked && edited, { asked, edited, lines: (await editorText(page)).split('\n').slice(2, 8) });
+    mark('instruction_edit');
   } catch (e) {
     check('driver_error', false, String(e && e.stack || e).slice(0, 1000));
     try { await page.screenshot({ path: join(out, 'vscode-error.png') }); } catch { /* ignore */ }
