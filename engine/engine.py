@@ -97,6 +97,8 @@ class Engine:
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                         or max_context < 2):
             raise ValueError(f"max_context={max_context!r} must be an integer >= 2")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r} must be a positive integer")
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
         linear = _linear_emitter(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}

@@ -1,0 +1,57 @@
+"""Engine façade: load options, exposed attributes, bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, ModelError
+from engine_helpers import graph_cache_dir, load_engine, random_ids
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_mistral, tmp_path_factory):
+    return load_engine(tiny_mistral, tmp_path_factory)
+
+
+def test_attributes(eng, tiny_mistral):
+    assert eng.name == tiny_mistral.name and eng.model_dir == tiny_mistral
+    assert eng.config.architecture == "mistral"
+    assert eng.context == min(eng.config.max_position_embeddings, 8192)
+    assert eng.tokenizer.decode(eng.tokenizer.encode("x = 1")) == "x = 1"
+    assert eng.eos_ids >= set(eng.config.eos_token_ids)
+    assert "mistral" in repr(eng)
+
+
+@pytest.mark.parametrize("kw,match", [({"threads": 0}, "threads"), ({"max_context": 1}, "max_context"),
+                                      ({"slots": 0}, "slots")])
+def test_bad_load_arguments(tiny_mistral, tmp_path_factory, kw, match):
+    with pytest.raises(ValueError, match=match):
+        Engine.load(tiny_mistral, cache_dir=graph_cache_dir(tmp_path_factory), wafer=False, **kw)
+
+
+def test_missing_folder_is_model_error(tmp_path):
+    with pytest.raises(ModelError, match="not found"):
+        Engine.load(tmp_path / "nope", cache_dir=tmp_path)
+
+
+def test_forward_logits_errors(eng):
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.forward_logits([])
+    with pytest.raises(ModelError, match="context"):
+        eng.forward_logits([1] * (eng.context + 1))
+    assert eng.forward_logits(random_ids(eng, 3, seed=50)).shape == (3, eng.config.vocab_size)
+
+
+def test_empty_prompt(eng):
+    if eng.config.bos_token_id is None:
+        with pytest.raises(ValueError, match="empty"):
+            eng.generate("")
+    else:
+        assert eng.generate("").prompt == [eng.config.bos_token_id]
+
+
+def test_max_context_caps_kv(tiny_mistral, tmp_path_factory):
+    small = load_engine(tiny_mistral, tmp_path_factory, max_context=64)
+    assert small.context == 64
+    with pytest.raises(ModelError, match="64"):
+        small.generate([3] * 64)
