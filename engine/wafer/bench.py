@@ -4,7 +4,9 @@ would reach on a wafer.
 Loads the same model twice — partitioned over the emulated grid (``wafer=True``, the engine's
 default) and dense (``wafer=False``) — checks they produce the same greedy tokens, then decodes
 in alternating rounds (dense, partitioned, dense, ...) so both see the same machine load, and
-reports the median decode tok/s of each and the median of the per-round ratios.  Then it plans
+reports the median decode tok/s of each and the median of the per-round ratios, plus the ratio
+of tokens per CPU-second of the process (robust to other processes stealing the CPU when run
+with ``--threads 1``).  Then it plans
 the model on a chip with the performance model.
 """
 
@@ -63,24 +65,30 @@ def bench_wafer(args, log=print) -> dict:
     prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]
     params = GenerationParams(max_new_tokens=args.tokens, ignore_eos=True)
 
-    def decode(eng) -> tuple[float, list[int]]:
+    def decode(eng) -> tuple[float, float, list[int]]:
+        """(decode tok/s wall clock, tokens per CPU-second of this process, tokens)."""
+        cpu = time.process_time()
         gen = eng.generate(prompt, params)
         gen.result()
-        return gen.stats["decode_tok_s"], gen.tokens
+        cpu = time.process_time() - cpu
+        return gen.stats["decode_tok_s"], len(gen.tokens) / max(cpu, 1e-9), gen.tokens
 
-    _, ref = decode(dense)  # warm-up + reference tokens
-    _, got = decode(tiled)
+    _, _, ref = decode(dense)  # warm-up + reference tokens
+    _, _, got = decode(tiled)
     rates = {"dense": [], "partitioned": []}
+    cpu_rates = {"dense": [], "partitioned": []}
     ratios = []
     for r in range(args.rounds):
         order = (("dense", dense), ("partitioned", tiled)) if r % 2 == 0 else (("partitioned", tiled), ("dense", dense))
         rnd = {}
         for name, eng in order:
-            rnd[name] = decode(eng)[0]
+            rnd[name], cpu_rate, _ = decode(eng)
             rates[name].append(rnd[name])
+            cpu_rates[name].append(cpu_rate)
         ratios.append(rnd["partitioned"] / rnd["dense"])
         log(f"round {r + 1}: dense {rnd['dense']:.0f} tok/s, partitioned {rnd['partitioned']:.0f} tok/s")
     med = {k: statistics.median(v) for k, v in rates.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
     shape = ModelShape.from_config(dense.config, name=dense.name)
     placement, proj = plan(shape, chip, context=min(4096, shape.max_context))
     return {
@@ -94,10 +102,21 @@ def bench_wafer(args, log=print) -> dict:
         "partitioned_decode_tok_s": round(med["partitioned"], 1),
         "ratio_of_medians": round(med["partitioned"] / med["dense"], 3),
         "median_round_ratio": round(statistics.median(ratios), 3),
+        "cpu_ratio": round(cpu_med["partitioned"] / cpu_med["dense"], 3),
+        "load_average": _loadavg(),
         "best_dense_tok_s": round(max(rates["dense"]), 1),
         "best_partitioned_tok_s": round(max(rates["partitioned"]), 1),
         "projection": {k: v for k, v in summary(placement, proj).items() if k != "per_layer"},
     }
+
+
+def _loadavg() -> str:
+    try:
+        import os
+
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except (OSError, AttributeError):
+        return "n/a"
 
 
 def format_result(res: dict) -> str:
@@ -110,8 +129,9 @@ def format_result(res: dict) -> str:
         f"{res['ratio_of_medians']:>8.3f}",
         f"  {'decode tok/s (best)':24}{res['best_dense_tok_s']:>12,.1f}{res['best_partitioned_tok_s']:>14,.1f}"
         f"{res['best_partitioned_tok_s'] / res['best_dense_tok_s']:>8.3f}",
-        f"  median per-round ratio {res['median_round_ratio']:.3f}; greedy tokens identical: "
-        f"{res['greedy_tokens_identical']}",
+        f"  median per-round ratio {res['median_round_ratio']:.3f}; tokens per CPU-second ratio "
+        f"{res['cpu_ratio']:.3f} (load-independent); greedy tokens identical: {res['greedy_tokens_identical']}",
+        f"  machine load average during the run: {res['load_average']}",
         f"projection on {p['chip']}: {p['grid']} PEs per layer, {p['wafers']} wafer(s), {p['pes_used']:,} PEs, "
         f"decode {p['decode_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms']:,.2f} ms ({p['prompt_tokens']}-token prompt)",
     ])
