@@ -42,6 +42,7 @@ def export(run_dir: Path, out: Path, ckpt_name: str = "ckpt.pt") -> dict:
         state[name] = t.detach().to(torch.float16).contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
 
     config = {
         "architectures": ["LlamaForCausalLM"],
