@@ -25,18 +25,34 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
-def utf16_len(s: str) -> int:
-    """Length of `s` in UTF-16 code units."""
+def _unit(ch: str, enc: str) -> int:
+    o = ord(ch)
+    if enc == "utf-8":
+        return 1 if o < 0x80 else 2 if o < 0x800 else 3 if o < 0x10000 else 4
+    if enc == "utf-32":
+        return 1
+    return 2 if o > 0xFFFF else 1
+
+
+def utf16_len(s: str, enc: str = "utf-16") -> int:
+    """Length of `s` in code units of `enc` (UTF-16 by default)."""
+    if s.isascii() or enc == "utf-32":
+        return len(s)
+    if enc == "utf-8":
+        return len(s.encode("utf-8", "surrogatepass"))
     return len(s) + sum(1 for ch in s if ord(ch) > 0xFFFF)
 
 
-def utf16_to_index(line: str, units: int) -> int:
-    """Code-point index in `line` of the UTF-16 column `units` (clamped inside a surrogate pair)."""
+def utf16_to_index(line: str, units: int, enc: str = "utf-16") -> int:
+    """Code-point index in `line` of the column `units` in `enc` code units (a column inside a
+    multi-unit character goes past it)."""
     if units <= 0:
         return 0
+    if line.isascii() or enc == "utf-32":
+        return min(units, len(line))
     count = 0
     for i, ch in enumerate(line):
-        count += 2 if ord(ch) > 0xFFFF else 1
+        count += _unit(ch, enc)
         if count >= units:
             return i + 1
     return len(line)
@@ -55,7 +71,7 @@ class Pos:
 
 
 def offset_at(text: str, line: int, character: int, *, lines: list[str] | None = None,
-              strict: bool = True) -> int:
+              strict: bool = True, enc: str = "utf-16") -> int:
     """String offset of an LSP position. With `strict`, a line past the end or a character past the
     end of its line raises PositionError (clients must not send those); otherwise they are clamped."""
     if line < 0 or character < 0:
@@ -71,37 +87,39 @@ def offset_at(text: str, line: int, character: int, *, lines: list[str] | None =
             start = nl + 1
         end = text.find("\n", start)
         content = text[start:] if end < 0 else text[start:end]
-        if strict and character > utf16_len(content):
-            raise PositionError(
-                f"character {character} is past the end of line {line} ({utf16_len(content)} UTF-16 units)")
-        return start + utf16_to_index(content, character)
+        if strict and character > utf16_len(content, enc):
+            raise PositionError(f"character {character} is past the end of line {line} "
+                                f"({utf16_len(content, enc)} {enc.upper()} units)")
+        return start + utf16_to_index(content, character, enc)
     lines = lines if lines is not None else split_lines(text)
     if line >= len(lines):
         if strict:
             raise PositionError(f"line {line} is outside the document ({len(lines)} lines)")
         return len(text)
     content = strip_eol(lines[line])
-    if strict and character > utf16_len(content):
-        raise PositionError(
-            f"character {character} is past the end of line {line} ({utf16_len(content)} UTF-16 units)")
+    if strict and character > utf16_len(content, enc):
+        raise PositionError(f"character {character} is past the end of line {line} "
+                            f"({utf16_len(content, enc)} {enc.upper()} units)")
     start = sum(len(ln) for ln in lines[:line])
-    return start + utf16_to_index(content, character)
+    return start + utf16_to_index(content, character, enc)
 
 
-def position_at(text: str, offset: int) -> Pos:
+def position_at(text: str, offset: int, enc: str = "utf-16") -> Pos:
     """LSP position of a string offset (clamped to the document)."""
     offset = max(0, min(offset, len(text)))
-    before = text[:offset]
-    lines = split_lines(before)
-    return Pos(len(lines) - 1, utf16_len(lines[-1]))
+    if "\r" not in text:
+        line_start = text.rfind("\n", 0, offset) + 1
+        return Pos(text.count("\n", 0, offset), utf16_len(text[line_start:offset], enc))
+    lines = split_lines(text[:offset])
+    return Pos(len(lines) - 1, utf16_len(lines[-1], enc))
 
 
-def advance(pos: Pos, inserted: str) -> Pos:
+def advance(pos: Pos, inserted: str, enc: str = "utf-16") -> Pos:
     """Position just after `inserted` when it is inserted at `pos`."""
     lines = split_lines(inserted)
     if len(lines) == 1:
-        return Pos(pos.line, pos.character + utf16_len(lines[0]))
-    return Pos(pos.line + len(lines) - 1, utf16_len(lines[-1]))
+        return Pos(pos.line, pos.character + utf16_len(lines[0], enc))
+    return Pos(pos.line + len(lines) - 1, utf16_len(lines[-1], enc))
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ class LiveEdit:
     """State of one streamed edit: the region, what it shows, and the texts our edits produce."""
 
     def __init__(self, uri: str, doc_text: str, start: int, end: int, start_pos: Pos,
-                 on_user_change: Callable[[], None]):
+                 on_user_change: Callable[[], None], enc: str = "utf-16"):
         self.uri = uri
+        self.enc = enc
         self.region_start = start
         self.start_pos = start_pos
         self.original = doc_text[start:end]
@@ -66,8 +67,8 @@ class LiveEdit:
         edits = [edit]
         out = []
         for e in edits:
-            s = advance(self.start_pos, self.shown[:e.start])
-            t = advance(self.start_pos, self.shown[:e.end])
+            s = advance(self.start_pos, self.shown[:e.start], self.enc)
+            t = advance(self.start_pos, self.shown[:e.end], self.enc)
             out.append(RangeEdit(s, t, e.new_text))
         a = self.region_start
         self._doc = self._doc[:a] + region_text + self._doc[a + len(self.shown):]

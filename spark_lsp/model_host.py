@@ -43,14 +43,19 @@ class ModelHost:
     def name(self) -> str:
         return str(getattr(self.engine, "name", None) or self.model_dir or "model")
 
+    def expect(self) -> None:
+        """A load is about to start: requests from now on wait for it (call on the event loop)."""
+        if self._event is None or self._event.is_set():
+            self._event = asyncio.Event()
+        self._loading = True
+
     def start(self, loop: asyncio.AbstractEventLoop, model_dir: str | None,
               on_done: Callable[[bool, str], None] | None = None) -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread."""
         self._generation += 1
         gen = self._generation
-        self._event = asyncio.Event()
+        self.expect()
         self.error = None
-        self._loading = True
         self.model_dir = model_dir
         event = self._event
 

@@ -136,10 +136,18 @@ class SparkServer(LanguageServer):
             raise JsonRpcInvalidParams(f"unknown document {uri!r}: send textDocument/didOpen first")
         return docs[uri]
 
-    @staticmethod
-    def _offset(text: str, pos: T.Position) -> int:
+    @property
+    def enc(self) -> str:
+        """The negotiated position encoding ('utf-16' unless the client asked for another)."""
         try:
-            return offset_at(text, pos.line, pos.character)
+            return str(self.workspace.position_encoding.value if hasattr(self.workspace.position_encoding, "value")
+                       else self.workspace.position_encoding)
+        except Exception:
+            return "utf-16"
+
+    def _offset(self, text: str, pos: T.Position) -> int:
+        try:
+            return offset_at(text, pos.line, pos.character, enc=self.enc)
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"position {{line: {pos.line}, character: {pos.character}}}: {exc}") from None
 
@@ -204,6 +212,7 @@ class SparkServer(LanguageServer):
                     log.debug("progress unavailable: %s", exc)
             self.host.start(loop, self.settings.model, done)
 
+        self.host.expect()  # requests arriving while the progress is being created wait too
         asyncio.ensure_future(begin())
 
     # -- inline completion ----------------------------------------------------------------------
@@ -399,7 +408,7 @@ class SparkServer(LanguageServer):
             return await self._stream_edit(uri, text, plan)
         region, stats = await self._edit_job(uri, plan)
         self.send_status(f"edit:{name}", stats)
-        return T.WorkspaceEdit(changes={uri: _text_edits(text, plan.start, plan.end, region)})
+        return T.WorkspaceEdit(changes={uri: _text_edits(text, plan.start, plan.end, region, self.enc)})
 
     async def _edit_job(self, uri: str, plan: actions.EditPlan, on_text=None):
         engine, builder, params_cls = self.host.engine, self.host.builder, self.host.params_cls
@@ -421,8 +430,8 @@ class SparkServer(LanguageServer):
     async def _stream_edit(self, uri: str, text: str, plan: actions.EditPlan) -> dict:
         """Stream the plan's output into the document; returns a summary for the command result."""
         key = uri + EDIT_SUFFIX
-        session = live_edits.LiveEdit(uri, text, plan.start, plan.end, _pos(position_at(text, plan.start)),
-                                      on_user_change=lambda: self._sched().cancel(key, "user typed"))
+        session = live_edits.LiveEdit(uri, text, plan.start, plan.end, _pos(position_at(text, plan.start, self.enc)),
+                                      on_user_change=lambda: self._sched().cancel(key, "user typed"), enc=self.enc)
         self.live[uri] = session
         latest = {"raw": None}
         interval = 1.0 / self.settings.live_edit_hz if self.settings.live_edits else None
@@ -509,11 +518,12 @@ def _range_json(r: T.Range) -> dict:
             "end": {"line": r.end.line, "character": r.end.character}}
 
 
-def _text_edits(text: str, start: int, end: int, region: str) -> list[T.TextEdit]:
+def _text_edits(text: str, start: int, end: int, region: str, enc: str = "utf-16") -> list[T.TextEdit]:
     """Minimal TextEdits turning text[start:end] into `region` (positions in the current text)."""
     out = []
     for e in minimal_edits(text[start:end], region, base=start):
-        out.append(T.TextEdit(T.Range(_pos(position_at(text, e.start)), _pos(position_at(text, e.end))), e.new_text))
+        out.append(T.TextEdit(T.Range(_pos(position_at(text, e.start, enc)), _pos(position_at(text, e.end, enc))),
+                              e.new_text))
     return out
 
 

@@ -49,6 +49,10 @@ def run(args) -> int:
         # pygls logs every message at INFO and every error response with a traceback
         logging.getLogger("pygls").setLevel(logging.CRITICAL)
 
+    # The engine thread, the event loop and pygls' reader share the GIL; a waiting thread gets it
+    # after at most this long (default 5 ms), which bounds how fast a cancel reaches the engine.
+    sys.setswitchinterval(0.0005)
+
     from spark_lsp.server import create_server
 
     server = create_server(os.path.abspath(args.model) if args.model else None)

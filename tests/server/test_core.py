@@ -283,3 +283,13 @@ def test_inflight_is_joined_only_by_typing_what_the_model_writes():
     assert inf.followed_by("x = foo(a,\nz = 2\n") is None         # another change elsewhere
     assert inf.followed_by("x = foo(a, b) + 1\nz = 1\n") is None  # ahead of the output so far
     assert inf.typed("x = foo\nz = 1\n") is None                  # deletion
+
+
+def test_utf8_and_utf32_position_encodings():
+    text = "s = 'é😀'\nt = 1\n"
+    assert utf16_len("é😀", "utf-8") == 6 and utf16_len("é😀", "utf-32") == 2 and utf16_len("é😀") == 3
+    end8 = offset_at(text, 0, 12, enc="utf-8")
+    assert text[end8 - 1] == "'" and end8 == offset_at(text, 0, 9) == offset_at(text, 0, 8, enc="utf-32") == 8
+    assert position_at(text, end8, "utf-8") == Pos(0, 12) and position_at(text, end8, "utf-32") == Pos(0, 8)
+    with pytest.raises(PositionError):
+        offset_at(text, 0, 10)         # past the end in UTF-16 units, fine in UTF-8

@@ -274,3 +274,32 @@ async def test_selected_completion_info_items_extend_the_selected_text(editor, s
         context=T.InlineCompletionContext(trigger_kind=AUTO,
                                           selected_completion_info=T.SelectedCompletionInfo(range=rng, text="total"))))
     assert res.items and all(i.insert_text.startswith("total") and i.range == rng for i in res.items)
+
+
+async def test_utf8_position_encoding_when_the_client_prefers_it(tiny_llama):
+    from pytest_lsp import client_capabilities, make_test_lsp_client
+
+    from conftest import SERVER
+
+    client = make_test_lsp_client()
+    await client.start_io(*SERVER, "--model", str(tiny_llama))
+    try:
+        caps = client_capabilities("visual-studio-code")
+        caps.general = T.GeneralClientCapabilities(position_encodings=[T.PositionEncodingKind.Utf8])
+        res = await client.initialize_session(T.InitializeParams(capabilities=caps))
+        assert res.capabilities.position_encoding == T.PositionEncodingKind.Utf8
+        text = "s = 'é😀'\n"
+        client.text_document_did_open(T.DidOpenTextDocumentParams(
+            T.TextDocumentItem(uri=URI, language_id="python", version=1, text=text)))
+        pos = T.Position(0, 12)  # end of the line in UTF-8 bytes (9 in UTF-16 units)
+        out = await client.text_document_inline_completion_async(T.InlineCompletionParams(
+            text_document=T.TextDocumentIdentifier(URI), position=pos,
+            context=T.InlineCompletionContext(trigger_kind=AUTO)))
+        assert all(i.range.start == pos for i in out.items)
+        with pytest.raises(JsonRpcException):
+            await client.text_document_inline_completion_async(T.InlineCompletionParams(
+                text_document=T.TextDocumentIdentifier(URI), position=T.Position(0, 13),
+                context=T.InlineCompletionContext(trigger_kind=AUTO)))
+    finally:
+        await client.shutdown_session()
+        await client.stop()
