@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 MOVING_AVG = '''def moving_average(values, window):
     """Return the averages of every run of `window` consecutive values."""
     if window <= 0:
@@ -151,6 +153,7 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
     plain_rates, spec_rates, plain_ms, spec_ms, stats = [], [], [], [], []
     identical = True
     ref_tokens = None
+    divergence = None
     for r in range(repeats + 1):  # round 0 warms both paths up and is not counted
         eng.reset()
         g = eng.generate(ids, params)
@@ -159,6 +162,8 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
         s = spec_generate(eng, ids, params, draft=task.draft)
         s.result()
         ref_tokens = g.tokens
+        if s.tokens != g.tokens and divergence is None:
+            divergence = _divergence(eng, ids, g.tokens, s.tokens)
         identical = identical and s.tokens == g.tokens and s.text == g.text
         if r:
             plain_rates.append(g.stats["decode_tok_s"])
@@ -172,7 +177,18 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
             "plain_total_ms": _median(plain_ms), "spec_total_ms": _median(spec_ms),
             "acceptance": _median([s["acceptance"] for s in stats]),
             "tokens_per_run": _median([s["tokens_per_run"] for s in stats]),
-            "drafted": int(_median([s["drafted_tokens"] for s in stats])), "identical": identical}
+            "drafted": int(_median([s["drafted_tokens"] for s in stats])), "identical": identical,
+            "first_divergence": divergence}
+
+
+def _divergence(eng, ids: list[int], plain: list[int], spec: list[int]) -> dict[str, Any]:
+    """Where the outputs first differ and the top-2 logit margin there (a near-tie shows ~1e-6:
+    two kernels summing in a different order, not a wrong draft acceptance)."""
+    i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    row = eng.forward_logits(list(ids) + list(plain[:i]))[-1][:eng.sample_vocab]
+    top = np.sort(row)[-2:]
+    return {"index": i, "plain": plain[i] if i < len(plain) else None, "spec": spec[i] if i < len(spec) else None,
+            "top2_margin": float(top[1] - top[0])}
 
 
 def bench_edits(model=None, *, precision: str = "fp32", wafer: bool = True, threads: int | None = None,
@@ -217,8 +233,10 @@ def format_table(res: dict[str, Any]) -> str:
              f"{'task':15s} {'kind':5s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'ratio':>6s} "
              f"{'accept':>6s} {'tok/run':>7s} identical"]
     for r in res["tasks"]:
+        d = r.get("first_divergence")
+        ident = "yes" if r["identical"] else f"NO (token {d['index']}, top-2 margin {d['top2_margin']:.1e})" if d else "NO"
         lines.append(f"{r['task']:15s} {r['kind']:5s} {r['new_tokens']:6d} {r['plain_tok_s']:11.0f} {r['spec_tok_s']:10.0f} "
-                     f"{r['ratio']:6.2f} {r['acceptance']:6.2f} {r['tokens_per_run']:7.2f} {'yes' if r['identical'] else 'NO'}")
+                     f"{r['ratio']:6.2f} {r['acceptance']:6.2f} {r['tokens_per_run']:7.2f} {ident}")
     for kind, s in res["summary"].items():
         lines.append(f"{kind}: median ratio {s['median_ratio']:.2f}, worst {s['min_ratio']:.2f} ({s['tasks']} tasks)")
     return "\n".join(lines)

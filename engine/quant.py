@@ -47,6 +47,10 @@ TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (n
 PRECISIONS = ("fp32", "int8", "int8-rowq", "int4")
 #: precision -> QuantLinear arguments
 QUANT_ARGS = {"int8": {"bits": 8}, "int8-rowq": {"bits": 8, "op": "rowq"}, "int4": {"bits": 4}}
+#: MatMulNBits (ORT 1.2x-1.3x CPU, accuracy_level 4) switches to another kernel with other rounding
+#: from this many rows on (measured: int8 from 16 rows, int4 from 9; tests/speed checks it), so a
+#: speculative verification pass must stay below it to give the logits of single decode steps.
+NBITS_CONSISTENT_ROWS = {8: 15, 4: 8}
 #: Default quantisation block (weights per scale along K) per bit width, from the measurements in
 #: BENCHMARKS.md: 4-bit needs small blocks to keep greedy agreement, 8-bit does not.
 DEFAULT_BLOCK = {8: 128, 4: 32}
@@ -191,7 +195,21 @@ class QuantLinear:
 
     @property
     def precision(self) -> str:
-        return f"int{self.bits}"
+        return f"int{self.bits}" + ("-rowq" if self.op == "rowq" else "")
+
+    #: Relative top-2 logit margin under which speculative decoding re-decides a batched pass's
+    #: argmax with a single step: a batched pass can quantise an activation one code differently
+    #: from a single step (other kernel, or float noise upstream crossing a rounding boundary),
+    #: which moves logits by up to ~1-2 % of their scale (measured; see BENCHMARKS.md).
+    verify_margin = 0.03
+
+    @property
+    def max_verify_tokens(self) -> int | None:
+        """Most tokens one pass may hold and still give bit-for-bit-consistent rows with single
+        steps (None: no limit) — what speculative decoding needs for output identical to greedy."""
+        if self.op == "rowq" or self.roles is not None and not self.roles:
+            return None
+        return NBITS_CONSISTENT_ROWS[self.bits]
 
     def cache_key(self) -> str:
         inner = getattr(self.inner, "cache_key", None)

@@ -37,6 +37,11 @@ from .generate import Chunk, Generation, GenerationParams, _Cancelled, _held_suf
 if TYPE_CHECKING:
     from .engine import Engine
 
+#: Relative top-2 logit margin below which a batched verification's argmax is re-decided by a
+#: single decode step (fp32: float summation-order noise is ~1e-7 of the logits).  Linear
+#: emitters can set their own ``verify_margin`` (quantised activations jump more).
+DEFAULT_VERIFY_MARGIN = 1e-5
+
 
 # -- drafters ------------------------------------------------------------------------------------
 
@@ -298,7 +303,14 @@ class SpeculativeGeneration(Generation):
         t_first = t_last = None
         slot = None
         nv = eng.sample_vocab
-        drafted = accepted_total = runs = 0
+        # Some quantised kernels change their rounding above a batch size: stay below it.
+        width = getattr(eng.linear, "max_verify_tokens", None)
+        k_cap = (width - 1) if width else rt.max_len
+        # A batched pass and a single step may round differently (quantised activations flip a
+        # code now and then): only trust argmaxes whose top-2 margin exceeds that noise.
+        guard = float(getattr(eng.linear, "verify_margin", DEFAULT_VERIFY_MARGIN))
+        drafted = accepted_total = runs = rechecks = 0
+        recheck = False
         try:
             slot, logits = self._prefill()
             pos = len(slot.tokens)
@@ -348,10 +360,11 @@ class SpeculativeGeneration(Generation):
                     yield Chunk(token, out)
                 context.extend(decided)
                 self.drafter.observe(decided, from_draft)
-                token = decided[-1]  # emitted, its KV not yet written
+                if decided:
+                    token = decided[-1]  # emitted; its KV is written by the next pass
                 # Draft, then run [token] + draft through the model in one pass.
                 room = min(p.max_new_tokens - len(self.tokens) - 1, rt.max_len - pos - 1)
-                k = min(self.policy.size(), room)
+                k = 0 if recheck else min(self.policy.size(), room, k_cap)
                 draft = self.drafter.propose(context, k) if k > 0 else []
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
                 with eng._lock:
@@ -362,18 +375,34 @@ class SpeculativeGeneration(Generation):
                     else:
                         logits = self._run_model(rt.decode, slot.kv, token, pos)[None, :]
                     self.policy.timed(1 + len(draft), time.perf_counter() - t_run)
-                    picks = logits[:, :nv].argmax(-1)
+                    rows = logits[:, :nv]
+                    picks = rows.argmax(-1)
+                    if draft and guard > 0:
+                        top2 = np.partition(rows, -2, axis=1)[:, -2:]
+                        sure = (top2[:, 1] - top2[:, 0]) >= guard * np.maximum(np.abs(top2[:, 1]), 1.0)
+                    else:
+                        sure = np.ones(len(draft) + 1, bool)
                     a = 0
-                    while a < len(draft) and picks[a] == draft[a]:
+                    while a < len(draft) and picks[a] == draft[a] and sure[a]:
                         a += 1
-                    slot.tokens.append(token)
-                    slot.tokens.extend(draft[:a])
-                    pos += 1 + a
+                    if sure[a]:  # the model's own next token is trustworthy too
+                        slot.tokens.append(token)
+                        slot.tokens.extend(draft[:a])
+                        pos += 1 + a
+                        decided = draft[:a] + [int(picks[a])]
+                        recheck = False
+                    else:  # a near-tie in a batched pass: decide this position with a single step
+                        if a:
+                            slot.tokens.append(token)
+                            slot.tokens.extend(draft[:a - 1])
+                            pos += a
+                        decided = draft[:a]
+                        recheck = True
+                        rechecks += 1
                 runs += 1
                 drafted += len(draft)
                 accepted_total += a
                 self.policy.update(len(draft), a)
-                decided = draft[:a] + [int(picks[a])]
                 from_draft = a
         except _Cancelled:
             self.finish_reason = "cancelled"
@@ -387,7 +416,7 @@ class SpeculativeGeneration(Generation):
             self.stats["total_ms"] = (end - self._t0) * 1e3
             if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:
                 self.stats["decode_tok_s"] = (len(self.tokens) - 1) / (t_last - t_first)
-            self.stats.update({"drafted_tokens": drafted, "accepted_tokens": accepted_total,
+            self.stats.update({"drafted_tokens": drafted, "accepted_tokens": accepted_total, "rechecks": rechecks,
                                "acceptance": accepted_total / drafted if drafted else 0.0, "model_runs": runs,
                                "tokens_per_run": (len(self.tokens) - 1) / runs if runs else 0.0})
 

@@ -171,3 +171,23 @@ def test_speculation_identical_on_quantised_engine(tiny_llama, tmp_path_factory,
         gen = generate(eng, PROMPT, params, draft=draft)
         gen.result()
         assert gen.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int8-rowq", "int4"])
+def test_verify_width_gives_single_step_logits(tiny_llama, tmp_path_factory, precision):
+    """Up to the emitter's ``max_verify_tokens``, a k-token pass gives the logits of k single steps
+    within the emitter's ``verify_margin`` (fp32: float rounding) — the bound speculative decoding
+    relies on to keep its output identical to greedy decoding."""
+    lin = make_linear(precision)
+    eng = load_engine(tiny_llama, lin, cache_dir=tmp_path_factory.getbasetemp() / "graph_cache", threads=1)
+    rt = eng.runtime
+    kv = rt.new_kv()
+    ids = list(np.random.default_rng(0).integers(0, eng.sample_vocab, 80))
+    rt.forward(kv, ids[:40], 0)
+    width = getattr(lin, "max_verify_tokens", None) or 24
+    single = np.stack([rt.decode(kv, ids[40 + i], 40 + i).copy() for i in range(width)])
+    batch = rt.forward(kv, ids[40:40 + width], 40, num_logits=width)
+    from engine.speculative import DEFAULT_VERIFY_MARGIN
+
+    margin = getattr(lin, "verify_margin", DEFAULT_VERIFY_MARGIN)
+    assert np.abs(batch - single).max() <= margin * np.abs(single).max()
