@@ -303,3 +303,36 @@ async def test_utf8_position_encoding_when_the_client_prefers_it(tiny_llama):
     finally:
         await client.shutdown_session()
         await client.stop()
+
+
+async def test_cancelling_the_progress_stops_a_live_edit(editor, sample):
+    await editor.command("spark.configure", {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 300,
+                                             "contextTokens": 128})
+    body = "".join(f"    value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 40))
+    text = sample + "\n\ndef long():\n" + body
+    editor.open(URI, text)
+    start = text.index("    value_1 =")
+    data = {"action": "rewrite", "uri": URI, "range": {
+        "start": {"line": editor.pos(URI, start).line, "character": 0},
+        "end": {"line": editor.pos(URI, len(text)).line, "character": 0}}}
+
+    def cancel_progress(uri):
+        for tok in editor.client.progress_reports:
+            if tok.startswith("spark-edit"):
+                editor.client.window_work_done_progress_cancel(T.WorkDoneProgressCancelParams(token=tok))
+        editor.after_apply = None
+    editor.after_apply = cancel_progress
+    res = await editor.command("spark.applyAction", data)
+    assert not res["complete"] and "progress cancelled" in res["outcome"], res
+    assert editor.text(URI).startswith(sample)
+
+
+async def test_toggle_turns_suggestions_off_and_on(editor, sample):
+    editor.open(URI, sample)
+    off = sample.index("print(") + 6
+    assert (await editor.command("spark.toggle", False)) == {"enabled": False}
+    assert not (await editor.inline(URI, off)).items
+    assert (await editor.command("spark.toggle")) == {"enabled": True}
+    assert (await editor.command("spark.cancel", URI)) == {"cancelled": 0}
+    with pytest.raises(JsonRpcException):
+        await editor.command("spark.toggle", "yes")
