@@ -336,3 +336,28 @@ async def test_toggle_turns_suggestions_off_and_on(editor, sample):
     assert (await editor.command("spark.cancel", URI)) == {"cancelled": 0}
     with pytest.raises(JsonRpcException):
         await editor.command("spark.toggle", "yes")
+
+
+async def test_a_model_that_fails_to_load_gives_clear_errors(tiny_llama, tmp_path):
+    from pytest_lsp import client_capabilities, make_test_lsp_client
+
+    import tiny_models
+    from conftest import SERVER
+
+    broken = tiny_models.copy_model(tiny_llama, tmp_path / "broken")
+    (broken / "config.json").write_text("{not json")
+    client = make_test_lsp_client()
+    await client.start_io(*SERVER, "--model", str(broken))
+    try:
+        await client.initialize_session(T.InitializeParams(capabilities=client_capabilities("visual-studio-code")))
+        client.text_document_did_open(T.DidOpenTextDocumentParams(
+            T.TextDocumentItem(uri=URI, language_id="python", version=1, text="x = 1\n")))
+        with pytest.raises(JsonRpcException) as info:
+            await client.text_document_inline_completion_async(T.InlineCompletionParams(
+                text_document=T.TextDocumentIdentifier(URI), position=T.Position(0, 5),
+                context=T.InlineCompletionContext(trigger_kind=AUTO)))
+        assert info.value.code == -32001 and "config.json" in info.value.message
+        assert any("config.json" in m.message for m in client.messages)  # shown to the user too
+    finally:
+        await client.shutdown_session()
+        await client.stop()
