@@ -10,14 +10,15 @@ an all-reduce along one mesh axis —
 
 An all-reduce over a line of ``n`` PEs with ``m`` 32-bit words per PE is a binary tree toward
 the line's first PE (level ``l`` sends over ``2**l`` hops; its critical path evaluated
-exactly) followed by a free router multicast back out; every message costs hops
-+ (m - 1) pipelined words + the ramp on both ends, every receive an ``m``-word SIMD add.  Local GEMVs cost ``MACs / (simd * eta)``.
+exactly) followed by a free router multicast back out; every message costs hops + (m - 1)
+pipelined words + the ramp on both ends, every receive an ``m``-word SIMD add.  Local GEMVs
+cost ``MACs / (simd * eta)``, elementwise passes one SIMD op per ``simd`` elements.
 
 From first principles: hops, ramps, words, SIMD width, clock, I/O (the chip spec).  Fitted to
 WaferLLM's Llama-3-8B decode on WSE-2 (420x420: 2,700, 540x540: 2,502, 660x660: 2,243 tok/s):
-``eta`` (the fraction of SIMD peak a GEMV sustains) and ``c0`` (fixed per-layer cycles: norms,
-softmax, SiLU, task switching).  :func:`calibrate` re-derives both; the shipped constants are
-its output.  Prefill uses WaferLLM's reported end-to-end efficiency (~10% of peak).
+``eta`` (the fraction of SIMD peak a GEMV sustains) and ``c0`` (any fixed per-layer cycles not
+modelled above, constrained to be >= 0).  :func:`calibrate` re-derives both; the shipped
+constants are its output (eta = 0.131, c0 = 0: hops and compute explain the published points).  Prefill uses WaferLLM's reported end-to-end efficiency (~10% of peak).
 """
 
 from __future__ import annotations
