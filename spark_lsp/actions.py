@@ -50,6 +50,7 @@ class EditPlan:
     prompt_text: str | None = None     # a complete (chat) prompt instead of FIM prefix/suffix
     partial: Callable[[str], str] = field(default=lambda s: s)  # raw output -> body mid-stream
     done: Callable[[str], bool] | None = None                   # early stop on raw output
+    draft: str | None = None           # text the output probably repeats (speculative decoding)
 
     def region_text(self, raw: str, final: bool) -> str:
         body = self.finish(raw) if final else self.partial(raw)
@@ -161,9 +162,10 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
             return EditPlan(action, start, end, "", "", stop=(), max_tokens=min(budget * 2, max_tokens),
                             finish=chat_finish, prompt_text=prompt,
                             partial=lambda raw: chatmod.extract_code(raw, final=False),
-                            done=lambda raw: raw.lstrip().startswith("```") and raw.count("```") >= 2)
+                            done=lambda raw: raw.lstrip().startswith("```") and raw.count("```") >= 2,
+                            draft=selected)
         return EditPlan(action, start, end, prefix, suffix, stop=(), max_tokens=min(budget, max_tokens),
-                        finish=finish)
+                        finish=finish, draft=selected)
 
     if action == COMPLETE:
         at = end
@@ -231,7 +233,7 @@ def generated_is_done(p: EditPlan, raw: str) -> bool:
 
 
 def run_plan(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
-             on_text: Callable[[str], None] | None = None) -> tuple[str, dict]:
+             on_text: Callable[[str], None] | None = None, speculative: bool = False) -> tuple[str, dict]:
     """Generate the region's final text for plan `p` (engine thread)."""
     from .completions import generate_text
 
@@ -241,8 +243,10 @@ def run_plan(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, 
             raise ActionError(f"the chat prompt has {len(ids)} tokens; select less code")
     else:
         ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
-    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=p.stop)
+    stop = p.stop + (builder.stop_strings if p.prompt_text is None else ())
+    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop)
     raw, stats, finish = generate_text(engine, job, ids, params,
-                                       done=(lambda s: generated_is_done(p, s)), on_text=on_text)
+                                       done=(lambda s: generated_is_done(p, s)), on_text=on_text,
+                                       speculative=speculative, draft=p.draft)
     stats = {**stats, "finish_reason": finish}
     return p.region_text(raw, final=True), stats

@@ -110,12 +110,27 @@ class Inflight:
         return t if t is not None and self.partial.startswith(t) else None
 
 
+def start_generation(engine: Any, ids: list[int], params: Any, slot: str, speculative: bool = False,
+                     draft: str | None = None) -> Any:
+    """A Generation; greedy ones are speculative when asked (the engine's draft-free speculative
+    decoding: `draft` text for rewrites, n-gram prompt lookup otherwise; output identical)."""
+    if speculative and getattr(params, "temperature", 0.0) == 0.0:
+        try:
+            from engine import speculative as spec
+        except ImportError:
+            spec = None
+        if spec is not None:
+            return spec.generate(engine, ids, params, slot, draft=draft)
+    return engine.generate(ids, params, slot=slot)
+
+
 def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
                   done: Callable[[str], bool] | None = None,
-                  on_text: Callable[[str], None] | None = None) -> tuple[str, dict, str]:
+                  on_text: Callable[[str], None] | None = None,
+                  speculative: bool = False, draft: str | None = None) -> tuple[str, dict, str]:
     """Run one generation on the engine thread, streaming; stops early once `done(text)` says the
     output is complete. Returns (text, stats, finish_reason); raises Cancelled if the job was."""
-    gen = job.attach(engine.generate(ids, params, slot=job.slot))
+    gen = job.attach(start_generation(engine, ids, params, job.slot, speculative, draft))
     text = ""
     early = False
     try:
@@ -160,7 +175,7 @@ def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: i
     if limit:  # the prompt budget never overflows the model's context
         budget = max(16, min(budget, limit - max_new - 8))
     prompt = builder.build(text, offset, budget, key=job.slot)
-    stop = ("\n",) if not multiline else ("\n\n\n",)
+    stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else None
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
     items: list[str] = []
@@ -173,7 +188,7 @@ def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: i
             params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
                                 top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop)
         raw, st, finish = generate_text(engine, job, prompt.ids, params, done,
-                                        on_text=on_partial if k == 0 else None)
+                                        on_text=on_partial if k == 0 else None, speculative=settings.speculative)
         if k == 0:
             stats = {**st, "finish_reason": finish}
         item = postprocess.clean(raw, ctx, multiline, settings.max_lines)

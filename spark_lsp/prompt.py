@@ -52,6 +52,18 @@ class TokenCounter:
 SPM_STYLES = {"starcoder"}
 
 
+def detect_fim(tokenizer: Any) -> Any | None:
+    """The engine's FIM format for this tokenizer (engine.fim), or the tokenizer's own detection."""
+    try:
+        from engine.fim import FimFormat
+    except ImportError:
+        return getattr(tokenizer, "fim", None)
+    try:
+        return FimFormat.detect(tokenizer)
+    except Exception:
+        return getattr(tokenizer, "fim", None)
+
+
 def fim_ids(fim: Any, prefix_ids: list[int], suffix_ids: list[int], spm: bool) -> list[int]:
     """Token layout of a FIM prompt: SPM `<suf> S <pre> P <mid>` or PSM `<pre> P <suf> S <mid>`."""
     if spm:
@@ -64,8 +76,16 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any, fim: Any | None = None):
         self.tokenizer = tokenizer
-        self.fim = fim if fim is not None else getattr(tokenizer, "fim", None)
-        self.spm = self.fim is not None and getattr(self.fim, "name", "") in SPM_STYLES
+        self.fim = fim if fim is not None else detect_fim(tokenizer)
+        supports = getattr(self.fim, "supports_spm", None)
+        self.spm = self.fim is not None and (supports if supports is not None
+                                             else getattr(self.fim, "name", "") in SPM_STYLES)
+        # special tokens that end a middle (e.g. <file_sep>) decode as text: stop on them too
+        stop_ids = getattr(self.fim, "stop_ids", ()) or ()
+        eos = set(getattr(tokenizer, "eos_ids", ()) or ())
+        names = (tokenizer.id_to_token(i) for i in sorted(stop_ids) if i not in eos) \
+            if hasattr(tokenizer, "id_to_token") else ()
+        self.stop_strings: tuple[str, ...] = tuple(t for t in names if t)
         self.counter = TokenCounter(tokenizer.encode)
         self._anchors: dict[str, int] = {}
 
@@ -76,6 +96,8 @@ class PromptBuilder:
         enc = self.tokenizer.encode
         if self.fim is None:
             return list(enc(prefix))
+        if hasattr(self.fim, "build"):
+            return list(self.fim.build(prefix, suffix, spm=self.spm))
         return fim_ids(self.fim, list(enc(prefix)), list(enc(suffix)) if suffix else [], self.spm)
 
     def build(self, text: str, offset: int, budget: int, key: str | None = None,

@@ -412,13 +412,15 @@ class SparkServer(LanguageServer):
 
     async def _edit_job(self, uri: str, plan: actions.EditPlan, on_text=None):
         engine, builder, params_cls = self.host.engine, self.host.builder, self.host.params_cls
+        speculative = self.settings.speculative
         budget = self.settings.context_tokens
         limit = completions.context_limit(engine)
         if limit:
             budget = max(16, min(budget, limit - plan.max_tokens - 8))
         job = Job(uri + EDIT_SUFFIX,
                   lambda j: actions.run_plan(engine, builder, j, plan, params_cls, budget,
-                                             on_text=(lambda s: j.call_soon(on_text, s)) if on_text else None),
+                                             on_text=(lambda s: j.call_soon(on_text, s)) if on_text else None,
+                                             speculative=speculative),
                   asyncio.get_running_loop(), kind="edit", slot=uri)
         try:
             return await run_job(self._sched(), job)

@@ -26,6 +26,7 @@ class Settings:
     live_edits: bool = True            # stream code-action edits with workspace/applyEdit
     live_edit_hz: float = 20.0         # how often a streamed edit is flushed
     multiline: bool = True             # allow multi-line completions at block openers / empty lines
+    speculative: bool = True           # greedy generations use the engine's speculative decoding
     max_lines: int = 12                # cap on lines of a multi-line completion
     load_timeout_s: float = 120.0      # requests wait this long for the model to load
     wafer_chip: str | None = None      # chip name for the projected wafer speed in spark/status
@@ -95,6 +96,7 @@ _FIELDS = {
     "liveEdits": ("live_edits", _bool),
     "liveEditHz": ("live_edit_hz", _float(0.5, 200.0)),
     "multiline": ("multiline", _bool),
+    "speculative": ("speculative", _bool),
     "maxLines": ("max_lines", _int(1, 200)),
     "loadTimeoutS": ("load_timeout_s", _float(0.0, 3600.0)),
     "waferChip": ("wafer_chip", _opt_str),

@@ -293,3 +293,29 @@ def test_utf8_and_utf32_position_encodings():
     assert position_at(text, end8, "utf-8") == Pos(0, 12) and position_at(text, end8, "utf-32") == Pos(0, 8)
     with pytest.raises(PositionError):
         offset_at(text, 0, 10)         # past the end in UTF-16 units, fine in UTF-8
+
+
+def test_speculative_completions_and_rewrites_match_plain_greedy(tiny_llama):
+    from engine import Engine, GenerationParams
+
+    eng = Engine.load(tiny_llama, slots=2)
+    builder = PromptBuilder(eng.tokenizer)
+    loop = asyncio.new_event_loop()
+    try:
+        src = SRC * 3
+        for off in (src.index("print(") + 6, src.index("return a + b") + 7, len(src)):
+            out = []
+            for spec in (False, True):
+                job = Job(f"doc-{spec}", lambda j: None, loop)
+                settings = Settings(speculative=spec, max_tokens=24, context_tokens=256)
+                out.append(completions.complete(eng, builder, job, src, off, settings, completions.AUTOMATIC,
+                                                GenerationParams).items)
+            assert out[0] == out[1]
+        p = actions.plan(actions.REWRITE, src, src.index("def main"), len(src), 0, 64)
+        texts = []
+        for spec in (False, True):
+            job = Job(f"edit-{spec}", lambda j: None, loop)
+            texts.append(actions.run_plan(eng, builder, job, p, GenerationParams, 256, speculative=spec)[0])
+        assert texts[0] == texts[1]
+    finally:
+        loop.close()
