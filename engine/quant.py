@@ -496,7 +496,8 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
                      wafer: bool = True,
                      grid=None, threads: int | None = None, cache_dir: str | Path | None = None,
                      min_agreement: float = 0.95, min_speedup: float = 1.15, prompts: int = 4,
-                     new_tokens: int = 48, remeasure: bool = False, log_fn=log.info) -> PrecisionChoice:
+                     new_tokens: int = 48, remeasure: bool = False, measure: bool = True,
+                     log_fn=log.info) -> PrecisionChoice:
     """Measure fp32 and each quantised candidate on this model and machine; pick the fastest good one.
 
     A candidate qualifies when its teacher-forced greedy agreement with fp32 is at least
@@ -505,7 +506,8 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     fp32.  The decision is stored under ``<cache root>/precision/`` keyed by the weights, the
     emitter settings, the CPU model, ONNX Runtime's version and the thread count, so it is measured
     once (tens of seconds on a small model) and read back on every later start; pass
-    ``remeasure=True`` to force a new measurement.
+    ``remeasure=True`` to force a new measurement, ``measure=False`` to only read a stored decision
+    (fp32 when there is none — e.g. a server start that must not spend the time).
     """
     import onnxruntime as ort
 
@@ -534,6 +536,9 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
                 return choice
         except (OSError, ValueError, TypeError):
             pass  # unreadable decision: measure again
+    if not measure:
+        return PrecisionChoice("fp32", reason="no stored decision for this model and machine "
+                                              "(measure with: python -m engine.quant --model DIR)")
     engines = {"fp32": load_engine(folder, make_linear("fp32", wafer, grid), threads=threads, cache_dir=cache_dir)}
     for c in candidates:
         engines[c] = load_engine(folder, make_linear(c, wafer, grid), threads=threads, cache_dir=cache_dir)
@@ -633,11 +638,30 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-wafer", dest="wafer", action="store_false")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--remeasure", action="store_true", help="ignore a stored precision decision")
+    ap.add_argument("--eval", dest="eval_files", action="append", metavar="GLOB",
+                    help="with --precisions: `spark-lsp eval` (FIM line exact match, bits/byte) on these files "
+                         "(glob or @list.txt) for every precision")
+    ap.add_argument("--eval-n", type=int, default=200, help="completion positions for --eval")
+    ap.add_argument("--precisions", default="fp32,int8,int8-rowq,int4", help="precisions for --eval")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from .bench import resolve_model
 
     folder = resolve_model(args.model)
+    if args.eval_files:
+        from .evaluate import evaluate, resolve_files
+
+        files = resolve_files(args.eval_files)
+        rows = {}
+        for p in [s.strip() for s in args.precisions.split(",") if s.strip()]:
+            eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
+            r = evaluate(eng, files, n=args.eval_n)
+            rows[p] = {k: r.get(k) for k in ("exact_match", "edit_similarity", "bits_per_byte", "decode_tok_s_median", "n")}
+            print(f"{p:10s} " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in rows[p].items()), flush=True)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        return 0
     if args.profile:
         out = {}
         for p in [s.strip() for s in args.profile.split(",") if s.strip()]:

@@ -119,6 +119,8 @@ def test_int8_greedy_agreement_high(engines):
 
 
 def test_choose_precision_measures_once(tiny_llama, tmp_path):
+    unmeasured = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", measure=False)
+    assert unmeasured.precision == "fp32" and "no stored decision" in unmeasured.reason
     first = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", threads=1, prompts=2, new_tokens=16)
     assert first.precision in ("fp32", "int8", "int8-rowq", "int4") and not first.cached
     assert set(first.decode_tok_s) == {"fp32", "int8", "int8-rowq", "int4"}
@@ -127,6 +129,9 @@ def test_choose_precision_measures_once(tiny_llama, tmp_path):
         assert first.agreement[first.precision] >= 0.95 and first.speedup[first.precision] >= 1.15
     second = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", threads=1, prompts=2, new_tokens=16)
     assert second.cached and second.precision == first.precision
+    third = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", threads=1, prompts=2, new_tokens=16,
+                             measure=False)
+    assert third.cached and third.precision == first.precision
     with pytest.raises(ValueError, match="candidates"):
         choose_precision(tiny_llama, candidates=("fp32",), cache_dir=tmp_path / "graphs")
 
