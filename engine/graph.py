@@ -184,6 +184,13 @@ def _linear_weight(weights: dict[str, np.ndarray], key: str) -> np.ndarray:
         raise KeyError(f"weight {key!r} missing from the model's safetensors") from None
 
 
+def _fused_qkv(w: dict[str, np.ndarray], prefix: str, kind: str, n: int, nkv: int, h: int, hp: int) -> np.ndarray:
+    """HF q/k/v projection weights (or biases) stacked as one Q|K|V block, heads padded to ``hp``."""
+    q, k, v = (_linear_weight(w, f"{prefix}{name}_proj.{kind}") for name in "qkv")
+    return np.concatenate([_pad_rotary_rows(q, n, h, hp), _pad_rotary_rows(k, nkv, h, hp),
+                           _pad_value_rows(v, nkv, h, hp)], axis=0)
+
+
 def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter | None = None, *,
                   max_len: int | None = None) -> onnx.ModelProto:
     """Build the decoder graph (see module docstring for its inputs and outputs).
@@ -236,12 +243,8 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
             x, residual = skip_norm(pending, residual, g_in, f"layers.{i}.input_norm")
 
         a = p + "self_attn."
-        def qkv_rows(kind: str) -> list[np.ndarray]:
-            q, k, v = (_linear_weight(w, a + f"{n}_proj.{kind}") for n in "qkv")
-            return [_pad_rotary_rows(q, N, H0, H), _pad_rotary_rows(k, NKV, H0, H), _pad_value_rows(v, NKV, H0, H)]
-
-        w_qkv = np.concatenate(qkv_rows("weight"), axis=0).T
-        b_qkv = np.concatenate(qkv_rows("bias"), axis=0) if c.attention_bias else None
+        w_qkv = _fused_qkv(w, a, "weight", N, NKV, H0, H).T
+        b_qkv = _fused_qkv(w, a, "bias", N, NKV, H0, H) if c.attention_bias else None
         qkv = linear.emit(gb, x, np.ascontiguousarray(w_qkv), name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
         qkv3 = gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
         past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
