@@ -377,14 +377,14 @@ class SpeculativeGeneration(Generation):
                     self.policy.timed(1 + len(draft), time.perf_counter() - t_run)
                     rows = logits[:, :nv]
                     picks = rows.argmax(-1)
-                    if draft and guard > 0:
-                        top2 = np.partition(rows, -2, axis=1)[:, -2:]
-                        sure = (top2[:, 1] - top2[:, 0]) >= guard * np.maximum(np.abs(top2[:, 1]), 1.0)
-                    else:
-                        sure = np.ones(len(draft) + 1, bool)
                     a = 0
-                    while a < len(draft) and picks[a] == draft[a] and sure[a]:
+                    while a < len(draft) and picks[a] == draft[a]:
                         a += 1
+                    sure = np.ones(a + 1, bool)
+                    if draft and guard > 0:  # margins of the rows we are about to use
+                        top2 = np.partition(rows[:a + 1], -2, axis=1)[:, -2:]
+                        sure = (top2[:, 1] - top2[:, 0]) >= guard * np.maximum(np.abs(top2[:, 1]), 1.0)
+                        a = int(np.argmin(sure)) if not sure.all() else a
                     if sure[a]:  # the model's own next token is trustworthy too
                         slot.tokens.append(token)
                         slot.tokens.extend(draft[:a])
