@@ -231,11 +231,14 @@ class Placement:
         """[mesh_rows, mesh_cols] SRAM fill fraction of one wafer (NaN where no region)."""
         m = np.full((self.chip.mesh_rows, self.chip.mesh_cols), np.nan)
         sram = self.chip.sram_bytes_per_pe
+        layer_map = None  # every layer region has the same shape and contents
         for r in self.regions:
             if r.wafer != wafer:
                 continue
             if r.kind == "layer":
-                f = layer_fill(self.shape, r.rows, r.cols, self.context, per_pe=True)
+                if layer_map is None:
+                    layer_map = layer_fill(self.shape, r.rows, r.cols, self.context, per_pe=True)
+                f = layer_map
             else:
                 fn = head_fill if r.kind == "lm_head" else embed_fill
                 cell = _region_map(self.shape, r, fn)

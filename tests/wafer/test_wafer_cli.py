@@ -106,3 +106,18 @@ def test_bench_wafer_bad_args(capsys):
 
     assert bench.main(["--rounds", "0"]) == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_png_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    rc, out, err = cli(capsys, "--config", str(DATA / "llama-3-8b.json"), "--png", str(tmp_path / "w.png"))
+    assert rc == 2 and "matplotlib" in err and "pip install" in err and not (tmp_path / "w.png").exists()
