@@ -382,18 +382,20 @@ def load_engine(model_dir: str | Path | None, linear: Any, *, threads: int | Non
 
 # -- measuring -----------------------------------------------------------------------------------
 
-def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0) -> list[list[int]]:
-    """Token windows of real Python source (this Python's standard library), fixed by ``seed``.
-
-    Files under ``Lib/`` the bundled model held out would be better still, but any real code gives a
-    meaningful agreement figure; random tokens would not (their logits are nearly flat).
+def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0,
+                 files: Sequence[Path] | None = None) -> list[list[int]]:
+    """Token windows of real Python source, fixed by ``seed``: ``files`` (e.g. a model's held-out
+    files), else this Python's standard library.  Real code gives a meaningful agreement figure;
+    random tokens would not (their logits are nearly flat).
     """
     import sysconfig
 
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 8000)
+    if files is None:
+        lib = Path(sysconfig.get_paths()["stdlib"])
+        files = [p for p in lib.glob("*.py") if p.stat().st_size > 8000]
+    files = sorted(Path(f) for f in files if Path(f).is_file() and Path(f).stat().st_size > 2000)
     if not files:
-        raise RuntimeError(f"no Python sources found under {lib} to build evaluation prompts from")
+        raise RuntimeError("no Python sources found to build evaluation prompts from")
     rng = np.random.default_rng(seed)
     prompts: list[list[int]] = []
     for f in rng.permutation(len(files)):
@@ -640,27 +642,48 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remeasure", action="store_true", help="ignore a stored precision decision")
     ap.add_argument("--eval", dest="eval_files", action="append", metavar="GLOB",
                     help="with --precisions: `spark-lsp eval` (FIM line exact match, bits/byte) on these files "
-                         "(glob or @list.txt) for every precision")
+                         "(glob or @list.txt) for every precision; with --agreement: where prompts come from")
     ap.add_argument("--eval-n", type=int, default=200, help="completion positions for --eval")
+    ap.add_argument("--eval-bpb-bytes", type=int, default=100_000, help="bytes scored for bits/byte in --eval")
+    ap.add_argument("--agreement", type=int, default=0, metavar="N",
+                    help="with --precisions: greedy agreement with fp32 over N real-code prompts x 64 tokens")
     ap.add_argument("--precisions", default="fp32,int8,int8-rowq,int4", help="precisions for --eval")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from .bench import resolve_model
 
     folder = resolve_model(args.model)
-    if args.eval_files:
+    if args.eval_files and not args.agreement:
         from .evaluate import evaluate, resolve_files
 
         files = resolve_files(args.eval_files)
         rows = {}
         for p in [s.strip() for s in args.precisions.split(",") if s.strip()]:
             eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
-            r = evaluate(eng, files, n=args.eval_n)
+            r = evaluate(eng, files, n=args.eval_n, bpb_max_bytes=args.eval_bpb_bytes)
             rows[p] = {k: r.get(k) for k in ("exact_match", "edit_similarity", "bits_per_byte", "decode_tok_s_median", "n")}
             print(f"{p:10s} " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in rows[p].items()), flush=True)
         if args.json:
             print(json.dumps(rows, indent=2))
+        return 0
+    if args.agreement:
+        names = [s.strip() for s in args.precisions.split(",") if s.strip() and s.strip() != "fp32"]
+        ref = load_engine(folder, make_linear("fp32", wafer=args.wafer), threads=args.threads)
+        files = None
+        if args.eval_files:
+            from .evaluate import resolve_files
+            files = resolve_files(args.eval_files)
+        prompts = eval_prompts(ref.tokenizer, count=args.agreement, files=files)
+        out = {}
+        for p in names:
+            eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
+            r = greedy_agreement(ref, eng, prompts, max_new_tokens=64)
+            out[p] = {k: r[k] for k in ("teacher_forced", "free_running", "tokens", "prompts")}
+            print(f"{p:10s} teacher-forced {r['teacher_forced']:.4f}  free-running {r['free_running']:.4f}  "
+                  f"over {r['tokens']} tokens / {r['prompts']} prompts", flush=True)
+        if args.json:
+            print(json.dumps(out, indent=2))
         return 0
     if args.profile:
         out = {}
