@@ -48,7 +48,8 @@ def _fraction(text: str) -> float:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("wafer", help="plan a model on a wafer-scale chip and project its speed",
-                       description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                       description="\n\n".join(__doc__.split("\n\n")[:2]),
+                       epilog=__doc__.split("\n\n", 2)[2],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="Hugging Face model folder")
