@@ -143,6 +143,7 @@ def run(args) -> int:
         # warm up: the first request prefills the whole prompt (as when a file is opened)
         client.inline(uri, start).result(120)
         base = client.call("spark/metrics", {})
+        t_warm = time.perf_counter()
 
         key_dt = 1.0 / (args.cps * args.speed)
         pause = args.line_pause / args.speed
@@ -173,6 +174,10 @@ def run(args) -> int:
                 else:
                     raise
         final = client.call("spark/metrics", {})
+        t_start_replay = t_warm
+        engine_ms = [p.get("totalMs") for t, m, p in client.notifications
+                     if m == "spark/status" and t >= t_start_replay and p.get("kind") == "completion"
+                     and p.get("totalMs") is not None]
     finally:
         client.shutdown()
 
@@ -197,6 +202,8 @@ def run(args) -> int:
         "cancel_latency_ms_p95": final.get("cancelLatencyMsP95"),
         "cancels_measured": len(final.get("cancelLatencyMs") or []),
         "ttft_ms_median": final.get("ttftMsMedian"),
+        # engine time of the model calls (prefill + decode), to tell model time from server overhead
+        "engine_ms_median": round(statistics.median(engine_ms), 2) if engine_ms else None,
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -213,7 +220,8 @@ def run(args) -> int:
                 ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),
                 ("cancel latency median / p95 (ms)",
                  f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']}"),
-                ("TTFT median (ms)", out["ttft_ms_median"])]
+                ("TTFT median (ms)", out["ttft_ms_median"]),
+                ("engine time per model call, median (ms)", out["engine_ms_median"])]
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {val}")

@@ -94,6 +94,76 @@ class SparkServer(LanguageServer):
         self.enabled = True
         self._tokens = itertools.count(1)
 
+    # -- transport ------------------------------------------------------------------------------
+    def start_io(self, stdin=None, stdout=None) -> None:
+        """Serve over stdio with one reader thread that hands whole messages to the event loop.
+
+        pygls' own stdio reader hops through its thread pool for every header line and body
+        (three hops a message); on a busy 2-core machine each hop can cost milliseconds, and an
+        editor sends two messages per keystroke. One blocking reader thread costs one hop."""
+        import json
+        import sys
+        import threading
+
+        from pygls.io_ import StdoutWriter
+
+        self._stop_event = threading.Event()
+        self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
+        inp = stdin or sys.stdin.buffer
+
+        def feed(body: bytes) -> None:
+            try:
+                message = json.loads(body, object_hook=self.protocol.structure_message)
+                self.protocol.handle_message(message)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                log.exception("unable to handle message")
+                self._report_server_error(exc, JsonRpcException)
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            closed = loop.create_future()
+
+            def reader() -> None:
+                try:
+                    while not self._stop_event.is_set():
+                        length = None
+                        while True:
+                            line = inp.readline()
+                            if not line:
+                                return
+                            if not line.strip():
+                                if length is not None:
+                                    break
+                                continue
+                            key, _, value = line.partition(b":")
+                            if key.strip().lower() == b"content-length":
+                                try:
+                                    length = int(value.strip())
+                                except ValueError:
+                                    length = None
+                        body = inp.read(length)
+                        if len(body) < length:
+                            return
+                        loop.call_soon_threadsafe(feed, body)
+                except (OSError, ValueError):
+                    return
+                finally:
+                    loop.call_soon_threadsafe(lambda: closed.done() or closed.set_result(None))
+
+            threading.Thread(target=reader, name="spark-stdin", daemon=True).start()
+            await closed
+
+        try:
+            asyncio.run(main())
+        except BrokenPipeError:
+            log.error("the client closed the connection")
+        except (KeyboardInterrupt, SystemExit):
+            pass
+        finally:
+            self.shutdown()
+
     # -- plumbing --------------------------------------------------------------------------------
     def log(self, message: str, level: T.MessageType = T.MessageType.Info) -> None:
         log.log({T.MessageType.Error: logging.ERROR, T.MessageType.Warning: logging.WARNING}.get(
