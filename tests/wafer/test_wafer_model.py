@@ -10,7 +10,7 @@ import pytest
 
 from engine.wafer import perfmodel
 from engine.wafer.chips import WSE2, WSE3, ChipError, load_chip
-from engine.wafer.perfmodel import (WAFERLLM_POINTS, Constants, allreduce_cycles, calibrate,
+from engine.wafer.perfmodel import (Constants, allreduce_cycles, calibrate,
                                     calibration_table, plan, project)
 from engine.wafer.placement import ModelShape, PlacementError, load_shape, place
 from engine.wafer.simulator import Mesh, _allreduce, analytic_layer, simulate_layer
