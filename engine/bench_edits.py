@@ -14,6 +14,8 @@ so both produce the same number of tokens; the outputs must be identical token f
 
 Speed is ``decode tok/s = (N - 1) / (T_N - T_1)`` (time from the first to the last token, as in
 ``spark-lsp bench engine``), median over ``--repeats``; ``ratio`` = speculative / plain.
+``cpu_ratio`` compares the process CPU time of the whole generations (prefill included) instead:
+on a machine shared with other jobs it is the steadier of the two.
 """
 
 from __future__ import annotations
@@ -151,16 +153,20 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
     ids = task.prompt_ids(eng)
     params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True)
     plain_rates, spec_rates, plain_ms, spec_ms, stats = [], [], [], [], []
+    plain_cpu, spec_cpu = [], []
     identical = True
     ref_tokens = None
     divergence = None
     for r in range(repeats + 1):  # round 0 warms both paths up and is not counted
         eng.reset()
+        c0 = time.process_time()
         g = eng.generate(ids, params)
         g.result()
+        c1 = time.process_time()
         eng.reset()
         s = spec_generate(eng, ids, params, draft=task.draft)
         s.result()
+        c2 = time.process_time()
         ref_tokens = g.tokens
         if s.tokens != g.tokens and divergence is None:
             divergence = _divergence(eng, ids, g.tokens, s.tokens)
@@ -170,11 +176,15 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
             spec_rates.append(s.stats["decode_tok_s"])
             plain_ms.append(g.stats["total_ms"])
             spec_ms.append(s.stats["total_ms"])
+            plain_cpu.append(c1 - c0)
+            spec_cpu.append(c2 - c1)
             stats.append(s.stats)
     plain, spec = _median(plain_rates), _median(spec_rates)
     return {"task": task.name, "kind": task.kind, "prompt_tokens": len(ids), "new_tokens": len(ref_tokens or []),
             "plain_tok_s": plain, "spec_tok_s": spec, "ratio": spec / plain if plain else 0.0,
             "plain_total_ms": _median(plain_ms), "spec_total_ms": _median(spec_ms),
+            "plain_cpu_ms": _median(plain_cpu) * 1e3, "spec_cpu_ms": _median(spec_cpu) * 1e3,
+            "cpu_ratio": _median(plain_cpu) / _median(spec_cpu) if _median(spec_cpu) else 0.0,
             "acceptance": _median([s["acceptance"] for s in stats]),
             "tokens_per_run": _median([s["tokens_per_run"] for s in stats]),
             "drafted": int(_median([s["drafted_tokens"] for s in stats])), "identical": identical,
@@ -219,26 +229,37 @@ def bench_edits(model=None, *, precision: str = "fp32", wafer: bool = True, thre
     summary = {}
     for kind in ("edit", "fresh"):
         rs = [r["ratio"] for r in rows if r["kind"] == kind]
+        cs = [r["cpu_ratio"] for r in rows if r["kind"] == kind]
         if rs:
-            summary[kind] = {"median_ratio": _median(rs), "min_ratio": min(rs), "tasks": len(rs)}
-    return {"model": eng.name, "precision": precision, "wafer": wafer, "threads": eng.runtime.threads,
+            summary[kind] = {"median_ratio": _median(rs), "min_ratio": min(rs), "median_cpu_ratio": _median(cs),
+                             "min_cpu_ratio": min(cs), "tasks": len(rs)}
+    return {"model": eng.name, "precision": precision, "load_avg": _loadavg(), "wafer": wafer, "threads": eng.runtime.threads,
             "repeats": repeats, "precision_choice": chosen.to_dict() if chosen else None, "tasks": rows,
             "summary": summary, "all_identical": all(r["identical"] for r in rows)}
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        import os
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def format_table(res: dict[str, Any]) -> str:
     head = (f"spark-lsp bench edits — {res['model']} ({res['precision']}, {'wafer' if res['wafer'] else 'dense'}, "
-            f"{res['threads']} threads, median of {res['repeats']})")
+            f"{res['threads']} threads, median of {res['repeats']}, load average {res.get('load_avg')})")
     lines = [head, "",
              f"{'task':15s} {'kind':5s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'ratio':>6s} "
-             f"{'accept':>6s} {'tok/run':>7s} identical"]
+             f"{'cpu x':>6s} {'accept':>6s} {'tok/run':>7s} identical"]
     for r in res["tasks"]:
         d = r.get("first_divergence")
         ident = "yes" if r["identical"] else f"NO (token {d['index']}, top-2 margin {d['top2_margin']:.1e})" if d else "NO"
         lines.append(f"{r['task']:15s} {r['kind']:5s} {r['new_tokens']:6d} {r['plain_tok_s']:11.0f} {r['spec_tok_s']:10.0f} "
-                     f"{r['ratio']:6.2f} {r['acceptance']:6.2f} {r['tokens_per_run']:7.2f} {ident}")
+                     f"{r['ratio']:6.2f} {r['cpu_ratio']:6.2f} {r['acceptance']:6.2f} {r['tokens_per_run']:7.2f} {ident}")
     for kind, s in res["summary"].items():
-        lines.append(f"{kind}: median ratio {s['median_ratio']:.2f}, worst {s['min_ratio']:.2f} ({s['tasks']} tasks)")
+        lines.append(f"{kind}: median ratio {s['median_ratio']:.2f}, worst {s['min_ratio']:.2f}; by CPU time "
+                     f"{s['median_cpu_ratio']:.2f}, worst {s['min_cpu_ratio']:.2f} ({s['tasks']} tasks)")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ runs at (nearly) plain speed.  It is a :class:`~engine.generate.Generation` — 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
 
@@ -39,8 +40,40 @@ if TYPE_CHECKING:
 
 #: Relative top-2 logit margin below which a batched verification's argmax is re-decided by a
 #: single decode step (fp32: float summation-order noise is ~1e-7 of the logits).  Linear
-#: emitters can set their own ``verify_margin`` (quantised activations jump more).
+#: emitters can set their own ``verify_margin`` (quantised activations jump more), and each
+#: engine is calibrated once (:func:`verify_margin`).
 DEFAULT_VERIFY_MARGIN = 1e-5
+CALIBRATION_SAFETY = 4.0
+_margins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def verify_margin(engine: "Engine", sample: Sequence[int]) -> float:
+    """The relative logit margin under which a batched pass is not trusted, for this engine.
+
+    Measured once per engine (cached): a few positions of ``sample`` (real prompt tokens) are run
+    as 9-token passes and as single steps on a scratch KV cache; the margin is
+    ``CALIBRATION_SAFETY`` times the largest relative difference seen, and at least the linear
+    emitter's declared ``verify_margin``.  Holds the engine lock; ~30 small runs.
+    """
+    if engine in _margins:
+        return _margins[engine]
+    declared = float(getattr(engine.linear, "verify_margin", DEFAULT_VERIFY_MARGIN))
+    rt = engine.runtime
+    ids = [int(t) for t in sample][:96]
+    width = min(9, int(getattr(engine.linear, "max_verify_tokens", None) or 9))
+    worst = 0.0
+    if len(ids) >= 8 + width and rt.max_len > len(ids):
+        with engine._lock:
+            kv_a, kv_b = rt.new_kv(), rt.new_kv()
+            for start in range(4, len(ids) - width + 1, max(1, (len(ids) - width - 4) // 3)):
+                rt.forward(kv_a, ids[:start], 0)
+                rt.forward(kv_b, ids[:start], 0)
+                single = np.stack([rt.decode(kv_a, ids[start + i], start + i).copy() for i in range(width)])
+                batch = rt.forward(kv_b, ids[start:start + width], start, num_logits=width)
+                scale = np.maximum(np.abs(single).max(1), 1.0)
+                worst = max(worst, float((np.abs(batch - single).max(1) / scale).max()))
+    _margins[engine] = max(declared, CALIBRATION_SAFETY * worst)
+    return _margins[engine]
 
 
 # -- drafters ------------------------------------------------------------------------------------
@@ -185,6 +218,8 @@ class DraftPolicy:
     consecutive drafts with nothing accepted — drafting is off for ``backoff`` plain steps
     (doubling up to ``max_backoff``; reset by any accepted token), and the last step of a
     back-off probes with ``k_min`` tokens, so fresh text costs at most a few short failed drafts.
+    The same back-off starts when the *measured* rate of drafting passes (tokens emitted per second,
+    single steps forced by near-ties included) falls below ``min_rate`` times plain steps' rate.
     """
 
     k_min: int = 2
@@ -196,6 +231,7 @@ class DraftPolicy:
     beta: float = 0.15       # prior cost of one extra token in a pass, in plain steps
     min_gain: float = 1.05
     decay: float = 0.9
+    min_rate: float = 0.95    # drafting must keep at least this share of plain decoding's measured speed
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k_max:
@@ -210,6 +246,7 @@ class DraftPolicy:
         self._wait = self.backoff
         self._step_s: float | None = None  # plain step time (EMA)
         self._extra_s: float | None = None  # extra time per drafted token (EMA)
+        self._rate = {"draft": [0.0, 0.0], "plain": [0.0, 0.0]}  # decayed [tokens, seconds] per mode
 
     @staticmethod
     def expected_tokens(alpha: float, k: int) -> float:
@@ -241,7 +278,7 @@ class DraftPolicy:
             return self.k_min if self._off == 0 else 0  # the last step of a back-off probes
         k, gain = self.best()
         self.k = k
-        if gain < self.min_gain:  # drafting does not pay now: plain steps, then probe again
+        if gain < self.min_gain or self.losing():  # drafting does not pay now: plain steps, then probe
             self._off = self._wait
             self._wait = min(self.max_backoff, self._wait * 2)
             return 0
@@ -261,6 +298,20 @@ class DraftPolicy:
         else:
             self._misses = 0
             self._wait = self.backoff
+
+    def losing(self) -> bool:
+        """Measured: recent drafting passes (with the single steps they forced) emitted tokens more
+        slowly than plain steps do — whatever the model says, stop for a while."""
+        (dt, ds), (pt, ps) = self._rate["draft"], self._rate["plain"]
+        if dt < 8 or pt < 2 or ds <= 0 or ps <= 0:
+            return False
+        return dt / ds < self.min_rate * (pt / ps)
+
+    def emitted(self, mode: str, tokens: int, seconds: float) -> None:
+        """A pass in ``mode`` ('draft' | 'plain') yielded ``tokens`` new tokens in ``seconds``."""
+        r = self._rate[mode]
+        r[0] = r[0] * self.decay + tokens
+        r[1] = r[1] * self.decay + seconds
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A pass of ``tokens`` positions took ``seconds`` (feeds the cost model)."""
@@ -308,7 +359,7 @@ class SpeculativeGeneration(Generation):
         k_cap = (width - 1) if width else rt.max_len
         # A batched pass and a single step may round differently (quantised activations flip a
         # code now and then): only trust argmaxes whose top-2 margin exceeds that noise.
-        guard = float(getattr(eng.linear, "verify_margin", DEFAULT_VERIFY_MARGIN))
+        guard = verify_margin(eng, self.prompt)
         drafted = accepted_total = runs = rechecks = 0
         recheck = False
         try:
@@ -364,6 +415,7 @@ class SpeculativeGeneration(Generation):
                     token = decided[-1]  # emitted; its KV is written by the next pass
                 # Draft, then run [token] + draft through the model in one pass.
                 room = min(p.max_new_tokens - len(self.tokens) - 1, rt.max_len - pos - 1)
+                was_recheck = recheck
                 k = 0 if recheck else min(self.policy.size(), room, k_cap)
                 draft = self.drafter.propose(context, k) if k > 0 else []
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
@@ -374,7 +426,8 @@ class SpeculativeGeneration(Generation):
                         logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
                     else:
                         logits = self._run_model(rt.decode, slot.kv, token, pos)[None, :]
-                    self.policy.timed(1 + len(draft), time.perf_counter() - t_run)
+                    dt_run = time.perf_counter() - t_run
+                    self.policy.timed(1 + len(draft), dt_run)
                     rows = logits[:, :nv]
                     picks = rows.argmax(-1)
                     a = 0
@@ -403,6 +456,8 @@ class SpeculativeGeneration(Generation):
                 drafted += len(draft)
                 accepted_total += a
                 self.policy.update(len(draft), a)
+                # a single step forced by a near-tie is charged to drafting
+                self.policy.emitted("draft" if (draft or was_recheck) else "plain", len(decided), dt_run)
                 from_draft = a
         except _Cancelled:
             self.finish_reason = "cancelled"

@@ -192,7 +192,12 @@ def test_verify_width_gives_single_step_logits(tiny_llama, tmp_path_factory, pre
     width = getattr(lin, "max_verify_tokens", None) or 24
     single = np.stack([rt.decode(kv, ids[40 + i], 40 + i).copy() for i in range(width)])
     batch = rt.forward(kv, ids[40:40 + width], 40, num_logits=width)
-    from engine.speculative import DEFAULT_VERIFY_MARGIN
+    from engine.speculative import DEFAULT_VERIFY_MARGIN, verify_margin
 
-    margin = getattr(lin, "verify_margin", DEFAULT_VERIFY_MARGIN)
-    assert np.abs(batch - single).max() <= margin * np.abs(single).max()
+    err = np.abs(batch - single).max() / np.abs(single).max()
+    if precision == "fp32":
+        assert err <= DEFAULT_VERIFY_MARGIN
+    else:  # a flipped activation code moves a row a little; never by much
+        assert err <= 0.05
+    # the engine's calibrated margin covers what a pass of this width shows
+    assert verify_margin(eng, eng.tokenizer.encode(PROMPT * 3)) >= getattr(lin, "verify_margin", DEFAULT_VERIFY_MARGIN)
