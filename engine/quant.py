@@ -55,6 +55,10 @@ NBITS_CONSISTENT_ROWS = {8: 15, 4: 8}
 #: BENCHMARKS.md: 4-bit needs small blocks to keep greedy agreement, 8-bit does not.
 DEFAULT_BLOCK = {8: 128, 4: 32}
 _VALID_BLOCKS = (256, 128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
+#: choose_precision takes int8-rowq over a faster qualifier when it is at least this fast relative
+#: to it: its k-token passes cost ~2x a step where MatMulNBits' cost ~4-5x (BENCHMARKS.md), which
+#: is what speculative edits and prefill run on.
+ROWQ_PREFERENCE = 0.9
 
 
 # -- packing -------------------------------------------------------------------------------------
@@ -504,8 +508,8 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
 
     A candidate qualifies when its teacher-forced greedy agreement with fp32 is at least
     ``min_agreement`` on real-code prompts and its decode is at least ``min_speedup`` times fp32's
-    (quantising must pay for its accuracy cost).  Among qualifiers the fastest wins; otherwise
-    fp32.  The decision is stored under ``<cache root>/precision/`` keyed by the weights, the
+    (quantising must pay for its accuracy cost).  Among qualifiers the fastest wins — except that
+    int8-rowq is preferred when within :data:`ROWQ_PREFERENCE` of it; otherwise fp32.  The decision is stored under ``<cache root>/precision/`` keyed by the weights, the
     emitter settings, the CPU model, ONNX Runtime's version and the thread count, so it is measured
     once (tens of seconds on a small model) and read back on every later start; pass
     ``remeasure=True`` to force a new measurement, ``measure=False`` to only read a stored decision
@@ -552,6 +556,8 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
         speedup[c] = speeds[c] / speeds["fp32"]
     good = [c for c in candidates if agreement[c] >= min_agreement and speedup[c] >= min_speedup]
     best = max(good, key=lambda c: speeds[c]) if good else "fp32"
+    if best != "fp32" and "int8-rowq" in good and speeds["int8-rowq"] >= ROWQ_PREFERENCE * speeds[best]:
+        best = "int8-rowq"  # as fast within noise, and multi-token passes (speculation, prefill) are cheaper
     why = (f"{best}: {speedup[best]:.2f}x fp32 decode, {agreement[best]:.1%} greedy agreement" if best != "fp32"
            else "no quantised candidate was both faster (>= %.2fx) and in agreement (>= %.0f%%)"
            % (min_speedup, 100 * min_agreement))
