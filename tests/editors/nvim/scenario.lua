@@ -126,7 +126,7 @@ local function scenario()
   if not loaded then
     return
   end
-  record('mode', spark.mode == (os.getenv('SPARK_TEST_INLINE') or spark.mode), spark.mode)
+  record('mode', spark.mode == (os.getenv('SPARK_TEST_EXPECT_MODE') or spark.mode), spark.mode)
 
   -- 1. Typing shows ghost text from the server ------------------------------------------------
   local last = vim.api.nvim_buf_line_count(buf)
@@ -159,7 +159,7 @@ local function scenario()
   if g2 then
     local n_req = vim.tbl_count(req_events)
     local ch = g2:sub(1, 1)
-    if os.getenv('SPARK_TEST_INLINE') == 'extmark' and ch:match('[%w%p ]') then
+    if spark.mode == 'extmark' and ch:match('[%w%p ]') then
       vim.api.nvim_input(ch == '<' and '<lt>' or ch)
       local trimmed = wait_for(function() return spark.current(0) == g2:sub(2) end, 1000)
       record('typing_through', trimmed ~= nil and vim.tbl_count(req_events) == n_req,
@@ -186,8 +186,9 @@ local function scenario()
   vim.api.nvim_input('o<C-u>    x')
   local first = wait_for(function() local ids = pending_inline_ids(); return #ids > 0 and ids[1] end, 3000)
   vim.api.nvim_input('y')
+  -- cancelled before its answer arrived: events pending → cancel (→ complete when the -32800 comes)
   local cancelled = wait_for(function()
-    return first and req_events[first] and vim.tbl_contains(req_events[first], 'cancel')
+    return first and req_events[first] and req_events[first][2] == 'cancel'
   end, 1000)
   -- ...the newest request still completes and shows a suggestion,
   local newer_done = wait_for(function()
@@ -199,10 +200,11 @@ local function scenario()
   end, 5000)
   local later = newer_done and wait_for(function() return spark.current(0) end, 2000)
   record('suggestion_after_cancel', later ~= nil, later)
-  -- ...and the cancelled one never reached the model: one model call for the two requests.
+  -- ...and the cancelled one never reached the model: one model call for the two requests (the
+  -- server may not even have started the cancelled one, so it need not count it as a request).
   local m1 = server_metrics()
   record('typing_cancels_inflight', first ~= nil and cancelled ~= nil
-    and m1.inlineRequests - m0.inlineRequests >= 2 and m1.modelCalls - m0.modelCalls == 1, {
+    and m1.modelCalls - m0.modelCalls == 1, {
       request = first, events = first and req_events[first],
       inline_requests = m1.inlineRequests - m0.inlineRequests, model_calls = m1.modelCalls - m0.modelCalls,
     })
@@ -239,11 +241,11 @@ local function scenario()
   local attempts = {}
   local ok_live = false
   for attempt = 1, 5 do
-    local n = vim.api.nvim_buf_line_count(0)
     local result, done = nil, false
     local tick0 = vim.api.nvim_buf_get_changedtick(0)
     local marker = '# typed by the user ' .. attempt
-    spark.edit('rewrite this in a different style', 1, n, false, function(err, res)
+    -- rewrite `def add` (lines 4-5); the user types on line 1, outside the region being written
+    spark.edit('rewrite this in a different style', 4, 5, false, function(err, res)
       result, done = err or res, true
     end)
     local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 1)
