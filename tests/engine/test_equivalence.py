@@ -109,3 +109,15 @@ def test_wafer_emitter_matches(tiny_llama, tmp_path_factory):
     ids = random_ids(eng, 32, seed=11)
     np.testing.assert_allclose(eng.forward_logits(ids), hf_logits(tiny_llama, ids), atol=1e-4, rtol=0)
     assert greedy(eng, ids, 16).tokens == hf_greedy(tiny_llama, ids, 16)
+
+
+def test_bf16_sharded_folder_matches(tiny_qwen2, tmp_path, tmp_path_factory):
+    """bf16 weights in shards: the engine upcasts to fp32 like transformers loading them in fp32."""
+    from tiny_models import write_variant
+
+    folder = write_variant(tiny_qwen2, tmp_path / "qwen2_bf16_sharded", dtype="bfloat16", max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    eng = load_engine(folder, tmp_path_factory)
+    ids = random_ids(eng, 24, seed=12)
+    np.testing.assert_allclose(eng.forward_logits(ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
+    assert greedy(eng, ids, 16).tokens == hf_greedy(folder, ids, 16)
