@@ -461,7 +461,19 @@ def decode_speed(eng, prompt: Sequence[int], new_tokens: int = 64, repeats: int 
         g = eng.generate(list(prompt), params)
         g.result()
         rates.append(g.stats["decode_tok_s"])
-    return float(statistics.median(rates[1:]))  # the first run warms the session up
+    return float(statistics.median(rates[1:] or rates))  # the first run warms the session up
+
+
+def compare_decode(engines: dict[str, Any], prompt: Sequence[int], new_tokens: int = 64, rounds: int = 5) -> dict[str, float]:
+    """Median decode tok/s per engine, measured in alternating rounds (one generation per engine per
+    round) so that every engine sees the same machine load; a warm-up round is not counted."""
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(rounds + 1):
+        for name, eng in engines.items():
+            rate = decode_speed(eng, prompt, new_tokens, repeats=0)
+            if r:
+                rates[name].append(rate)
+    return {name: float(statistics.median(v)) for name, v in rates.items()}
 
 
 @dataclass
@@ -549,7 +561,7 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     for c in candidates:
         engines[c] = load_engine(folder, make_linear(c, wafer, grid), threads=threads, cache_dir=cache_dir)
     ps = eval_prompts(engines["fp32"].tokenizer, count=prompts)
-    speeds = {name: decode_speed(e, ps[0], new_tokens) for name, e in engines.items()}
+    speeds = compare_decode(engines, ps[0], new_tokens)
     agreement, speedup = {}, {}
     for c in candidates:
         agreement[c] = greedy_agreement(engines["fp32"], engines[c], ps, new_tokens)["teacher_forced"]
