@@ -75,13 +75,14 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
              cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
-             spinning: bool = False) -> "Engine":
+             spinning: bool = False, linear=None) -> "Engine":
         """Load a Hugging Face model folder (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
         (``engine.wafer.partition.TiledLinear``); ``wafer=False`` uses plain MatMuls.
         ``threads``: intra-op threads (default: physical cores).  ``slots``: how many sequences
         keep their KV cache for prefix reuse.  ``max_context``: cap on the KV buffer length.
+        ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``.
         """
         t0 = time.perf_counter()
         if model_dir is None:
@@ -100,7 +101,7 @@ class Engine:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r} must be a positive integer")
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
-        linear = _linear_emitter(wafer, grid)
+        linear = linear if linear is not None else _linear_emitter(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}
         key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
 

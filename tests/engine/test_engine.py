@@ -55,3 +55,23 @@ def test_max_context_caps_kv(tiny_mistral, tmp_path_factory):
     assert small.context == 64
     with pytest.raises(ModelError, match="64"):
         small.generate([3] * 64)
+
+
+def test_explicit_linear_emitter(tiny_llama, tmp_path):
+    from engine.graph import DenseLinear
+
+    class Counting(DenseLinear):
+        roles: list = []
+
+        def emit(self, gb, x, weight, *, name, role, bias=None):
+            self.roles.append(role)
+            return super().emit(gb, x, weight, name=name, role=role, bias=bias)
+
+        def cache_key(self):
+            return "counting"
+
+    lin = Counting()
+    eng = Engine.load(tiny_llama, cache_dir=tmp_path, linear=lin, wafer=True)
+    assert eng.linear is lin and "counting" in repr(eng)
+    n = eng.config.num_hidden_layers
+    assert sorted(set(lin.roles)) == ["down", "gate_up", "lm_head", "o", "qkv"] and len(lin.roles) == 4 * n + 1
