@@ -218,3 +218,19 @@ def test_cancel_during_run_terminates_ort(eng, tiny_llama, monkeypatch):
     again = greedy(eng, ids, 8, slot="t")
     assert again.stats["reused_tokens"] == 10
     assert again.tokens == hf_greedy(tiny_llama, ids, 8)
+
+
+def test_held_text_is_flushed_at_eos(eng):
+    ids = random_ids(eng, 10, seed=35)
+    first = greedy(eng, ids, 6).tokens
+    text3 = eng.tokenizer.decode(first[:3])
+    saved = eng.eos_ids
+    eng.eos_ids = frozenset({first[3]})
+    try:
+        gen = eng.generate(ids, GenerationParams(max_new_tokens=20, stop=(text3[-1] + "\x00",)))
+        chunks = list(gen)
+    finally:
+        eng.eos_ids = saved
+    assert gen.finish_reason == "eos" and gen.tokens == first[:3]
+    assert "".join(c.text for c in chunks) == gen.text == text3
+    assert chunks[-1].token_id == first[3] and chunks[-1].text.endswith(text3[-1])
