@@ -588,6 +588,24 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
 
 # -- profiling -----------------------------------------------------------------------------------
 
+def batch_consistency(eng, width: int = 9, positions: int = 30, files: Sequence[Path] | None = None) -> np.ndarray:
+    """Per-row max |logits(one ``width``-token pass) - logits(single steps)| / max(|logits|, 1) at
+    ``positions`` places in real code: how much a speculative verification pass can differ from
+    plain decoding on this engine (float noise ~1e-7; a flipped int8 activation code ~1e-3)."""
+    rt = eng.runtime
+    ids = [t for p in eval_prompts(eng.tokenizer, count=2, length=300, files=files) for t in p]
+    step = max(1, (len(ids) - width - 40) // positions)
+    rel = []
+    kv_a, kv_b = rt.new_kv(), rt.new_kv()
+    for start in range(40, len(ids) - width, step)[:positions]:
+        rt.forward(kv_a, ids[:start], 0)
+        rt.forward(kv_b, ids[:start], 0)
+        single = np.stack([rt.decode(kv_a, ids[start + i], start + i).copy() for i in range(width)])
+        batch = rt.forward(kv_b, ids[start:start + width], start, num_logits=width)
+        rel.extend((np.abs(batch - single).max(1) / np.maximum(np.abs(single).max(1), 1.0)).tolist())
+    return np.asarray(rel)
+
+
 def op_profile(eng, steps: int = 64, prompt_len: int = 128, verify: int = 0) -> dict[str, Any]:
     """Where a decode step's time goes: ONNX Runtime's own profiler over ``steps`` single-token runs
     (``verify > 0``: runs of ``verify`` tokens, like a speculative verification pass).
@@ -665,7 +683,11 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-bpb-bytes", type=int, default=100_000, help="bytes scored for bits/byte in --eval")
     ap.add_argument("--agreement", type=int, default=0, metavar="N",
                     help="with --precisions: greedy agreement with fp32 over N real-code prompts x 64 tokens")
-    ap.add_argument("--precisions", default="fp32,int8,int8-rowq,int4", help="precisions for --eval")
+    ap.add_argument("--precisions", default="fp32,int8,int8-rowq,int4",
+                    help="precisions for --eval / --agreement / --consistency")
+    ap.add_argument("--consistency", type=int, default=0, metavar="WIDTH",
+                    help="with --precisions: how far WIDTH-token passes stray from single decode steps "
+                         "(relative logit difference per row, over real-code positions)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from .bench import resolve_model
@@ -684,6 +706,18 @@ def _main(argv: list[str] | None = None) -> int:
                                          for k, v in rows[p].items()), flush=True)
         if args.json:
             print(json.dumps(rows, indent=2))
+        return 0
+    if args.consistency:
+        out = {}
+        for p in [s.strip() for s in args.precisions.split(",") if s.strip()]:
+            eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
+            rel = batch_consistency(eng, args.consistency)
+            out[p] = {"rows": int(rel.size), "median": float(np.median(rel)), "p99": float(np.percentile(rel, 99)),
+                      "max": float(rel.max()), "rows_over_1e-4": int((rel > 1e-4).sum())}
+            print(f"{p:10s} {args.consistency}-token pass vs single steps, relative logit difference per row: "
+                  + ", ".join(f"{k} {v:.2g}" for k, v in out[p].items()), flush=True)
+        if args.json:
+            print(json.dumps(out, indent=2))
         return 0
     if args.agreement:
         names = [s.strip() for s in args.precisions.split(",") if s.strip() and s.strip() != "fp32"]
