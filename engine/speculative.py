@@ -357,12 +357,14 @@ class SpeculativeGeneration(Generation):
         # Some quantised kernels change their rounding above a batch size: stay below it.
         width = getattr(eng.linear, "max_verify_tokens", None)
         k_cap = (width - 1) if width else rt.max_len
-        # A batched pass and a single step may round differently (quantised activations flip a
-        # code now and then): only trust argmaxes whose top-2 margin exceeds that noise.
-        guard = verify_margin(eng, self.prompt)
         drafted = accepted_total = runs = rechecks = 0
         recheck = False
         try:
+            if self._cancel.is_set():
+                raise _Cancelled
+            # A batched pass and a single step may round differently (quantised activations flip a
+            # code now and then): only trust argmaxes whose top-2 margin exceeds that noise.
+            guard = verify_margin(eng, self.prompt)  # calibrated once per engine
             slot, logits = self._prefill()
             pos = len(slot.tokens)
             context = _Tokens(self.prompt)
