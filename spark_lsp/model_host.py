@@ -22,6 +22,17 @@ class ModelNotReady(RuntimeError):
     """The model is still loading (after the timeout) or failed to load."""
 
 
+def warm_up(engine: Any, params_cls: Any) -> None:
+    """One short generation so ONNX Runtime's first-run setup is not paid by the first suggestion
+    (a cold first run also takes far longer to cancel)."""
+    text = "def add(a, b):\n    return a + b\n\n\n" * 8
+    ids = engine.tokenizer.encode(text)[:120]
+    for n in (len(ids), 1):  # a prefill, then a one-token step on top of it
+        for _ in engine.generate(ids[:n] if n > 1 else ids + ids[-1:], params_cls(max_new_tokens=3),
+                                 slot="__warm_up__"):
+            pass
+
+
 class ModelHost:
     def __init__(self) -> None:
         self.engine: Any = None
@@ -65,6 +76,7 @@ class ModelHost:
                 from engine import Engine, GenerationParams
 
                 eng = Engine.load(model_dir=model_dir, slots=4)
+                warm_up(eng, GenerationParams)
                 builder = PromptBuilder(eng.tokenizer)
                 from .chat import load_chat_template
                 chat = load_chat_template(getattr(eng, "model_dir", model_dir), str(getattr(eng, "name", "")),

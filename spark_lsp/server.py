@@ -9,6 +9,7 @@ JSON-RPC error or a `window/logMessage` line; nothing kills the server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -72,6 +73,17 @@ class SparkProtocol(LanguageServerProtocol):
                                    f"invalid params for {data['method']}: {detail or exc}")
             raise
 
+    def _execute_handler(self, msg_id, handler, callback, args=None, kwargs=None):
+        """pygls runs a command (and other built-in generator features) as an inner task under a
+        fresh id, so `$/cancelRequest` for the request only cancels the outer future and the work
+        goes on. Link them: cancelling the request cancels the inner task (the engine stops)."""
+        super()._execute_handler(msg_id, handler, callback, args, kwargs)
+        outer = callback.keywords.get("result_future") if isinstance(callback, functools.partial) else None
+        inner = self._request_futures.get(msg_id)
+        if outer is not None and inner is not None:
+            outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
+            inner.add_done_callback(lambda f: self._request_futures.pop(msg_id, None))
+
     def handle_message(self, message):
         if isinstance(message, _BadMessage):
             self._send_response(message.id, error=JsonRpcInvalidParams(message.message).to_response_error())
@@ -102,6 +114,7 @@ class SparkServer(LanguageServer):
         (three hops a message); on a busy 2-core machine each hop can cost milliseconds, and an
         editor sends two messages per keystroke. One blocking reader thread costs one hop."""
         import json
+        import os
         import sys
         import threading
 
@@ -126,26 +139,41 @@ class SparkServer(LanguageServer):
             closed = loop.create_future()
 
             def reader() -> None:
+                # os.read on the descriptor, not the buffered stdin object: a daemon thread blocked
+                # inside a BufferedReader aborts the interpreter at exit
+                try:
+                    fd = inp.fileno()
+                    read = lambda: os.read(fd, 65536)  # noqa: E731
+                except (AttributeError, OSError, ValueError):
+                    read = lambda: inp.read1(65536) if hasattr(inp, "read1") else inp.read(65536)  # noqa: E731
+                buf = b""
                 try:
                     while not self._stop_event.is_set():
-                        length = None
-                        while True:
-                            line = inp.readline()
-                            if not line:
+                        head_end = buf.find(b"\r\n\r\n")
+                        if head_end < 0:
+                            chunk = read()
+                            if not chunk:
                                 return
-                            if not line.strip():
-                                if length is not None:
-                                    break
-                                continue
+                            buf += chunk
+                            continue
+                        length = None
+                        for line in buf[:head_end].split(b"\r\n"):
                             key, _, value = line.partition(b":")
                             if key.strip().lower() == b"content-length":
                                 try:
                                     length = int(value.strip())
                                 except ValueError:
                                     length = None
-                        body = inp.read(length)
-                        if len(body) < length:
-                            return
+                        if length is None:  # a header block without a length: skip it
+                            buf = buf[head_end + 4:]
+                            continue
+                        while len(buf) < head_end + 4 + length:
+                            chunk = read()
+                            if not chunk:
+                                return
+                            buf += chunk
+                        body = buf[head_end + 4:head_end + 4 + length]
+                        buf = buf[head_end + 4 + length:]
                         loop.call_soon_threadsafe(feed, body)
                 except (OSError, ValueError):
                     return

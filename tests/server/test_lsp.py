@@ -98,10 +98,48 @@ async def test_typing_through_needs_no_model_call(editor, sample):
 async def test_cancel_request_stops_the_engine(editor, sample):
     await editor.command("spark.configure", {"maxTokens": 300, "maxLines": 200, "contextTokens": 128})
     editor.open(URI, sample)
-    off = sample.index("def main():") + len("def main():")
-    mid, fut = editor.start_inline(URI, off)
-    await asyncio.sleep(0.01)
-    editor.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
+    # with a tiny random model a suggestion can end before its cancel lands, or the cancel can
+    # land before the work starts: try until a cancel stops a running generation
+    stopped = False
+    for attempt in range(8):
+        anchor = ("def main():", "def scale(values, factor):", "def add(a, b):")[attempt % 3]
+        off = editor.type(URI, sample.index(anchor) + len(anchor), "")
+        mid, fut = editor.start_inline(URI, off)
+        await asyncio.sleep(0.005 * (1 + attempt % 4))
+        before = len((await editor.metrics())["cancelLatencyMs"])
+        editor.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
+        try:
+            await fut
+            continue
+        except JsonRpcException as exc:
+            assert exc.code == -32800
+        for _ in range(50):
+            m = await editor.metrics()
+            if len(m["cancelLatencyMs"]) > before:
+                stopped = True
+                break
+            await asyncio.sleep(0.02)
+        if stopped:
+            break
+    assert stopped, "no cancel stopped a running generation"
+    assert m["cancelled"] >= 1
+    # and the server keeps answering
+    assert isinstance(await editor.inline(URI, off), T.InlineCompletionList)
+
+
+async def test_cancelling_an_edit_command_stops_the_engine(editor, sample):
+    await editor.command("spark.configure", {"maxEditTokens": 400, "contextTokens": 128})
+    body = "".join(f"    value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 40))
+    text = sample + "\n\ndef long():\n" + body
+    editor.open(URI, text)
+    first = editor.pos(URI, text.index("    value_1 =")).line
+    data = {"action": "rewrite", "uri": URI,
+            "range": {"start": {"line": first, "character": 0}, "end": {"line": first + 39, "character": 0}}}
+    fut = asyncio.wrap_future(editor.client.protocol.send_request(
+        T.WORKSPACE_EXECUTE_COMMAND, T.ExecuteCommandParams(command="spark.applyAction", arguments=[data]),
+        msg_id="edit-1"))
+    await asyncio.sleep(0.1)
+    editor.client.protocol.notify("$/cancelRequest", T.CancelParams(id="edit-1"))
     with pytest.raises(JsonRpcException) as info:
         await fut
     assert info.value.code == -32800
@@ -110,9 +148,8 @@ async def test_cancel_request_stops_the_engine(editor, sample):
         if m["cancelLatencyMs"]:
             break
         await asyncio.sleep(0.02)
-    assert m["cancelled"] >= 1 and m["cancelLatencyMs"], m
-    # and the server keeps answering
-    assert isinstance(await editor.inline(URI, off), T.InlineCompletionList)
+    assert m["cancelLatencyMs"], m
+    assert editor.text(URI) == text  # nothing was applied
 
 
 async def test_did_change_supersedes_in_flight_request(editor, sample):
