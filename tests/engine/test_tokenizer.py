@@ -120,3 +120,22 @@ def test_bad_special_token_config(tiny_llama, tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 99999}))
     with pytest.raises(ModelError, match="generation_config.json: eos_token_id=99999 is outside"):
         Tokenizer.load(folder)
+
+
+def test_stream_decoder_sentencepiece_style_spaces():
+    """Metaspace (SentencePiece-style) decoders drop the leading '▁' only at the start of a text:
+    the streaming window must keep the spaces between words."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    hf = HF(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    hf.train_from_iterator(["def foo(bar): return bar + 1", "for x in range(10): print(x)"] * 20,
+                           trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"], show_progress=False))
+    t = Tokenizer(hf)
+    assert t.eos_ids == {hf.token_to_id("</s>")}
+    text = "for bar in range(1): print(foo)"
+    ids = t.encode(text)
+    sd = t.stream()
+    assert "".join(sd.push(i) for i in ids) + sd.flush() == t.decode(ids)
+    assert " in range" in t.decode(ids)
