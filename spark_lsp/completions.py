@@ -20,7 +20,7 @@ from .settings import Settings
 INVOKED, AUTOMATIC = 1, 2
 EXTRA_SEEDS = (1, 2)          # sampled alternatives for an Invoked request
 ALT_TEMPERATURE = 0.8
-SINGLE_LINE_TOKENS = 32      # the rest of a line rarely needs more; bounds the latency of a miss
+SINGLE_LINE_TOKENS = 24      # the rest of a line rarely needs more; bounds the latency of a miss
 
 
 @dataclass
