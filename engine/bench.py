@@ -357,7 +357,7 @@ def format_table(res: dict[str, Any]) -> str:
         + ("  (busy machine: figures are noisy; the runners take turns so ratios stay comparable)"
            if max(res["load_average_start"], res["load_average_end"]) > 0.5 * (res["cpus"] or 1) else ""),
         "",
-        f"{'runner':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'TTFT ms':>10}{'decode ratio':>14}  notes",
+        f"{'runner':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'TTFT ms':>10}{'ours/peer':>14}  notes",
         f"{'spark-lsp':<20}{e['prefill_tok_s']:>15.0f}{e['decode_tok_s']:>15.0f}{e['ttft_cold_ms']:>10.1f}"
         f"{'1.00':>14}",
     ]
