@@ -2,11 +2,11 @@
 
 The graph is built for ONNX Runtime on CPU with batch size 1:
 
-* inputs  ``input_ids`` int64 [S], ``seqlens_k`` int32 [1] (= total length - 1),
-  ``total_sequence_length`` int32 scalar, ``num_logits`` int64 [1] (how many trailing
-  positions get logits), and per layer ``past.{i}.key`` / ``past.{i}.value``
-  float32 [1, kv_heads, max_len, head_dim];
-* outputs ``logits`` float32 [num_logits, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
+* inputs  ``input_ids`` int64 [1, S], ``seqlens_k`` int32 [1] (= total length - 1),
+  ``total_sequence_length`` int32 scalar, ``logits_from`` int64 [1] (first position that gets
+  logits: S - number of trailing logits wanted), and per layer ``past.{i}.key`` /
+  ``past.{i}.value`` float32 [1, kv_heads, max_len, head_dim];
+* outputs ``logits`` float32 [1, S - logits_from, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
 
 ``head_dim`` in the KV buffers is the model's head size rounded up to a multiple of 16 (the op's
 requirement); the padding is zero rows in the q/k/v/o weights, so the results are unchanged.
@@ -14,7 +14,9 @@ requirement); the padding is zero rows in the q/k/v/o weights, so the results ar
 Attention is ``com.microsoft.GroupQueryAttention`` with a packed Q|K|V input, rotary embedding
 inside the op and a KV buffer shared between past and present (bind the same OrtValue to both):
 the cache is preallocated once and rewinding a sequence only means passing a smaller
-``seqlens_k``.  Activations between layers are 2-D [S, hidden].
+``seqlens_k``.  Activations between layers are 2-D [S, hidden] as the emitter contract says, or
+3-D [1, S, hidden] when the emitter declares ``accepts_3d = True`` (then no reshapes are needed
+around the attention op: fewer kernels per decode step).
 
 Every weight matmul goes through a *linear emitter* (``DenseLinear`` by default) so the wafer
 package can replace it with a partitioned version without touching the rest of the graph.
@@ -29,7 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -123,7 +125,12 @@ class LinearEmitter(Protocol):
 
 
 class DenseLinear:
-    """Default emitter: y = x @ W (+ b), one MatMul (ORT fuses MatMul+Add into Gemm)."""
+    """Default emitter: y = x @ W (+ b), one MatMul (ORT fuses MatMul+Add into Gemm).
+
+    MatMul broadcasts over leading axes, so it also takes [1, S, K] activations (``accepts_3d``).
+    """
+
+    accepts_3d = True
 
     def emit(self, gb: GraphBuilder, x: str, weight: np.ndarray, *, name: str, role: str,
              bias: np.ndarray | None = None) -> str:
@@ -208,10 +215,11 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     gb = GraphBuilder()
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
 
-    ids = gb.input("input_ids", i64, ["seq"])
+    act3d = bool(getattr(linear, "accepts_3d", False))
+    ids = gb.input("input_ids", i64, [1, "seq"])
     seqlens_k = gb.input("seqlens_k", i32, [1])
     total_len = gb.input("total_sequence_length", i32, [])
-    num_logits = gb.input("num_logits", i64, [1])
+    logits_from = gb.input("logits_from", i64, [1])
 
     if hasattr(c, "rope_inv_freq"):
         inv_freq = np.asarray(c.rope_inv_freq(), dtype=np.float64)
@@ -230,7 +238,9 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         return outs[0], outs[3]
 
     embed = gb.initializer("embed_tokens", _linear_weight(w, "model.embed_tokens.weight").astype(np.float32, copy=False))
-    residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [S, D]
+    residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [1, S, D]
+    if not act3d:
+        residual = gb.node("Reshape", [residual, gb.const_i64([-1, D])], name="embed2d")  # [S, D]
     pending: str | None = None
 
     for i in range(c.num_hidden_layers):
@@ -246,7 +256,7 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         w_qkv = _fused_qkv(w, a, "weight", N, NKV, H0, H).T
         b_qkv = _fused_qkv(w, a, "bias", N, NKV, H0, H) if c.attention_bias else None
         qkv = linear.emit(gb, x, np.ascontiguousarray(w_qkv), name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
-        qkv3 = gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
+        qkv3 = qkv if act3d else gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
         past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
         past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
         attn, pk, pv = gb.node("GroupQueryAttention", [qkv3, "", "", past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
@@ -254,7 +264,7 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
                                do_rotary=1, rotary_interleaved=0, scale=float(H0) ** -0.5)
         gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
         gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
-        attn2 = gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
+        attn2 = attn if act3d else gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
         w_o = np.ascontiguousarray(_pad_value_rows(_linear_weight(w, a + "o_proj.weight").T, N, H0, H))
         b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
@@ -264,18 +274,17 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         m = p + "mlp."
         w_gu = np.concatenate([_linear_weight(w, m + "gate_proj.weight"), _linear_weight(w, m + "up_proj.weight")], axis=0).T
         gu = linear.emit(gb, x, np.ascontiguousarray(w_gu), name=f"layers.{i}.gate_up", role="gate_up")
-        gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=1)
+        gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1)
         act = gb.node("Mul", [gb.node("Mul", [gate, gb.node("Sigmoid", [gate], name=f"layers.{i}.sigmoid")],
                                       name=f"layers.{i}.silu"), up], name=f"layers.{i}.swiglu")
         w_down = np.ascontiguousarray(_linear_weight(w, m + "down_proj.weight").T)
         pending = linear.emit(gb, act, w_down, name=f"layers.{i}.down", role="down")
 
-    # Only the trailing `num_logits` positions reach the final norm and the LM head.
-    start = gb.node("Neg", [num_logits], name="logits_start")
+    # Only the trailing positions (from `logits_from`) reach the final norm and the LM head.
     end = gb.const_i64([INT64_MAX])
-    axes = gb.const_i64([0])
-    pending_t = gb.node("Slice", [pending, start, end, axes], name="tail_pending")
-    residual_t = gb.node("Slice", [residual, start, end, axes], name="tail_residual")
+    axes = gb.const_i64([1 if act3d else 0])
+    pending_t = gb.node("Slice", [pending, logits_from, end, axes], name="tail_pending")
+    residual_t = gb.node("Slice", [residual, logits_from, end, axes], name="tail_residual")
     g_final = gb.initializer("final_norm", w["model.norm.weight"])
     x, _ = skip_norm(pending_t, residual_t, g_final, "final_norm")
     if c.tie_word_embeddings or "lm_head.weight" not in w:
@@ -283,7 +292,9 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     else:
         w_head = w["lm_head.weight"].T
     logits = linear.emit(gb, x, np.ascontiguousarray(w_head, dtype=np.float32), name="lm_head", role="lm_head")
-    gb.output(logits, "logits", f32, ["num_logits", V])
+    if not act3d:
+        logits = gb.node("Unsqueeze", [logits, gb.const_i64([0])], name="logits3d")
+    gb.output(logits, "logits", f32, [1, "num_logits", V])
     meta = {"spark_lsp.graph_version": str(GRAPH_VERSION), "spark_lsp.max_len": str(max_len),
             "spark_lsp.kv_head_dim": str(H)}
     return gb.to_model(metadata=meta)

@@ -18,6 +18,9 @@ import onnxruntime as ort
 
 from .config import ModelError
 
+#: Graph inputs besides the KV buffers (see engine.graph).
+INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_from")
+
 
 def physical_cores() -> int:
     """Physical CPU cores available to this process (SMT siblings counted once)."""
@@ -65,14 +68,14 @@ class KVBuffers:
             for t in ("key", "value"):
                 self.values[i, t] = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
         # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays.
-        self.step_ids = np.zeros([1], np.int64)
+        self.step_ids = np.zeros([1, 1], np.int64)
         self.step_seqlens = np.zeros([1], np.int32)
         self.step_total = np.zeros([], np.int32)
-        self.step_logits = np.zeros([1, rt.vocab_size], np.float32)
+        self.step_logits = np.zeros([1, 1, rt.vocab_size], np.float32)
         self._keep = [ort.OrtValue.ortvalue_from_numpy(a) for a in
-                      (self.step_ids, self.step_seqlens, self.step_total, rt.one_logit, self.step_logits)]
+                      (self.step_ids, self.step_seqlens, self.step_total, rt.zero_i64, self.step_logits)]
         self.step_binding = rt.session.io_binding()
-        for name, v in zip(("input_ids", "seqlens_k", "total_sequence_length", "num_logits"), self._keep[:4]):
+        for name, v in zip(INPUTS, self._keep[:4]):
             self.step_binding.bind_ortvalue_input(name, v)
         self.step_binding.bind_ortvalue_output("logits", self._keep[4])
         self._bind_kv(self.step_binding)
@@ -104,7 +107,7 @@ class Runtime:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             model_path = optimized_path
         self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
-        self.one_logit = np.ones([1], np.int64)
+        self.zero_i64 = np.zeros([1], np.int64)
         # The public run_with_iobinding wrapper probes a run-config entry per call (WebGPU graph
         # capture), which costs a C++ exception (~0.1 ms) per decode step: call the binding directly.
         inner = getattr(self.session, "_sess", None)
@@ -129,26 +132,26 @@ class Runtime:
     def forward(self, kv: KVBuffers, tokens, pos: int, num_logits: int = 1,
                 run_options: ort.RunOptions | None = None) -> np.ndarray:
         """Write KV for ``tokens`` at positions ``pos..``; return logits [num_logits, vocab] (a new array)."""
-        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
-        n = ids.shape[0]
+        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(1, -1)
+        n = ids.shape[1]
         self._check_span(pos, n)
         num_logits = max(1, min(int(num_logits), n))
         b = kv.binding
-        logits = np.empty([num_logits, self.vocab_size], np.float32)
-        feeds = (ids, np.array([pos + n - 1], np.int32), np.array(pos + n, np.int32), np.array([num_logits], np.int64))
-        for name, arr in zip(("input_ids", "seqlens_k", "total_sequence_length", "num_logits"), feeds):
+        logits = np.empty([1, num_logits, self.vocab_size], np.float32)
+        feeds = (ids, np.array([pos + n - 1], np.int32), np.array(pos + n, np.int32), np.array([n - num_logits], np.int64))
+        for name, arr in zip(INPUTS, feeds):
             b.bind_cpu_input(name, arr)
         out = ort.OrtValue.ortvalue_from_numpy(logits)
         b.bind_ortvalue_output("logits", out)
         self._run(b, run_options)
-        return logits
+        return logits[0]
 
     def decode(self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None) -> np.ndarray:
         """One decode step; returns the logits row [vocab] (a view valid until the next step on ``kv``)."""
         if pos + 1 > self.max_len:
             self._check_span(pos, 1)
-        kv.step_ids[0] = token
+        kv.step_ids[0, 0] = token
         kv.step_seqlens[0] = pos
         kv.step_total[...] = pos + 1
         self._run(kv.step_binding, run_options)
-        return kv.step_logits[0]
+        return kv.step_logits[0, 0]
