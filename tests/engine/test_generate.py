@@ -142,6 +142,7 @@ def test_cancel_from_another_thread(eng, tiny_llama):
     def consume():
         for _ in gen:
             started.set()
+            time.sleep(0.005)  # a consumer doing work per chunk: 400 tokens take >= 2 s
         done_at["t"] = time.perf_counter()
 
     t = threading.Thread(target=consume)
