@@ -154,3 +154,22 @@ def count_tokens(files: list[Path], tokenizer) -> int:
     """Tokens of the files as plain text (without FIM): the size of one epoch."""
     return sum(len(tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
                for p in files)
+
+
+def shuffle_buffer(stream: Iterator[list[int]], size: int, seed: int) -> Iterator[list[int]]:
+    """Shuffle a stream through a buffer of ``size`` sequences, so that one small batch mixes
+    many files instead of consecutive pieces of one (far less gradient noise).  Deterministic."""
+    if size <= 1:
+        yield from stream
+        return
+    rng = random.Random(seed)
+    buf: list[list[int]] = []
+    for item in stream:
+        if len(buf) < size:
+            buf.append(item)
+            continue
+        i = rng.randrange(size)
+        yield buf[i]
+        buf[i] = item
+    rng.shuffle(buf)
+    yield from buf

@@ -108,6 +108,7 @@ def parse_args(argv=None):
     ap.add_argument("--fim-rate", type=float, default=0.5)
     ap.add_argument("--spm-rate", type=float, default=0.5)
     ap.add_argument("--segment-chars", type=int, default=3000)
+    ap.add_argument("--shuffle-buffer", type=int, default=512, help="sequences mixed across files (1 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype")
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
-    from .data import FimConfig, packed_sequences
+    from .data import FimConfig, packed_sequences, shuffle_buffer
     from .tokenizer import EOS, PAD, read_file_list
 
     args = parse_args(argv)
@@ -154,8 +155,9 @@ def main(argv=None) -> None:
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() and not args.bench_steps else None
     if ckpt:  # the model shape and data stream of a run are fixed by its first invocation
         for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context", "seq_len", "seed",
-                  "fim_rate", "spm_rate", "segment_chars"):
-            setattr(args, k, ckpt["args"][k])
+                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer"):
+            if k in ckpt["args"]:
+                setattr(args, k, ckpt["args"][k])
 
     config = build_config(args, tok.get_vocab_size(), tok.token_to_id(EOS), tok.token_to_id(PAD))
     model = LlamaForCausalLM(config).to(device)
@@ -173,7 +175,8 @@ def main(argv=None) -> None:
         print(f"resumed at step {step}, {seqs_done * args.seq_len / 1e6:.2f}M tokens, {elapsed / 60:.1f} min", flush=True)
 
     fim = FimConfig(rate=args.fim_rate, spm_rate=args.spm_rate)
-    stream = packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars)
+    stream = shuffle_buffer(packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars),
+                            args.shuffle_buffer, args.seed)
     stream = itertools.islice(stream, seqs_done, None)
     val_batch = torch.tensor(list(itertools.islice(
         packed_sequences(val_files, tok, args.seq_len, args.seed + 1, fim, args.segment_chars), args.val_seqs)))

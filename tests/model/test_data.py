@@ -74,3 +74,12 @@ def test_split_is_by_file_and_fixed(files):
     tr, va = split_files(files, seed=1)
     assert not set(tr) & set(va) and len(tr) + len(va) == len(files)
     assert split_files(files, seed=1) == (tr, va)
+
+
+def test_shuffle_buffer_mixes_deterministically():
+    from engine.train.data import shuffle_buffer
+
+    a = list(shuffle_buffer(iter(range(200)), 16, seed=1))
+    assert a == list(shuffle_buffer(iter(range(200)), 16, seed=1))
+    assert sorted(a) == list(range(200)) and a != list(range(200))
+    assert list(shuffle_buffer(iter(range(5)), 1, seed=1)) == list(range(5))
