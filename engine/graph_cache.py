@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ from typing import Any, Callable
 import onnx
 
 from .graph import GRAPH_VERSION
+
+log = logging.getLogger(__name__)
 
 #: Number of graphs built (cache misses) in this process — lets tests assert "no rebuild".
 builds = 0
@@ -76,11 +79,22 @@ def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
     model_path = entry / MODEL_FILE
     if model_path.is_file() and (entry / "meta.json").is_file():
         return model_path, False
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    except OSError as e:  # read-only or full home: keep working from a temporary folder
+        fallback = Path(tempfile.gettempdir()) / f"spark-lsp-graphs-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        log.warning("graph cache %s is not writable (%s); using %s", root, e, fallback)
+        if fallback == root:
+            raise
+        return get_or_build(name, key, build, fallback, info)
     t0 = time.perf_counter()
-    model = build()
+    try:
+        model = build()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     builds += 1
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=DATA_FILE, size_threshold=1024)

@@ -131,3 +131,13 @@ def test_corrupt_cached_graph_is_rebuilt(tiny_qwen2, tmp_path):
     again = Engine.load(tiny_qwen2, cache_dir=tmp_path, wafer=False)
     assert again.graph_built and graph_cache.builds == before + 1
     np.testing.assert_array_equal(again.forward_logits(ids), expected)
+
+
+def test_unwritable_cache_falls_back_to_temp(tiny_llama, tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setattr(graph_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    eng = Engine.load(tiny_llama, cache_dir=blocker / "graphs", wafer=False)
+    assert eng.graph_path.is_relative_to(tmp_path / "tmp")
+    assert greedy(eng, random_ids(eng, 8, seed=46), 4).finish_reason == "length"
