@@ -655,6 +655,7 @@ def create_server(model_dir: str | None = None) -> SparkServer:
     def did_close(ls: SparkServer, params: T.DidCloseTextDocumentParams):
         uri = params.text_document.uri
         ls.typing.forget(uri)
+        ls.inflight.pop(uri, None)
         if ls.scheduler is not None:
             ls.scheduler.cancel(uri, "document closed")
             ls.scheduler.cancel(uri + EDIT_SUFFIX, "document closed")
