@@ -232,10 +232,17 @@ def generated_is_done(p: EditPlan, raw: str) -> bool:
     return postprocess.block_done(raw, p.multiline_ctx, 200)
 
 
-def run_plan(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
-             on_text: Callable[[str], None] | None = None, speculative: bool = False) -> tuple[str, dict]:
-    """Generate the region's final text for plan `p` (engine thread)."""
-    from .completions import generate_text
+def run_plan(*args: Any, **kw: Any) -> tuple[str, dict]:
+    """run_plan_steps run to its end."""
+    from .completions import drive
+    return drive(run_plan_steps(*args, **kw))
+
+
+def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
+                   on_text: Callable[[str], None] | None = None, speculative: bool = False):
+    """Generate the region's final text for plan `p` (engine thread, a step generator returning
+    (region text, stats))."""
+    from .completions import generate_steps
 
     if p.prompt_text is not None:
         ids = list(builder.tokenizer.encode(p.prompt_text))
@@ -245,8 +252,8 @@ def run_plan(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, 
         ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
     stop = p.stop + (builder.stop_strings if p.prompt_text is None else ())
     params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop)
-    raw, stats, finish = generate_text(engine, job, ids, params,
-                                       done=(lambda s: generated_is_done(p, s)), on_text=on_text,
-                                       speculative=speculative, draft=p.draft)
+    raw, stats, finish = yield from generate_steps(engine, job, ids, params,
+                                                   done=(lambda s: generated_is_done(p, s)), on_text=on_text,
+                                                   speculative=speculative, draft=p.draft)
     stats = {**stats, "finish_reason": finish}
     return p.region_text(raw, final=True), stats

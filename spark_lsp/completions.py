@@ -124,12 +124,22 @@ def start_generation(engine: Any, ids: list[int], params: Any, slot: str, specul
     return engine.generate(ids, params, slot=slot)
 
 
-def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
-                  done: Callable[[str], bool] | None = None,
-                  on_text: Callable[[str], None] | None = None,
-                  speculative: bool = False, draft: str | None = None) -> tuple[str, dict, str]:
-    """Run one generation on the engine thread, streaming; stops early once `done(text)` says the
-    output is complete. Returns (text, stats, finish_reason); raises Cancelled if the job was."""
+def drive(steps: Any) -> Any:
+    """Run a step generator to its end and return its value (outside the scheduler)."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as stop:
+        return stop.value
+
+
+def generate_steps(engine: Any, job: Job, ids: list[int], params: Any,
+                   done: Callable[[str], bool] | None = None,
+                   on_text: Callable[[str], None] | None = None,
+                   speculative: bool = False, draft: str | None = None):
+    """One generation, yielding after every decode step so the scheduler can interleave
+    documents; stops early once `done(text)` says the output is complete. Returns
+    (text, stats, finish_reason); raises Cancelled if the job was."""
     gen = job.attach(start_generation(engine, ids, params, job.slot, speculative, draft))
     text = ""
     early = False
@@ -144,6 +154,7 @@ def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
                 early = True
                 gen.cancel()
                 break
+            yield
         if job.cancelled or early:
             for _ in gen:  # drain: the engine finishes the cancelled step and releases itself
                 pass
@@ -156,16 +167,26 @@ def generate_text(engine: Any, job: Job, ids: list[int], params: Any,
     return text, stats, ("stop" if early else str(getattr(gen, "finish_reason", "")))
 
 
+def generate_text(*args: Any, **kw: Any) -> tuple[str, dict, str]:
+    """generate_steps run to its end."""
+    return drive(generate_steps(*args, **kw))
+
+
 def context_limit(engine: Any) -> int | None:
     """Tokens the engine can hold (prompt + new), or None when it does not say."""
     n = getattr(engine, "context", None) or getattr(getattr(engine, "config", None), "max_position_embeddings", None)
     return int(n) if isinstance(n, int) else None
 
 
-def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
-             settings: Settings, trigger: int, params_cls: Any,
-             on_partial: Callable[[str], None] | None = None) -> Result:
-    """Suggestions for the cursor at `offset` (engine thread)."""
+def complete(*args: Any, **kw: Any) -> Result:
+    """complete_steps run to its end."""
+    return drive(complete_steps(*args, **kw))
+
+
+def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
+                   settings: Settings, trigger: int, params_cls: Any,
+                   on_partial: Callable[[str], None] | None = None):
+    """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result)."""
     t0 = time.perf_counter()
     ctx = context_at(text, offset)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
@@ -187,8 +208,9 @@ def complete(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: i
         else:
             params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
                                 top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop)
-        raw, st, finish = generate_text(engine, job, prompt.ids, params, done,
-                                        on_text=on_partial if k == 0 else None, speculative=settings.speculative)
+        raw, st, finish = yield from generate_steps(engine, job, prompt.ids, params, done,
+                                                    on_text=on_partial if k == 0 else None,
+                                                    speculative=settings.speculative)
         if k == 0:
             stats = {**st, "finish_reason": finish}
         item = postprocess.clean(raw, ctx, multiline, settings.max_lines)

@@ -1,16 +1,19 @@
 """One engine thread, at most one job per document, cancellation bridged from asyncio.
 
-Why a dedicated thread: pygls reads stdin through its own thread pool, so model work there could
-stall reading `$/cancelRequest`. Handlers stay async and await a Job's future; the job runs here.
+Why a dedicated thread: model work on the event loop or pygls' thread pool could stall reading
+`$/cancelRequest`. Handlers stay async and await a Job's future; the job runs here.
 Why one job per document: a newer request for the same document makes the older one useless, so
-submitting cancels it (queued: dropped; running: stopped within one decode step). The queue is
-FIFO over documents, so several documents take turns instead of one starving the others.
+submitting cancels it (queued: dropped; running: stopped within one decode step).
+Why cooperative steps: a job may be a generator that yields after every decode step; the thread
+then takes the running jobs in turn, one step each, so a long streamed edit in one document does
+not hold up a suggestion in another (each document keeps its own KV slot in the engine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import threading
 import time
@@ -101,12 +104,13 @@ class Job:
 
 
 class Scheduler:
-    """FIFO of jobs over documents, run one at a time on a dedicated engine thread."""
+    """Jobs over documents on a dedicated engine thread: new jobs start in arrival order, running
+    generator jobs advance one decode step each in turn (round-robin across documents)."""
 
     def __init__(self, name: str = "spark-engine"):
         self._cond = threading.Condition()
         self._queue: collections.OrderedDict[str, Job] = collections.OrderedDict()
-        self._running: Job | None = None
+        self._active: collections.OrderedDict[str, tuple[Job, Any]] = collections.OrderedDict()
         self._stop = False
         self.cancel_latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -119,8 +123,9 @@ class Scheduler:
             if old is not None:
                 old.cancel("superseded")
                 old._resolve(exc=Cancelled("superseded"))
-            if self._running is not None and self._running.key == job.key:
-                self._running.cancel("superseded")
+            running = self._active.get(job.key)
+            if running is not None:
+                running[0].cancel("superseded")
             self._queue[job.key] = job
             self._cond.notify()
         return job
@@ -135,17 +140,17 @@ class Scheduler:
                 q.cancel(reason)
                 q._resolve(exc=Cancelled(reason))
                 hit = True
-            r = self._running
-            if r is not None and r.key == key and (kind is None or r.kind == kind):
-                r.cancel(reason)
+            r = self._active.get(key)
+            if r is not None and (kind is None or r[0].kind == kind):
+                r[0].cancel(reason)
                 hit = True
         return hit
 
     def busy(self, key: str | None = None) -> bool:
         with self._cond:
             if key is None:
-                return self._running is not None or bool(self._queue)
-            return (self._running is not None and self._running.key == key) or key in self._queue
+                return bool(self._active) or bool(self._queue)
+            return key in self._active or key in self._queue
 
     def shutdown(self) -> None:
         with self._cond:
@@ -154,40 +159,78 @@ class Scheduler:
                 job.cancel("shutdown")
                 job._resolve(exc=Cancelled("shutdown"))
             self._queue.clear()
-            if self._running is not None:
-                self._running.cancel("shutdown")
+            for job, _ in self._active.values():
+                job.cancel("shutdown")
             self._cond.notify_all()
+
+    def _finish(self, job: Job, result: Any = None, error: BaseException | None = None) -> None:
+        # record before resolving, so whoever awaits the job sees its cancel latency
+        if job.cancelled and job.t_cancel is not None:
+            job.mark_stopped()
+            self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
+        with self._cond:
+            if self._active.get(job.key, (None,))[0] is job:
+                del self._active[job.key]
+        job._resolve(result, error)
+
+    def _step(self, job: Job, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run one piece of a job; (done, result). Errors finish the job."""
+        try:
+            if job.cancelled:
+                raise Cancelled(job.reason)
+            return False, fn()
+        except StopIteration as stop:
+            if job.cancelled:
+                self._finish(job, error=Cancelled(job.reason))
+            else:
+                self._finish(job, stop.value)
+        except Cancelled as exc:
+            self._finish(job, error=exc)
+        except BaseException as exc:  # never let a job kill the engine thread
+            log.exception("engine job %s for %s failed", job.kind, job.key)
+            self._finish(job, error=exc)
+        return True, None
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
+                while not self._queue and not self._active and not self._stop:
                     self._cond.wait()
                 if self._stop:
+                    for job, gen in list(self._active.values()):
+                        if inspect.isgenerator(gen):
+                            gen.close()
                     return
-                _, job = self._queue.popitem(last=False)
-                self._running = job
-            job.t_start = time.perf_counter()
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                if job.cancelled:
-                    raise Cancelled(job.reason)
-                result = job.fn(job)
-                if job.cancelled:
-                    raise Cancelled(job.reason)
-            except Cancelled as exc:
-                error = exc
-            except BaseException as exc:  # never let a job kill the engine thread
-                log.exception("engine job %s for %s failed", job.kind, job.key)
-                error = exc
-            # record before resolving, so whoever awaits the job sees its cancel latency
-            if job.cancelled and job.t_cancel is not None:
-                job.mark_stopped()
-                self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
+                started = None
+                if self._queue:
+                    _, started = self._queue.popitem(last=False)
+                    if started.key in self._active:  # its cancelled predecessor still drains
+                        self._queue[started.key] = started
+                        self._queue.move_to_end(started.key, last=False)
+                        started = None
+            if started is not None:
+                started.t_start = time.perf_counter()
+                with self._cond:  # visible to submit()/cancel() while its first piece runs
+                    self._active[started.key] = (started, None)
+                done, result = self._step(started, lambda: started.fn(started))
+                if done:
+                    continue
+                if inspect.isgenerator(result):
+                    with self._cond:
+                        self._active[started.key] = (started, result)
+                else:
+                    if started.cancelled:
+                        self._finish(started, error=Cancelled(started.reason))
+                    else:
+                        self._finish(started, result)
+                    continue
             with self._cond:
-                self._running = None
-            job._resolve(result, error)
+                if not self._active:
+                    continue
+                key, (job, gen) = next(iter(self._active.items()))
+                self._active.move_to_end(key)  # round-robin: next time another job steps first
+            if gen is not None:
+                self._step(job, lambda: next(gen))
 
 
 async def run_job(scheduler: Scheduler, job: Job) -> Any:

@@ -353,8 +353,9 @@ class SparkServer(LanguageServer):
         await self._ready()
         engine, builder, params_cls, settings = self.host.engine, self.host.builder, self.host.params_cls, self.settings
         holder: dict = {}
-        job = Job(uri, lambda j: completions.complete(engine, builder, j, text, offset, settings, trigger, params_cls,
-                                                      on_partial=lambda s: setattr(holder["inf"], "partial", s)),
+        job = Job(uri, lambda j: completions.complete_steps(engine, builder, j, text, offset, settings, trigger,
+                                                            params_cls,
+                                                            on_partial=lambda s: setattr(holder["inf"], "partial", s)),
                   asyncio.get_running_loop(), kind="completion")
         inf = holder["inf"] = completions.Inflight(job, text, offset)
         self.inflight[uri] = inf
@@ -516,7 +517,7 @@ class SparkServer(LanguageServer):
         if limit:
             budget = max(16, min(budget, limit - plan.max_tokens - 8))
         job = Job(uri + EDIT_SUFFIX,
-                  lambda j: actions.run_plan(engine, builder, j, plan, params_cls, budget,
+                  lambda j: actions.run_plan_steps(engine, builder, j, plan, params_cls, budget,
                                              on_text=(lambda s: j.call_soon(on_text, s)) if on_text else None,
                                              speculative=speculative),
                   asyncio.get_running_loop(), kind="edit", slot=uri)

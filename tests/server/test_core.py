@@ -319,3 +319,41 @@ def test_speculative_completions_and_rewrites_match_plain_greedy(tiny_llama):
         assert texts[0] == texts[1]
     finally:
         loop.close()
+
+
+async def test_generator_jobs_take_turns_step_by_step():
+    loop = asyncio.get_running_loop()
+    sched = Scheduler()
+    trace = []
+
+    def steps(name, n):
+        def fn(job):
+            for i in range(n):
+                trace.append(name)
+                time.sleep(0.001)  # a decode step
+                yield
+            return name
+        return fn
+    try:
+        long = Job("edit", steps("E", 200), loop, kind="edit")
+        sched.submit(long)
+        await asyncio.sleep(0.01)
+        short = Job("other-doc", steps("C", 3), loop)
+        sched.submit(short)
+        assert await short.future == "C"
+        assert await long.future == "E"
+        first_c = trace.index("C")
+        # the short job did not wait for the long one to finish, and they alternated
+        assert first_c < len(trace) - 3 and trace[first_c:first_c + 6].count("C") == 3
+        # a job superseding a running generator job of the same key waits for it to stop
+        old = Job("doc", steps("O", 10_000), loop)
+        sched.submit(old)
+        await asyncio.sleep(0.01)
+        new = Job("doc", steps("N", 2), loop)
+        sched.submit(new)
+        with pytest.raises(Cancelled):
+            await old.future
+        assert await new.future == "N"
+        assert trace[-2:] == ["N", "N"]
+    finally:
+        sched.shutdown()
