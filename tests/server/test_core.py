@@ -357,3 +357,45 @@ async def test_generator_jobs_take_turns_step_by_step():
         assert trace[-2:] == ["N", "N"]
     finally:
         sched.shutdown()
+
+
+class _VocabTokenizer:
+    """A stand-in tokenizer with a given set of special tokens (characters are ids 1000+)."""
+
+    def __init__(self, specials):
+        self.specials = {t: i for i, t in enumerate(specials)}
+        self.eos_ids = {self.specials.get("<|endoftext|>", 0)}
+
+    def token_to_id(self, t):
+        return self.specials.get(t)
+
+    def id_to_token(self, i):
+        return next((t for t, j in self.specials.items() if j == i), None)
+
+    def encode(self, text):
+        return [1000 + ord(c) for c in text]
+
+
+@pytest.mark.parametrize("specials, spm", [
+    (["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<file_sep>"], True),   # ours / StarCoder
+    (["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"], False),  # Qwen2.5-Coder
+    (["</s>", "▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"], False),                                # CodeLlama
+])
+def test_fim_layout_follows_the_tokenizer(specials, spm):
+    tok = _VocabTokenizer(specials)
+    b = PromptBuilder(tok)
+    assert b.fim is not None and b.spm is spm
+    p = b.build("ab\ncd\n", 4, 100)
+    pre, suf, mid = tok.token_to_id(specials[1]), tok.token_to_id(specials[3]), tok.token_to_id(specials[2])
+    enc = tok.encode
+    if spm:
+        assert p.ids == [suf, *enc("d\n"), pre, *enc("ab\nc"), mid]
+    else:
+        assert p.ids == [pre, *enc("ab\nc"), suf, *enc("d\n"), mid]
+    assert b.stop_strings and specials[0] not in b.stop_strings  # eos stops anyway; others as text
+
+
+def test_no_fim_tokens_means_a_plain_prefix_prompt():
+    b = PromptBuilder(_VocabTokenizer(["<|endoftext|>"]))
+    p = b.build("ab\ncd\n", 4, 100)
+    assert b.fim is None and p.ids == b.tokenizer.encode("ab\nc") and p.suffix == ""
