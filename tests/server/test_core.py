@@ -256,6 +256,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 def test_chat_prompt_and_code_extraction(tmp_path):
     import json
 
+    pytest.importorskip("jinja2")
+
     from spark_lsp import chat
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))

@@ -273,6 +273,8 @@ async def test_bad_params_get_errors_and_server_survives(editor, sample):
 async def test_instruction_edit_uses_the_chat_template_of_a_chat_model(tiny_llama, tmp_path):
     import json
 
+    pytest.importorskip("jinja2")
+
     import tiny_models
 
     from conftest import start_editor
