@@ -12,13 +12,12 @@ import asyncio
 import functools
 import itertools
 import logging
-import time
 from typing import Any
 
 import attrs
 from lsprotocol import types as T
-from pygls.exceptions import (JsonRpcContentModified, JsonRpcException, JsonRpcInternalError,
-                              JsonRpcInvalidParams, JsonRpcRequestCancelled)
+from pygls.exceptions import (JsonRpcContentModified, JsonRpcException, JsonRpcInvalidParams,
+                              JsonRpcRequestCancelled)
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol, default_converter
 
@@ -755,5 +754,6 @@ def create_server(model_dir: str | None = None) -> SparkServer:
 def server_metrics(ls: SparkServer) -> dict:
     lat = list(ls.scheduler.cancel_latencies_ms) if ls.scheduler is not None else []
     return {"model": ls.host.name if ls.host.loaded else None, "loaded": ls.host.loaded,
-            "loadError": ls.host.error, "enabled": ls.enabled, "chatModel": ls.host.chat is not None, "settings": to_json(ls.settings),
+            "loadError": ls.host.error, "enabled": ls.enabled, "chatModel": ls.host.chat is not None,
+            "settings": to_json(ls.settings),
             **ls.metrics.snapshot(lat)}

@@ -81,7 +81,8 @@ def run(args) -> int:
         text += "\n"
     text += "\n\n"
 
-    print(scr.bold("spark-lsp demo") + f": starting the server over stdio ({'--model ' + args.model if args.model else 'bundled model'})")
+    which = f"--model {args.model}" if args.model else "bundled model"
+    print(scr.bold("spark-lsp demo") + f": starting the server over stdio ({which})")
     client = LspClient(server_cmd(args.model))
     try:
         t0 = time.perf_counter()
