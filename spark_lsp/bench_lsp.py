@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chars", type=int, default=None, help="stop after typing this many characters")
     p.add_argument("--context-tokens", type=int, default=None, help="server setting contextTokens")
     p.add_argument("--max-tokens", type=int, default=None, help="server setting maxTokens")
+    p.add_argument("--cancels", type=int, default=30,
+                   help="after the replay, cancel this many running suggestions to time cancellation (default 30)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -87,6 +89,39 @@ def keystrokes(body: str) -> list[str]:
         else:
             out.append(ch)
             i += 1
+    return out
+
+
+def cancel_phase(client, uri: str, n: int) -> list[float]:
+    """Start long Invoked suggestions after block openers and cancel each a few ms later, as an
+    editor does when the user moves on; returns the client's cancel round trips (ms)."""
+    import random
+
+    from .rpc_client import RpcError
+
+    if n <= 0:
+        return []
+    client.call("workspace/executeCommand", {"command": "spark.configure",
+                                             "arguments": [{"maxTokens": 128, "maxLines": 40}]})
+    text = client.docs[uri].text
+    openers = [i + 1 for i, ln in enumerate(text.splitlines()) if ln.rstrip().endswith(":")]
+    rng = random.Random(0)
+    out = []
+    for k in range(n):
+        line = openers[k % len(openers)] - 1
+        col = len(text.splitlines()[line])
+        fut = client.request("textDocument/inlineCompletion", {
+            "textDocument": {"uri": uri}, "position": {"line": line, "character": col},
+            "context": {"triggerKind": 1}})
+        time.sleep(rng.uniform(0.005, 0.03))
+        t = time.perf_counter()
+        client.cancel(fut)
+        try:
+            fut.result(60)
+        except RpcError as exc:
+            if exc.code == -32800:
+                out.append((fut.received_at - t) * 1e3)
+        time.sleep(0.02)
     return out
 
 
@@ -173,6 +208,7 @@ def run(args) -> int:
                     cancelled += 1
                 else:
                     raise
+        cancel_rtt = cancel_phase(client, uri, args.cancels)
         final = client.call("spark/metrics", {})
         t_start_replay = t_warm
         engine_ms = [p.get("totalMs") for t, m, p in client.notifications
@@ -182,6 +218,7 @@ def run(args) -> int:
         client.shutdown()
 
     lat = [r[0] for r in results]
+    cancel_ms = list(final.get("cancelLatencyMs") or [])
     served = {k: final[k] - base.get(k, 0) for k in ("inlineRequests", "typingThrough", "joinedGeneration",
                                                      "modelCalls",
                                                      "prefixCacheHits", "promptTokens", "reusedTokens")}
@@ -198,9 +235,12 @@ def run(args) -> int:
         "model_calls": served["modelCalls"],
         "prefix_cache_hits": served["prefixCacheHits"],
         "prompt_tokens": served["promptTokens"], "reused_prompt_tokens": served["reusedTokens"],
-        "cancel_latency_ms_median": final.get("cancelLatencyMsMedian"),
-        "cancel_latency_ms_p95": final.get("cancelLatencyMsP95"),
-        "cancels_measured": len(final.get("cancelLatencyMs") or []),
+        # $/cancelRequest (or a superseding didChange) -> the engine stopped, measured in the server
+        "cancel_latency_ms_median": round(statistics.median(cancel_ms), 3) if cancel_ms else None,
+        "cancel_latency_ms_p95": round(_pct(cancel_ms, 95), 3) if cancel_ms else None,
+        "cancels_measured": len(cancel_ms),
+        # $/cancelRequest sent -> -32800 received, measured in the client
+        "cancel_round_trip_ms_median": round(statistics.median(cancel_rtt), 3) if cancel_rtt else None,
         "ttft_ms_median": final.get("ttftMsMedian"),
         # engine time of the model calls (prefill + decode), to tell model time from server overhead
         "engine_ms_median": round(statistics.median(engine_ms), 2) if engine_ms else None,
@@ -218,8 +258,9 @@ def run(args) -> int:
                 ("model calls", out["model_calls"]),
                 ("model calls reusing the prefix cache", out["prefix_cache_hits"]),
                 ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),
-                ("cancel latency median / p95 (ms)",
-                 f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']}"),
+                ("cancel -> engine stopped, median / p95 (ms)",
+                 f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']} ({out['cancels_measured']})"),
+                ("cancel round trip in the client, median (ms)", out["cancel_round_trip_ms_median"]),
                 ("TTFT median (ms)", out["ttft_ms_median"]),
                 ("engine time per model call, median (ms)", out["engine_ms_median"])]
         w = max(len(r[0]) for r in rows)

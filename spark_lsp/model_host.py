@@ -22,6 +22,9 @@ class ModelNotReady(RuntimeError):
     """The model is still loading (after the timeout) or failed to load."""
 
 
+INTERACTIVE_PREFILL_CHUNK = 256
+
+
 def warm_up(engine: Any, params_cls: Any) -> None:
     """One short generation so ONNX Runtime's first-run setup is not paid by the first suggestion
     (a cold first run also takes far longer to cancel)."""
@@ -76,6 +79,10 @@ class ModelHost:
                 from engine import Engine, GenerationParams
 
                 eng = Engine.load(model_dir=model_dir, slots=4)
+                if isinstance(getattr(eng, "prefill_chunk", None), int):
+                    # a cancel waits for the prefill run in flight: keep runs short (on this
+                    # 2-core CPU 256-token runs also prefill faster than 1,024-token ones)
+                    eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
                 warm_up(eng, GenerationParams)
                 builder = PromptBuilder(eng.tokenizer)
                 from .chat import load_chat_template
