@@ -75,13 +75,14 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
              cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
-             spinning: bool = False, linear=None) -> "Engine":
+             spinning: bool = False, linear=None, decode_threads: int | None = None) -> "Engine":
         """Load a Hugging Face model folder (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
         (``engine.wafer.partition.TiledLinear``); ``wafer=False`` uses plain MatMuls.
         ``threads``: intra-op threads (default: physical cores).  ``slots``: how many sequences
         keep their KV cache for prefix reuse.  ``max_context``: cap on the KV buffer length.
+        ``decode_threads``: threads for decode steps (default: 1 for small models, else ``threads``).
         ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``.
         """
         t0 = time.perf_counter()
@@ -98,8 +99,9 @@ class Engine:
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                         or max_context < 2):
             raise ValueError(f"max_context={max_context!r} must be an integer >= 2")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads={threads!r} must be a positive integer")
+        for name, v in (("threads", threads), ("decode_threads", decode_threads)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r} must be a positive integer")
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
         linear = linear if linear is not None else _linear_emitter(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}
@@ -112,14 +114,16 @@ class Engine:
         info = {"model_dir": str(folder), "emitter": graph_cache.emitter_key(linear), "options": options}
         path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
         try:
-            runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
+            runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
+                              spinning=spinning)
         except Exception as e:
             if built:
                 raise
             log.warning("cached graph %s cannot be loaded (%s); rebuilding", path, str(e).splitlines()[0] if str(e) else e)
             graph_cache.invalidate(path)
             path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
-            runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
+            runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
+                              spinning=spinning)
         return cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
                    linear=linear, load_s=time.perf_counter() - t0)
 

@@ -38,12 +38,12 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def session_options(threads: int | None = None, *, spinning: bool = False,
-                    optimized_path: str | None = None) -> ort.SessionOptions:
+def session_options(threads: int | None = None, *, spinning: bool = False) -> ort.SessionOptions:
     """Session options for low-latency decoding on a shared machine.
 
     Spinning is off by default: intra-op threads then sleep between the many tiny decode steps
-    instead of burning the CPU an editor (and the language server) needs.
+    instead of burning the CPU an editor (and the language server) needs.  Measured on the busy
+    2-core dev machine: spinning halved mean decode speed and doubled CPU per token.
     """
     so = ort.SessionOptions()
     so.intra_op_num_threads = int(threads or physical_cores())
@@ -52,9 +52,19 @@ def session_options(threads: int | None = None, *, spinning: bool = False,
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     so.log_severity_level = 3
-    if optimized_path:
-        so.optimized_model_filepath = optimized_path
     return so
+
+
+def _runner(session: ort.InferenceSession):
+    """``run(binding, run_options)`` for ``session``.
+
+    The public run_with_iobinding wrapper probes a run-config entry per call (WebGPU graph
+    capture), which costs a C++ exception (~0.1 ms) per decode step: call the binding directly.
+    """
+    inner = getattr(session, "_sess", None)
+    if inner is not None and hasattr(inner, "run_with_iobinding"):
+        return lambda b, ro: inner.run_with_iobinding(b._iobinding, ro)
+    return session.run_with_iobinding  # pragma: no cover - other onnxruntime builds
 
 
 class KVBuffers:
@@ -74,14 +84,20 @@ class KVBuffers:
         self.step_logits = np.zeros([1, 1, rt.vocab_size], np.float32)
         self._keep = [ort.OrtValue.ortvalue_from_numpy(a) for a in
                       (self.step_ids, self.step_seqlens, self.step_total, rt.zero_i64, self.step_logits)]
-        self.step_binding = rt.session.io_binding()
+        self.step_binding = rt.decode_session.io_binding()
         for name, v in zip(INPUTS, self._keep[:4]):
             self.step_binding.bind_ortvalue_input(name, v)
         self.step_binding.bind_ortvalue_output("logits", self._keep[4])
         self._bind_kv(self.step_binding)
-        # General forward (prefill, several logits): inputs/outputs re-bound per call.
+        # General forward (prefill, several logits): inputs/outputs re-bound per call; one binding
+        # per session (short runs go to the decode session, see Runtime).
         self.binding = rt.session.io_binding()
         self._bind_kv(self.binding)
+        if rt.decode_session is rt.session:
+            self.small_binding = self.binding
+        else:
+            self.small_binding = rt.decode_session.io_binding()
+            self._bind_kv(self.small_binding)
 
     def _bind_kv(self, binding: ort.IOBinding) -> None:
         for (i, t), v in self.values.items():
@@ -89,32 +105,48 @@ class KVBuffers:
             binding.bind_ortvalue_output(f"present.{i}.{t}", v)
 
 
+#: Weights up to this size decode on one thread: per-step work is then so small that waking a
+#: second thread for every op costs more than it saves (measured: 1 thread matched 2 threads'
+#: speed at ~35 % less CPU per token on the 8M model; a loaded machine favours 1 thread more).
+SMALL_MODEL_BYTES = 64 << 20
+#: Runs of at most this many tokens (decode steps, speculative verification, small prefills
+#: after an edit) go to the decode session; longer prefills use all threads.
+SMALL_RUN_TOKENS = 16
+
+
 class Runtime:
-    """An ORT session over a decoder graph built by :func:`engine.graph.build_decoder`."""
+    """ORT sessions over a decoder graph built by :func:`engine.graph.build_decoder`.
+
+    Two sessions of the same graph may share the KV buffers: ``session`` with ``threads`` for
+    long prefills, and ``decode_session`` with ``decode_threads`` for decode steps and short runs.
+    ``decode_threads=None`` picks 1 for small models (see ``SMALL_MODEL_BYTES``), else ``threads``
+    (then there is only one session).
+    """
 
     def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,
-                 spinning: bool = False, optimized_path: str | None = None) -> None:
+                 decode_threads: int | None = None, spinning: bool = False) -> None:
         self.config = config
         self.max_len = int(max_len)
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.vocab_size = config.vocab_size
         self.threads = int(threads or physical_cores())
-        so = session_options(self.threads, spinning=spinning, optimized_path=optimized_path)
-        if optimized_path and Path(optimized_path).is_file():
-            # Already optimised (and saved) by an earlier start: skip the optimiser.
-            so.optimized_model_filepath = ""
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            model_path = optimized_path
-        self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        model_path = Path(model_path)
+        if decode_threads is None:
+            size = sum(p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file())
+            decode_threads = 1 if size <= SMALL_MODEL_BYTES else self.threads
+        self.decode_threads = min(int(decode_threads), self.threads)
+        providers = ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(model_path), session_options(self.threads, spinning=spinning),
+                                            providers=providers)
+        if self.decode_threads == self.threads:
+            self.decode_session = self.session
+        else:
+            self.decode_session = ort.InferenceSession(
+                str(model_path), session_options(self.decode_threads, spinning=spinning), providers=providers)
+        self._run_wide = _runner(self.session)
+        self._run = _runner(self.decode_session)
         self.zero_i64 = np.zeros([1], np.int64)
-        # The public run_with_iobinding wrapper probes a run-config entry per call (WebGPU graph
-        # capture), which costs a C++ exception (~0.1 ms) per decode step: call the binding directly.
-        inner = getattr(self.session, "_sess", None)
-        if inner is not None and hasattr(inner, "run_with_iobinding"):
-            self._run = lambda b, ro: inner.run_with_iobinding(b._iobinding, ro)
-        else:  # pragma: no cover - other onnxruntime builds
-            self._run = self.session.run_with_iobinding
         # KV head size as built (the graph pads it to a multiple of 16).
         self.head_dim = int(next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key"))
 
@@ -136,14 +168,15 @@ class Runtime:
         n = ids.shape[1]
         self._check_span(pos, n)
         num_logits = max(1, min(int(num_logits), n))
-        b = kv.binding
+        small = n <= SMALL_RUN_TOKENS
+        b = kv.small_binding if small else kv.binding
         logits = np.empty([1, num_logits, self.vocab_size], np.float32)
         feeds = (ids, np.array([pos + n - 1], np.int32), np.array(pos + n, np.int32), np.array([n - num_logits], np.int64))
         for name, arr in zip(INPUTS, feeds):
             b.bind_cpu_input(name, arr)
         out = ort.OrtValue.ortvalue_from_numpy(logits)
         b.bind_ortvalue_output("logits", out)
-        self._run(b, run_options)
+        (self._run if small else self._run_wide)(b, run_options)
         return logits[0]
 
     def decode(self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None) -> np.ndarray:

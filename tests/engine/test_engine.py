@@ -75,3 +75,23 @@ def test_explicit_linear_emitter(tiny_llama, tmp_path):
     assert eng.linear is lin and "counting" in repr(eng)
     n = eng.config.num_hidden_layers
     assert sorted(set(lin.roles)) == ["down", "gate_up", "lm_head", "o", "qkv"] and len(lin.roles) == 4 * n + 1
+
+
+@pytest.mark.parametrize("decode_threads", [None, 2])
+def test_decode_session_choice(tiny_llama, tmp_path_factory, decode_threads):
+    """Small models decode on a 1-thread session sharing the KV buffers; either way, same tokens."""
+    from engine_helpers import greedy, hf_greedy
+
+    eng = load_engine(tiny_llama, tmp_path_factory, threads=2, decode_threads=decode_threads)
+    rt = eng.runtime
+    if decode_threads is None:
+        assert rt.decode_threads == 1 and rt.decode_session is not rt.session
+    else:
+        assert rt.decode_threads == 2 and rt.decode_session is rt.session
+    ids = random_ids(eng, 40, seed=51)  # > SMALL_RUN_TOKENS: prefill on the wide session
+    gen = greedy(eng, ids, 24, slot="x")
+    assert gen.tokens == hf_greedy(tiny_llama, ids, 24)
+    more = ids + gen.tokens + random_ids(eng, 5, seed=52)  # short prefill on the decode session
+    again = greedy(eng, more, 16, slot="x")
+    assert again.stats["reused_tokens"] == len(ids) + len(gen.tokens) - 1
+    assert again.tokens == hf_greedy(tiny_llama, more, 16)
