@@ -224,6 +224,17 @@ def test_policy_follows_acceptance_and_cost():
     assert q.cost_per_token == pytest.approx(1.0)
     assert q.best()[1] < 1.0 and q.size() == 0
     assert DraftPolicy.expected_tokens(0.5, 3) == pytest.approx(1.875)
+    # measured: drafting passes emit tokens more slowly than plain steps -> back off, whatever alpha says
+    r = DraftPolicy(alpha=0.9)
+    for _ in range(10):
+        r.emitted("draft", 2, 0.004)
+        r.emitted("plain", 1, 0.001)
+    assert r.losing() and r.size() == 0
+    r2 = DraftPolicy(alpha=0.9)
+    for _ in range(10):
+        r2.emitted("draft", 6, 0.002)
+        r2.emitted("plain", 1, 0.001)
+    assert not r2.losing() and r2.size() > 0
     with pytest.raises(ValueError):
         DraftPolicy(k_min=0)
     with pytest.raises(ValueError):
