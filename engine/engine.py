@@ -171,8 +171,10 @@ class Engine:
             if self._scratch is None:
                 self._scratch = self.runtime.new_kv()
             out = []
-            for start in range(0, len(ids), self.prefill_chunk):
-                part = ids[start:start + self.prefill_chunk]
+            # bound each run's logits to ~64 MB (large vocabularies)
+            step = max(16, min(self.prefill_chunk, (64 << 20) // (4 * self.config.vocab_size)))
+            for start in range(0, len(ids), step):
+                part = ids[start:start + step]
                 out.append(self.runtime.forward(self._scratch, part, start, num_logits=len(part)))
             return np.concatenate(out, axis=0)
 
