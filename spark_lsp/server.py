@@ -37,6 +37,7 @@ CMD_CANCEL = "spark.cancel"
 CMD_TOGGLE = "spark.toggle"
 CMD_CONFIGURE = "spark.configure"
 CMD_STATUS = "spark.status"
+CMD_ACCEPTED = "spark.accepted"
 EDIT_SUFFIX = "#edit"   # scheduler key of a document's code-action edit
 JOIN_GRACE_S = 0.25     # how long a generation the user types along with waits for its next request
 
@@ -416,8 +417,11 @@ class SparkServer(LanguageServer):
         if trigger != completions.INVOKED:
             items = items[:1]
         rng = T.Range(pos, pos)
-        return T.InlineCompletionList(items=[T.InlineCompletionItem(insert_text=s, filter_text=s, range=rng)
-                                             for s in items])
+        # the command runs when the user accepts an item: counts accepted suggestions and characters
+        return T.InlineCompletionList(items=[T.InlineCompletionItem(
+            insert_text=s, filter_text=s, range=rng,
+            command=T.Command(title="spark: suggestion accepted", command=CMD_ACCEPTED, arguments=[len(s)]))
+            for s in items])
 
     def on_did_change(self, params: T.DidChangeTextDocumentParams) -> None:
         uri = params.text_document.uri
@@ -739,6 +743,13 @@ def create_server(model_dir: str | None = None) -> SparkServer:
         except SettingsError as exc:
             raise JsonRpcInvalidParams(str(exc)) from None
         return to_json(ls.settings)
+
+    @ls.command(CMD_ACCEPTED)
+    def accepted(ls: SparkServer, *args: Any):
+        ls.metrics.accepted += 1
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool) and args[0] >= 0:
+            ls.metrics.accepted_chars += args[0]
+        return None
 
     @ls.command(CMD_STATUS)
     def status(ls: SparkServer, *args: Any):

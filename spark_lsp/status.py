@@ -100,6 +100,8 @@ class Metrics:
     inline_requests: int = 0
     typing_through: int = 0
     joined: int = 0                   # requests answered by joining a generation already running
+    accepted: int = 0                 # suggestions the user accepted (the items' command ran)
+    accepted_chars: int = 0
     model_calls: int = 0
     prefix_cache_hits: int = 0        # model calls whose prompt reused cached tokens
     prompt_tokens: int = 0
@@ -127,6 +129,8 @@ class Metrics:
             "inlineRequests": self.inline_requests,
             "typingThrough": self.typing_through,
             "joinedGeneration": self.joined,
+            "accepted": self.accepted,
+            "acceptedChars": self.accepted_chars,
             "modelCalls": self.model_calls,
             "prefixCacheHits": self.prefix_cache_hits,
             "promptTokens": self.prompt_tokens,

@@ -59,6 +59,10 @@ async def test_inline_completion_and_status(editor, sample):
     for item in res.items:
         assert item.range.start == editor.pos(URI, off) == item.range.end
         assert item.filter_text == item.insert_text and "\n" not in item.insert_text
+        # accepting runs the item's command, which the server counts
+        await editor.command(item.command.command, *item.command.arguments)
+        m = await editor.metrics()
+        assert m["accepted"] == 1 and m["acceptedChars"] == len(item.insert_text)
     for _ in range(50):
         if editor.status:
             break
