@@ -321,6 +321,28 @@ local function scenario()
   end
   record('cancel_command_stops_edit', ok_cancel, cancel_attempts)
 
+  -- 5c. "Edit selection with instruction…" from vim.lsp.buf.code_action(): the plugin asks for the
+  -- instruction with vim.ui.input (answered here as a user would type it).
+  vim.api.nvim_buf_set_lines(0, 0, -1, false, vim.split(SAMPLE_TEXT, '\n', { plain = true }))
+  sleep(200)
+  local asked_prompt
+  local orig_input = vim.ui.input
+  vim.ui.input = function(o, on_confirm)
+    asked_prompt = o.prompt
+    on_confirm('add type hints')
+  end
+  vim.api.nvim_win_set_cursor(0, { 5, 4 })
+  local before_instr = buf_text()
+  vim.lsp.buf.code_action({
+    filter = function(a) return a.title == 'Spark: Edit selection with instruction…' end,
+    apply = true,
+  })
+  local instr_changed = wait_for(function() return buf_text() ~= before_instr end, 15000)
+  wait_for(function() return next(require('spark.status').progress) == nil end, 15000)
+  vim.ui.input = orig_input
+  record('instruction_code_action', asked_prompt ~= nil and instr_changed ~= nil,
+    { prompt = asked_prompt, lines = vim.api.nvim_buf_get_lines(0, 2, 7, false) })
+
   -- 6. The other commands ----------------------------------------------------------------------
   local on = spark.is_enabled()
   vim.cmd('SparkToggle')
@@ -328,6 +350,13 @@ local function scenario()
   vim.cmd('SparkToggle')
   record('toggle', on and not off and spark.is_enabled(), { before = on, after = off })
   record('statusline', spark.statusline():match('tok/s') ~= nil, spark.statusline())
+  vim.cmd('messages clear')
+  vim.cmd('SparkStatus')
+  local status_msg = wait_for(function()
+    local m = vim.api.nvim_exec2('messages', { output = true }).output
+    return m:find('tokens/s', 1, true) and m:find('server:', 1, true) and m
+  end, 5000)
+  record('status_command', status_msg ~= nil, status_msg)
   local ok_health, health_err = pcall(vim.cmd, 'checkhealth spark')
   local health = ok_health and table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n') or health_err
   record('checkhealth', ok_health and health:find('server running', 1, true) ~= nil
