@@ -163,8 +163,11 @@ def generate_steps(engine: Any, job: Job, ids: list[int], params: Any,
         job.mark_stopped()
     if job.cancelled:
         raise Cancelled(job.reason)
+    finish = "stop" if early else str(getattr(gen, "finish_reason", ""))
+    if finish == "cancelled":  # stopped by the engine, e.g. another generation took its KV slot
+        raise Cancelled("the engine stopped the generation")
     stats = dict(getattr(gen, "stats", {}) or {})
-    return text, stats, ("stop" if early else str(getattr(gen, "finish_reason", "")))
+    return text, stats, finish
 
 
 def generate_text(*args: Any, **kw: Any) -> tuple[str, dict, str]:

@@ -320,8 +320,8 @@ class SparkServer(LanguageServer):
         text = doc.source
         offset = self._offset(text, params.position)
         self.metrics.inline_requests += 1
-        if not self.enabled or uri in self.live:
-            return T.InlineCompletionList(items=[])
+        if not self.enabled or uri in self.live or self._sched().busy(uri + EDIT_SUFFIX):
+            return T.InlineCompletionList(items=[])  # one generation per document: an edit is running
         trigger = int(params.context.trigger_kind) if params.context else completions.AUTOMATIC
         sel = params.context.selected_completion_info if params.context else None
         if sel is not None:
@@ -519,6 +519,7 @@ class SparkServer(LanguageServer):
         limit = completions.context_limit(engine)
         if limit:
             budget = max(16, min(budget, limit - plan.max_tokens - 8))
+        self._sched().cancel(uri, "an edit started", kind="completion")  # one generation per document
         job = Job(uri + EDIT_SUFFIX,
                   lambda j: actions.run_plan_steps(engine, builder, j, plan, params_cls, budget,
                                              on_text=(lambda s: j.call_soon(on_text, s)) if on_text else None,
