@@ -45,6 +45,11 @@ class WaferProjector:
         return None
 
     def _compute(self, key: tuple, engine: Any, settings: Settings) -> None:
+        try:  # background work: yield the CPU to the engine and the editor's requests (Linux)
+            import os
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         try:
             from engine.wafer.chips import load_chip
             from engine.wafer.perfmodel import plan
