@@ -49,7 +49,8 @@ def test_vscode_end_to_end(tiny_llama, tmp_path):
     failed = {k: v.get("detail") for k, v in result["checks"].items() if not v["ok"]}
     assert not failed, f"failed checks: {failed}\n{log[-4000:]}"
     for name in ("extension_started", "ghost_text_shown", "tab_accepts", "code_action_listed",
-                 "code_action_edits", "status_bar_figures", "status_bar_toggles", "instruction_edit"):
+                 "code_action_edits", "status_bar_figures", "status_bar_toggles", "instruction_edit",
+                 "settings_reach_server"):
         assert name in result["checks"], f"check {name} did not run:\n{log[-4000:]}"
     assert (out / "vscode-ghost-text.png").is_file()
     assert proc.returncode == 0, log[-4000:]

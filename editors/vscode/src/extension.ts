@@ -36,7 +36,6 @@ export async function activate(ctx: vscode.ExtensionContext): Promise<void> {
     const on = !inlineEnabled();
     await setInlineEnabled(on);
     status.setEnabled(on);
-    void vscode.window.setStatusBarMessage(`Spark inline suggestions ${on ? 'on' : 'off'}`, 2000);
   });
   reg('sparkLsp.triggerSuggestion', () => vscode.commands.executeCommand('editor.action.inlineSuggest.trigger'));
   reg('sparkLsp.editSelection', () => editSelection());
@@ -173,7 +172,7 @@ async function cancelGeneration(): Promise<void> {
   } catch (err: any) {
     if (n === 0) output.info(`[client] cancel: ${err?.message ?? err}`);
   }
-  void vscode.window.setStatusBarMessage('Spark: generation cancelled', 2000);
+  void vscode.window.setStatusBarMessage('$(debug-stop) generation cancelled', 2000);
 }
 
 export async function deactivate(): Promise<void> {

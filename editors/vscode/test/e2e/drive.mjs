@@ -164,7 +164,7 @@ async function main() {
     const on = await page.waitForFunction(() => [...document.querySelectorAll('.statusbar-item')]
       .some((e) => /Spark/.test(e.textContent || '') && !/Spark off/.test(e.textContent || '')), null, { timeout: 10000 })
       .then(() => true).catch(() => false);
-    check('status_bar_toggles', off && on, { off, on });
+    check('status_bar_toggles', off && on, { off, on, now: await statusText(page) });
     mark('toggle');
 
     // "Edit Selection with Instruction…" from the command palette: select `def add`, give an instruction.
@@ -195,6 +195,47 @@ async function main() {
     await page.waitForTimeout(1500);
     check('instruction_edit', asked && edited, { asked, edited, lines: (await editorText(page)).split('\n').slice(2, 8) });
     mark('instruction_edit');
+
+    // A settings change made in the Settings editor reaches the server
+    // (workspace/didChangeConfiguration); the server's log shows in the "Spark LSP" output channel.
+    const countUpdates = () => page.evaluate(() => {
+      const panel = document.querySelector('.part.panel');
+      const text = (panel && panel.textContent || '').replace(/\u00a0/g, ' ');
+      return (text.match(/settings updated/g) || []).length;
+    });
+    const palette = async (label) => {
+      await page.keyboard.press('F1');
+      await page.waitForSelector('.quick-input-widget input');
+      await page.keyboard.type(label, { delay: 10 });
+      await page.locator('.quick-input-list .monaco-list-row', { hasText: label.replace(/^.*: /, '') }).first().waitFor();
+      await page.keyboard.press('Enter');
+    };
+    await palette('Spark: Show Server Log');
+    await page.waitForFunction(() => /model .* loaded/.test(
+      (document.querySelector('.part.panel')?.textContent || '').replace(/\u00a0/g, ' ')), null, { timeout: 20000 });
+    const n0 = await countUpdates();
+    await palette('Preferences: Open Settings (UI)');
+    await page.locator('.settings-editor').first().waitFor({ timeout: 20000 });
+    await page.waitForTimeout(1000); // the search box has the focus once the editor is up
+    await page.keyboard.type('spark.maxTokens', { delay: 10 });
+    const input = page.locator('.settings-editor .setting-item-number', { hasText: 'Max Tokens' }).locator('input').first();
+    let changed = false;
+    try {
+      await input.waitFor({ timeout: 15000 });
+      await input.click({ clickCount: 3 });
+      await page.keyboard.type('24', { delay: 20 });
+      await page.keyboard.press('Tab');
+      changed = (await input.inputValue()) === '24';
+    } catch (e) { /* reported below */ }
+    const n1 = await page.waitForFunction((n) => {
+      const panel = document.querySelector('.part.panel');
+      const text = (panel && panel.textContent || '').replace(/\u00a0/g, ' ');
+      const c = (text.match(/settings updated/g) || []).length;
+      return c > n ? c : null;
+    }, n0, { timeout: 20000 }).then((h) => h.jsonValue()).catch(() => null);
+    await page.screenshot({ path: join(out, 'vscode-settings.png') });
+    check('settings_reach_server', changed && n1 !== null, { changed, before: n0, after: n1 });
+    mark('settings');
   } catch (e) {
     check('driver_error', false, String(e && e.stack || e).slice(0, 1000));
     try { await page.screenshot({ path: join(out, 'vscode-error.png') }); } catch { /* ignore */ }
