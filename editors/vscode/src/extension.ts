@@ -111,9 +111,10 @@ async function startClient(ctx: vscode.ExtensionContext): Promise<void> {
   c.onNotification('spark/status', (s: SparkStatus) => status.update(s));
   progress = new ProgressTracker(c);
   progress.install();
-  progress.onDidChange((n) => {
-    status.setGenerating(n > 0);
-    void vscode.commands.executeCommand('setContext', 'spark.generating', n > 0);
+  progress.onDidChange(({ generating, other }) => {
+    status.setGenerating(generating > 0);
+    status.setState(other > 0 ? 'loading' : 'ready');
+    void vscode.commands.executeCommand('setContext', 'spark.generating', generating > 0);
   });
   ctx.subscriptions.push(progress);
 }

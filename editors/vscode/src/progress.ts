@@ -13,7 +13,10 @@ import {
 
 type Value = WorkDoneProgressBegin | WorkDoneProgressReport | WorkDoneProgressEnd;
 
+export interface ProgressCounts { generating: number; other: number }
+
 interface Running {
+  cancellable: boolean;
   resolve(): void;
   report(message?: string, percentage?: number): void;
   dispose(): void;
@@ -22,8 +25,8 @@ interface Running {
 
 export class ProgressTracker implements vscode.Disposable {
   private readonly running = new Map<ProgressToken, Running>();
-  private readonly changed = new vscode.EventEmitter<number>();
-  /** Fires with the number of running progresses whenever it changes. */
+  private readonly changed = new vscode.EventEmitter<ProgressCounts>();
+  /** Fires with what is running whenever it changes. */
   readonly onDidChange = this.changed.event;
 
   constructor(private readonly client: LanguageClient) {}
@@ -35,7 +38,12 @@ export class ProgressTracker implements vscode.Disposable {
     });
   }
 
-  get count(): number { return this.running.size; }
+  /** Cancellable progresses are generations (live edits); the others are background work (loading). */
+  get counts(): ProgressCounts {
+    let generating = 0;
+    for (const r of this.running.values()) if (r.cancellable) generating++;
+    return { generating, other: this.running.size - generating };
+  }
 
   /** Asks the server to stop every running progress; returns how many were cancelled. */
   cancelAll(): number {
@@ -51,6 +59,7 @@ export class ProgressTracker implements vscode.Disposable {
       let progress: vscode.Progress<{ message?: string; increment?: number }> | undefined;
       let lastPct = 0;
       const entry: Running = {
+        cancellable: !!value.cancellable,
         title: value.title,
         resolve,
         report: (message, percentage) => {
@@ -61,7 +70,7 @@ export class ProgressTracker implements vscode.Disposable {
         dispose: () => sub.dispose(),
       };
       this.running.set(token, entry);
-      this.changed.fire(this.running.size);
+      this.changed.fire(this.counts);
       void vscode.window.withProgress(
         {
           // A cancellable edit gets a notification with a Cancel button; model loading just the status bar.
@@ -86,7 +95,7 @@ export class ProgressTracker implements vscode.Disposable {
         entry.resolve();
         entry.dispose();
         this.running.delete(token);
-        this.changed.fire(this.running.size);
+        this.changed.fire(this.counts);
       } else {
         sub.dispose();
       }

@@ -77,10 +77,10 @@ async function main() {
     await page.waitForSelector('.editor-instance .monaco-editor .view-lines');
     mark('file_open');
 
-    // Wait for the extension: status bar item "Spark" in the ready state.
+    // Wait for the extension: status bar item "Spark" in the ready state (server up, model loaded).
     const ready = await page.waitForFunction(() => {
       const it = [...document.querySelectorAll('.statusbar-item')].find((e) => /Spark/.test(e.textContent || ''));
-      return it && !/starting|stopped|error/.test(it.textContent) ? it.textContent.trim() : null;
+      return it && !/starting|loading|stopped|error/.test(it.textContent) ? it.textContent.trim() : null;
     }, null, { timeout: 90000 }).then((h) => h.jsonValue()).catch(() => null);
     check('extension_started', ready, ready);
     mark('extension_ready');
