@@ -75,14 +75,16 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
              cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
-             spinning: bool = False, linear=None, decode_threads: int | None = None) -> "Engine":
+             spinning: bool | None = None, linear=None, decode_threads: int | None = None) -> "Engine":
         """Load a Hugging Face model folder (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
         (``engine.wafer.partition.TiledLinear``); ``wafer=False`` uses plain MatMuls.
         ``threads``: intra-op threads (default: physical cores).  ``slots``: how many sequences
         keep their KV cache for prefix reuse.  ``max_context``: cap on the KV buffer length.
-        ``decode_threads``: threads for decode steps (default: 1 for small models, else ``threads``).
+        ``decode_threads``: threads for decode steps (default: ``threads``).  ``spinning``: None
+        (default) lets small models decode with spinning threads while the CPU is calm and
+        without while it is contended; True/False force it (see ``engine.runtime.Runtime``).
         ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``.
         """
         t0 = time.perf_counter()

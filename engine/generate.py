@@ -150,6 +150,7 @@ class Generation:
             slot = eng._cache.acquire(self.slot_key)
             slot.owner = self
             self._check(slot)
+            rt.refresh_mode()  # spinning decode session only while the CPU is calm
             reused = slot.rewind(self.prompt)
             self.stats["reused_tokens"] = reused
             pos = reused

@@ -39,12 +39,7 @@ def physical_cores() -> int:
 
 
 def session_options(threads: int | None = None, *, spinning: bool = False) -> ort.SessionOptions:
-    """Session options for low-latency decoding on a shared machine.
-
-    Spinning is off by default: intra-op threads then sleep between the many tiny decode steps
-    instead of burning the CPU an editor (and the language server) needs.  Measured on the busy
-    2-core dev machine: spinning halved mean decode speed and doubled CPU per token.
-    """
+    """Session options for low-latency decoding (see :class:`Runtime` for when to spin)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = int(threads or physical_cores())
     so.inter_op_num_threads = 1
@@ -67,8 +62,40 @@ def _runner(session: ort.InferenceSession):
     return session.run_with_iobinding  # pragma: no cover - other onnxruntime builds
 
 
+def cpu_contended(threshold: float = 20.0) -> bool:
+    """Whether other work is competing for the CPU right now.
+
+    Linux pressure stall information (``/proc/pressure/cpu``, "some avg10": share of the last
+    10 s in which a runnable task waited for a CPU); else the 1-minute load average against the
+    cores.  Spinning threads only pay off when they do not have to fight for a core.
+    """
+    try:
+        line = Path("/proc/pressure/cpu").read_text().split("\n", 1)[0]
+        fields = dict(kv.split("=") for kv in line.split()[1:])
+        return float(fields["avg10"]) >= threshold
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        return os.getloadavg()[0] >= physical_cores()
+    except OSError:  # pragma: no cover - no load average on this platform
+        return True
+
+
+class _Target:
+    """One ORT session of the decoder and the fast way to run a binding on it."""
+
+    def __init__(self, session: ort.InferenceSession, threads: int, spinning: bool) -> None:
+        self.session = session
+        self.threads = threads
+        self.spinning = spinning
+        self.run = _runner(session)
+
+    def __repr__(self) -> str:
+        return f"<session threads={self.threads} spinning={self.spinning}>"
+
+
 class KVBuffers:
-    """One sequence's preallocated KV cache plus the IOBindings that use it."""
+    """One sequence's preallocated KV cache plus the IOBindings (per session) that use it."""
 
     def __init__(self, runtime: "Runtime") -> None:
         rt = runtime
@@ -82,22 +109,29 @@ class KVBuffers:
         self.step_seqlens = np.zeros([1], np.int32)
         self.step_total = np.zeros([], np.int32)
         self.step_logits = np.zeros([1, 1, rt.vocab_size], np.float32)
-        self._keep = [ort.OrtValue.ortvalue_from_numpy(a) for a in
-                      (self.step_ids, self.step_seqlens, self.step_total, rt.zero_i64, self.step_logits)]
-        self.step_binding = rt.decode_session.io_binding()
-        for name, v in zip(INPUTS, self._keep[:4]):
-            self.step_binding.bind_ortvalue_input(name, v)
-        self.step_binding.bind_ortvalue_output("logits", self._keep[4])
-        self._bind_kv(self.step_binding)
-        # General forward (prefill, several logits): inputs/outputs re-bound per call; one binding
-        # per session (short runs go to the decode session, see Runtime).
-        self.binding = rt.session.io_binding()
-        self._bind_kv(self.binding)
-        if rt.decode_session is rt.session:
-            self.small_binding = self.binding
-        else:
-            self.small_binding = rt.decode_session.io_binding()
-            self._bind_kv(self.small_binding)
+        self._step_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in
+                             (self.step_ids, self.step_seqlens, self.step_total, rt.zero_i64, self.step_logits)]
+        self._step: dict[_Target, ort.IOBinding] = {}
+        self._general: dict[_Target, ort.IOBinding] = {}
+
+    def step_binding(self, target: _Target) -> ort.IOBinding:
+        """The fully pre-bound decode-step binding on ``target`` (made once)."""
+        b = self._step.get(target)
+        if b is None:
+            b = self._step[target] = target.session.io_binding()
+            for name, v in zip(INPUTS, self._step_values[:4]):
+                b.bind_ortvalue_input(name, v)
+            b.bind_ortvalue_output("logits", self._step_values[4])
+            self._bind_kv(b)
+        return b
+
+    def binding(self, target: _Target) -> ort.IOBinding:
+        """A binding on ``target`` with the KV bound; inputs and logits are re-bound per call."""
+        b = self._general.get(target)
+        if b is None:
+            b = self._general[target] = target.session.io_binding()
+            self._bind_kv(b)
+        return b
 
     def _bind_kv(self, binding: ort.IOBinding) -> None:
         for (i, t), v in self.values.items():
@@ -105,50 +139,58 @@ class KVBuffers:
             binding.bind_ortvalue_output(f"present.{i}.{t}", v)
 
 
-#: Weights up to this size decode on one thread: per-step work is then so small that waking a
-#: second thread for every op costs more than it saves (measured: 1 thread matched 2 threads'
-#: speed at ~35 % less CPU per token on the 8M model; a loaded machine favours 1 thread more).
+#: Models up to this size (graph files) get a second, spinning session for decode steps when the
+#: CPU is not contended (the weights are then held twice; small models only).
 SMALL_MODEL_BYTES = 64 << 20
 #: Runs of at most this many tokens (decode steps, speculative verification, small prefills
-#: after an edit) go to the decode session; longer prefills use all threads.
+#: after an edit) go to the decode session; longer prefills to the non-spinning one.
 SMALL_RUN_TOKENS = 16
 
 
 class Runtime:
-    """ORT sessions over a decoder graph built by :func:`engine.graph.build_decoder`.
+    """ORT sessions over a decoder graph built by :func:`engine.graph.build_decoder`, sharing KV buffers.
 
-    Two sessions of the same graph may share the KV buffers: ``session`` with ``threads`` for
-    long prefills, and ``decode_session`` with ``decode_threads`` for decode steps and short runs.
-    ``decode_threads=None`` picks 1 for small models (see ``SMALL_MODEL_BYTES``), else ``threads``
-    (then there is only one session).
+    Spinning intra-op threads make a decode step of a small model ~1.8x faster on an idle
+    machine (measured: 2.9k vs 1.6k tok/s on the 8M model, 2 threads) but halve it when other
+    processes compete for the cores (the spinning thread holds a core the working thread needs).
+    ``spinning=None`` (auto) therefore keeps two sessions for small models: a spinning one for
+    decode steps and short runs while the CPU is calm, and a non-spinning one for long prefills
+    and for decoding while it is contended (:func:`cpu_contended`, checked by :meth:`refresh_mode`
+    at the start of each generation).  ``True``/``False`` force one behaviour (one session).
+    Spinning threads stop ~40 ms after a generation, so an idle editor keeps its CPU.
     """
 
     def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,
-                 decode_threads: int | None = None, spinning: bool = False) -> None:
+                 decode_threads: int | None = None, spinning: bool | None = None) -> None:
         self.config = config
         self.max_len = int(max_len)
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.vocab_size = config.vocab_size
         self.threads = int(threads or physical_cores())
+        self.decode_threads = min(int(decode_threads or self.threads), self.threads)
         model_path = Path(model_path)
-        if decode_threads is None:
-            size = sum(p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file())
-            decode_threads = 1 if size <= SMALL_MODEL_BYTES else self.threads
-        self.decode_threads = min(int(decode_threads), self.threads)
-        providers = ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(model_path), session_options(self.threads, spinning=spinning),
-                                            providers=providers)
-        if self.decode_threads == self.threads:
-            self.decode_session = self.session
-        else:
-            self.decode_session = ort.InferenceSession(
-                str(model_path), session_options(self.decode_threads, spinning=spinning), providers=providers)
-        self._run_wide = _runner(self.session)
-        self._run = _runner(self.decode_session)
+        size = sum(p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file())
+
+        def target(n: int, spin: bool) -> _Target:
+            so = session_options(n, spinning=spin)
+            return _Target(ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]), n, spin)
+
+        self.wide = target(self.threads, bool(spinning))  # long prefills
+        self.busy = self.wide if self.decode_threads == self.threads else target(self.decode_threads, bool(spinning))
+        self.calm = self.busy
+        if spinning is None and size <= SMALL_MODEL_BYTES:
+            self.calm = target(self.decode_threads, True)
+        self.target = self.busy
+        self.session = self.wide.session
         self.zero_i64 = np.zeros([1], np.int64)
         # KV head size as built (the graph pads it to a multiple of 16).
         self.head_dim = int(next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key"))
+
+    def refresh_mode(self) -> _Target:
+        """Pick the decode session for the next generation (spinning only while the CPU is calm)."""
+        self.target = self.busy if self.calm is self.busy or cpu_contended() else self.calm
+        return self.target
 
     def new_kv(self) -> KVBuffers:
         return KVBuffers(self)
@@ -168,15 +210,14 @@ class Runtime:
         n = ids.shape[1]
         self._check_span(pos, n)
         num_logits = max(1, min(int(num_logits), n))
-        small = n <= SMALL_RUN_TOKENS
-        b = kv.small_binding if small else kv.binding
+        target = self.target if n <= SMALL_RUN_TOKENS else self.wide
+        b = kv.binding(target)
         logits = np.empty([1, num_logits, self.vocab_size], np.float32)
         feeds = (ids, np.array([pos + n - 1], np.int32), np.array(pos + n, np.int32), np.array([n - num_logits], np.int64))
         for name, arr in zip(INPUTS, feeds):
             b.bind_cpu_input(name, arr)
-        out = ort.OrtValue.ortvalue_from_numpy(logits)
-        b.bind_ortvalue_output("logits", out)
-        (self._run if small else self._run_wide)(b, run_options)
+        b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        target.run(b, run_options)
         return logits[0]
 
     def decode(self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None) -> np.ndarray:
@@ -186,5 +227,6 @@ class Runtime:
         kv.step_ids[0, 0] = token
         kv.step_seqlens[0] = pos
         kv.step_total[...] = pos + 1
-        self._run(kv.step_binding, run_options)
+        target = self.target
+        target.run(kv.step_binding(target), run_options)
         return kv.step_logits[0, 0]

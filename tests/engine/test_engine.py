@@ -77,21 +77,49 @@ def test_explicit_linear_emitter(tiny_llama, tmp_path):
     assert sorted(set(lin.roles)) == ["down", "gate_up", "lm_head", "o", "qkv"] and len(lin.roles) == 4 * n + 1
 
 
-@pytest.mark.parametrize("decode_threads", [None, 2])
-def test_decode_session_choice(tiny_llama, tmp_path_factory, decode_threads):
-    """Small models decode on a 1-thread session sharing the KV buffers; either way, same tokens."""
+@pytest.mark.parametrize("contended", [False, True])
+def test_spinning_session_only_while_calm(tiny_llama, tmp_path_factory, monkeypatch, contended):
+    """Auto mode: a spinning decode session while the CPU is calm, the plain one when contended;
+    both share the KV buffers and give the same tokens."""
+    import engine.runtime as runtime_mod
     from engine_helpers import greedy, hf_greedy
 
-    eng = load_engine(tiny_llama, tmp_path_factory, threads=2, decode_threads=decode_threads)
+    monkeypatch.setattr(runtime_mod, "cpu_contended", lambda *a: contended)
+    eng = load_engine(tiny_llama, tmp_path_factory, threads=2)
     rt = eng.runtime
-    if decode_threads is None:
-        assert rt.decode_threads == 1 and rt.decode_session is not rt.session
-    else:
-        assert rt.decode_threads == 2 and rt.decode_session is rt.session
+    assert rt.calm is not rt.busy and rt.calm.spinning and not rt.busy.spinning and not rt.wide.spinning
     ids = random_ids(eng, 40, seed=51)  # > SMALL_RUN_TOKENS: prefill on the wide session
     gen = greedy(eng, ids, 24, slot="x")
+    assert rt.target is (rt.busy if contended else rt.calm)
     assert gen.tokens == hf_greedy(tiny_llama, ids, 24)
+    monkeypatch.setattr(runtime_mod, "cpu_contended", lambda *a: not contended)  # switch mid-slot
     more = ids + gen.tokens + random_ids(eng, 5, seed=52)  # short prefill on the decode session
     again = greedy(eng, more, 16, slot="x")
+    assert rt.target is (rt.calm if contended else rt.busy)
     assert again.stats["reused_tokens"] == len(ids) + len(gen.tokens) - 1
     assert again.tokens == hf_greedy(tiny_llama, more, 16)
+
+
+@pytest.mark.parametrize("kw", [{"spinning": False}, {"spinning": True}, {"decode_threads": 1}])
+def test_forced_session_modes(tiny_llama, tmp_path_factory, kw):
+    from engine_helpers import greedy, hf_greedy
+
+    eng = load_engine(tiny_llama, tmp_path_factory, threads=2, **kw)
+    rt = eng.runtime
+    if "spinning" in kw:
+        assert rt.calm is rt.busy is rt.wide and rt.wide.spinning == kw["spinning"]
+    else:
+        assert rt.busy.threads == 1 and rt.wide.threads == 2
+    ids = random_ids(eng, 30, seed=53)
+    assert greedy(eng, ids, 12).tokens == hf_greedy(tiny_llama, ids, 12)
+
+
+def test_cpu_contended_reads_pressure():
+    import os
+
+    import engine.runtime as runtime_mod
+
+    assert isinstance(runtime_mod.cpu_contended(), bool)
+    if os.path.exists("/proc/pressure/cpu"):
+        assert runtime_mod.cpu_contended(threshold=1e9) is False
+        assert runtime_mod.cpu_contended(threshold=0.0) is True
