@@ -208,6 +208,13 @@ class QuantLinear:
     verify_margin = 3e-3
 
     @property
+    def accepts_3d(self) -> bool:
+        """[1, S, K] activations are fine (MatMulNBits / MatMulInteger broadcast over leading axes;
+        every axis below is counted from the end), unless unquantised roles go to an inner
+        emitter that needs 2-D."""
+        return self.roles is None or bool(getattr(self.inner, "accepts_3d", False))
+
+    @property
     def max_verify_tokens(self) -> int | None:
         """Most tokens one pass may hold and still give bit-for-bit-consistent rows with single
         steps (None: no limit) — what speculative decoding needs for output identical to greedy."""
@@ -220,9 +227,9 @@ class QuantLinear:
         inner_key = inner() if callable(inner) else "dense"
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
-            return f"rowq8-{self.form}-{roles}-v1/{inner_key}"
+            return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
         return (f"q{self.bits}-b{self.block_size}-{self.form}-acc{self.accuracy_level}"
-                f"-{'sym' if self.symmetric else 'asym'}-{roles}-v1/{inner_key}")
+                f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}")
 
     # The K extents each quantisation must respect: one per mesh line along the reduction axis.
     def _k_parts(self, shape: tuple[int, int], role: str) -> list[int]:
@@ -264,7 +271,7 @@ class QuantLinear:
         else:
             offs = np.cumsum([0] + parts)
             xs = gb.node("Split", [x, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k",
-                         axis=1) if len(parts) > 1 else [x]
+                         axis=-1) if len(parts) > 1 else [x]
             ys = [self._nbits(gb, xs[p], np.ascontiguousarray(w[offs[p]:offs[p + 1]]), f"{name}.line{p}",
                               _block_for(parts[p], self.block_size) or 16)
                   for p in range(len(parts))]
@@ -301,7 +308,7 @@ class QuantLinear:
         col[col == 0] = 1.0
         q = np.clip(np.round(w / col), -127, 127).astype(np.int8)
         amax = gb.node("ReduceMax", [gb.node("Abs", [x], name=f"{name}/abs")], name=f"{name}/row_max",
-                       axes=[1], keepdims=1)
+                       axes=[-1], keepdims=1)
         row = gb.node("Max", [gb.node("Mul", [amax, gb.const_f32(1.0 / 127.0)], name=f"{name}/row_scale0"),
                               gb.const_f32(1e-30)], name=f"{name}/row_scale")
         xr = gb.node("Round", [gb.node("Div", [x, row], name=f"{name}/x_div")], name=f"{name}/x_round")
@@ -312,7 +319,7 @@ class QuantLinear:
             acc = gb.node("MatMulInteger", [xq, gb.initializer(f"{name}.q8", q), zp], name=f"{name}/matmul_int8")
         else:
             offs = np.cumsum([0] + parts)
-            xs = gb.node("Split", [xq, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k", axis=1)
+            xs = gb.node("Split", [xq, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k", axis=-1)
             acc = None
             for p in range(len(parts)):
                 qp = gb.initializer(f"{name}.line{p}.q8", np.ascontiguousarray(q[offs[p]:offs[p + 1]]))
@@ -633,11 +640,17 @@ def op_profile(eng, steps: int = 64, prompt_len: int = 128, verify: int = 0) -> 
     n = max(1, verify)
     ids = rng.integers(0, eng.sample_vocab, prompt_len + steps * n)
 
+    names = {i.name for i in sess.get_inputs()}
+    ids_shape = next(len(i.shape) for i in sess.get_inputs() if i.name == "input_ids")
+
     def run(tokens, pos):
         k = len(tokens)
-        for name, arr in (("input_ids", np.asarray(tokens, np.int64)), ("seqlens_k", np.array([pos + k - 1], np.int32)),
-                          ("total_sequence_length", np.array(pos + k, np.int32)), ("num_logits", np.array([k], np.int64))):
-            binding.bind_cpu_input(name, arr)
+        feeds = {"input_ids": np.asarray(tokens, np.int64).reshape((1, k) if ids_shape == 2 else (k,)),
+                 "seqlens_k": np.array([pos + k - 1], np.int32), "total_sequence_length": np.array(pos + k, np.int32),
+                 "num_logits": np.array([k], np.int64), "logits_from": np.array([0], np.int64)}
+        for name, arr in feeds.items():
+            if name in names:
+                binding.bind_cpu_input(name, arr)
         binding.bind_output("logits")
         sess.run_with_iobinding(binding)
 
