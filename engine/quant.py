@@ -706,7 +706,7 @@ def _main(argv: list[str] | None = None) -> int:
     from .bench import resolve_model
 
     folder = resolve_model(args.model)
-    if args.eval_files and not args.agreement:
+    if args.eval_files and not (args.agreement or args.consistency):
         from .evaluate import evaluate, resolve_files
 
         files = resolve_files(args.eval_files)
@@ -724,7 +724,11 @@ def _main(argv: list[str] | None = None) -> int:
         out = {}
         for p in [s.strip() for s in args.precisions.split(",") if s.strip()]:
             eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
-            rel = batch_consistency(eng, args.consistency)
+            files = None
+            if args.eval_files:
+                from .evaluate import resolve_files
+                files = resolve_files(args.eval_files)
+            rel = batch_consistency(eng, args.consistency, files=files)
             out[p] = {"rows": int(rel.size), "median": float(np.median(rel)), "p99": float(np.percentile(rel, 99)),
                       "max": float(rel.max()), "rows_over_1e-4": int((rel > 1e-4).sum())}
             print(f"{p:10s} {args.consistency}-token pass vs single steps, relative logit difference per row: "
