@@ -47,10 +47,6 @@ TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (n
 PRECISIONS = ("fp32", "int8", "int8-rowq", "int4")
 #: precision -> QuantLinear arguments
 QUANT_ARGS = {"int8": {"bits": 8}, "int8-rowq": {"bits": 8, "op": "rowq"}, "int4": {"bits": 4}}
-#: MatMulNBits (ORT 1.2x-1.3x CPU, accuracy_level 4) switches to another kernel with other rounding
-#: from this many rows on (measured: int8 from 16 rows, int4 from 9; tests/speed checks it), so a
-#: speculative verification pass must stay below it to give the logits of single decode steps.
-NBITS_CONSISTENT_ROWS = {8: 15, 4: 8}
 #: Default quantisation block (weights per scale along K) per bit width, from the measurements in
 #: BENCHMARKS.md: 4-bit needs small blocks to keep greedy agreement, 8-bit does not.
 DEFAULT_BLOCK = {8: 128, 4: 32}
@@ -201,11 +197,15 @@ class QuantLinear:
     def precision(self) -> str:
         return f"int{self.bits}" + ("-rowq" if self.op == "rowq" else "")
 
-    #: Relative top-2 logit margin under which speculative decoding re-decides a batched pass's
-    #: argmax with a single step: a batched pass can quantise an activation one code differently
-    #: from a single step (float noise upstream crossing a rounding boundary), which moves ~2 % of
-    #: rows by up to ~1e-3 of the logit scale (measured on the bundled model; see BENCHMARKS.md).
-    verify_margin = 3e-3
+    @property
+    def verify_margin(self) -> float:
+        """Relative top-2 logit margin under which speculative decoding re-decides a batched
+        pass's argmax with a single step.  A batched pass can quantise an activation one code
+        differently from a single step (float noise upstream crossing a rounding boundary; for
+        MatMulNBits also its own per-batch kernel): measured on the bundled model with
+        ``python -m engine.quant --consistency 9``, rows move by up to ~3e-3 (int8-rowq, 2 % of rows)
+        and ~8e-3 (MatMulNBits, 15 % of rows) of the logit scale; the margins leave headroom."""
+        return 6e-3 if self.op == "rowq" else 2e-2  # (MatMulNBits does not speculate: max_verify_tokens)
 
     @property
     def accepts_3d(self) -> bool:
@@ -216,11 +216,16 @@ class QuantLinear:
 
     @property
     def max_verify_tokens(self) -> int | None:
-        """Most tokens one pass may hold and still give bit-for-bit-consistent rows with single
-        steps (None: no limit) — what speculative decoding needs for output identical to greedy."""
-        if self.op == "rowq" or self.roles is not None and not self.roles:
-            return None
-        return NBITS_CONSISTENT_ROWS[self.bits]
+        """Most tokens one pass may hold for speculative verification (None: no limit).
+
+        MatMulNBits: 1, i.e. no speculation.  Its batched kernel quantises activations differently
+        from its single-row one (up to ~8e-3 of the logit scale on 15 % of rows of the bundled
+        model; from 16 rows on (int8) / 9 (int4) a third kernel, ~1e-2 everywhere), so a verified
+        token could differ from plain greedy decoding, and a 9-token pass costs ~2.7 single steps
+        — speculation would be neither exact nor fast (measured: BENCHMARKS.md).  int8-rowq
+        quantises each row itself and verifies cheaply.
+        """
+        return None if self.op == "rowq" else 1
 
     def cache_key(self) -> str:
         inner = getattr(self.inner, "cache_key", None)

@@ -354,7 +354,7 @@ class SpeculativeGeneration(Generation):
         t_first = t_last = None
         slot = None
         nv = eng.sample_vocab
-        # Some quantised kernels change their rounding above a batch size: stay below it.
+        # Emitters whose batched kernels round differently cap (or forbid: 1) multi-token passes.
         width = getattr(eng.linear, "max_verify_tokens", None)
         k_cap = (width - 1) if width else rt.max_len
         drafted = accepted_total = runs = rechecks = 0
