@@ -6,7 +6,9 @@ the KV cache.  :class:`QuantLinear` is a *linear emitter* (same interface as
 ``engine.graph.DenseLinear``): every weight matmul, the LM head included, becomes one
 ``com.microsoft.MatMulNBits`` node with ``accuracy_level=4`` — ORT quantises the activations per
 block to int8 and uses VNNI int8 dot products, so the weights stay small *and* the arithmetic is
-integer.
+integer ('int8', 'int4').  'int8-rowq' instead quantises each activation row itself and runs
+``MatMulInteger``: a bit slower per token, but rows never depend on each other and multi-token
+passes are cheap — what speculative verification needs.
 
 Composition with the wafer partitioning (``engine.wafer.partition.TiledLinear``, the engine's
 default): with ``inner=TiledLinear(...)`` the weight is quantised **per PE tile** — every
@@ -52,8 +54,8 @@ QUANT_ARGS = {"int8": {"bits": 8}, "int8-rowq": {"bits": 8, "op": "rowq"}, "int4
 DEFAULT_BLOCK = {8: 128, 4: 32}
 _VALID_BLOCKS = (256, 128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
 #: choose_precision takes int8-rowq over a faster qualifier when it is at least this fast relative
-#: to it: its k-token passes cost ~2x a step where MatMulNBits' cost ~4-5x (BENCHMARKS.md), which
-#: is what speculative edits and prefill run on.
+#: to it: its 9-token passes cost ~1.5 steps where MatMulNBits' cost ~2.7 (BENCHMARKS.md), and
+#: unlike MatMulNBits it can verify speculative drafts.
 ROWQ_PREFERENCE = 0.9
 
 
@@ -360,40 +362,12 @@ def make_linear(precision: str, wafer: bool = True, grid=None, **kw) -> Any:
     return QuantLinear(inner=base, **{**QUANT_ARGS[precision], **kw})
 
 
-def load_engine(model_dir: str | Path | None, linear: Any, *, threads: int | None = None,
-                cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
-                spinning: bool = False):
-    """``Engine.load`` with an explicit linear emitter (e.g. a :class:`QuantLinear`).
+def load_engine(model_dir: str | Path | None, linear: Any, **kw):
+    """``Engine.load`` with an explicit linear emitter (e.g. ``make_linear("int8")``); ``kw`` are
+    ``Engine.load``'s options (threads, cache_dir, slots, max_context, spinning, ...)."""
+    from .engine import Engine
 
-    Same steps as ``Engine.load``: validate, take the graph from the on-disk cache (keyed by the
-    emitter's ``cache_key()``) or build it, open the runtime.
-    """
-    from . import graph_cache
-    from .config import load_config, model_path
-    from .engine import DEFAULT_MAX_CONTEXT, Engine
-    from .graph import build_decoder
-    from .runtime import Runtime
-    from .tokenizer import Tokenizer
-    from .weights import load_weights, weights_digest
-
-    t0 = time.perf_counter()
-    if model_dir is None:
-        from .bench import resolve_model
-        model_dir = resolve_model(None)
-    folder = model_path(model_dir)
-    config = load_config(folder)
-    tokenizer = Tokenizer.load(folder)
-    max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
-    options = {"rope_len": config.max_position_embeddings}
-    key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
-
-    def build():
-        return build_decoder(config, load_weights(folder, config), linear, max_len=options["rope_len"])
-
-    path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir)
-    runtime = Runtime(path, config, max_len=max_len, threads=threads, spinning=spinning)
-    return Engine(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
-                  linear=linear, load_s=time.perf_counter() - t0)
+    return Engine.load(model_dir, linear=linear, **kw)
 
 
 # -- measuring -----------------------------------------------------------------------------------
