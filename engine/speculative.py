@@ -55,6 +55,11 @@ def verify_margin(engine: "Engine", sample: Sequence[int]) -> float:
     ``CALIBRATION_SAFETY`` times the largest relative difference seen, and at least the linear
     emitter's declared ``verify_margin``.  Holds the engine lock; ~30 small runs.
     """
+    return _calibration(engine, sample)[0]
+
+
+def _calibration(engine: "Engine", sample: Sequence[int]) -> tuple[float, float | None, float | None, int]:
+    """(margin, single-step seconds, pass seconds, pass width) — see :func:`verify_margin`."""
     if engine in _margins:
         return _margins[engine]
     declared = float(getattr(engine.linear, "verify_margin", DEFAULT_VERIFY_MARGIN))
@@ -62,21 +67,29 @@ def verify_margin(engine: "Engine", sample: Sequence[int]) -> float:
     ids = [int(t) for t in sample][:96]
     width = min(9, int(getattr(engine.linear, "max_verify_tokens", None) or 9))
     worst = 0.0
-    if len(ids) >= 8 + width and rt.max_len > len(ids):
+    steps, passes = [], []
+    if width > 1 and len(ids) >= 8 + width and rt.max_len > len(ids):
         with engine._lock:
             kv_a, kv_b = rt.new_kv(), rt.new_kv()
             for start in range(4, len(ids) - width + 1, max(1, (len(ids) - width - 4) // 3)):
                 rt.forward(kv_a, ids[:start], 0)
                 rt.forward(kv_b, ids[:start], 0)
-                single = np.stack([rt.decode(kv_a, ids[start + i], start + i).copy() for i in range(width)])
+                rows = []
+                for i in range(width):
+                    t0 = time.perf_counter()
+                    rows.append(rt.decode(kv_a, ids[start + i], start + i).copy())
+                    steps.append(time.perf_counter() - t0)
+                single = np.stack(rows)
+                t0 = time.perf_counter()
                 batch = rt.forward(kv_b, ids[start:start + width], start, num_logits=width)
+                passes.append(time.perf_counter() - t0)
                 scale = np.maximum(np.abs(single).max(1), 1.0)
                 worst = max(worst, float((np.abs(batch - single).max(1) / scale).max()))
-    _margins[engine] = max(declared, CALIBRATION_SAFETY * worst)
+    step_s = float(np.median(steps)) if steps else None
+    pass_s = float(np.median(passes)) if passes else None
+    _margins[engine] = (max(declared, CALIBRATION_SAFETY * worst), step_s, pass_s, width)
     return _margins[engine]
 
-
-# -- drafters ------------------------------------------------------------------------------------
 
 class _Tokens:
     """A growing int64 token buffer (numpy, so n-gram searches are vectorised)."""
@@ -299,6 +312,14 @@ class DraftPolicy:
             self._misses = 0
             self._wait = self.backoff
 
+    def prime(self, step_s: float | None, pass_s: float | None, width: int) -> None:
+        """Start from this engine's measured costs: a single step and a ``width``-token pass."""
+        if not step_s or not pass_s or width < 2:
+            return
+        self._step_s = step_s
+        self._extra_s = max(0.0, pass_s - step_s) / (width - 1)
+        self._rate["plain"] = [2.0, 2.0 * step_s]
+
     def losing(self) -> bool:
         """Measured: recent drafting passes (with the single steps they forced) emitted tokens more
         slowly than plain steps do — whatever the model says, stop for a while."""
@@ -364,7 +385,8 @@ class SpeculativeGeneration(Generation):
                 raise _Cancelled
             # A batched pass and a single step may round differently (quantised activations flip a
             # code now and then): only trust argmaxes whose top-2 margin exceeds that noise.
-            guard = verify_margin(eng, self.prompt)  # calibrated once per engine
+            guard, step_s, pass_s, width_s = _calibration(eng, self.prompt)  # once per engine
+            self.policy.prime(step_s, pass_s, width_s)
             slot, logits = self._prefill()
             pos = len(slot.tokens)
             context = _Tokens(self.prompt)

@@ -235,6 +235,13 @@ def test_policy_follows_acceptance_and_cost():
         r2.emitted("draft", 6, 0.002)
         r2.emitted("plain", 1, 0.001)
     assert not r2.losing() and r2.size() > 0
+    # primed with this engine's costs: a 9-token pass as dear as 9 steps never pays
+    q2 = DraftPolicy(alpha=0.6)
+    q2.prime(0.001, 0.009, 9)
+    assert q2.cost_per_token == pytest.approx(1.0) and q2.size() == 0
+    q3 = DraftPolicy(alpha=0.6)
+    q3.prime(0.001, 0.0015, 9)
+    assert q3.size() > 0
     with pytest.raises(ValueError):
         DraftPolicy(k_min=0)
     with pytest.raises(ValueError):
