@@ -236,7 +236,7 @@ class DraftPolicy:
     """
 
     k_min: int = 2
-    k_max: int = 16
+    k_max: int = 24
     max_misses: int = 2
     backoff: int = 4
     max_backoff: int = 64
