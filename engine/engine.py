@@ -60,6 +60,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.runtime = runtime
         self.linear = linear
+        self.precision = "fp32"  # what Engine.load resolved ("auto" becomes the measured choice)
         self.graph_path = graph_path
         self.graph_built = graph_built  # False: the graph came from the on-disk cache
         self.load_s = load_s
@@ -75,7 +76,8 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
              cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
-             spinning: bool | None = None, linear=None, decode_threads: int | None = None) -> "Engine":
+             spinning: bool | None = None, linear=None, decode_threads: int | None = None,
+             precision: str = "fp32") -> "Engine":
         """Load a Hugging Face model folder (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
@@ -85,7 +87,10 @@ class Engine:
         ``decode_threads``: threads for decode steps (default: ``threads``).  ``spinning``: None
         (default) lets small models decode with spinning threads while the CPU is calm and
         without while it is contended; True/False force it (see ``engine.runtime.Runtime``).
-        ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``.
+        ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``
+        and ``precision``.  ``precision``: 'fp32' (default), 'int8', 'int4', 'int8-rowq', or 'auto':
+        the fastest precision that keeps >= 95 % greedy agreement with fp32 on this model and
+        machine (``engine.quant.choose_precision``: measured once, then read from the disk cache).
         """
         t0 = time.perf_counter()
         if model_dir is None:
@@ -105,6 +110,16 @@ class Engine:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
+        explicit_linear = linear is not None
+        if linear is None and precision != "fp32":
+            from .quant import PRECISIONS, choose_precision, make_linear
+            if precision == "auto":
+                precision = choose_precision(folder, wafer=wafer, grid=grid, threads=threads,
+                                             cache_dir=cache_dir).precision
+            elif precision not in PRECISIONS:
+                raise ValueError(f"precision={precision!r}: expected 'auto' or one of {PRECISIONS}")
+            if precision != "fp32":
+                linear = make_linear(precision, wafer=wafer, grid=grid)
         linear = linear if linear is not None else _linear_emitter(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}
         key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
@@ -126,8 +141,10 @@ class Engine:
             path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
             runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
                               spinning=spinning)
-        return cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
-                   linear=linear, load_s=time.perf_counter() - t0)
+        eng = cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
+                  linear=linear, load_s=time.perf_counter() - t0)
+        eng.precision = "custom" if explicit_linear else precision
+        return eng
 
     # -- generation ----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:

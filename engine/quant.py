@@ -493,7 +493,10 @@ def _cpu_id() -> str:
 def _decision_path(cache_dir: str | Path | None, key: str) -> Path:
     from .graph_cache import cache_root
 
-    return cache_root(cache_dir).parent / "precision" / f"{key}.json"
+    # An explicit cache_dir holds everything (graphs and decisions); the default root's graphs/
+    # folder gets a sibling precision/.
+    base = Path(cache_dir).expanduser() if cache_dir is not None else cache_root().parent
+    return base / "precision" / f"{key}.json"
 
 
 def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] = ("int8", "int8-rowq", "int4"),

@@ -64,8 +64,11 @@ class ModelHost:
         self._loading = True
 
     def start(self, loop: asyncio.AbstractEventLoop, model_dir: str | None,
-              on_done: Callable[[bool, str], None] | None = None) -> None:
-        """Begin loading `model_dir` (None: the bundled default) in a background thread."""
+              on_done: Callable[[bool, str], None] | None = None, precision: str = "auto") -> None:
+        """Begin loading `model_dir` (None: the bundled default) in a background thread.
+
+        `precision` 'auto' takes the fastest weight precision that keeps greedy agreement with
+        fp32 (measured once per model and machine, then read from the disk cache)."""
         self._generation += 1
         gen = self._generation
         self.expect()
@@ -78,7 +81,7 @@ class ModelHost:
             try:
                 from engine import Engine, GenerationParams
 
-                eng = Engine.load(model_dir=model_dir, slots=4)
+                eng = Engine.load(model_dir=model_dir, slots=4, precision=precision)
                 if isinstance(getattr(eng, "prefill_chunk", None), int):
                     # a cancel waits for the prefill run in flight: keep runs short (on this
                     # 2-core CPU 256-token runs also prefill faster than 1,024-token ones)

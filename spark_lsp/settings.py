@@ -31,6 +31,7 @@ class Settings:
     load_timeout_s: float = 120.0      # requests wait this long for the model to load
     wafer_chip: str | None = None      # chip name for the projected wafer speed in spark/status
     wafer_grid: tuple[int, int] | None = None  # (rows, cols) of the emulated mesh
+    precision: str = "auto"            # weights: auto (fastest that agrees with fp32) | fp32 | int8 | int4 | int8-rowq
 
     def replace(self, **kw: Any) -> "Settings":
         return dataclasses.replace(self, **kw)
@@ -86,6 +87,14 @@ def _grid(name: str, v: Any) -> tuple[int, int] | None:
     return (int(v[0]), int(v[1]))
 
 
+def _choice(*options: str):
+    def check(name: str, v: Any) -> str:
+        if v not in options:
+            raise SettingsError(f"setting {name!r} must be one of {', '.join(options)}, got {v!r}")
+        return v
+    return check
+
+
 _FIELDS = {
     "model": ("model", _opt_str),
     "maxTokens": ("max_tokens", _int(1, 4096)),
@@ -101,6 +110,7 @@ _FIELDS = {
     "loadTimeoutS": ("load_timeout_s", _float(0.0, 3600.0)),
     "waferChip": ("wafer_chip", _opt_str),
     "waferGrid": ("wafer_grid", _grid),
+    "precision": ("precision", _choice("auto", "fp32", "int8", "int4", "int8-rowq")),
 }
 _SNAKE = {f: (js, check) for js, (f, check) in _FIELDS.items()}
 

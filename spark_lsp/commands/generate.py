@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str) -> None:
                    help="emulated PE grid each weight matmul is partitioned over (default: the wafer default)")
     p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned wafer emitter")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "int8", "int4", "int8-rowq"),
+                   help="weight precision; auto (default) = the fastest that keeps >=95%% greedy agreement "
+                        "with fp32 on this model and machine (measured once, then cached)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                                   stop=tuple(args.stop), max_time_s=args.max_time)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be a positive integer")
-        eng = Engine.load(args.model, grid=args.grid, wafer=not args.no_wafer, threads=args.threads)
+        eng = Engine.load(args.model, grid=args.grid, wafer=not args.no_wafer, threads=args.threads,
+                          precision=args.precision)
         gen = eng.generate(prompt, params)
         out = sys.stdout
         for chunk in gen:
