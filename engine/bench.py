@@ -131,7 +131,7 @@ class BenchOptions:
     peers: bool = True
     wafer: bool = True
     grid: tuple[int, int] | None = None
-    spinning: bool = False
+    spinning: bool | None = None  # None: the engine's auto mode (spin while the CPU is calm)
     seed: int = 0
 
 
@@ -404,8 +404,12 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter")
     p.add_argument("--grid", default=None, metavar="RxC", help="emulated PE grid (default: the wafer default)")
-    p.add_argument("--spinning", action="store_true",
-                   help="let ORT threads spin between steps (faster, but burns CPU the editor needs)")
+    spin = p.add_mutually_exclusive_group()
+    spin.add_argument("--spinning", dest="spinning", action="store_const", const=True, default=None,
+                      help="force ORT threads to spin between steps (default: the engine's auto mode, "
+                           "which spins only while the CPU is calm)")
+    spin.add_argument("--no-spinning", dest="spinning", action="store_const", const=False,
+                      help="never spin (leaves the CPU to the editor)")
 
 
 def run(args) -> int:
