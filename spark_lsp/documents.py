@@ -25,6 +25,12 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
+def lsp_lines(text: str) -> list[str]:
+    """Lines of `text` with their endings kept, as str.splitlines(True) gives them but breaking only
+    at LSP line ends ("\\n", "\\r\\n", "\\r"); no trailing empty line."""
+    return _LINE_RE.findall(text)
+
+
 def _unit(ch: str, enc: str) -> int:
     o = ord(ch)
     if enc == "utf-8":

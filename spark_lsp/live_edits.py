@@ -44,8 +44,11 @@ class LiveEdit:
     """State of one streamed edit: the region, what it shows, and the texts our edits produce."""
 
     def __init__(self, uri: str, doc_text: str, start: int, end: int, start_pos: Pos,
-                 on_user_change: Callable[[], None], enc: str = "utf-16"):
+                 on_user_change: Callable[[], None], enc: str = "utf-16", version: int | None = None):
         self.uri = uri
+        # the document version our next edit applies to: the last one seen, or the one our last
+        # applied edit produced when its didChange has not arrived yet (clients count one per edit)
+        self.version = version
         self.enc = enc
         self.region_start = start
         self.start_pos = start_pos
@@ -77,18 +80,26 @@ class LiveEdit:
         self.flushes += 1
         return out
 
+    def applied(self, sent_version: int | None) -> None:
+        """The client applied the edit we sent for `sent_version`."""
+        if sent_version is not None and (self.version is None or self.version <= sent_version):
+            self.version = sent_version + 1
+
     def rejected(self) -> None:
         """The client did not apply our last edit."""
         if self._expected:
             self._expected.pop()
 
-    def on_did_change(self, doc_text: str) -> bool:
+    def on_did_change(self, doc_text: str, version: int | None = None) -> bool:
         """Feed every didChange of the document; returns True if it was ours. A change that is
         not ours is the user's: the session stops (once)."""
         if doc_text in self._expected:
             while self._expected and self._expected.popleft() != doc_text:
                 pass
+            if version is not None:
+                self.version = version
             return True
+        # a user's version is never adopted: an edit still computed against the old text must be refused
         if not self.stopped_by_user:
             self.stopped_by_user = True
             self._on_user_change()

@@ -20,10 +20,11 @@ from pygls.exceptions import (JsonRpcContentModified, JsonRpcException, JsonRpcI
                               JsonRpcRequestCancelled)
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol, default_converter
+from pygls.workspace import TextDocument, Workspace
 
 from . import __version__ as _pkg_version
 from . import actions, completions, live_edits
-from .documents import PositionError, minimal_edits, offset_at, position_at
+from .documents import PositionError, lsp_lines, minimal_edits, offset_at, position_at
 from .model_host import ModelHost, ModelNotReady
 from .scheduler import Cancelled, Job, Scheduler, run_job
 from .settings import Settings, SettingsError, to_json, update
@@ -52,9 +53,39 @@ class _BadMessage:
     jsonrpc: str = "2.0"
 
 
+class LspTextDocument(TextDocument):
+    """pygls' document with LSP line breaks: pygls splits with str.splitlines, which also breaks at
+    \\f, \\v, \\x1c-\\x1e, \\x85, \\u2028 and \\u2029, so an incremental change after one of those
+    would land on the wrong line and the server's copy would drift from the editor's."""
+
+    @property
+    def lines(self):
+        return tuple(lsp_lines(self.source))
+
+
+class LspWorkspace(Workspace):
+    """A workspace whose text documents are LspTextDocuments."""
+
+    def _create_text_document(self, doc_uri, source=None, version=None, language_id=None):
+        return LspTextDocument(doc_uri, source=source, version=version, language_id=language_id,
+                               sync_kind=self._sync_kind, position_codec=self._position_codec)
+
+
 class SparkProtocol(LanguageServerProtocol):
     """pygls' protocol, plus answers for requests pygls would otherwise drop silently: malformed
-    params get -32602 with the request id, unparsable JSON gets -32700."""
+    params get -32602 with the request id, unparsable JSON gets -32700; documents keep LSP line
+    breaks (LspTextDocument)."""
+
+    @property
+    def _workspace(self):
+        return self.__dict__.get("_spark_workspace")
+
+    @_workspace.setter
+    def _workspace(self, ws) -> None:
+        # pygls builds its Workspace inside `initialize`; make it one that creates LspTextDocuments
+        if type(ws) is Workspace:
+            ws.__class__ = LspWorkspace
+        self.__dict__["_spark_workspace"] = ws
 
     def structure_message(self, data: dict[str, Any]):
         try:
@@ -84,11 +115,35 @@ class SparkProtocol(LanguageServerProtocol):
             outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
             inner.add_done_callback(lambda f: self._request_futures.pop(msg_id, None))
 
+    def _handle_cancel_notification(self, msg_id):
+        """Count a request cancelled before its handler started: its handler never runs, so it
+        cannot count itself (a started one counts itself where it catches the cancellation)."""
+        future = self._request_futures.get(msg_id)
+        not_started = future is not None and not future.done() and _not_started(future)
+        super()._handle_cancel_notification(msg_id)
+        if not_started and (future.cancelled() or getattr(future, "cancelling", lambda: 0)()):
+            metrics = getattr(self._server, "metrics", None)
+            if metrics is not None:
+                metrics.cancelled += 1
+
     def handle_message(self, message):
         if isinstance(message, _BadMessage):
             self._send_response(message.id, error=JsonRpcInvalidParams(message.message).to_response_error())
             return
         return super().handle_message(message)
+
+
+def _not_started(future) -> bool:
+    """Whether a request's future has not begun running its handler (a task whose coroutine has
+    not run yet, or a thread-pool future still queued)."""
+    import inspect
+
+    get_coro = getattr(future, "get_coro", None)
+    if get_coro is not None:
+        coro = get_coro()
+        return inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
+    running = getattr(future, "running", None)
+    return running is not None and not running()
 
 
 class SparkServer(LanguageServer):
@@ -313,6 +368,11 @@ class SparkServer(LanguageServer):
         self.host.expect()  # requests arriving while the progress is being created wait too
         asyncio.ensure_future(begin())
 
+    def _client_document_changes(self) -> bool:
+        """Whether the client takes `documentChanges` (versioned edits) in a WorkspaceEdit."""
+        ws = getattr(self.client_capabilities, "workspace", None)
+        return bool(getattr(getattr(ws, "workspace_edit", None), "document_changes", False))
+
     # -- inline completion ----------------------------------------------------------------------
     async def inline_completion(self, params: T.InlineCompletionParams):
         uri = params.text_document.uri
@@ -384,8 +444,7 @@ class SparkServer(LanguageServer):
         inf.waiters += 1
         try:
             return await asyncio.shield(inf.job.future)
-        except asyncio.CancelledError:
-            self.metrics.cancelled += 1
+        except asyncio.CancelledError:  # counted by the request handler (inline_completion)
             if inf.waiters <= 1:
                 if inf.expect_join:
                     # the user typed what the model is writing; editors cancel the old request
@@ -431,7 +490,7 @@ class SparkServer(LanguageServer):
                 text = self.workspace.get_text_document(uri).source
             except Exception:
                 text = None
-            if text is not None and session.on_did_change(text):
+            if text is not None and session.on_did_change(text, params.text_document.version):
                 return  # our own streamed edit coming back
         inf = self.inflight.get(uri)
         if inf is not None and not inf.job.future.done():
@@ -536,7 +595,9 @@ class SparkServer(LanguageServer):
         """Stream the plan's output into the document; returns a summary for the command result."""
         key = uri + EDIT_SUFFIX
         session = live_edits.LiveEdit(uri, text, plan.start, plan.end, _pos(position_at(text, plan.start, self.enc)),
-                                      on_user_change=lambda: self._sched().cancel(key, "user typed"), enc=self.enc)
+                                      on_user_change=lambda: self._sched().cancel(key, "user typed"), enc=self.enc,
+                                      version=self._doc(uri).version)
+        versioned = self._client_document_changes()
         self.live[uri] = session
         latest = {"raw": None}
         interval = 1.0 / self.settings.live_edit_hz if self.settings.live_edits else None
@@ -561,13 +622,21 @@ class SparkServer(LanguageServer):
             if not edits:
                 return True
             self.metrics.live_flushes += 1
+            text_edits = [T.TextEdit(T.Range(_pos(e.start), _pos(e.end)), e.new_text) for e in edits]
+            version = session.version
+            if versioned and version is not None:
+                # versioned: a client whose document moved on (the user typed) refuses the edit
+                # instead of applying it on top of the keystroke
+                edit = T.WorkspaceEdit(document_changes=[T.TextDocumentEdit(
+                    T.OptionalVersionedTextDocumentIdentifier(uri=uri, version=version), text_edits)])
+            else:
+                edit = T.WorkspaceEdit(changes={uri: text_edits})
             res = await self.workspace_apply_edit_async(T.ApplyWorkspaceEditParams(
-                edit=T.WorkspaceEdit(changes={uri: [T.TextEdit(T.Range(_pos(e.start), _pos(e.end)), e.new_text)
-                                                    for e in edits]}),
-                label=actions.TITLES[plan.action]))
+                edit=edit, label=actions.TITLES[plan.action]))
             if not getattr(res, "applied", False):
                 session.rejected()
                 return False
+            session.applied(version)
             return True
 
         outcome = "done"
@@ -678,7 +747,11 @@ def create_server(model_dir: str | None = None) -> SparkServer:
 
     @ls.feature(T.TEXT_DOCUMENT_INLINE_COMPLETION, T.InlineCompletionOptions())
     async def inline_completion(ls: SparkServer, params: T.InlineCompletionParams):
-        return await ls.inline_completion(params)
+        try:
+            return await ls.inline_completion(params)
+        except asyncio.CancelledError:  # wherever it waited: debounce, model load or the engine
+            ls.metrics.cancelled += 1
+            raise
 
     @ls.feature(T.TEXT_DOCUMENT_CODE_ACTION, T.CodeActionOptions(
         code_action_kinds=[T.CodeActionKind.RefactorRewrite, T.CodeActionKind.RefactorExtract],

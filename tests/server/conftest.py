@@ -111,13 +111,20 @@ def plain(obj):
     return obj
 
 
-async def start_editor(model_dir, options=None, transport=None) -> tuple:
+async def start_editor(model_dir, options=None, transport=None, capabilities=None) -> tuple:
     client = make_test_lsp_client()
     ed = Editor(client)
 
     @client.feature(T.WORKSPACE_APPLY_EDIT)
     def apply_edit(ls, params: T.ApplyWorkspaceEditParams):
-        for uri, edits in (params.edit.changes or {}).items():
+        # as VS Code: a versioned edit for a document that moved on is refused, nothing applied
+        for dc in params.edit.document_changes or []:
+            version = dc.text_document.version
+            if version is not None and ed.docs[dc.text_document.uri][1] != version:
+                return T.ApplyWorkspaceEditResult(applied=False, failure_reason="version mismatch")
+        groups = list((params.edit.changes or {}).items()) + [
+            (dc.text_document.uri, dc.edits) for dc in params.edit.document_changes or []]
+        for uri, edits in groups:
             ed.change(uri, [(e.range, e.new_text) for e in edits])
             ed.applied.append(params)
             if ed.after_apply is not None:
@@ -133,7 +140,7 @@ async def start_editor(model_dir, options=None, transport=None) -> tuple:
     else:
         await transport(client)
     await client.initialize_session(T.InitializeParams(
-        capabilities=client_capabilities("visual-studio-code"),
+        capabilities=capabilities or client_capabilities("visual-studio-code"),
         initialization_options={**OPTIONS, **(options or {})}))
     for _ in range(600):
         m = await ed.metrics()

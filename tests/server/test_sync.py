@@ -1,0 +1,123 @@
+"""Document sync with LSP line breaks, versioned live edits, and cancellation counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from lsprotocol import types as T
+from pygls.exceptions import JsonRpcException
+from pygls.workspace import Workspace
+
+from conftest import plain, start_editor
+from spark_lsp.server import SparkServer, create_server
+
+URI = "file:///work/sync.py"
+ODD = "a = 1\f# page\x1dsep\n"  # \f and \x1d are not LSP line breaks: this is one line, then ""
+
+
+def test_incremental_change_after_form_feed_lands_on_the_lsp_line():
+    ls = create_server()
+    ls.protocol._workspace = Workspace(None, T.TextDocumentSyncKind.Incremental)  # as pygls' initialize
+    ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text=ODD))
+    ls.workspace.update_text_document(
+        T.VersionedTextDocumentIdentifier(uri=URI, version=2),
+        T.TextDocumentContentChangePartial(range=T.Range(T.Position(1, 0), T.Position(1, 0)), text="b = 2\n"))
+    ls.workspace.update_text_document(
+        T.VersionedTextDocumentIdentifier(uri=URI, version=3),
+        T.TextDocumentContentChangePartial(range=T.Range(T.Position(0, 4), T.Position(0, 5)), text="10"))
+    assert ls.workspace.get_text_document(URI).source == "a = 10\f# page\x1dsep\nb = 2\n"
+
+
+async def test_server_text_matches_editor_after_odd_line_breaks(editor):
+    editor.open(URI, ODD + "x = 3\n")
+    end = editor.type(URI, len(ODD), "value_total = 42 + 1000\n")  # line 1 for the editor (LSP), line 2 for splitlines
+    assert editor.text(URI) == ODD + "value_total = 42 + 1000\nx = 3\n"
+    # a range only valid in the LSP view of the text: (1, 23) ends the typed line
+    p = editor.pos(URI, end - 1)
+    assert (p.line, p.character) == (1, 23)
+    listed = await editor.client.text_document_code_action_async(T.CodeActionParams(
+        T.TextDocumentIdentifier(URI), T.Range(p, p), T.CodeActionContext(diagnostics=[])))
+    assert listed
+    # an edit computed from the server's copy applies cleanly to the editor's
+    done = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "complete")
+    resolved = await editor.client.code_action_resolve_async(done)
+    edits = resolved.edit.changes[URI]
+    editor.change(URI, [(e.range, e.new_text) for e in reversed(edits)])
+    assert editor.text(URI).startswith(ODD + "value_total = 42 + 1000")
+
+
+async def _stream_rewrite(ed, body_lines=12):
+    await ed.command("spark.configure", {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 80,
+                                         "contextTokens": 128})
+    body = "".join(f"    v_{i} = f(v_{i - 1}, {i})\n" for i in range(1, body_lines))
+    text = "def long():\n" + body
+    ed.open(URI, text)
+    rng = T.Range(ed.pos(URI, text.index("    v_1")), ed.pos(URI, len(text)))
+    listed = await ed.client.text_document_code_action_async(T.CodeActionParams(
+        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
+    rewrite = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite")
+    resolved = await ed.client.code_action_resolve_async(rewrite)
+    return await ed.command(resolved.command.command, *resolved.command.arguments)
+
+
+async def test_live_edits_carry_the_document_version(editor):
+    res = await _stream_rewrite(editor)
+    assert editor.applied, res
+    versions = []
+    for p in editor.applied:
+        assert p.edit.changes is None and len(p.edit.document_changes) == 1
+        versions.append(p.edit.document_changes[0].text_document.version)
+    # the first edit applies to the opened version 1, each next one to the version the last made
+    assert versions == list(range(1, 1 + len(versions))), versions
+    assert res["outcome"] == "done" and res["complete"], res
+
+
+async def test_live_edit_versioned_user_typing_still_stops_it(editor):
+    typed = []
+
+    def user_types(uri):
+        if not typed:
+            typed.append(1)
+            editor.type(uri, 0, "# user\n")
+    editor.after_apply = user_types
+    res = await _stream_rewrite(editor, body_lines=30)
+    assert res["outcome"] in ("stopped by the user", "rejected") and not res["complete"], res
+    assert editor.text(URI).startswith("# user\ndef long():\n")
+
+
+async def test_live_edits_fall_back_to_changes_without_capability(tiny_llama):
+    caps = T.ClientCapabilities(workspace=T.WorkspaceClientCapabilities(apply_edit=True))
+    client, ed = await start_editor(tiny_llama, capabilities=caps)
+    try:
+        res = await _stream_rewrite(ed)
+        assert res["outcome"] == "done" and ed.applied, res
+        assert all(p.edit.document_changes is None and URI in p.edit.changes for p in ed.applied)
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+
+
+async def test_request_cancelled_during_debounce_is_counted(editor):
+    await editor.command("spark.configure", {"debounceMs": 5000})
+    editor.open(URI, "def f():\n    ")
+    before = (await editor.metrics())["cancelled"]
+    mid, fut = editor.start_inline(URI, len("def f():\n    "), trigger=T.InlineCompletionTriggerKind.Automatic)
+    await asyncio.sleep(0.3)
+    editor.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
+    with pytest.raises(JsonRpcException):
+        await asyncio.wait_for(fut, 10)
+    assert (await editor.metrics())["cancelled"] == before + 1
+
+
+async def test_request_cancelled_before_its_handler_starts_is_counted():
+    ls: SparkServer = create_server()
+
+    async def handler():
+        raise AssertionError("never runs")
+    task = asyncio.ensure_future(handler())
+    ls.protocol._request_futures["7"] = task
+    ls.protocol._handle_cancel_notification("7")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ls.metrics.cancelled == 1
