@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 class GenerationParams:
     """How to generate. ``stop``: strings that end the text (not included in it).
 
-    ``ignore_eos`` keeps generating past eos tokens (benchmarks, reference comparisons).
+    ``stop_ids``: token ids that end the text like eos (not decoded, not included): callers pass
+    the control tokens (FIM markers, file separators) so ``<fim_suffix>`` never appears as text.
+    ``ignore_eos`` keeps generating past eos and stop_ids (benchmarks, reference comparisons).
     """
 
     max_new_tokens: int = 64
@@ -41,8 +43,16 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     max_time_s: float | None = None
     ignore_eos: bool = False
+    stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        try:
+            ids = frozenset(int(i) for i in (self.stop_ids or ()))
+        except (TypeError, ValueError):
+            raise ValueError(f"stop_ids={self.stop_ids!r} must be token ids (integers)") from None
+        if any(i < 0 for i in ids):
+            raise ValueError(f"stop_ids={self.stop_ids!r} must be non-negative token ids")
+        object.__setattr__(self, "stop_ids", ids)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -169,6 +179,7 @@ class Generation:
         eng = self._engine
         stops = p.stop
         eos = frozenset() if p.ignore_eos else eng.eos_ids
+        ends = eos | (frozenset() if p.ignore_eos else p.stop_ids)  # decoded, a control token shows as text
         stream = eng.tokenizer.stream()
         held = ""
         deadline = None if p.max_time_s is None else self._t0 + p.max_time_s
@@ -185,8 +196,8 @@ class Generation:
                     t_first = now
                     self.stats["ttft_ms"] = (now - self._t0) * 1e3
                 t_last = now
-                if token in eos:
-                    self.finish_reason = "eos"
+                if token in ends:
+                    self.finish_reason = "eos" if token in eos else "stop"
                     rest = held + stream.flush()
                     if rest:
                         self.text += rest

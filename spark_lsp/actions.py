@@ -242,7 +242,7 @@ def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls:
                    on_text: Callable[[str], None] | None = None, speculative: bool = False):
     """Generate the region's final text for plan `p` (engine thread, a step generator returning
     (region text, stats))."""
-    from .completions import generate_steps
+    from .completions import control_ids, generate_steps
 
     if p.prompt_text is not None:
         ids = list(builder.tokenizer.encode(p.prompt_text))
@@ -250,8 +250,9 @@ def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls:
             raise ActionError(f"the chat prompt has {len(ids)} tokens; select less code")
     else:
         ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
-    stop = p.stop + (builder.stop_strings if p.prompt_text is None else ())
-    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop)
+    # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
+    stop = p.stop + tuple(builder.stop_strings)
+    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder))
     raw, stats, finish = yield from generate_steps(engine, job, ids, params,
                                                    done=(lambda s: generated_is_done(p, s)), on_text=on_text,
                                                    speculative=speculative, draft=p.draft)

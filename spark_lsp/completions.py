@@ -175,6 +175,13 @@ def generate_text(*args: Any, **kw: Any) -> tuple[str, dict, str]:
     return drive(generate_steps(*args, **kw))
 
 
+def control_ids(builder: Any) -> frozenset[int]:
+    """Token ids the engine must stop at before decoding them: the FIM format's stop tokens and
+    every special (control) token of the tokenizer, so no "<fim_suffix>" ever becomes text."""
+    specials = getattr(builder.tokenizer, "special_tokens", None) or {}
+    return frozenset(getattr(getattr(builder, "fim", None), "stop_ids", ()) or ()) | frozenset(specials.values())
+
+
 def context_limit(engine: Any) -> int | None:
     """Tokens the engine can hold (prompt + new), or None when it does not say."""
     n = getattr(engine, "context", None) or getattr(getattr(engine, "config", None), "max_position_embeddings", None)
@@ -207,10 +214,11 @@ def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, off
     for k in range(n):
         if k == 0:
             params = params_cls(max_new_tokens=max_new, temperature=settings.temperature,
-                                seed=0 if settings.temperature > 0 else None, stop=stop)
+                                seed=0 if settings.temperature > 0 else None, stop=stop,
+                                stop_ids=control_ids(builder))
         else:
             params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
-                                top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop)
+                                top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop, stop_ids=control_ids(builder))
         raw, st, finish = yield from generate_steps(engine, job, prompt.ids, params, done,
                                                     on_text=on_partial if k == 0 else None,
                                                     speculative=settings.speculative)
