@@ -368,7 +368,7 @@ class SpeculativeGeneration(Generation):
         eng = self._engine
         rt = eng.runtime
         stops = p.stop
-        eos = frozenset() if p.ignore_eos else eng.eos_ids
+        eos = frozenset() if p.ignore_eos else eng.eos_ids | p.stop_ids
         stream = eng.tokenizer.stream()
         held = ""
         deadline = None if p.max_time_s is None else self._t0 + p.max_time_s

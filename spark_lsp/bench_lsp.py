@@ -231,6 +231,7 @@ def run(args) -> int:
         "latency_ms_median": round(statistics.median(lat), 2) if lat else None,
         "latency_ms_p95": round(_pct(lat, 95), 2) if lat else None,
         "latency_ms_max": round(max(lat), 2) if lat else None,
+        "inline_requests": served["inlineRequests"],
         "typing_through": served["typingThrough"], "joined_generation": served["joinedGeneration"],
         "model_calls": served["modelCalls"],
         "prefix_cache_hits": served["prefixCacheHits"],
