@@ -327,8 +327,8 @@ class SparkServer(LanguageServer):
             self.log(f"{source}: {w}", T.MessageType.Warning)
         old = self.settings
         self.settings = new
-        if new.model != old.model and self.host._event is not None:
-            self.log(f"model changed to {new.model or '(bundled default)'}; reloading")
+        if (new.model, new.precision) != (old.model, old.precision) and self.host._event is not None:
+            self.log(f"model changed to {new.model or '(bundled default)'} ({new.precision}); reloading")
             self.start_loading()
 
     def send_status(self, kind: str, stats: dict) -> None:
@@ -363,7 +363,7 @@ class SparkServer(LanguageServer):
                         title="spark-lsp", message=f"loading model {self.settings.model or '(bundled default)'}"))
                 except Exception as exc:
                     log.debug("progress unavailable: %s", exc)
-            self.host.start(loop, self.settings.model, done)
+            self.host.start(loop, self.settings.model, done, precision=self.settings.precision)
 
         self.host.expect()  # requests arriving while the progress is being created wait too
         asyncio.ensure_future(begin())

@@ -55,10 +55,11 @@ def test_settings_validate_and_name_the_field():
     s, warnings = update(Settings(), {"spark": {"maxTokens": 32, "liveEdits": False, "waferGrid": "4x8"}})
     assert (s.max_tokens, s.live_edits, s.wafer_grid) == (32, False, (4, 8))
     assert update(s, {"max_tokens": 7})[0].max_tokens == 7
+    assert Settings().precision == "auto" and update(s, {"precision": "int8"})[0].precision == "int8"
     assert "ignored unknown setting" in update(s, {"colour": 1})[1][0]
     for bad, name in (({"maxTokens": -1}, "maxTokens"), ({"temperature": "hot"}, "temperature"),
                       ({"liveEdits": 1}, "liveEdits"), ({"waferGrid": [0, 2]}, "waferGrid"),
-                      ({"contextTokens": 1.5}, "contextTokens")):
+                      ({"contextTokens": 1.5}, "contextTokens"), ({"precision": "fp8"}, "precision")):
         with pytest.raises(SettingsError, match=name):
             update(s, bad)
     with pytest.raises(SettingsError):
