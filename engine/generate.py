@@ -90,6 +90,56 @@ def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
+class _Emitter:
+    """Sampled tokens -> text chunks, shared by the plain and the speculative decoding loops so
+    both end a generation identically: eos / stop_ids end it undecoded, a stop string cuts the
+    text, a possible stop-string prefix is held back until it resolves, and max_new_tokens or the
+    deadline end it with the stream flushed."""
+
+    def __init__(self, gen: "Generation") -> None:
+        p = gen.params
+        self.gen = gen
+        self.stops = p.stop
+        self.eos = frozenset() if p.ignore_eos else gen._engine.eos_ids
+        self.ends = self.eos | (frozenset() if p.ignore_eos else p.stop_ids)
+        self.stream = gen._engine.tokenizer.stream()
+        self.held = ""
+        self.deadline = None if p.max_time_s is None else gen._t0 + p.max_time_s
+
+    def emit(self, token: int, now: float) -> tuple["Chunk | None", bool]:
+        """(the chunk to yield, or None; whether the generation has finished)."""
+        g = self.gen
+        if token in self.ends:
+            g.finish_reason = "eos" if token in self.eos else "stop"
+            rest = self.held + self.stream.flush()
+            if rest:
+                g.text += rest
+                return Chunk(token, rest), True
+            return None, True
+        g.tokens.append(token)
+        buf = self.held + self.stream.push(token)
+        last = len(g.tokens) >= g.params.max_new_tokens
+        timed_out = self.deadline is not None and now >= self.deadline
+        if self.stops:
+            cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                g.text += buf[:cut]
+                g.finish_reason = "stop"
+                return Chunk(token, buf[:cut]), True
+            if last or timed_out:
+                buf += self.stream.flush()
+                k = 0
+            else:
+                k = _held_suffix(buf, self.stops)
+            out, self.held = buf[:len(buf) - k], buf[len(buf) - k:]
+        else:
+            out = buf + self.stream.flush() if (last or timed_out) else buf
+        g.text += out
+        if last or timed_out:
+            g.finish_reason = "length" if last else "time"
+        return Chunk(token, out), last or timed_out
+
+
 class Generation:
     """Iterate for :class:`Chunk` objects; then read ``text``, ``tokens``, ``finish_reason``, ``stats``."""
 
@@ -175,14 +225,8 @@ class Generation:
             return slot, logits[-1]
 
     def _run(self) -> Iterator[Chunk]:
-        p = self.params
         eng = self._engine
-        stops = p.stop
-        eos = frozenset() if p.ignore_eos else eng.eos_ids
-        ends = eos | (frozenset() if p.ignore_eos else p.stop_ids)  # decoded, a control token shows as text
-        stream = eng.tokenizer.stream()
-        held = ""
-        deadline = None if p.max_time_s is None else self._t0 + p.max_time_s
+        emitter = _Emitter(self)
         t_first = t_last = None
         slot = None
         nv = eng.sample_vocab  # ids the tokenizer can decode (model vocabularies are often padded)
@@ -196,38 +240,11 @@ class Generation:
                     t_first = now
                     self.stats["ttft_ms"] = (now - self._t0) * 1e3
                 t_last = now
-                if token in ends:
-                    self.finish_reason = "eos" if token in eos else "stop"
-                    rest = held + stream.flush()
-                    if rest:
-                        self.text += rest
-                        yield Chunk(token, rest)
+                chunk, done = emitter.emit(token, now)
+                if chunk is not None:
+                    yield chunk
+                if done:
                     return
-                self.tokens.append(token)
-                buf = held + stream.push(token)
-                last = len(self.tokens) >= p.max_new_tokens
-                timed_out = deadline is not None and now >= deadline
-                if stops:
-                    cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
-                    if cut >= 0:
-                        self.text += buf[:cut]
-                        self.finish_reason = "stop"
-                        yield Chunk(token, buf[:cut])
-                        return
-                    if last or timed_out:
-                        buf += stream.flush()
-                        k = 0
-                    else:
-                        k = _held_suffix(buf, stops)
-                    out, held = buf[:len(buf) - k], buf[len(buf) - k:]
-                else:
-                    out = buf + stream.flush() if (last or timed_out) else buf
-                self.text += out
-                if last or timed_out:
-                    self.finish_reason = "length" if last else "time"
-                    yield Chunk(token, out)
-                    return
-                yield Chunk(token, out)
                 with eng._lock:
                     self._check(slot)
                     logits = self._run_model(eng.runtime.decode, slot.kv, token, pos)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
 
 import numpy as np
 
-from .generate import Chunk, Generation, GenerationParams, _Cancelled, _held_suffix
+from .generate import Chunk, Generation, GenerationParams, _Cancelled, _Emitter
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -367,11 +367,7 @@ class SpeculativeGeneration(Generation):
         p = self.params
         eng = self._engine
         rt = eng.runtime
-        stops = p.stop
-        eos = frozenset() if p.ignore_eos else eng.eos_ids | p.stop_ids
-        stream = eng.tokenizer.stream()
-        held = ""
-        deadline = None if p.max_time_s is None else self._t0 + p.max_time_s
+        emitter = _Emitter(self)
         t_first = t_last = None
         slot = None
         nv = eng.sample_vocab
@@ -401,38 +397,11 @@ class SpeculativeGeneration(Generation):
                     self.stats["ttft_ms"] = (now - self._t0) * 1e3
                 for token in decided:
                     t_last = now
-                    if token in eos:
-                        self.finish_reason = "eos"
-                        rest = held + stream.flush()
-                        if rest:
-                            self.text += rest
-                            yield Chunk(token, rest)
+                    chunk, done = emitter.emit(token, time.perf_counter())
+                    if chunk is not None:
+                        yield chunk
+                    if done:
                         return
-                    self.tokens.append(token)
-                    buf = held + stream.push(token)
-                    last = len(self.tokens) >= p.max_new_tokens
-                    timed_out = deadline is not None and time.perf_counter() >= deadline
-                    if stops:
-                        cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
-                        if cut >= 0:
-                            self.text += buf[:cut]
-                            self.finish_reason = "stop"
-                            yield Chunk(token, buf[:cut])
-                            return
-                        if last or timed_out:
-                            buf += stream.flush()
-                            k = 0
-                        else:
-                            k = _held_suffix(buf, stops)
-                        out, held = buf[:len(buf) - k], buf[len(buf) - k:]
-                    else:
-                        out = buf + stream.flush() if (last or timed_out) else buf
-                    self.text += out
-                    if last or timed_out:
-                        self.finish_reason = "length" if last else "time"
-                        yield Chunk(token, out)
-                        return
-                    yield Chunk(token, out)
                 context.extend(decided)
                 self.drafter.observe(decided, from_draft)
                 if decided:
