@@ -13,7 +13,10 @@ so its options appear here. ``all`` runs every benchmark that is installed with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import json
 import sys
 
 MODULES = {
@@ -46,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = bsub.add_parser("all", help="every installed benchmark, with its defaults")
     a.add_argument("--model", default=None, metavar="DIR",
                    help="model folder for every benchmark (a synthetic-* name: the engine benchmark only)")
+    a.add_argument("--json", action="store_true", help="one JSON object with every benchmark's results")
+    a.add_argument("--plot", metavar="FILE", help="also draw the headline figures into a PNG (needs matplotlib)")
     a.set_defaults(func=_run_all)
 
 
@@ -80,18 +85,46 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_all(args: argparse.Namespace) -> int:
+    """Run every installed benchmark; with --json or --plot, collect their JSON results."""
+    collect = bool(args.json or args.plot)
+    results: dict = {"model": args.model}
     rc = 0
     for name in MODULES:
-        print(f"\n=== bench {name} ===", flush=True)
+        if not collect:
+            print(f"\n=== bench {name} ===", flush=True)
         mod = _load(name)
         if mod is None or not hasattr(mod, "main"):
-            print(f"(skipped: {MODULES[name]} is not available yet)", flush=True)
+            print(f"(skipped: {MODULES[name]} is not available yet)", file=sys.stderr if collect else sys.stdout,
+                  flush=True)
             continue
         # Every benchmark takes --model DIR; synthetic model names are known to the engine bench only.
         synthetic = bool(args.model) and args.model.startswith("synthetic-")
         argv = ["--model", args.model] if args.model and (name == "engine" or not synthetic) else []
-        code = int(mod.main(argv) or 0)
+        if collect:
+            print(f"bench {name} ...", file=sys.stderr, flush=True)
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                code = int(mod.main([*argv, "--json"]) or 0)
+            try:
+                results[name] = json.loads(buf.getvalue())
+            except ValueError:
+                results[name] = {"error": f"bench {name} printed no JSON", "output": buf.getvalue()[-2000:]}
+        else:
+            code = int(mod.main(argv) or 0)
         if code:
-            print(f"(bench {name} exited with {code})", flush=True)
+            print(f"(bench {name} exited with {code})", file=sys.stderr if collect else sys.stdout, flush=True)
             rc = rc or code
+    if args.plot:
+        from spark_lsp.bench_plot import draw, panels
+
+        try:
+            print(f"plot: {draw(results, args.plot)}", file=sys.stderr)
+        except RuntimeError as e:
+            print(f"spark-lsp bench all: --plot: {e}", file=sys.stderr)
+            rc = rc or 2
+        if not args.json:
+            for name, labels, values, title, _ in panels(results):
+                print(f"{name:7s} {title}: " + ", ".join(f"{l} {v:,.2f}" for l, v in zip(labels, values)))
+    if args.json:
+        print(json.dumps(results, indent=2))
     return rc
