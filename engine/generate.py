@@ -253,12 +253,15 @@ class Generation:
         except _Cancelled:
             self.finish_reason = "cancelled"
         finally:
-            if self.finish_reason is None:  # an exception or the consumer closed the iterator
-                self.finish_reason = "cancelled"
-            if slot is not None and slot.owner is self:
-                slot.owner = None
-            end = time.perf_counter()
-            self.stats["new_tokens"] = len(self.tokens)
-            self.stats["total_ms"] = (end - self._t0) * 1e3
-            if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:
-                self.stats["decode_tok_s"] = (len(self.tokens) - 1) / (t_last - t_first)
+            self._finish(slot, t_first, t_last)
+
+    def _finish(self, slot, t_first: float | None, t_last: float | None) -> None:
+        """End of any decoding loop: settle finish_reason, release the KV slot, fill the stats."""
+        if self.finish_reason is None:  # an exception or the consumer closed the iterator
+            self.finish_reason = "cancelled"
+        if slot is not None and slot.owner is self:
+            slot.owner = None
+        self.stats["new_tokens"] = len(self.tokens)
+        self.stats["total_ms"] = (time.perf_counter() - self._t0) * 1e3
+        if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:
+            self.stats["decode_tok_s"] = (len(self.tokens) - 1) / (t_last - t_first)

@@ -455,15 +455,7 @@ class SpeculativeGeneration(Generation):
         except _Cancelled:
             self.finish_reason = "cancelled"
         finally:
-            if self.finish_reason is None:
-                self.finish_reason = "cancelled"
-            if slot is not None and slot.owner is self:
-                slot.owner = None
-            end = time.perf_counter()
-            self.stats["new_tokens"] = len(self.tokens)
-            self.stats["total_ms"] = (end - self._t0) * 1e3
-            if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:
-                self.stats["decode_tok_s"] = (len(self.tokens) - 1) / (t_last - t_first)
+            self._finish(slot, t_first, t_last)
             self.stats.update({"drafted_tokens": drafted, "accepted_tokens": accepted_total, "rechecks": rechecks,
                                "acceptance": accepted_total / drafted if drafted else 0.0, "model_runs": runs,
                                "tokens_per_run": (len(self.tokens) - 1) / runs if runs else 0.0})
