@@ -688,10 +688,14 @@ def _main(argv: list[str] | None = None) -> int:
     from .bench import resolve_model
 
     folder = resolve_model(args.model)
-    if args.eval_files and not (args.agreement or args.consistency):
-        from .evaluate import evaluate, resolve_files
+    files = None
+    if args.eval_files:
+        from .evaluate import resolve_files
 
         files = resolve_files(args.eval_files)
+    if args.eval_files and not (args.agreement or args.consistency):
+        from .evaluate import evaluate
+
         rows = {}
         for p in [s.strip() for s in args.precisions.split(",") if s.strip()]:
             eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
@@ -706,10 +710,6 @@ def _main(argv: list[str] | None = None) -> int:
         out = {}
         for p in [s.strip() for s in args.precisions.split(",") if s.strip()]:
             eng = load_engine(folder, make_linear(p, wafer=args.wafer), threads=args.threads)
-            files = None
-            if args.eval_files:
-                from .evaluate import resolve_files
-                files = resolve_files(args.eval_files)
             rel = batch_consistency(eng, args.consistency, files=files)
             out[p] = {"rows": int(rel.size), "median": float(np.median(rel)), "p99": float(np.percentile(rel, 99)),
                       "max": float(rel.max()), "rows_over_1e-4": int((rel > 1e-4).sum())}
@@ -721,10 +721,6 @@ def _main(argv: list[str] | None = None) -> int:
     if args.agreement:
         names = [s.strip() for s in args.precisions.split(",") if s.strip() and s.strip() != "fp32"]
         ref = load_engine(folder, make_linear("fp32", wafer=args.wafer), threads=args.threads)
-        files = None
-        if args.eval_files:
-            from .evaluate import resolve_files
-            files = resolve_files(args.eval_files)
         prompts = eval_prompts(ref.tokenizer, count=args.agreement, files=files)
         out = {}
         for p in names:
