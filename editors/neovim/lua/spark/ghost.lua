@@ -5,6 +5,7 @@
 --- within one decode step) and schedules a new one after `debounce_ms`; typing the characters the
 --- suggestion shows just trims it, with no request at all.
 local compat = require('spark.compat')
+local parts = require('spark.parts')
 
 local M = {}
 
@@ -259,14 +260,7 @@ local function accept_part(buf, pattern_list)
     return false
   end
   local text = s.item.text
-  local part
-  for _, pat in ipairs(pattern_list) do
-    part = text:match(pat)
-    if part and part ~= '' then
-      break
-    end
-  end
-  part = (part and part ~= '') and part or text
+  local part = parts.leading(text, pattern_list)
   if part == text then
     return M.accept(buf)
   end
@@ -277,12 +271,12 @@ end
 
 --- Accept up to the end of the next word.
 function M.accept_word(buf)
-  return accept_part(buf, { '^[ \t]*[%w_]+', '^[ \t]*[^%w_%s]+', '^[ \t]*\n[ \t]*' })
+  return accept_part(buf, parts.WORD)
 end
 
 --- Accept up to the end of the current line of the suggestion.
 function M.accept_line(buf)
-  return accept_part(buf, { '^[^\n]*\n', '^[^\n]+' })
+  return accept_part(buf, parts.LINE)
 end
 
 function M.set_enabled(on)

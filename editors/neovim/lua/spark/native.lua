@@ -2,6 +2,7 @@
 --- accepting one word or line, and cancelling the request in flight on every keystroke (the
 --- native completor only debounces, so an old request would otherwise keep the model busy).
 local compat = require('spark.compat')
+local parts = require('spark.parts')
 
 local M = {}
 
@@ -74,14 +75,7 @@ local function accept_part(buf, patterns)
       if text:sub(1, #typed) == typed then
         text = text:sub(#typed + 1)
       end
-      local part
-      for _, pat in ipairs(patterns) do
-        part = text:match(pat)
-        if part and part ~= '' then
-          break
-        end
-      end
-      part = (part and part ~= '') and part or text
+      local part = parts.leading(text, patterns)
       local lines = vim.split(part, '\n', { plain = true })
       vim.api.nvim_buf_set_text(buf, row, col, row, col, lines)
       vim.api.nvim_win_set_cursor(0, { row + #lines, (#lines == 1 and col or 0) + #lines[#lines] })
@@ -90,11 +84,11 @@ local function accept_part(buf, patterns)
 end
 
 function M.accept_word(buf)
-  return accept_part(buf, { '^[ \t]*[%w_]+', '^[ \t]*[^%w_%s]+', '^[ \t]*\n[ \t]*' })
+  return accept_part(buf, parts.WORD)
 end
 
 function M.accept_line(buf)
-  return accept_part(buf, { '^[^\n]*\n', '^[^\n]+' })
+  return accept_part(buf, parts.LINE)
 end
 
 function M.dismiss(buf)
