@@ -117,6 +117,9 @@ def parse_args(argv=None):
     ap.add_argument("--val-every", type=float, default=10.0, help="minutes")
     ap.add_argument("--val-seqs", type=int, default=16)
     ap.add_argument("--ckpt-every", type=float, default=5.0, help="minutes")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start a new phase from another run's checkpoint (warm restart): its weights, "
+                         "optimizer moments and loss history carry over; schedule, step and data order start afresh")
     ap.add_argument("--bench-steps", type=int, default=0,
                     help="only time this many steps (after 2 warm-up steps), print tokens/s and exit")
     args = ap.parse_args(argv)
@@ -153,11 +156,18 @@ def main(argv=None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt_path = run / "ckpt.pt"
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() and not args.bench_steps else None
+    init = None
+    if ckpt is None and args.init_from is not None:
+        init = torch.load(args.init_from, map_location="cpu", weights_only=False)
+        for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context"):  # the shape is the parent's
+            setattr(args, k, init["args"][k])
+        args.tokens_before = init["seqs"] * init["args"]["seq_len"] + init["args"].get("tokens_before", 0)
     if ckpt:  # the model shape and data stream of a run are fixed by its first invocation
         for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context", "seq_len", "seed",
-                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer"):
+                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer", "tokens_before"):
             if k in ckpt["args"]:
                 setattr(args, k, ckpt["args"][k])
+    tokens_before = getattr(args, "tokens_before", 0) or 0
 
     config = build_config(args, tok.get_vocab_size(), tok.token_to_id(EOS), tok.token_to_id(PAD))
     model = LlamaForCausalLM(config).to(device)
@@ -173,13 +183,18 @@ def main(argv=None) -> None:
         opt.load_state_dict(ckpt["optimizer"])
         step, seqs_done, elapsed, history = ckpt["step"], ckpt["seqs"], ckpt["elapsed"], ckpt["history"]
         print(f"resumed at step {step}, {seqs_done * args.seq_len / 1e6:.2f}M tokens, {elapsed / 60:.1f} min", flush=True)
+    elif init:
+        model.load_state_dict(init["model"])
+        opt.load_state_dict(init["optimizer"])
+        history = list(init["history"])
+        print(f"phase 2 from {args.init_from}: {tokens_before / 1e6:.2f}M tokens already trained", flush=True)
 
     fim = FimConfig(rate=args.fim_rate, spm_rate=args.spm_rate)
     stream = shuffle_buffer(packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars),
                             args.shuffle_buffer, args.seed)
     stream = itertools.islice(stream, seqs_done, None)
     val_batch = torch.tensor(list(itertools.islice(
-        packed_sequences(val_files, tok, args.seq_len, args.seed + 1, fim, args.segment_chars), args.val_seqs)))
+        packed_sequences(val_files, tok, args.seq_len, 1, fim, args.segment_chars), args.val_seqs)))  # fixed: phases compare
     amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
@@ -242,7 +257,7 @@ def main(argv=None) -> None:
         elapsed += time.monotonic() - t0
         tok_log += args.batch_size * args.seq_len
         loss_log.append(total)
-        tokens = seqs_done * args.seq_len
+        tokens = tokens_before + seqs_done * args.seq_len
         if step % args.log_every == 0:
             dt = time.monotonic() - t_log
             avg = sum(loss_log) / len(loss_log)
@@ -262,9 +277,10 @@ def main(argv=None) -> None:
             checkpoint()
             t_last_ckpt = time.monotonic()
     v = validate()
-    history.append({"kind": "val", "step": step, "tokens": seqs_done * args.seq_len, "loss": v, "elapsed": elapsed})
+    history.append({"kind": "val", "step": step, "tokens": tokens_before + seqs_done * args.seq_len, "loss": v,
+                    "elapsed": elapsed})
     checkpoint()
-    summary = {"step": step, "tokens": seqs_done * args.seq_len, "elapsed_min": round(elapsed / 60, 2),
+    summary = {"step": step, "tokens": tokens_before + seqs_done * args.seq_len, "phase_tokens": seqs_done * args.seq_len, "elapsed_min": round(elapsed / 60, 2),
                "final_val_loss": v, "params": n_params}
     (run / "train_summary.json").write_text(json.dumps(summary, indent=1))
     print("done:", json.dumps(summary), flush=True)
