@@ -8,7 +8,11 @@ number of new tokens (greedy, eos ignored), the same intra-op thread count, afte
   every runner, so per-runner overheads (session setup, sampling) are charged alike;
 - TTFT cold vs. reused: the same prompt with ONE token changed at the end, prefix-reused;
 - cancel latency: ms from ``cancel()`` (another thread) until the consuming iterator stops,
-  during decode and during a prefill.
+  during decode and during a prefill;
+- with ``--precision fp32,int8,int4``: our engine once per precision, all taking turns with the
+  peers; per precision the rates, the ratios to our fp32 and to each peer, and the greedy agreement
+  with our fp32 tokens (teacher-forced: the variant reads fp32's sequence and we count the positions
+  where its argmax is fp32's token — the criterion of ``engine.quant.choose_precision``).
 
 ``synthetic-8m`` names a reference model: a random-initialised fp32 Llama (d=256, 4 layers,
 d_ff=768, vocab 8192, untied: ~7.6M parameters) written with numpy into a cache folder.
@@ -133,6 +137,24 @@ class BenchOptions:
     grid: tuple[int, int] | None = None
     spinning: bool | None = None  # None: the engine's auto mode (spin while the CPU is calm)
     seed: int = 0
+    precisions: tuple[str, ...] = ("fp32",)  # see parse_precisions; fp32 is always first
+
+
+def parse_precisions(spec: str) -> tuple[str, ...]:
+    """``--precision fp32,int8,int4`` -> ('fp32', 'int8', 'int4').
+
+    fp32 is always measured (first) because every other precision is compared with it; 'auto' is the
+    precision ``engine.quant.choose_precision`` picks for this model and machine.
+    """
+    from .quant import PRECISIONS
+
+    names = [x.strip().lower() for x in str(spec).split(",") if x.strip()]
+    if not names:
+        raise ValueError("--precision: expected a comma-separated list, e.g. fp32,int8,int4")
+    for x in names:
+        if x not in PRECISIONS and x != "auto":
+            raise ValueError(f"--precision: unknown precision {x!r}; known: {', '.join(PRECISIONS)}, auto")
+    return tuple(dict.fromkeys(["fp32", *names]))
 
 
 def _median(xs: list[float]) -> float:
@@ -148,10 +170,11 @@ class _Ours:
 
     name = "spark-lsp"
 
-    def __init__(self, eng) -> None:
+    def __init__(self, eng, name: str = "spark-lsp") -> None:
         from .generate import GenerationParams
 
         self.eng = eng
+        self.name = name
         self._params = GenerationParams
         self.version = "spark-lsp engine"
         self.stats: list[dict] = []
@@ -177,23 +200,36 @@ def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, An
     """Per runner: medians of T1 (time to 1 new token) and TN (time to n new tokens).
 
     The runners take turns within each repeat, so a change in machine load (a shared CPU) hits
-    all of them alike instead of whichever happened to run at that moment.
+    all of them alike instead of whichever happened to run at that moment.  ``tokens``: the n
+    tokens of the first prompt; ``all_tokens``: those of every prompt (agreement over the run).
     """
     t1s: list[list[float]] = [[] for _ in runners]
     tns: list[list[float]] = [[] for _ in runners]
-    tokens: list[list[int] | None] = [None for _ in runners]
+    tokens: list[list[list[int]]] = [[] for _ in runners]
     for p in prompts:
         for i, runner in enumerate(runners):
             t1s[i].append(runner.timed(p, 1)[1])
             toks, tn = runner.timed(p, n)
             tns[i].append(tn)
-            tokens[i] = tokens[i] or toks
+            tokens[i].append(toks)
     out = []
     for i in range(len(runners)):
         t1, tn = _median(t1s[i]), _median(tns[i])
         out.append({"ttft_ms": t1 * 1e3, "prefill_tok_s": len(prompts[0]) / t1,
-                    "decode_tok_s": (n - 1) / max(tn - t1, 1e-9), "tokens": tokens[i]})
+                    "decode_tok_s": (n - 1) / max(tn - t1, 1e-9), "tokens": tokens[i][0],
+                    "all_tokens": tokens[i]})
     return out
+
+
+def _teacher_forced(eng, prompts: list[list[int]], refs: list[list[int]]) -> tuple[int, int]:
+    """(positions where ``eng``'s argmax is the reference token, positions) when ``eng`` reads
+    each prompt followed by its reference continuation in one pass."""
+    agree = total = 0
+    for p, ref in zip(prompts, refs):
+        logits = eng.forward_logits(list(p) + list(ref[:-1]))[len(p) - 1:]
+        agree += int((logits[:, :eng.sample_vocab].argmax(-1) == np.asarray(ref)).sum())
+        total += len(ref)
+    return agree, total
 
 
 def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, phase: str, cold_ms: float,
@@ -259,7 +295,16 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     folder = resolve_model(str(model) if model is not None else None)
     threads = opts.threads or physical_cores()
     cfg = load_config(folder)
+    precisions, auto = list(dict.fromkeys(["fp32", *opts.precisions])), None
+    if "auto" in precisions:
+        from .quant import choose_precision
+
+        auto = choose_precision(folder, wafer=opts.wafer, grid=opts.grid, threads=threads, log_fn=log)
+        log(f"auto precision: {auto.precision} ({auto.reason})")
+        precisions = list(dict.fromkeys(auto.precision if x == "auto" else x for x in precisions))
     eng = Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning)
+    variants = {x: Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning,
+                               precision=x) for x in precisions[1:]}
     n_new = opts.new_tokens
     plen = opts.prompt_tokens
     if plen + n_new + 1 > eng.context:
@@ -282,10 +327,11 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         "load_average_start": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
     }
     log(f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
-        f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads")
+        f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads"
+        + (f", precisions {', '.join(precisions)}" if len(precisions) > 1 else ""))
 
     ours = _Ours(eng)
-    runners: list = [ours]
+    runners: list = [ours, *(_Ours(e, f"spark-lsp {x}") for x, e in variants.items())]
     peers: dict[str, Any] = {}
     if opts.peers:
         from . import peers as peer_mod
@@ -306,12 +352,19 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     rates = _rates(runners, prompts, n_new)
     r = rates[0]
     internal = [s["decode_tok_s"] for s in ours.stats if s["new_tokens"] == n_new]
-    for runner, pr in zip(runners[1:], rates[1:]):
+    n_ours = 1 + len(variants)
+    variant_rates = dict(zip(precisions, rates[:n_ours]))
+    for runner, pr in zip(runners[n_ours:], rates[n_ours:]):
         peers[runner.name] = {"version": runner.version, "prefill_tok_s": pr["prefill_tok_s"],
                               "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
                               "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}"}
         log(f"{runner.name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s")
     del runners
+    precision_rows = None
+    if variants or auto is not None:
+        measured = {n: p for n, p in peers.items() if "skipped" not in p}
+        precision_rows = _precision_rows({"fp32": eng, **variants}, variant_rates, prompts, measured, log)
+    del variants
 
     # TTFT cold vs. the same prompt with the last token changed (prefix reused).
     cold, warm, reused = [], [], []
@@ -343,7 +396,67 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         f"{k}_vs_{name}": engine_res[k] / p[k]
         for name, p in peers.items() if "skipped" not in p for k in ("decode_tok_s", "prefill_tok_s")
     }
+    if precision_rows is not None:
+        result["precisions"] = precision_rows
+        if auto is not None:
+            result["precision_auto"] = auto.to_dict()
     return result
+
+
+def _precision_rows(engines: dict[str, Any], rates: dict[str, dict], prompts: list[list[int]],
+                    peers: dict[str, dict], log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Per precision: rates, ratios to our fp32 and to each peer, greedy agreement with fp32."""
+    from .graph_cache import emitter_key
+
+    ref = rates["fp32"]["all_tokens"]
+    rows = {}
+    for x, eng in engines.items():
+        pr = rates[x]
+        agree, total = _teacher_forced(eng, prompts, ref)
+        same = sum(_agree(a, b) for a, b in zip(ref, pr["all_tokens"]))
+        ratios = {f"{k}_vs_fp32": pr[k] / rates["fp32"][k] for k in ("decode_tok_s", "prefill_tok_s")}
+        ratios.update({f"{k}_vs_{name}": pr[k] / p[k] for name, p in peers.items()
+                       for k in ("decode_tok_s", "prefill_tok_s")})
+        rows[x] = {"prefill_tok_s": pr["prefill_tok_s"], "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
+                   "emitter": emitter_key(eng.linear), "load_s": eng.load_s, "ratios": ratios,
+                   "greedy_agreement": f"{agree}/{total}", "greedy_agreement_rate": agree / max(total, 1),
+                   "identical_prefix": f"{same}/{total}"}
+        log(f"spark-lsp {x}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s "
+            f"({ratios['decode_tok_s_vs_fp32']:.2f}x fp32), greedy agreement {agree}/{total}")
+    return rows
+
+
+#: Issue target 2: quantised decode at least this many times our fp32 decode ...
+TARGET_SPEEDUP = 2.0
+#: ... with at least this share of greedy tokens agreeing with fp32.
+TARGET_AGREEMENT = 0.95
+
+
+def format_precisions(res: dict[str, Any]) -> list[str]:
+    """The per-precision rows of the table (empty when only fp32 ran)."""
+    rows = res.get("precisions")
+    if not rows:
+        return []
+    peers = [n for n, p in res["peers"].items() if "skipped" not in p]
+    short = {n: n.replace("onnxruntime-genai", "ort-genai") for n in peers}
+    head = (f"{'precision':<12}{'prefill tok/s':>15}{'decode tok/s':>15}{'vs fp32':>9}"
+            + "".join(f"{'vs ' + short[n]:>17}" for n in peers) + "  greedy agreement with fp32")
+    lines = ["", "our engine per precision (decode ratios; agreement: teacher-forced tokens over all prompts, "
+                 "identical prefix when generating freely)", head]
+    for x, row in rows.items():
+        rt = row["ratios"]
+        meets = (x != "fp32" and rt["decode_tok_s_vs_fp32"] >= TARGET_SPEEDUP
+                 and row["greedy_agreement_rate"] >= TARGET_AGREEMENT)
+        lines.append(f"{x:<12}{row['prefill_tok_s']:>15.0f}{row['decode_tok_s']:>15.0f}"
+                     f"{rt['decode_tok_s_vs_fp32']:>8.2f}x"
+                     + "".join(f"{rt[f'decode_tok_s_vs_{n}']:>16.2f}x" for n in peers)
+                     + f"  {row['greedy_agreement']} ({100 * row['greedy_agreement_rate']:.1f}%), "
+                       f"identical prefix {row['identical_prefix']}"
+                     + (f"  [>= {TARGET_SPEEDUP:g}x and >= {100 * TARGET_AGREEMENT:.0f}%]" if meets else ""))
+    auto = res.get("precision_auto")
+    if auto:
+        lines.append(f"auto: {auto['precision']} ({auto['reason']}{', cached decision' if auto.get('cached') else ''})")
+    return lines
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -380,16 +493,17 @@ def format_table(res: dict[str, Any]) -> str:
                          f"({c['cancelled']}/{c['n']} cancelled)")
     if res["ratios"]:
         lines.append("ours/peer: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
+    lines += format_precisions(res)
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.bench`` — same as ``spark-lsp bench engine``."""
+def main(argv: list[str] | None = None, plot: Callable[[dict, str], Any] | None = None) -> int:
+    """``python -m engine.bench`` — same as ``spark-lsp bench engine`` (``plot``: see ``run``)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="spark-lsp bench engine", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), plot=plot)
 
 
 def add_arguments(p) -> None:
@@ -401,6 +515,12 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=5, metavar="R")
     p.add_argument("--cancels", type=int, default=10, metavar="N", help="cancels per phase for the latency figures")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op threads for every runner")
+    p.add_argument("--precision", default="fp32", metavar="LIST",
+                   help="our engine's weights, comma-separated: fp32, int8, int8-rowq, int4, auto (the measured "
+                        "choice); each is loaded once and takes turns with the peers; fp32 always runs "
+                        "(the peers' weights, the agreement reference; default: fp32)")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter")
     p.add_argument("--grid", default=None, metavar="RxC", help="emulated PE grid (default: the wafer default)")
@@ -412,7 +532,12 @@ def add_arguments(p) -> None:
                       help="never spin (leaves the CPU to the editor)")
 
 
-def run(args) -> int:
+def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
+    """Parse, measure, print; with ``--plot FILE`` hand the results to ``plot(results, FILE)``.
+
+    The drawing lives in ``spark_lsp.bench_plot`` (the engine never imports ``spark_lsp``), so the
+    ``spark-lsp bench`` dispatcher passes it in; ``plot`` may raise RuntimeError with a message.
+    """
     from .config import ModelError
 
     grid = None
@@ -426,9 +551,12 @@ def run(args) -> int:
             grid = (r, c)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be a positive integer")
+        if getattr(args, "plot", None) and plot is None:
+            raise ValueError("--plot is drawn by spark-lsp: run `spark-lsp bench engine --plot FILE`")
         opts = BenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                             cancels=args.cancels, threads=args.threads, peers=not args.no_peers,
-                            wafer=not args.no_wafer, grid=grid, spinning=args.spinning)
+                            wafer=not args.no_wafer, grid=grid, spinning=args.spinning,
+                            precisions=parse_precisions(getattr(args, "precision", "fp32")))
         log = (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))
         res = bench_engine(args.model, opts, log=log)
     except (ModelError, ValueError, OSError) as e:
@@ -439,6 +567,24 @@ def run(args) -> int:
     else:
         print()
         print(format_table(res))
+    return plot_results(plot, res, getattr(args, "plot", None), "engine")
+
+
+def plot_results(plot: Callable[[dict, str], Any] | None, res: dict, path: str | None, name: str) -> int:
+    """Draw ``res`` into ``path`` when asked; 0, or 2 with the reason on stderr.
+
+    Shared by the engine-side benchmarks (``engine.bench_edits``, ``engine.wafer.bench``)."""
+    if not path:
+        return 0
+    if plot is None:
+        print(f"spark-lsp bench {name}: --plot is drawn by spark-lsp: run `spark-lsp bench {name} --plot FILE`",
+              file=sys.stderr)
+        return 2
+    try:
+        print(f"plot: {plot(res, path)}", file=sys.stderr)
+    except (RuntimeError, OSError) as e:
+        print(f"spark-lsp bench {name}: --plot: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -273,9 +273,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per task and mode (median)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, plot: Callable[[dict, str], Any] | None = None) -> int:
+    """``plot``: draws the results for ``--plot FILE`` (see ``engine.bench.run``)."""
+    from .bench import plot_results
+
+    if args.plot and plot is None:
+        return plot_results(None, {}, args.plot, "edits")
     if args.repeats < 1:
         print("spark-lsp bench edits: error: --repeats must be >= 1", file=sys.stderr)
         return 2
@@ -293,10 +300,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"spark-lsp bench edits: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=2) if args.json else "\n" + format_table(res))
-    return 0 if res["all_identical"] else 1
+    return plot_results(plot, res, args.plot, "edits") or (0 if res["all_identical"] else 1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, plot: Callable[[dict, str], Any] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spark-lsp bench edits", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), plot=plot)

@@ -36,12 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cancels", type=int, default=30,
                    help="after the replay, cancel this many running suggestions to time cancellation (default 30)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="also draw the headline figures into a PNG (needs matplotlib)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, plot=None) -> int:
     p = argparse.ArgumentParser(prog="spark-lsp bench lsp", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), plot=plot)
 
 
 def pick_function(source: str, name: str | None) -> tuple[int, int, str]:
@@ -134,8 +136,19 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run(args) -> int:
+def run(args, plot=None) -> int:
+    """``plot(results, FILE)`` draws ``--plot FILE`` (default: ``spark_lsp.bench_plot``)."""
     from .rpc_client import LspClient, RpcError, server_cmd
+
+    if args.plot:
+        from . import bench_plot
+
+        try:
+            bench_plot.require()
+        except RuntimeError as exc:
+            print(f"spark-lsp bench lsp: --plot: {exc}", file=sys.stderr)
+            return 2
+        plot = plot or bench_plot.plotter("lsp")
 
     path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
     try:
@@ -267,6 +280,12 @@ def run(args) -> int:
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {val}")
+    if args.plot:
+        try:
+            print(f"plot: {plot(out, args.plot)}", file=sys.stderr)
+        except (RuntimeError, OSError) as exc:
+            print(f"spark-lsp bench lsp: --plot: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

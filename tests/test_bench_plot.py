@@ -1,8 +1,10 @@
-"""`spark-lsp bench all --json/--plot`: results collected from every benchmark, drawn into one PNG."""
+"""`spark-lsp bench all --json/--plot`: results collected from every benchmark, drawn into one PNG;
+`bench NAME --plot`: one benchmark's own panels, matplotlib checked before the run."""
 
 from __future__ import annotations
 
 import json
+import sys
 import types
 
 import pytest
@@ -64,3 +66,74 @@ def test_bench_all_collects_json_and_plots(monkeypatch, tmp_path, capsys):
     assert out["engine"] == RESULTS["engine"] and out["lsp"] == RESULTS["lsp"]
     assert "printed no JSON" in out["wafer"]["error"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+ENGINE_PRECISIONS = {
+    "model": "/models/spark-code-mini",
+    "engine": {"decode_tok_s": 1000.0, "prefill_tok_s": 9000.0, "ttft_cold_ms": 110.0, "ttft_reused_ms": 1.5},
+    "peers": {"transformers": {"decode_tok_s": 250.0, "prefill_tok_s": 4000.0},
+              "onnxruntime-genai": {"skipped": "not installed"}},
+    "precisions": {"fp32": {"decode_tok_s": 1000.0, "greedy_agreement_rate": 1.0},
+                   "int8": {"decode_tok_s": 2100.0, "greedy_agreement_rate": 0.97},
+                   "int4": {"decode_tok_s": 2600.0, "greedy_agreement_rate": 0.81}},
+}
+
+
+def test_single_benchmark_panels():
+    ps = {name: (labels, values) for name, labels, values, _, _ in
+          bench_plot.panels({"engine": ENGINE_PRECISIONS}, detail=True)}
+    assert list(ps) == ["engine", "engine-prefill", "engine-ttft", "engine-precision", "engine-agreement"]
+    assert ps["engine-prefill"] == (["spark-lsp", "transformers"], [9000.0, 4000.0])  # skipped peer left out
+    assert ps["engine-precision"] == (["fp32", "int8", "int4"], [1000.0, 2100.0, 2600.0])
+    assert ps["engine-agreement"][1] == pytest.approx([100.0, 97.0, 81.0])
+    # `bench all` keeps one headline panel per benchmark
+    assert [p[0] for p in bench_plot.panels(RESULTS)] == ["engine", "edits", "lsp", "wafer"]
+    edits = dict(RESULTS["edits"], tasks=[{"task": "rename-arg", "ratio": 1.2}, {"task": "fresh-fim", "ratio": 1.4}])
+    wafer = dict(RESULTS["wafer"], ratio_of_medians=0.75, median_round_ratio=0.76, cpu_ratio=1.01)
+    lsp = dict(RESULTS["lsp"], cancel_latency_ms_median=0.4, cancel_latency_ms_p95=1.1)
+    detail = [p[0] for p in bench_plot.panels({"edits": edits, "wafer": wafer, "lsp": lsp}, detail=True)]
+    assert detail == ["edits", "edits-tasks", "lsp", "lsp-cancel", "wafer", "wafer-ratios"]
+
+
+def test_plotter_draws_one_benchmark(tmp_path):
+    out = bench_plot.plotter("engine")(ENGINE_PRECISIONS, tmp_path / "engine.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_matplotlib_fails_before_the_run(monkeypatch, tmp_path, capsys):
+    ran = []
+    monkeypatch.setattr(bench, "_load", lambda name: types.SimpleNamespace(main=lambda *a, **k: ran.append(a)))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    for argv in (["wafer", "--plot", str(tmp_path / "w.png")], ["lsp", "--plot=" + str(tmp_path / "l.png")],
+                 ["engine", "--model", "/nonexistent", "--plot", str(tmp_path / "e.png")]):
+        args = build_parser().parse_args(["bench", *argv])
+        assert args.func(args) == 2
+        assert "--plot needs matplotlib: pip install 'spark-lsp[plot]'" in capsys.readouterr().err
+    assert ran == [] and not list(tmp_path.iterdir())
+    with pytest.raises(RuntimeError, match="needs matplotlib"):
+        bench_plot.draw(RESULTS, tmp_path / "x.png")
+
+
+def test_dispatcher_hands_a_plotter_to_the_module(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def main(argv, plot=None):
+        seen["argv"] = argv
+        return 0 if plot is None else (plot(RESULTS["wafer"], tmp_path / "w.png") and 0)
+
+    monkeypatch.setattr(bench, "_load", lambda name: types.SimpleNamespace(main=main))
+    args = build_parser().parse_args(["bench", "wafer", "--rounds", "1", "--plot", str(tmp_path / "w.png")])
+    assert args.func(args) == 0
+    assert seen["argv"] == ["--rounds", "1", "--plot", str(tmp_path / "w.png")]
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_engine_modules_need_the_plotter_from_spark_lsp(tmp_path, capsys):
+    """Run directly (python -m), the engine-side benchmarks cannot draw: a clear error, no run."""
+    from engine import bench as engine_bench, bench_edits
+    from engine.wafer import bench as wafer_bench
+
+    for name, mod in (("engine", engine_bench), ("edits", bench_edits), ("wafer", wafer_bench)):
+        assert mod.main(["--model", str(tmp_path / "missing"), "--plot", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert f"run `spark-lsp bench {name} --plot FILE`" in err and "not found" not in err

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
     p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
 
 
 def _resolve(spec):
@@ -137,11 +139,15 @@ def format_result(res: dict) -> str:
     ])
 
 
-def run(args) -> int:
+def run(args, plot=None) -> int:
+    """``plot``: draws the results for ``--plot FILE`` (see ``engine.bench.run``)."""
+    from engine.bench import plot_results
     from engine.config import ModelError
     from engine.wafer.chips import ChipError
     from engine.wafer.placement import PlacementError
 
+    if args.plot and plot is None:
+        return plot_results(None, {}, args.plot, "wafer")
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:
         res = bench_wafer(args, log)
@@ -149,13 +155,13 @@ def run(args) -> int:
         print(f"spark-lsp bench wafer: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=2) if args.json else format_result(res))
-    return 0
+    return plot_results(plot, res, args.plot, "wafer")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, plot=None) -> int:
     p = argparse.ArgumentParser(prog="spark-lsp bench wafer", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), plot=plot)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ Each benchmark lives in its own module, imported only when run (torch etc. load 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
 (``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
 so its options appear here. ``all`` runs every benchmark that is installed with its defaults.
+
+``--plot FILE`` (every benchmark): the drawing is ``spark_lsp.bench_plot``; this dispatcher checks
+matplotlib before the run and hands the modules a ``plot(results, FILE)`` callable
+(``main(argv, plot=...)``), so the engine-side modules never import ``spark_lsp``.
 """
 
 from __future__ import annotations
@@ -59,8 +63,23 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     importlib.import_module("engine.bench").add_arguments(p)
 
 
+def _plotter(name: str, wanted: bool):
+    """(plot callable or None, error exit code or 0): matplotlib is checked before a long run."""
+    if not wanted:
+        return None, 0
+    from spark_lsp import bench_plot
+
+    try:
+        bench_plot.require()
+    except RuntimeError as e:
+        print(f"spark-lsp bench {name}: {e}", file=sys.stderr)
+        return None, 2
+    return bench_plot.plotter(name), 0
+
+
 def _run_engine(args: argparse.Namespace) -> int:
-    return int(importlib.import_module("engine.bench").run(args) or 0)
+    plot, rc = _plotter("engine", bool(args.plot))
+    return rc or int(importlib.import_module("engine.bench").run(args, plot=plot) or 0)
 
 
 def _load(name: str):
@@ -81,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"spark-lsp bench {name}: error: not available in this installation "
               f"({MODULES[name]}.main is missing)", file=sys.stderr)
         return 2
-    return int(mod.main(list(args.argv)) or 0)
+    argv = list(args.argv)
+    wanted = any(a == "--plot" or a.startswith("--plot=") for a in argv)
+    plot, rc = _plotter(name, wanted)
+    if rc:
+        return rc
+    return int((mod.main(argv, plot=plot) if wanted else mod.main(argv)) or 0)
 
 
 def _run_all(args: argparse.Namespace) -> int:
