@@ -13,12 +13,28 @@ SPM order (``<fim_suffix>S<fim_prefix>P<fim_middle>``) the prompt only grows at 
 the user types, which keeps the prompt's KV cache reusable.  SPM is offered only for the
 StarCoder-style tokens, in the order the bundled model was trained on; Qwen2.5-Coder and
 CodeLlama were trained on PSM, so they get PSM.
+
+Token healing (``heal``, ``build_healed``): a cursor inside a word leaves the prefix ending in
+a token the model rarely saw there (``self.assertEq`` -> ``assert E q``, where training always
+had ``assertEqual``), and the middle would have to start at a token boundary it never learnt.
+So the tokens of the partial word at the cursor are backed off the prompt and their text is
+returned, for the engine to generate as the constrained start of the middle
+(``GenerationParams.healed_prefix``).  The prompt is only shorter at its end, so in SPM order
+the prefix KV cache still hits while the user types.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
+
+#: What healing backs off at the end of a prefix: the partial word (identifier characters, with
+#: the space before it), else a run of punctuation (``)``, ``=``, ``.``), else spaces or tabs
+#: after the last word.  Never a newline: a line break and its indentation are in-distribution.
+HEAL_RUN = re.compile(r"(?: ?\w+| ?[^\w\s]+|[ \t]+)\Z")
+#: At most this many tokens are backed off (a long identifier heals its last part only).
+HEAL_MAX_TOKENS = 4
 
 
 class _Tok(Protocol):
@@ -70,11 +86,65 @@ class FimFormat:
 
     def build(self, prefix: str, suffix: str, spm: bool = False) -> list[int]:
         """Prompt ids; the model's answer (the middle) follows the last id."""
+        self._check(prefix, suffix, spm)
+        return self._layout(self._encode(prefix), self._encode(suffix), spm)
+
+    def build_healed(self, prefix: str, suffix: str, spm: bool = False) -> tuple[list[int], str]:
+        """``build`` with the prefix healed (:func:`heal`): (prompt ids, the text the middle
+        must begin with, to pass as ``GenerationParams.healed_prefix``; "" if nothing healed)."""
+        self._check(prefix, suffix, spm)
+        kept, healed = heal(self._tok, prefix, self._encode(prefix))
+        return self._layout(kept, self._encode(suffix), spm), healed
+
+    def _check(self, prefix: str, suffix: str, spm: bool) -> None:
         if not isinstance(prefix, str) or not isinstance(suffix, str):
             raise TypeError("prefix and suffix must be str")
         if spm and not self.supports_spm:
             raise ValueError(f"the {self.name} FIM format was not trained in SPM order; use spm=False")
-        p, s = self._encode(prefix), self._encode(suffix)
+
+    def _layout(self, p: list[int], s: list[int], spm: bool) -> list[int]:
         if spm:
             return [self.suffix_id, *s, self.prefix_id, *p, self.middle_id]
         return [self.prefix_id, *p, self.suffix_id, *s, self.middle_id]
+
+
+def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: int = HEAL_MAX_TOKENS,
+         keep: int = 0, run: "re.Pattern[str]" = HEAL_RUN) -> tuple[list[int], str]:
+    """Back the partial word at the end of ``prefix`` off its token ids.
+
+    Returns (the ids without the backed-off tokens, their text): every trailing token that
+    overlaps ``run``'s match at the end of ``prefix`` (at most ``max_tokens``, never one that
+    holds a newline, always leaving ``keep`` ids), cut where the removed tokens' bytes are
+    exactly the end of ``prefix`` on a character boundary.  ``ids`` defaults to
+    ``tokenizer.encode(prefix)``.  Needs ``tokenizer.byte_index()`` (the engine's
+    :class:`~engine.tokenizer.Tokenizer`); other tokenizers, or nothing to heal, give
+    ``(ids, "")``.
+    """
+    if ids is None:
+        out = tokenizer.encode(prefix) if prefix else []
+        ids = list(getattr(out, "ids", out))
+    ids = list(ids)
+    m = run.search(prefix)
+    index = getattr(tokenizer, "byte_index", None)
+    if m is None or not callable(index) or len(ids) <= keep:
+        return ids, ""
+    spelled = index().token_bytes
+    raw = prefix.encode("utf-8")
+    need = len(prefix[m.start():].encode("utf-8"))
+    tail, best = b"", (0, "")
+    for k in range(1, min(max_tokens, len(ids) - keep) + 1):
+        t = ids[-k]
+        b = spelled[t] if 0 <= t < len(spelled) else None
+        if not b or b"\n" in b or b"\r" in b:
+            break
+        tail = b + tail
+        if not raw.endswith(tail):
+            break
+        try:
+            best = (k, tail.decode("utf-8"))  # a token may end inside a character: keep going
+        except UnicodeDecodeError:
+            continue
+        if len(tail) >= need:
+            break
+    k, text = best
+    return (ids[:-k], text) if k else (ids, "")

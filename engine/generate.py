@@ -8,6 +8,10 @@ terminates an ONNX Runtime run in flight (``RunOptions.terminate``).
 
 Only tokens whose KV was completely written are recorded in the slot, so a cancel in the middle
 of a prefill or a decode step leaves the prefix cache consistent.
+
+Token healing (``GenerationParams.healed_prefix``): the first tokens are constrained to spell
+the given text (``engine.sampling.Healing``) and that text is cut from what the caller sees, so
+stop strings and chunks concern only the text after it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Hashable, Iterator
 import onnxruntime as ort
 
 from .config import ModelError
-from .sampling import Sampler
+from .sampling import Healing, Sampler
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -33,6 +37,9 @@ class GenerationParams:
     ``stop_ids``: token ids that end the text like eos (not decoded, not included): callers pass
     the control tokens (FIM markers, file separators) so ``<fim_suffix>`` never appears as text.
     ``ignore_eos`` keeps generating past eos and stop_ids (benchmarks, reference comparisons).
+    ``healed_prefix``: text the output must begin with (token healing: the prompt's last tokens
+    were backed off, see ``engine.fim.heal``); it is generated but not emitted, so ``text`` and
+    the chunks start right after it.  Its tokens count in ``tokens`` and ``max_new_tokens``.
     """
 
     max_new_tokens: int = 64
@@ -44,8 +51,13 @@ class GenerationParams:
     max_time_s: float | None = None
     ignore_eos: bool = False
     stop_ids: frozenset[int] = frozenset()
+    healed_prefix: str = ""
 
     def __post_init__(self) -> None:
+        if self.healed_prefix is None:
+            object.__setattr__(self, "healed_prefix", "")
+        if not isinstance(self.healed_prefix, str):
+            raise ValueError(f"healed_prefix={self.healed_prefix!r} must be a string")
         try:
             ids = frozenset(int(i) for i in (self.stop_ids or ()))
         except (TypeError, ValueError):
@@ -94,7 +106,8 @@ class _Emitter:
     """Sampled tokens -> text chunks, shared by the plain and the speculative decoding loops so
     both end a generation identically: eos / stop_ids end it undecoded, a stop string cuts the
     text, a possible stop-string prefix is held back until it resolves, and max_new_tokens or the
-    deadline end it with the stream flushed."""
+    deadline end it with the stream flushed.  The healed prefix is cut from the decoded text
+    before any of that, so stop strings only see text after it."""
 
     def __init__(self, gen: "Generation") -> None:
         p = gen.params
@@ -104,20 +117,32 @@ class _Emitter:
         self.ends = self.eos | (frozenset() if p.ignore_eos else p.stop_ids)
         self.stream = gen._engine.tokenizer.stream()
         self.held = ""
+        self.skip = p.healed_prefix  # healed text not yet cut from the decoded stream
         self.deadline = None if p.max_time_s is None else gen._t0 + p.max_time_s
+
+    def _cut(self, text: str) -> str:
+        """``text`` (newly decoded) without the part of the healed prefix it still spells.  A
+        mismatch (the constraint was abandoned) stops the cutting: the rest is output."""
+        if not self.skip or not text:
+            return text
+        k, m = 0, min(len(text), len(self.skip))
+        while k < m and text[k] == self.skip[k]:
+            k += 1
+        self.skip = self.skip[k:] if k == len(text) else ""
+        return text[k:]
 
     def emit(self, token: int, now: float) -> tuple["Chunk | None", bool]:
         """(the chunk to yield, or None; whether the generation has finished)."""
         g = self.gen
         if token in self.ends:
             g.finish_reason = "eos" if token in self.eos else "stop"
-            rest = self.held + self.stream.flush()
+            rest = self.held + self._cut(self.stream.flush())
             if rest:
                 g.text += rest
                 return Chunk(token, rest), True
             return None, True
         g.tokens.append(token)
-        buf = self.held + self.stream.push(token)
+        buf = self.held + self._cut(self.stream.push(token))
         last = len(g.tokens) >= g.params.max_new_tokens
         timed_out = self.deadline is not None and now >= self.deadline
         if self.stops:
@@ -127,13 +152,13 @@ class _Emitter:
                 g.finish_reason = "stop"
                 return Chunk(token, buf[:cut]), True
             if last or timed_out:
-                buf += self.stream.flush()
+                buf += self._cut(self.stream.flush())
                 k = 0
             else:
                 k = _held_suffix(buf, self.stops)
             out, self.held = buf[:len(buf) - k], buf[len(buf) - k:]
         else:
-            out = buf + self.stream.flush() if (last or timed_out) else buf
+            out = buf + self._cut(self.stream.flush()) if (last or timed_out) else buf
         g.text += out
         if last or timed_out:
             g.finish_reason = "length" if last else "time"
@@ -158,6 +183,7 @@ class Generation:
         self._cancel = threading.Event()
         self._run_options = ort.RunOptions()
         self._sampler = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
+        self._healing = Healing(engine.tokenizer.byte_index(), params.healed_prefix) if params.healed_prefix else None
         self._t0 = time.perf_counter()
         self._iter = self._run()
 
@@ -188,6 +214,14 @@ class Generation:
         return self.text
 
     # -- work --------------------------------------------------------------------------------
+    def _pick(self, logits, choose=None) -> int:
+        """The next token from a logits row: the sampler (or ``choose``), within the healing
+        constraint while it is active."""
+        choose = choose or self._sampler
+        if self._healing is not None and self._healing.active:
+            return self._healing.pick(logits, choose)
+        return choose(logits)
+
     def _check(self, slot) -> None:
         if self._cancel.is_set() or slot.owner is not self:
             raise _Cancelled
@@ -234,7 +268,7 @@ class Generation:
             slot, logits = self._prefill()
             pos = len(slot.tokens)
             while True:
-                token = self._sampler(logits[:nv])
+                token = self._pick(logits[:nv])
                 now = time.perf_counter()
                 if t_first is None:
                     t_first = now

@@ -1,6 +1,9 @@
-"""Choose the next token from a logits row: greedy, or temperature / top-k / top-p with a seed."""
+"""Choose the next token from a logits row: greedy, or temperature / top-k / top-p with a seed,
+optionally constrained so the output begins with a given text (:class:`Healing`)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -45,3 +48,55 @@ class Sampler:
         p /= p.sum()
         choice = int(self.rng.choice(p.shape[0], p=p))
         return int(idx[choice]) if idx is not None else choice
+
+
+class Healing:
+    """Token healing: the output must begin with ``text`` (bytes the prompt's tokens left out).
+
+    A FIM prompt whose prefix ends inside a word ends with a token the model rarely saw before
+    the cursor; the caller backs those tokens off the prompt and asks for their text here
+    instead, so the model re-spells it with the tokens it knows (``assertEq`` -> ``assertEqual``).
+    While some of ``text`` is pending, only tokens consistent with it are allowed: tokens that
+    start with the pending bytes or that the pending bytes start with (``index`` is the
+    tokenizer's :class:`~engine.tokenizer.ByteIndex`).  Picking advances the pending bytes.
+    If no token is consistent (a vocabulary that cannot spell the text), the constraint is
+    dropped (``abandoned``) and sampling goes on unconstrained rather than failing.
+    """
+
+    def __init__(self, index, text: str | bytes) -> None:
+        self.index = index
+        self.pending = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        self.abandoned = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending)
+
+    def allowed(self, vocab: int) -> np.ndarray | None:
+        """Sorted ids below ``vocab`` allowed next (None: anything, the text is covered)."""
+        if not self.pending:
+            return None
+        ids = self.index.consistent(self.pending)
+        return ids[:np.searchsorted(ids, vocab)]
+
+    def advance(self, token: int) -> None:
+        """``token`` was chosen: consume the pending bytes it spells."""
+        b = self.index.token_bytes[token] if 0 <= token < len(self.index.token_bytes) else None
+        if b and b.startswith(self.pending):
+            self.pending = b""
+        elif b and self.pending.startswith(b):
+            self.pending = self.pending[len(b):]
+        elif self.pending:
+            self.pending, self.abandoned = b"", True
+
+    def pick(self, logits: np.ndarray, choose: Callable[[np.ndarray], int]) -> int:
+        """Choose with ``choose`` (a :class:`Sampler`) among the allowed ids of ``logits``."""
+        ids = self.allowed(logits.shape[0])
+        if ids is None:
+            return choose(logits)
+        if ids.size == 0:
+            self.pending, self.abandoned = b"", True
+            return choose(logits)
+        token = int(ids[choose(logits[ids])])  # ids ascend: greedy ties still go to the lowest id
+        self.advance(token)
+        return token

@@ -19,7 +19,9 @@ positions is left behind the slot's end, where the next pass overwrites it (rewi
 Drafting adapts (:class:`DraftPolicy`): the draft length maximises expected tokens per second
 from the running acceptance rate and the measured cost of a longer pass, drafting stops when it
 would not pay, and consecutive misses switch it off for a growing number of steps, so fresh text
-runs at (nearly) plain speed.  It is a :class:`~engine.generate.Generation` — same iterator, ``cancel()``,
+runs at (nearly) plain speed.  While a healed prefix (``GenerationParams.healed_prefix``) is
+still being spelled, each token is a single constrained step (no draft), exactly as the plain
+loop picks it.  It is a :class:`~engine.generate.Generation` — same iterator, ``cancel()``,
 ``text``/``tokens``/``finish_reason``/``stats`` — so callers use it interchangeably.  Sampling
 (temperature > 0) is not speculated: it runs the plain loop.
 """
@@ -387,7 +389,7 @@ class SpeculativeGeneration(Generation):
             pos = len(slot.tokens)
             context = _Tokens(self.prompt)
             self.drafter.start(context)
-            decided = [int(logits[:nv].argmax())]  # tokens chosen but not yet emitted
+            decided = [self._pick(logits[:nv], _argmax)]  # tokens chosen but not yet emitted
             from_draft = 0  # how many leading `decided` tokens came from the draft
             while True:
                 # Emit the decided tokens one by one, exactly as the plain loop would.
@@ -409,7 +411,9 @@ class SpeculativeGeneration(Generation):
                 # Draft, then run [token] + draft through the model in one pass.
                 room = min(p.max_new_tokens - len(self.tokens) - 1, rt.max_len - pos - 1)
                 was_recheck = recheck
-                k = 0 if recheck else min(self.policy.size(), room, k_cap)
+                healing = self._healing is not None and self._healing.active
+                # while healing, each token's allowed set depends on the one before: no drafts
+                k = 0 if recheck or healing else min(self.policy.size(), room, k_cap)
                 draft = self.drafter.propose(context, k) if k > 0 else []
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
                 with eng._lock:
@@ -423,6 +427,8 @@ class SpeculativeGeneration(Generation):
                     self.policy.timed(1 + len(draft), dt_run)
                     rows = logits[:, :nv]
                     picks = rows.argmax(-1)
+                    if healing:  # a single row (no draft): the constrained greedy choice
+                        picks[0] = self._pick(rows[0], _argmax)
                     a = 0
                     while a < len(draft) and picks[a] == draft[a]:
                         a += 1
@@ -459,6 +465,10 @@ class SpeculativeGeneration(Generation):
             self.stats.update({"drafted_tokens": drafted, "accepted_tokens": accepted_total, "rechecks": rechecks,
                                "acceptance": accepted_total / drafted if drafted else 0.0, "model_runs": runs,
                                "tokens_per_run": (len(self.tokens) - 1) / runs if runs else 0.0})
+
+
+def _argmax(row: np.ndarray) -> int:
+    return int(row.argmax())
 
 
 def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationParams | None = None,
