@@ -4,7 +4,9 @@ Line completion imitates an editor's request: at a sampled cursor inside a non-b
 the prompt is the text before the cursor (prefix) and the text after the line (suffix,
 starting with its newline); the model completes greedily until a newline and its first line
 is compared with the real rest of the line (exact match, and edit similarity = 1 -
-normalised Levenshtein distance).  TTFT and decode speed come from the engine's own stats,
+normalised Levenshtein distance).  Prompts are token-healed by default, as the server's are
+(``engine.fim.heal``: the partial word at the cursor is generated, not prompted, and not
+counted in the prediction); ``heal=False`` measures the raw prompt.  TTFT and decode speed come from the engine's own stats,
 measured cold (prefix cache cleared) for every sample.
 
 Bits per byte: the files' total negative log-likelihood (each file starting after an
@@ -18,7 +20,7 @@ import glob
 import math
 import random
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
@@ -135,7 +137,7 @@ class CompletionResult:
 
 
 def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | None = None,
-                   max_new_tokens: int = 48) -> CompletionResult:
+                   max_new_tokens: int = 48, heal: bool = True) -> CompletionResult:
     """Greedy FIM line completion at every position (see the module docstring)."""
     from .generate import GenerationParams
 
@@ -147,13 +149,15 @@ def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | N
     samples, ttft, speed = [], [], []
     for pos in positions:
         engine.reset()  # cold prefill: TTFT without prefix reuse
-        gen = engine.generate(fim.build(pos.prefix, pos.suffix, spm=spm), params)
+        ids, healed = fim.build_healed(pos.prefix, pos.suffix, spm=spm) if heal else \
+            (fim.build(pos.prefix, pos.suffix, spm=spm), "")
+        gen = engine.generate(ids, replace(params, healed_prefix=healed) if healed else params)
         for _ in gen:
             pass
         pred = gen.text.split("\n", 1)[0].rstrip()
         target = pos.target.rstrip()
         samples.append({"file": pos.file, "line": pos.line + 1, "target": target, "prediction": pred,
-                        "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
+                        "healed": healed, "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
                         "ttft_ms": gen.stats["ttft_ms"], "new_tokens": gen.stats["new_tokens"]})
         ttft.append(gen.stats["ttft_ms"])
         if gen.stats["new_tokens"] >= 4:
@@ -198,16 +202,18 @@ def bits_per_byte(engine: "Engine", texts: Iterable[str], *, window: int = 1024,
 
 
 def evaluate(engine: "Engine", files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
-             max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024) -> dict:
+             max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
+             heal: bool = True) -> dict:
     """Both measures on ``files``; a JSON-ready dict."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
-    comp = complete_lines(engine, sample_positions(texts, n, seed), spm=spm, max_new_tokens=max_new_tokens)
+    comp = complete_lines(engine, sample_positions(texts, n, seed), spm=spm, max_new_tokens=max_new_tokens,
+                          heal=heal)
     order = sorted(texts)  # deterministic subset when capped
     random.Random(seed).shuffle(order)
     bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)
-    out = {"model": engine.name, "files": len(files), "seed": seed, **asdict(comp),
+    out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, **asdict(comp),
            "bits_per_byte": bpb, "bpb_bytes": scored, "bpb_window": window}
     out["samples"] = out.pop("samples")
     return out

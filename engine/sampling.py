@@ -90,13 +90,16 @@ class Healing:
             self.pending, self.abandoned = b"", True
 
     def pick(self, logits: np.ndarray, choose: Callable[[np.ndarray], int]) -> int:
-        """Choose with ``choose`` (a :class:`Sampler`) among the allowed ids of ``logits``."""
+        """Choose with ``choose`` (a :class:`Sampler`) among the allowed ids of ``logits``: the others
+        are set to -inf (greedy ties still go to the lowest id, top-k/top-p see only allowed ones)."""
         ids = self.allowed(logits.shape[0])
         if ids is None:
             return choose(logits)
         if ids.size == 0:
             self.pending, self.abandoned = b"", True
             return choose(logits)
-        token = int(ids[choose(logits[ids])])  # ids ascend: greedy ties still go to the lowest id
-        self.advance(token)
+        masked = np.full(logits.shape, -np.inf, dtype=logits.dtype)  # the sampler sees a whole row
+        masked[ids] = logits[ids]
+        token = int(choose(masked))
+        self.advance(token)  # a sampler that ignores the row (tests' scripted ones) abandons the constraint
         return token

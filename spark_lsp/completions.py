@@ -8,7 +8,7 @@ suggests: no model call, so the answer takes microseconds and the ghost text nev
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from . import postprocess
@@ -219,6 +219,8 @@ def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, off
         else:
             params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
                                 top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop, stop_ids=control_ids(builder))
+        if prompt.healed:  # the answer starts by re-spelling the partial word; only the rest is emitted
+            params = replace(params, healed_prefix=prompt.healed)
         raw, st, finish = yield from generate_steps(engine, job, prompt.ids, params, done,
                                                     on_text=on_partial if k == 0 else None,
                                                     speculative=settings.speculative)
@@ -228,5 +230,6 @@ def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, off
         if item and item not in items:
             items.append(item)
     stats.update(multiline=multiline, items=len(items), fim=prompt.fim,
-                 server_ms=(time.perf_counter() - t0) * 1e3, prompt_len=len(prompt.ids))
+                 server_ms=(time.perf_counter() - t0) * 1e3, prompt_len=len(prompt.ids),
+                 healed=len(prompt.healed))
     return Result(items, stats)

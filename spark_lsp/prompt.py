@@ -7,6 +7,11 @@ the head of the prefix stay identical, so each keystroke only prefills the few n
 windows are anchored: the prefix keeps starting at the same line until it outgrows its budget (then
 it jumps forward by a quarter of the budget, not one line per keystroke), and the suffix is cut at
 a line count that depends only on the suffix text.
+
+Token healing: the partial word at the cursor is backed off the prompt (`Prompt.healed`, see
+`engine.fim.heal`) and the engine generates it as the constrained start of the answer without
+emitting it, so the model completes `assertEq` as the `assertEqual` it learnt instead of from an
+odd token boundary. The healed prompt only loses tokens at its end: the prefix cache still hits.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Prompt:
     suffix: str          # the suffix text actually in the prompt
     prefix_start: int    # document offset where the prefix text begins
     fim: bool            # False: no FIM tokens in this tokenizer, plain left-to-right prompt
+    healed: str = ""     # end of `prefix` left out of `ids`: the answer must begin with it (not shown)
 
 
 class TokenCounter:
@@ -52,6 +58,16 @@ class TokenCounter:
 SPM_STYLES = {"starcoder"}
 
 
+def heal_prefix(tokenizer: Any, prefix: str, keep: int = 0) -> tuple[list[int], str]:
+    """(prefix ids with the partial word at the end backed off, that word's text): engine.fim.heal,
+    or no healing where the engine or the tokenizer's byte table is unavailable."""
+    try:
+        from engine.fim import heal
+    except ImportError:
+        return list(tokenizer.encode(prefix)) if prefix else [], ""
+    return heal(tokenizer, prefix, list(tokenizer.encode(prefix)) if prefix else [], keep=keep)
+
+
 def detect_fim(tokenizer: Any) -> Any | None:
     """The engine's FIM format for this tokenizer (engine.fim), or the tokenizer's own detection."""
     try:
@@ -74,8 +90,9 @@ def fim_ids(fim: Any, prefix_ids: list[int], suffix_ids: list[int], spm: bool) -
 class PromptBuilder:
     """Builds FIM prompts for one model; keeps one prefix anchor per document."""
 
-    def __init__(self, tokenizer: Any, fim: Any | None = None):
+    def __init__(self, tokenizer: Any, fim: Any | None = None, heal: bool = True):
         self.tokenizer = tokenizer
+        self.heal = heal  # token-heal inline-completion prompts (`build`); code actions never are
         self.fim = fim if fim is not None else detect_fim(tokenizer)
         supports = getattr(self.fim, "supports_spm", None)
         self.spm = self.fim is not None and (supports if supports is not None
@@ -99,6 +116,19 @@ class PromptBuilder:
         if hasattr(self.fim, "build"):
             return list(self.fim.build(prefix, suffix, spm=self.spm))
         return fim_ids(self.fim, list(enc(prefix)), list(enc(suffix)) if suffix else [], self.spm)
+
+    def encode_healed(self, prefix: str, suffix: str) -> tuple[list[int], str]:
+        """`encode_fim` with the prefix token-healed: (ids, healed text). A left-to-right prompt
+        keeps at least one token (the engine needs something to start from)."""
+        if not self.heal:
+            return self.encode_fim(prefix, suffix), ""
+        ids, healed = heal_prefix(self.tokenizer, prefix, keep=0 if self.fim is not None else 1)
+        if not healed:
+            return self.encode_fim(prefix, suffix), ""
+        if self.fim is None:
+            return ids, healed
+        suffix_ids = list(self.tokenizer.encode(suffix)) if suffix else []
+        return fim_ids(self.fim, ids, suffix_ids, self.spm), healed
 
     def build(self, text: str, offset: int, budget: int, key: str | None = None,
               suffix_share: float | None = None) -> Prompt:
@@ -159,7 +189,8 @@ class PromptBuilder:
         if key is not None:
             self._anchors[key] = starts[start]
         prefix = "".join(lines[start:line_no]) + head
-        return Prompt(self.encode_fim(prefix, suffix), prefix, suffix, starts[start], self.fim is not None)
+        ids, healed = self.encode_healed(prefix, suffix)
+        return Prompt(ids, prefix, suffix, starts[start], self.fim is not None, healed)
 
     def build_parts(self, prefix: str, suffix: str, budget: int) -> list[int]:
         """FIM prompt ids for explicit prefix/suffix texts (code actions), keeping the lines nearest

@@ -131,7 +131,8 @@ def test_prompt_is_spm_and_stable_while_typing(tokenizer):
     text2 = text[:off] + "u" + text[off:]
     p2 = b.build(text2, off + 1, 256, key="doc")
     assert p2.prefix_start == p1.prefix_start > 0                   # anchored window
-    common = next(i for i, (x, y) in enumerate(zip(p1.ids, p2.ids)) if x != y)
+    # (token healing may leave both prompts equal: the typed word is generated, not prompted)
+    common = next((i for i, (x, y) in enumerate(zip(p1.ids, p2.ids)) if x != y), min(len(p1.ids), len(p2.ids)))
     assert common >= len(p1.ids) - 4                                # only the tail re-prefills
 
 
