@@ -118,6 +118,7 @@ class _Emitter:
         self.stream = gen._engine.tokenizer.stream()
         self.held = ""
         self.skip = p.healed_prefix  # healed text not yet cut from the decoded stream
+        self.fresh = True  # nothing decoded yet
         self.deadline = None if p.max_time_s is None else gen._t0 + p.max_time_s
 
     def _cut(self, text: str) -> str:
@@ -125,6 +126,9 @@ class _Emitter:
         mismatch (the constraint was abandoned) stops the cutting: the rest is output."""
         if not self.skip or not text:
             return text
+        if self.fresh and self.skip[0] == " " and text[0] != " ":
+            self.skip = self.skip[1:]  # SentencePiece decoders drop the stream's first leading space
+        self.fresh = False
         k, m = 0, min(len(text), len(self.skip))
         while k < m and text[k] == self.skip[k]:
             k += 1

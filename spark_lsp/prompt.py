@@ -93,6 +93,8 @@ class PromptBuilder:
     def __init__(self, tokenizer: Any, fim: Any | None = None, heal: bool = True):
         self.tokenizer = tokenizer
         self.heal = heal  # token-heal inline-completion prompts (`build`); code actions never are
+        if heal and callable(getattr(tokenizer, "byte_index", None)):
+            tokenizer.byte_index()  # built once here, at model load, not in the first completion
         self.fim = fim if fim is not None else detect_fim(tokenizer)
         supports = getattr(self.fim, "supports_spm", None)
         self.spm = self.fim is not None and (supports if supports is not None

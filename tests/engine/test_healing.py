@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from types import SimpleNamespace
+
 from engine import GenerationParams
 from engine.fim import FimFormat, heal
+from engine.generate import _Emitter
 from engine.sampling import Healing, Sampler
 from engine.speculative import SpeculativeGeneration, generate as spec_generate
 from engine.tokenizer import ByteIndex
@@ -235,3 +238,20 @@ def test_bad_healed_prefix():
     with pytest.raises(ValueError, match="healed_prefix"):
         GenerationParams(healed_prefix=b"x")
     assert GenerationParams(healed_prefix=None).healed_prefix == ""
+
+
+def test_cut_survives_a_decoder_that_drops_the_first_leading_space():
+    class Stream:  # SentencePiece-like: "▁foo" at the start of a stream decodes as "foo"
+        parts = {1: "foo", 2: "bar", 3: " baz"}
+
+        def push(self, t):
+            return self.parts[t]
+
+        def flush(self):
+            return ""
+
+    gen = SimpleNamespace(params=GenerationParams(max_new_tokens=8, healed_prefix=" foob"), tokens=[], text="",
+                          _t0=0.0, _engine=SimpleNamespace(eos_ids=frozenset(), tokenizer=SimpleNamespace(stream=Stream)))
+    em = _Emitter(gen)
+    out = [em.emit(t, 0.0)[0].text for t in (1, 2, 3)]
+    assert out == ["", "ar", " baz"] and gen.text == "ar baz"
