@@ -34,6 +34,9 @@ from typing import Protocol
 #: after the last word.  Never a newline: a line break and its indentation are in-distribution.
 HEAL_RUN = re.compile(r"(?: ?\w+| ?[^\w\s]+|[ \t]+)\Z")
 #: At most this many tokens are backed off (a long identifier heals its last part only).
+#: Measured on the bundled model's held-out files (200 cursors, seeds 0 and 1, mean edit
+#: similarity): no healing 0.143, last token only 0.169, the word 0.178, word or punctuation
+#: 0.183, this rule 0.188 (2 tokens at most: 0.189, 8: same as 4 on seed 0).
 HEAL_MAX_TOKENS = 4
 
 
