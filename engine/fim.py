@@ -5,7 +5,11 @@
 * ``spark`` / StarCoder style: ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``
   (the bundled model; stops at ``<|endoftext|>`` and ``<file_sep>``),
 * Qwen2.5-Coder: ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``,
-* CodeLlama: ``▁<PRE>``/``<PRE>``, ``▁<SUF>``, ``▁<MID>``, ends with ``▁<EOT>``.
+* CodeLlama: ``▁<PRE>``/``<PRE>``, ``▁<SUF>``, ``▁<MID>``, ends with ``▁<EOT>``,
+* DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>`` (PSM).
+
+This is the one FIM table of the project: the engine's ``Tokenizer.fim``, ``spark-lsp eval``
+and the server's prompt builder all use it.
 
 ``build(prefix, suffix, spm)`` returns token ids.  Each part is encoded on its own, so the
 tokens of the prefix do not change when text is added to the suffix and vice versa, and in
@@ -53,6 +57,8 @@ _STYLES = (
      ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>", "<|fim_prefix|>"), False),
     ("codellama", (("▁<PRE>", "▁<SUF>", "▁<MID>"), ("<PRE>", "<SUF>", "<MID>")),
      ("▁<EOT>", "<EOT>", "</s>"), False),
+    ("deepseek", (("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),),
+     ("<｜end▁of▁sentence｜>", "<|EOT|>"), False),
 )
 
 
@@ -90,14 +96,14 @@ class FimFormat:
     def build(self, prefix: str, suffix: str, spm: bool = False) -> list[int]:
         """Prompt ids; the model's answer (the middle) follows the last id."""
         self._check(prefix, suffix, spm)
-        return self._layout(self._encode(prefix), self._encode(suffix), spm)
+        return self.layout(self._encode(prefix), self._encode(suffix), spm)
 
     def build_healed(self, prefix: str, suffix: str, spm: bool = False) -> tuple[list[int], str]:
         """``build`` with the prefix healed (:func:`heal`): (prompt ids, the text the middle
         must begin with, to pass as ``GenerationParams.healed_prefix``; "" if nothing healed)."""
         self._check(prefix, suffix, spm)
         kept, healed = heal(self._tok, prefix, self._encode(prefix))
-        return self._layout(kept, self._encode(suffix), spm), healed
+        return self.layout(kept, self._encode(suffix), spm), healed
 
     def _check(self, prefix: str, suffix: str, spm: bool) -> None:
         if not isinstance(prefix, str) or not isinstance(suffix, str):
@@ -105,7 +111,8 @@ class FimFormat:
         if spm and not self.supports_spm:
             raise ValueError(f"the {self.name} FIM format was not trained in SPM order; use spm=False")
 
-    def _layout(self, p: list[int], s: list[int], spm: bool) -> list[int]:
+    def layout(self, p: list[int], s: list[int], spm: bool = False) -> list[int]:
+        """Prompt ids from already encoded prefix ``p`` and suffix ``s`` (SPM or PSM order)."""
         if spm:
             return [self.suffix_id, *s, self.prefix_id, *p, self.middle_id]
         return [self.prefix_id, *p, self.suffix_id, *s, self.middle_id]

@@ -2,8 +2,8 @@
 
 Reads ``tokenizer.json`` for the vocabulary and ``tokenizer_config.json`` /
 ``special_tokens_map.json`` / ``generation_config.json`` / ``config.json`` for the special tokens,
-so eos is the union of everything the folder declares. Also detects the fill-in-the-middle token
-style (StarCoder, Qwen2.5-Coder, CodeLlama, DeepSeek) and decodes incrementally for streaming.
+so eos is the union of everything the folder declares. ``Tokenizer.fim`` is the folder's
+fill-in-the-middle format (``engine.fim``), and ``stream()`` decodes incrementally for streaming.
 ``Tokenizer.byte_index()`` spells every token as raw bytes (built once per tokenizer) so
 generation can be constrained to text that must come next (token healing, ``engine.sampling``).
 """
@@ -13,38 +13,15 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from .config import ModelError, model_path
+from .fim import FimFormat
 
 
-@dataclass(frozen=True)
-class FimFormat:
-    """Fill-in-the-middle special tokens of a model; prompt = prefix P suffix S middle (PSM)."""
-
-    name: str  # 'starcoder' | 'qwen' | 'codellama' | 'deepseek'
-    prefix: str
-    suffix: str
-    middle: str
-    prefix_id: int
-    suffix_id: int
-    middle_id: int
-    file_sep: str | None = None  # repo-level file separator token, if the vocabulary has one
-    file_sep_id: int | None = None
-
-
-# (name, prefix, suffix, middle, file separators to look for)
-_FIM_STYLES = (
-    ("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", ("<file_sep>",)),
-    ("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", ("<|file_sep|>", "<file_sep>")),
-    ("codellama", "<PRE>", "<SUF>", "<MID>", ()),
-    ("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", ()),
-    ("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ()),
-)
 _EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<EOT>")
 
 
@@ -136,7 +113,7 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(eos)
         self.bos_id = bos_id
         self.pad_id = pad_id
-        self.fim = self._detect_fim()
+        self.fim = FimFormat.detect(self)  # None for models without FIM tokens
         self._byte_index: ByteIndex | None = None
 
     @classmethod
@@ -251,16 +228,6 @@ class Tokenizer:
 
     def stream(self) -> "StreamDecoder":
         return StreamDecoder(self)
-
-    def _detect_fim(self) -> FimFormat | None:
-        for name, p, s, m, seps in _FIM_STYLES:
-            ids = [self._tok.token_to_id(t) for t in (p, s, m)]
-            if None in ids:
-                continue
-            sep = next((t for t in seps if self._tok.token_to_id(t) is not None), None)
-            return FimFormat(name, p, s, m, ids[0], ids[1], ids[2], sep,
-                             self._tok.token_to_id(sep) if sep else None)
-        return None
 
 
 class StreamDecoder:

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.fim import FimFormat, heal as heal_ids
+
 from .documents import split_lines
 
 
@@ -52,41 +54,6 @@ class TokenCounter:
         return n
 
 
-# FIM styles whose models were trained on suffix-first prompts. Our bundled model (StarCoder token
-# names) is trained on `<fim_suffix>S<fim_prefix>P<fim_middle>` half of the time; Qwen2.5-Coder and
-# DeepSeek only know prefix-first, and CodeLlama's SPM variant puts the middle token elsewhere.
-SPM_STYLES = {"starcoder"}
-
-
-def heal_prefix(tokenizer: Any, prefix: str, keep: int = 0) -> tuple[list[int], str]:
-    """(prefix ids with the partial word at the end backed off, that word's text): engine.fim.heal,
-    or no healing where the engine or the tokenizer's byte table is unavailable."""
-    try:
-        from engine.fim import heal
-    except ImportError:
-        return list(tokenizer.encode(prefix)) if prefix else [], ""
-    return heal(tokenizer, prefix, list(tokenizer.encode(prefix)) if prefix else [], keep=keep)
-
-
-def detect_fim(tokenizer: Any) -> Any | None:
-    """The engine's FIM format for this tokenizer (engine.fim), or the tokenizer's own detection."""
-    try:
-        from engine.fim import FimFormat
-    except ImportError:
-        return getattr(tokenizer, "fim", None)
-    try:
-        return FimFormat.detect(tokenizer)
-    except Exception:
-        return getattr(tokenizer, "fim", None)
-
-
-def fim_ids(fim: Any, prefix_ids: list[int], suffix_ids: list[int], spm: bool) -> list[int]:
-    """Token layout of a FIM prompt: SPM `<suf> S <pre> P <mid>` or PSM `<pre> P <suf> S <mid>`."""
-    if spm:
-        return [fim.suffix_id, *suffix_ids, fim.prefix_id, *prefix_ids, fim.middle_id]
-    return [fim.prefix_id, *prefix_ids, fim.suffix_id, *suffix_ids, fim.middle_id]
-
-
 class PromptBuilder:
     """Builds FIM prompts for one model; keeps one prefix anchor per document."""
 
@@ -95,12 +62,11 @@ class PromptBuilder:
         self.heal = heal  # token-heal inline-completion prompts (`build`); code actions never are
         if heal and callable(getattr(tokenizer, "byte_index", None)):
             tokenizer.byte_index()  # built once here, at model load, not in the first completion
-        self.fim = fim if fim is not None else detect_fim(tokenizer)
-        supports = getattr(self.fim, "supports_spm", None)
-        self.spm = self.fim is not None and (supports if supports is not None
-                                             else getattr(self.fim, "name", "") in SPM_STYLES)
+        self.fim: FimFormat | None = fim if fim is not None else FimFormat.detect(tokenizer)
+        # suffix-first only where the model was trained on it (engine.fim: the bundled model's style)
+        self.spm = self.fim is not None and self.fim.supports_spm
         # special tokens that end a middle (e.g. <file_sep>) decode as text: stop on them too
-        stop_ids = getattr(self.fim, "stop_ids", ()) or ()
+        stop_ids = self.fim.stop_ids if self.fim is not None else ()
         eos = set(getattr(tokenizer, "eos_ids", ()) or ())
         names = (tokenizer.id_to_token(i) for i in sorted(stop_ids) if i not in eos) \
             if hasattr(tokenizer, "id_to_token") else ()
@@ -112,25 +78,22 @@ class PromptBuilder:
         self._anchors.pop(key, None)
 
     def encode_fim(self, prefix: str, suffix: str) -> list[int]:
-        enc = self.tokenizer.encode
         if self.fim is None:
-            return list(enc(prefix))
-        if hasattr(self.fim, "build"):
-            return list(self.fim.build(prefix, suffix, spm=self.spm))
-        return fim_ids(self.fim, list(enc(prefix)), list(enc(suffix)) if suffix else [], self.spm)
+            return list(self.tokenizer.encode(prefix))
+        return self.fim.build(prefix, suffix, spm=self.spm)
 
     def encode_healed(self, prefix: str, suffix: str) -> tuple[list[int], str]:
         """`encode_fim` with the prefix token-healed: (ids, healed text). A left-to-right prompt
         keeps at least one token (the engine needs something to start from)."""
         if not self.heal:
             return self.encode_fim(prefix, suffix), ""
-        ids, healed = heal_prefix(self.tokenizer, prefix, keep=0 if self.fim is not None else 1)
+        ids, healed = heal_ids(self.tokenizer, prefix, keep=0 if self.fim is not None else 1)
         if not healed:
             return self.encode_fim(prefix, suffix), ""
         if self.fim is None:
             return ids, healed
         suffix_ids = list(self.tokenizer.encode(suffix)) if suffix else []
-        return fim_ids(self.fim, ids, suffix_ids, self.spm), healed
+        return self.fim.layout(ids, suffix_ids, self.spm), healed
 
     def build(self, text: str, offset: int, budget: int, key: str | None = None,
               suffix_share: float | None = None) -> Prompt:

@@ -43,8 +43,10 @@ def test_special_tokens(tok):
     assert tok.encode("<fim_middle>") == [tok.special_tokens["<fim_middle>"]]
     assert tok.decode(tok.encode("a<|endoftext|>b"), skip_special_tokens=True) == "ab"
     fim = tok.fim
-    assert fim.name == "starcoder" and (fim.prefix, fim.suffix, fim.middle) == ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
-    assert fim.middle_id == tok.token_to_id("<fim_middle>") and fim.file_sep == "<file_sep>"
+    assert fim.name == "starcoder" and fim.supports_spm
+    assert (fim.prefix_id, fim.suffix_id, fim.middle_id) == tuple(
+        tok.token_to_id(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+    assert tok.token_to_id("<file_sep>") in fim.stop_ids  # a middle never runs into the next file
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode([10_000])
 
@@ -85,6 +87,7 @@ def test_other_fim_styles(tmp_path):
     vocab = {c: i for i, c in enumerate("abc")}
     for specials, style in ((["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"], "qwen"),
                             (["<PRE>", "<SUF>", "<MID>", "<EOT>"], "codellama"),
+                            (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>"], "deepseek"),
                             (["x"], None)):
         hf = HF(models.WordLevel(vocab, unk_token="a"))
         hf.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -92,7 +95,10 @@ def test_other_fim_styles(tmp_path):
         t = Tokenizer(hf)
         assert (t.fim.name if t.fim else None) == style
         if style:
-            assert t.fim.prefix == specials[0] and t.eos_ids == {hf.token_to_id(specials[3])}
+            assert t.fim.prefix_id == hf.token_to_id(specials[0]) and not t.fim.supports_spm
+            assert hf.token_to_id(specials[3]) in t.fim.stop_ids
+            if style != "deepseek":  # the eos fallbacks know the others' end tokens
+                assert t.eos_ids == {hf.token_to_id(specials[3])}
 
 
 def test_missing_and_corrupt_files(tiny_llama, tmp_path):
