@@ -236,7 +236,11 @@ class StreamDecoder:
     Decodes a short window of recent tokens twice (with and without the new one) and emits the
     difference, holding it back while it ends in U+FFFD (a UTF-8 character split across byte-level
     tokens). The window keeps leading-space handling of SentencePiece-style decoders right.
+    A UTF-8 character spans at most 4 bytes, so text still undecodable after ``MAX_HELD`` tokens
+    is invalid, not pending: it is emitted (with U+FFFD) instead of growing the window forever.
     """
+
+    MAX_HELD = 8
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
@@ -248,7 +252,8 @@ class StreamDecoder:
         self._ids.append(int(token_id))
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
         new_text = self._tok.decode(self._ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        held = len(self._ids) - self._read
+        if len(new_text) > len(prefix_text) and (not new_text.endswith("\ufffd") or held >= self.MAX_HELD):
             out = new_text[len(prefix_text):]
             self._prefix, self._read = self._read, len(self._ids)
             return out

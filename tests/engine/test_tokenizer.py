@@ -71,6 +71,18 @@ def test_stream_decoder_flushes_incomplete_utf8(tok):
     assert sd.flush() == ""
 
 
+def test_stream_decoder_does_not_hold_invalid_bytes_forever(tok):
+    """A model emitting bytes that never form UTF-8 (a run of continuation bytes) must stream,
+    not make every push re-decode an ever longer window."""
+    cont = tok.encode("😀")[-1]  # a token holding only UTF-8 continuation byte(s)
+    assert tok.decode([cont]).endswith("\ufffd")
+    sd = tok.stream()
+    chunks = [sd.push(cont) for _ in range(200)]
+    assert sum(1 for c in chunks if c) >= 200 // StreamDecoder.MAX_HELD - 1
+    assert len(sd._ids) - sd._prefix <= 2 * StreamDecoder.MAX_HELD  # the window stays short
+    assert "".join(chunks) + sd.flush() == tok.decode([cont] * 200)
+
+
 def test_eos_from_generation_config_and_fallback(tiny_llama, tmp_path):
     folder = copy_model(tiny_llama, tmp_path / "m")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
