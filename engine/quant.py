@@ -473,6 +473,7 @@ class PrecisionChoice:
     reason: str = ""
     measured_at: str = ""
     cached: bool = False
+    contended: bool = False  # measured while other work competed for the CPU (speeds unreliable)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -514,9 +515,13 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     emitter settings, the CPU model, ONNX Runtime's version and the thread count, so it is measured
     once (tens of seconds on a small model) and read back on every later start; pass
     ``remeasure=True`` to force a new measurement, ``measure=False`` to only read a stored decision
-    (fp32 when there is none — e.g. a server start that must not spend the time).
+    (fp32 when there is none — e.g. a server start that must not spend the time).  A decision
+    measured while the CPU was contended (``contended``) is used but measured again at the first
+    start that finds the CPU calm: under load fp32 falls out of cache and every speed ratio skews.
     """
     import onnxruntime as ort
+
+    from .runtime import cpu_contended
 
     from .config import model_path
     from .weights import weights_digest
@@ -539,13 +544,17 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
         try:
             data = json.loads(path.read_text())
             choice = PrecisionChoice(**{**data, "cached": True})
-            if choice.precision in PRECISIONS:
+            stale = choice.contended and measure and not cpu_contended()
+            if choice.precision in PRECISIONS and not stale:
                 return choice
+            if stale:
+                log_fn(f"precision decision for {folder.name} was measured under load; measuring again")
         except (OSError, ValueError, TypeError):
             pass  # unreadable decision: measure again
     if not measure:
         return PrecisionChoice("fp32", reason="no stored decision for this model and machine "
                                               "(measure with: python -m engine.quant --model DIR)")
+    contended = cpu_contended()
     engines = {"fp32": load_engine(folder, make_linear("fp32", wafer, grid), threads=threads, cache_dir=cache_dir)}
     for c in candidates:
         engines[c] = load_engine(folder, make_linear(c, wafer, grid), threads=threads, cache_dir=cache_dir)
@@ -562,7 +571,9 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     why = (f"{best}: {speedup[best]:.2f}x fp32 decode, {agreement[best]:.1%} greedy agreement" if best != "fp32"
            else "no quantised candidate was both faster (>= %.2fx) and in agreement (>= %.0f%%)"
            % (min_speedup, 100 * min_agreement))
-    choice = PrecisionChoice(best, speeds, agreement, speedup, why, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    contended = contended or cpu_contended()
+    choice = PrecisionChoice(best, speeds, agreement, speedup, why, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                             contended=contended)
     log_fn(f"precision for {folder.name}: {why} (decode tok/s: "
            + ", ".join(f"{k} {v:.0f}" for k, v in speeds.items()) + ")")
     try:

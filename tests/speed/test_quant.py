@@ -118,7 +118,8 @@ def test_int8_greedy_agreement_high(engines):
     assert len(list(gen)) == 8 and gen.finish_reason == "length"
 
 
-def test_choose_precision_measures_once(tiny_llama, tmp_path):
+def test_choose_precision_measures_once(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setattr("engine.runtime.cpu_contended", lambda *a, **k: False)
     unmeasured = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", measure=False)
     assert unmeasured.precision == "fp32" and "no stored decision" in unmeasured.reason
     first = choose_precision(tiny_llama, cache_dir=tmp_path / "graphs", threads=1, prompts=2, new_tokens=16)
@@ -134,6 +135,20 @@ def test_choose_precision_measures_once(tiny_llama, tmp_path):
     assert third.cached and third.precision == first.precision
     with pytest.raises(ValueError, match="candidates"):
         choose_precision(tiny_llama, candidates=("fp32",), cache_dir=tmp_path / "graphs")
+
+
+def test_choice_made_under_load_is_measured_again_when_calm(tiny_llama, tmp_path, monkeypatch):
+    busy = [True]
+    monkeypatch.setattr("engine.runtime.cpu_contended", lambda *a, **k: busy[0])
+    kw = dict(cache_dir=tmp_path / "graphs", threads=1, prompts=2, new_tokens=8)
+    loaded = choose_precision(tiny_llama, **kw)
+    assert loaded.contended and not loaded.cached
+    assert choose_precision(tiny_llama, **kw).cached  # still busy: the stored decision is used
+    assert choose_precision(tiny_llama, measure=False, **kw).cached  # never measured at a no-measure start
+    busy[0] = False
+    calm = choose_precision(tiny_llama, **kw)
+    assert not calm.cached and not calm.contended  # measured again, now trustworthy
+    assert choose_precision(tiny_llama, **kw).cached
 
 
 def test_dense_and_tiled_quant_agree(tiny_llama, tmp_path_factory):
