@@ -8,6 +8,10 @@ The graph is built for ONNX Runtime on CPU with batch size 1:
   ``past.{i}.value`` float32 [1, kv_heads, max_len, head_dim];
 * outputs ``logits`` float32 [1, S - logits_from, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
 
+Only positions from ``logits_from`` go on after the last layer's attention (its O-proj, MLP, the
+final norm and the LM head): a prefill that wants one row of logits skips ~1/L of its matmuls,
+~10% of a 2,000-token prefill here, while every position's KV is still written.
+
 ``head_dim`` in the KV buffers is the model's head size rounded up to a multiple of 16 (the op's
 requirement); the padding is zero rows in the q/k/v/o weights, so the results are unchanged.
 
@@ -31,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 3
+GRAPH_VERSION = 4
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -242,6 +246,9 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     if not act3d:
         residual = gb.node("Reshape", [residual, gb.const_i64([-1, D])], name="embed2d")  # [S, D]
     pending: str | None = None
+    # Only the trailing positions (from `logits_from`) leave the last layer's attention.
+    end = gb.const_i64([INT64_MAX])
+    axes = gb.const_i64([1 if act3d else 0])
 
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -265,6 +272,12 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
         gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
         attn2 = attn if act3d else gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
+        if i == c.num_hidden_layers - 1:
+            # Past the last attention only the positions that get logits matter (the KV cache of
+            # every position is already written): the last O-proj and MLP run on them alone, so
+            # a long prefill skips ~1/L of its matmuls; a decode step is unchanged.
+            attn2 = gb.node("Slice", [attn2, logits_from, end, axes], name="tail_attn")
+            residual = gb.node("Slice", [residual, logits_from, end, axes], name="tail_residual")
         w_o = np.ascontiguousarray(_pad_value_rows(_linear_weight(w, a + "o_proj.weight").T, N, H0, H))
         b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
@@ -280,13 +293,8 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         w_down = np.ascontiguousarray(_linear_weight(w, m + "down_proj.weight").T)
         pending = linear.emit(gb, act, w_down, name=f"layers.{i}.down", role="down")
 
-    # Only the trailing positions (from `logits_from`) reach the final norm and the LM head.
-    end = gb.const_i64([INT64_MAX])
-    axes = gb.const_i64([1 if act3d else 0])
-    pending_t = gb.node("Slice", [pending, logits_from, end, axes], name="tail_pending")
-    residual_t = gb.node("Slice", [residual, logits_from, end, axes], name="tail_residual")
     g_final = gb.initializer("final_norm", w["model.norm.weight"])
-    x, _ = skip_norm(pending_t, residual_t, g_final, "final_norm")
+    x, _ = skip_norm(pending, residual, g_final, "final_norm")
     if c.tie_word_embeddings or "lm_head.weight" not in w:
         w_head = w["model.embed_tokens.weight"].T
     else:

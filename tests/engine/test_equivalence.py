@@ -42,6 +42,22 @@ def test_logits_match_chunked(arch_engine):
     np.testing.assert_allclose(got, hf_logits(path, ids), atol=1e-4, rtol=0)
 
 
+def test_trailing_logits_and_kv_match(arch_engine):
+    """A run asking for the last k logits (the last layer's O-proj and MLP then run on those k
+    positions only) gives the same rows, and leaves the same KV cache, as a run asking for all."""
+    path, eng = arch_engine
+    ids = random_ids(eng, 30, seed=3)
+    rt = eng.runtime
+    full_kv = rt.new_kv()
+    full = rt.forward(full_kv, ids, 0, num_logits=len(ids))
+    np.testing.assert_allclose(full, hf_logits(path, ids), atol=1e-4, rtol=0)
+    for k in (1, 2, 17):
+        kv = rt.new_kv()
+        np.testing.assert_allclose(rt.forward(kv, ids, 0, num_logits=k), full[-k:], atol=1e-5, rtol=0)
+        for key, v in kv.values.items():
+            np.testing.assert_array_equal(v.numpy()[:, :, :len(ids)], full_kv.values[key].numpy()[:, :, :len(ids)])
+
+
 def test_greedy_cold(arch_engine):
     path, eng = arch_engine
     eng.reset()
