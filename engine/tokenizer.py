@@ -113,6 +113,7 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(eos)
         self.bos_id = bos_id
         self.pad_id = pad_id
+        self._vocab_size = tok.get_vocab_size(with_added_tokens=True)  # fixed once loaded
         self.fim = FimFormat.detect(self)  # None for models without FIM tokens
         self._byte_index: ByteIndex | None = None
 
@@ -163,7 +164,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (base vocabulary + added tokens)."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -249,9 +250,13 @@ class StreamDecoder:
         self._read = 0  # tokens whose text was already emitted
 
     def push(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-        new_text = self._tok.decode(self._ids[self._prefix:])
+        token_id = int(token_id)
+        if not 0 <= token_id < self._tok.vocab_size:  # checked once here, not on every window decode
+            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self._tok.vocab_size - 1})")
+        self._ids.append(token_id)
+        decode = self._tok._tok.decode  # ids already checked: the raw decoder, once per window
+        prefix_text = decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
+        new_text = decode(self._ids[self._prefix:], skip_special_tokens=False)
         held = len(self._ids) - self._read
         if len(new_text) > len(prefix_text) and (not new_text.endswith("\ufffd") or held >= self.MAX_HELD):
             out = new_text[len(prefix_text):]
