@@ -79,7 +79,9 @@ def export(run_dir: Path, out: Path, ckpt_name: str = "ckpt.pt") -> dict:
         json.dumps(tokenizer_config(cfg.max_position_embeddings), indent=2) + "\n")
     if (run_dir / "loss_curve.png").is_file():
         shutil.copyfile(run_dir / "loss_curve.png", out / "loss_curve.png")
-    return {"step": ckpt["step"], "tokens": ckpt["seqs"] * ckpt["args"]["seq_len"],
+    phase_tokens = ckpt["seqs"] * ckpt["args"]["seq_len"]
+    return {"step": ckpt["step"], "tokens": phase_tokens + (ckpt["args"].get("tokens_before") or 0),
+            "phase_tokens": phase_tokens,
             "elapsed_min": round(ckpt["elapsed"] / 60, 1),
             "params": sum(t.numel() for t in state.values()),
             "bytes": (out / "model.safetensors").stat().st_size}
