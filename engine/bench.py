@@ -185,7 +185,7 @@ class _Ours:
             pass
         return gen
 
-    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float | None]:
         self.eng.reset()  # cold: no prefix to reuse (the KV buffers stay allocated)
         t0 = time.perf_counter()
         gen = self.run(prompt, new_tokens)
@@ -193,31 +193,46 @@ class _Ours:
         if gen.stats["reused_tokens"]:
             raise RuntimeError("a cold run reused a prefix; the benchmark would be unfair")
         self.stats.append(dict(gen.stats))
-        return list(gen.tokens), dt
+        rate = gen.stats.get("decode_tok_s")
+        return list(gen.tokens), dt, (len(gen.tokens) - 1) / rate if rate else None
+
+
+#: Pause before every timed run: threads a runner leaves spinning (torch's OpenMP pool waits
+#: ~200 ms, ORT's a few ms) must not land in the next runner's measurement.
+SETTLE_S = 0.3
 
 
 def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
-    """Per runner: medians of T1 (time to 1 new token) and TN (time to n new tokens).
+    """Per runner: median T1 (time to 1 new token: the prefill) and decode tok/s.
 
-    The runners take turns within each repeat, so a change in machine load (a shared CPU) hits
-    all of them alike instead of whichever happened to run at that moment.  ``tokens``: the n
-    tokens of the first prompt; ``all_tokens``: those of every prompt (agreement over the run).
+    Decode is timed inside each runner's own loop, from its first new token to its last
+    (``timed`` returns that span); a runner that cannot report it falls back to ``(n - 1) /
+    (TN - T1)`` from medians of separate runs, which other runners' leftover threads can skew
+    (a T1 slowed by them made decode look faster).  The runners take turns within each repeat, so
+    a change in machine load hits all of them alike.  ``tokens``: the n tokens of the first
+    prompt; ``all_tokens``: those of every prompt (agreement over the run).
     """
     t1s: list[list[float]] = [[] for _ in runners]
     tns: list[list[float]] = [[] for _ in runners]
+    spans: list[list[float]] = [[] for _ in runners]
     tokens: list[list[list[int]]] = [[] for _ in runners]
     for p in prompts:
         for i, runner in enumerate(runners):
+            time.sleep(SETTLE_S)
             t1s[i].append(runner.timed(p, 1)[1])
-            toks, tn = runner.timed(p, n)
+            time.sleep(SETTLE_S)
+            toks, tn, *span = runner.timed(p, n)
             tns[i].append(tn)
+            if span and span[0]:
+                spans[i].append(span[0])
             tokens[i].append(toks)
     out = []
     for i in range(len(runners)):
         t1, tn = _median(t1s[i]), _median(tns[i])
+        decode = (n - 1) / _median(spans[i]) if len(spans[i]) == len(prompts) else (n - 1) / max(tn - t1, 1e-9)
         out.append({"ttft_ms": t1 * 1e3, "prefill_tok_s": len(prompts[0]) / t1,
-                    "decode_tok_s": (n - 1) / max(tn - t1, 1e-9), "tokens": tokens[i][0],
-                    "all_tokens": tokens[i]})
+                    "decode_tok_s": decode, "decode_timed": "in-loop" if len(spans[i]) == len(prompts) else "TN-T1",
+                    "tokens": tokens[i][0], "all_tokens": tokens[i]})
     return out
 
 

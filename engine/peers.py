@@ -1,9 +1,10 @@
 """Benchmark peers: transformers ``generate()`` and onnxruntime-genai's generator on the same weights.
 
 Both are imported lazily (they are optional and torch must never load at run time otherwise).
-Every runner exposes the same ``timed(prompt_ids, new_tokens) -> (token ids, seconds)``: greedy,
-eos ignored, exactly ``new_tokens`` new tokens, wall time from the call until the last token, so
-``engine.bench`` can derive prefill and decode rates the same way for every runner.
+Every runner exposes the same ``timed(prompt_ids, new_tokens) -> (token ids, seconds, decode
+seconds)``: greedy, eos ignored, exactly ``new_tokens`` new tokens, wall time from the call until
+the last token, and the time from its first new token to its last taken inside its own loop, so
+``engine.bench`` derives prefill and decode rates the same way for every runner.
 """
 
 from __future__ import annotations
@@ -20,6 +21,27 @@ from pathlib import Path
 
 class PeerUnavailable(Exception):
     """A peer is not installed or cannot run this model; the message says why."""
+
+
+class _TokenClock:
+    """A transformers streamer that only notes when each new token arrives (its first ``put``
+    is the prompt), so decode is timed inside ``generate`` like the other runners."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+    def span(self) -> float | None:
+        """Seconds from the first new token to the last (None with fewer than two)."""
+        return self.times[-1] - self.times[0] if len(self.times) > 1 else None
 
 
 class TransformersPeer:
@@ -43,16 +65,17 @@ class TransformersPeer:
         gc.eos_token_id = None  # generate exactly new_tokens tokens, like the other runners
         gc.pad_token_id = gc.pad_token_id if gc.pad_token_id is not None else 0
 
-    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float | None]:
         torch = self._torch
         ids = torch.tensor([prompt], dtype=torch.long)
         mask = torch.ones_like(ids)
+        clock = _TokenClock()
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, num_beams=1)
+                                      do_sample=False, num_beams=1, streamer=clock)
             dt = time.perf_counter() - t0
-        return out[0, len(prompt):].tolist(), dt
+        return out[0, len(prompt):].tolist(), dt, clock.span()
 
 
 def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -> Path:
@@ -108,7 +131,7 @@ class GenaiPeer:
             so["inter_op_num_threads"] = 1
             cfg_path.write_text(json.dumps(cfg, indent=4))
 
-    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    def timed(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float | None]:
         og = self._og
         t0 = time.perf_counter()
         params = og.GeneratorParams(self.model)
@@ -117,8 +140,10 @@ class GenaiPeer:
         gen = og.Generator(self.model, params)
         gen.append_tokens(prompt)
         out: list[int] = []
+        stamps: list[float] = []
         while len(out) < new_tokens and not gen.is_done():
             gen.generate_next_token()
             out.append(int(gen.get_next_tokens()[0]))
+            stamps.append(time.perf_counter())
         dt = time.perf_counter() - t0
-        return out, dt
+        return out, dt, stamps[-1] - stamps[0] if len(stamps) > 1 else None
