@@ -503,7 +503,7 @@ def _decision_path(cache_dir: str | Path | None, key: str) -> Path:
 def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] = ("int8", "int8-rowq", "int4"),
                      wafer: bool = True,
                      grid=None, threads: int | None = None, cache_dir: str | Path | None = None,
-                     min_agreement: float = 0.95, min_speedup: float = 1.15, prompts: int = 4,
+                     min_agreement: float = 0.95, min_speedup: float = 1.15, prompts: int = 16,
                      new_tokens: int = 48, remeasure: bool = False, measure: bool = True,
                      log_fn=log.info) -> PrecisionChoice:
     """Measure fp32 and each quantised candidate on this model and machine; pick the fastest good one.
@@ -536,6 +536,7 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     blob = json.dumps({"weights": weights_digest(folder), "candidates": list(candidates), "wafer": bool(wafer),
                        "grid": list(grid) if grid else None, "threads": threads, "cpu": _cpu_id(),
                        "ort": ort.__version__, "min_agreement": min_agreement, "min_speedup": min_speedup,
+                       "agreement_prompts": prompts,
                        "emitters": [make_linear(c, wafer, grid).cache_key() if c != "fp32" else "" for c in candidates],
                        "v": 1}, sort_keys=True)
     key = hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
