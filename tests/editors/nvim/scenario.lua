@@ -196,9 +196,11 @@ local function scenario()
   spark.configure({ debounceMs = 600 }) -- keeps each automatic request in flight for 600 ms
   sleep(100)
   local m0 = server_metrics()
-  vim.api.nvim_input('o<C-u>    x')
+  -- (`ret` -> `return`: a word any code model completes, so the newer request has a suggestion;
+  -- with token healing an unlikely partial word such as `xy` can rightly get an empty one)
+  vim.api.nvim_input('o<C-u>    re')
   local first = wait_for(function() local ids = pending_inline_ids(); return #ids > 0 and ids[1] end, 3000)
-  vim.api.nvim_input('y')
+  vim.api.nvim_input('t')
   -- cancelled before its answer arrived: events pending → cancel (→ complete when the -32800 comes)
   local cancelled = wait_for(function()
     return first and req_events[first] and req_events[first][2] == 'cancel'
