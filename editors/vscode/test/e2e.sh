@@ -98,7 +98,7 @@ import os
 
 
 def add(a, b):
-    return a + b
+    return os.path.join(a, b)
 
 
 def greet(name):
