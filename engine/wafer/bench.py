@@ -28,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=9, metavar="N", help="alternating rounds (default 9)")
     p.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
+    spin = p.add_mutually_exclusive_group()
+    spin.add_argument("--spinning", dest="spinning", action="store_true", default=None,
+                      help="force ORT threads to spin between steps (both engines)")
+    spin.add_argument("--no-spinning", dest="spinning", action="store_false",
+                      help="never spin; with the default (auto) each generation picks by CPU pressure, "
+                           "which can flip between rounds and make single rounds swing")
     p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -60,8 +66,9 @@ def bench_wafer(args, log=print) -> dict:
     chip = load_chip(args.chip)
     model = _resolve(args.model)
     t0 = time.perf_counter()
-    dense = Engine.load(model, wafer=False, threads=args.threads)
-    tiled = Engine.load(model, wafer=True, grid=grid, threads=args.threads)
+    spinning = getattr(args, "spinning", None)
+    dense = Engine.load(model, wafer=False, threads=args.threads, spinning=spinning)
+    tiled = Engine.load(model, wafer=True, grid=grid, threads=args.threads, spinning=spinning)
     log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s (dense, and tiled over {grid[0]}x{grid[1]})")
     vocab = dense.sample_vocab
     prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]

@@ -100,6 +100,27 @@ def test_bench_wafer_reports_both_speeds(tiny_qwen2, capsys):
     assert o["projection"]["decode_tok_s"] > 0
 
 
+def test_bench_wafer_pins_thread_spinning(tiny_qwen2, capsys, monkeypatch):
+    """--no-spinning / --spinning reach both engines (auto mode can flip between rounds)."""
+    from engine import Engine
+    from engine.wafer import bench
+
+    seen = []
+    real = Engine.load.__func__
+
+    def spy(cls, *a, **kw):
+        seen.append(kw.get("spinning"))
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(Engine, "load", classmethod(spy))
+    for flag, want in (("--no-spinning", False), ("--spinning", True)):
+        seen.clear()
+        assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
+                           "--threads", "1", "--json", flag]) == 0
+        capsys.readouterr()
+        assert seen == [want, want]
+
+
 def test_bench_wafer_bad_args(capsys):
     from engine.wafer import bench
 
