@@ -120,6 +120,28 @@ local function long_doc()
   return lines, first, first + 26
 end
 
+-- Rewrites `def table` in a fresh long_doc() (a random test model's text can hold \x1c-\x1e or \f,
+-- which pygls, not the LSP spec, counts as line breaks, so each attempt starts from the clean
+-- sample), runs `interrupt()` as soon as the first streamed edit lands, waits for the edit to end
+-- and returns what the attempt showed.
+local function interrupted_edit(interrupt)
+  local doc, l1, l2 = long_doc()
+  vim.api.nvim_buf_set_lines(0, 0, -1, false, doc)
+  sleep(200)
+  local result, done = nil, false
+  local tick0 = vim.api.nvim_buf_get_changedtick(0)
+  spark.edit('rewrite this in a different style', l1, l2, false, function(err, res)
+    result, done = err or res, true
+  end)
+  local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 1)
+  interrupt()
+  wait_for(function() return done end, 20000)
+  local tick_done = vim.api.nvim_buf_get_changedtick(0)
+  sleep(300)
+  return { streamed = streamed ~= nil, result = result,
+    quiet_after = vim.api.nvim_buf_get_changedtick(0) == tick_done }
+end
+
 local function scenario()
   vim.cmd('edit ' .. vim.fn.fnameescape(file))
   SAMPLE_TEXT = buf_text()
@@ -256,30 +278,14 @@ local function scenario()
   local attempts = {}
   local ok_live = false
   for attempt = 1, 5 do
-    -- start from the clean sample: a random test model's text can hold \x1c-\x1e or \f, which
-    -- pygls (not the LSP spec) counts as line breaks, so positions after it disagree
-    local doc, l1, l2 = long_doc()
-    vim.api.nvim_buf_set_lines(0, 0, -1, false, doc)
-    sleep(200)
-    local result, done = nil, false
-    local tick0 = vim.api.nvim_buf_get_changedtick(0)
     local marker = '# typed by the user ' .. attempt
-    -- rewrite `def table`; the user types on line 1, outside the region being written
-    spark.edit('rewrite this in a different style', l1, l2, false, function(err, res)
-      result, done = err or res, true
+    -- the user types on line 1, outside the region being written
+    local a = interrupted_edit(function()
+      vim.api.nvim_win_set_cursor(0, { 1, 0 })
+      vim.api.nvim_input('I' .. marker .. '<Esc>')
     end)
-    local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 1)
-    vim.api.nvim_win_set_cursor(0, { 1, 0 })
-    vim.api.nvim_input('I' .. marker .. '<Esc>')
-    wait_for(function() return done end, 20000)
-    local tick_done = vim.api.nvim_buf_get_changedtick(0)
-    sleep(300)
-    local final = buf_text()
-    local a = {
-      streamed = streamed ~= nil, result = result,
-      quiet_after = vim.api.nvim_buf_get_changedtick(0) == tick_done,
-      typed_kept = final:find(marker, 1, true) ~= nil,
-    }
+    local result = a.result
+    a.typed_kept = buf_text():find(marker, 1, true) ~= nil
     table.insert(attempts, a)
     if type(result) == 'table' and result.outcome == 'stopped by the user' then
       ok_live = a.streamed and a.quiet_after and a.typed_kept
@@ -294,22 +300,9 @@ local function scenario()
   -- 5b. :SparkCancel stops a streaming edit (same retry rule as above).
   local cancel_attempts = {}
   local ok_cancel = false
-  for attempt = 1, 5 do
-    local doc, l1, l2 = long_doc()
-    vim.api.nvim_buf_set_lines(0, 0, -1, false, doc)
-    sleep(200)
-    local result, done = nil, false
-    local tick0 = vim.api.nvim_buf_get_changedtick(0)
-    spark.edit('rewrite this in a different style', l1, l2, false, function(err, res)
-      result, done = err or res, true
-    end)
-    local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 1)
-    vim.cmd('SparkCancel')
-    wait_for(function() return done end, 20000)
-    local tick_done = vim.api.nvim_buf_get_changedtick(0)
-    sleep(300)
-    local a = { streamed = streamed ~= nil, result = result,
-      quiet_after = vim.api.nvim_buf_get_changedtick(0) == tick_done }
+  for _ = 1, 5 do
+    local a = interrupted_edit(function() vim.cmd('SparkCancel') end)
+    local result = a.result
     table.insert(cancel_attempts, a)
     local outcome = type(result) == 'table' and result.outcome or nil
     if outcome and outcome ~= 'done' then
