@@ -206,32 +206,32 @@ def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, An
     """Per runner: median T1 (time to 1 new token: the prefill) and decode tok/s.
 
     Decode is timed inside each runner's own loop, from its first new token to its last
-    (``timed`` returns that span); a runner that cannot report it falls back to ``(n - 1) /
-    (TN - T1)`` from medians of separate runs, which other runners' leftover threads can skew
-    (a T1 slowed by them made decode look faster).  The runners take turns within each repeat, so
+    (``timed`` returns that span, or None when a run could not time it; then ``(n - 1) / (TN -
+    T1)`` from medians of separate runs is used, which other runners' leftover threads can skew:
+    a T1 slowed by them made decode look faster).  The runners take turns within each repeat, so
     a change in machine load hits all of them alike.  ``tokens``: the n tokens of the first
     prompt; ``all_tokens``: those of every prompt (agreement over the run).
     """
     t1s: list[list[float]] = [[] for _ in runners]
     tns: list[list[float]] = [[] for _ in runners]
-    spans: list[list[float]] = [[] for _ in runners]
+    spans: list[list[float | None]] = [[] for _ in runners]
     tokens: list[list[list[int]]] = [[] for _ in runners]
     for p in prompts:
         for i, runner in enumerate(runners):
             time.sleep(SETTLE_S)
             t1s[i].append(runner.timed(p, 1)[1])
             time.sleep(SETTLE_S)
-            toks, tn, *span = runner.timed(p, n)
+            toks, tn, span = runner.timed(p, n)
             tns[i].append(tn)
-            if span and span[0]:
-                spans[i].append(span[0])
+            spans[i].append(span)
             tokens[i].append(toks)
     out = []
     for i in range(len(runners)):
         t1, tn = _median(t1s[i]), _median(tns[i])
-        decode = (n - 1) / _median(spans[i]) if len(spans[i]) == len(prompts) else (n - 1) / max(tn - t1, 1e-9)
+        in_loop = all(spans[i])
+        decode = (n - 1) / (_median(spans[i]) if in_loop else max(tn - t1, 1e-9))
         out.append({"ttft_ms": t1 * 1e3, "prefill_tok_s": len(prompts[0]) / t1,
-                    "decode_tok_s": decode, "decode_timed": "in-loop" if len(spans[i]) == len(prompts) else "TN-T1",
+                    "decode_tok_s": decode, "decode_timed": "in-loop" if in_loop else "TN-T1",
                     "tokens": tokens[i][0], "all_tokens": tokens[i]})
     return out
 
