@@ -172,17 +172,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def token_bytes(self) -> tuple[bytes | None, ...]:
-        """The raw bytes each token id spells; None for special tokens (they spell no text).
+    def byte_index(self) -> ByteIndex:
+        """The :class:`ByteIndex` of this vocabulary (built on first use, then cached).
 
+        Its ``token_bytes`` are the raw bytes each token id spells; None for special tokens.
         Byte-level BPE tokens map back through the GPT-2 byte alphabet; SentencePiece tokens
         turn ``▁`` into a space and ``<0xNN>`` into that byte; added non-special tokens are their
         literal content.
         """
-        return self.byte_index().token_bytes
-
-    def byte_index(self) -> ByteIndex:
-        """The :class:`ByteIndex` of this vocabulary (built on first use, then cached)."""
         if self._byte_index is None:
             self._byte_index = ByteIndex(self._spell_tokens())
         return self._byte_index

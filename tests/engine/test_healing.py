@@ -36,7 +36,7 @@ def brute_consistent(token_bytes, pending: bytes) -> list[int]:
 
 # -- byte table and index ---------------------------------------------------------------------------
 def test_token_bytes_spell_what_decode_gives(tok):
-    tb = tok.token_bytes()
+    tb = tok.byte_index().token_bytes
     assert len(tb) == tok.vocab_size
     assert all(tb[i] is None for i in tok.special_tokens.values())
     checked = 0
@@ -158,7 +158,7 @@ def test_build_healed_is_build_without_the_partial_word(tok):
 def clean_greedy(eng, tok, n=24):
     """(prompt ids, reference generation) for a prompt whose greedy output starts with three
     tokens of whole characters (the random tiny model also writes lone non-ASCII bytes)."""
-    tb = tok.token_bytes()
+    tb = tok.byte_index().token_bytes
     for cut in range(len(CODE), 0, -7):
         prompt = tok.encode(CODE[:cut])
         ref = eng.generate(prompt, GenerationParams(max_new_tokens=n, ignore_eos=True))
