@@ -588,7 +588,7 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
 def plot_results(plot: Callable[[dict, str], Any] | None, res: dict, path: str | None, name: str) -> int:
     """Draw ``res`` into ``path`` when asked; 0, or 2 with the reason on stderr.
 
-    Shared by the engine-side benchmarks (``engine.bench_edits``, ``engine.wafer.bench``)."""
+    Shared by the benchmarks that run behind ``spark-lsp bench`` (edits, wafer, lsp)."""
     if not path:
         return 0
     if plot is None:

@@ -280,13 +280,9 @@ def run(args, plot=None) -> int:
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {val}")
-    if args.plot:
-        try:
-            print(f"plot: {plot(out, args.plot)}", file=sys.stderr)
-        except (RuntimeError, OSError) as exc:
-            print(f"spark-lsp bench lsp: --plot: {exc}", file=sys.stderr)
-            return 2
-    return 0
+    from engine.bench import plot_results
+
+    return plot_results(plot, out, args.plot, "lsp")
 
 
 if __name__ == "__main__":
