@@ -8,6 +8,12 @@ The middle is usually the rest of a line (what an editor asks for), sometimes th
 line plus a few lines, sometimes a random character span.  Each part is encoded separately,
 exactly as the server encodes prompts, so the tokens at the part boundaries match.
 
+With ``EditConfig.rate`` > 0 some files also yield an *edited copy* document: a function or
+class of the file, then the same block again after a small refactoring (renamed, a parameter
+renamed or added, type hints added).  That is the shape of a rewrite code action — the original
+is in the context and the model writes the new version, mostly by copying — and it teaches the
+copying that speculative edits feed on (the original is the draft).
+
 The stream is a pure function of (files, seed): resuming skips the sequences already
 consumed instead of storing loader state.
 """
@@ -15,6 +21,7 @@ consumed instead of storing loader state.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +35,126 @@ class FimConfig:
     spm_rate: float = 0.5      # of those, fraction in SPM order
     line_rate: float = 0.5     # middle = rest of one line
     lines_rate: float = 0.2    # middle = rest of a line + 1..4 more lines; else a random span
+
+
+@dataclass(frozen=True)
+class EditConfig:
+    rate: float = 0.0          # fraction of files that also yield one edited-copy document
+    context_chars: int = 600   # file text kept before the original block
+    max_block_chars: int = 1500
+
+
+_HEADER_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)(.*):[ \t]*$")
+_TYPES = ("int", "str", "float", "bool", "bytes", "list", "dict", "object", "list[str]", "dict[str, int]")
+_NAMES = ("value", "items", "data", "key", "name", "result", "count", "path", "text", "node", "obj",
+          "options", "timeout", "limit", "index", "source", "target", "callback", "default", "verbose")
+
+
+def code_blocks(text: str, max_chars: int = 1500) -> list[tuple[int, int]]:
+    """(start, end) character spans of ``def``/``class`` blocks with a one-line header, 3+ lines."""
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for ln in lines:
+        starts.append(starts[-1] + len(ln))
+    out = []
+    for i, ln in enumerate(lines):
+        m = _HEADER_RE.match(ln.rstrip("\r\n"))
+        if not m:
+            continue
+        ind = len(m.group(1).expandtabs())
+        j = i + 1
+        while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > ind):
+            j += 1
+        while j > i + 1 and not lines[j - 1].strip():  # trailing blank lines stay outside
+            j -= 1
+        if j - i >= 3 and starts[j] - starts[i] <= max_chars:
+            out.append((starts[i], starts[j]))
+    return out
+
+
+def _split_params(params: str) -> list[str]:
+    """Top-level comma split of a parameter list."""
+    out, depth, cur = [], 0, ""
+    for ch in params:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur)
+    return out
+
+
+def edit_block(block: str, rng: random.Random, words: list[str]) -> str | None:
+    """A refactored copy of ``block`` (first line = its header), or None if nothing applies."""
+    header, _, body = block.partition("\n")
+    m = _HEADER_RE.match(header.rstrip("\r"))
+    if not m:
+        return None
+    kind, name, rest = m.group(2), m.group(3), m.group(4)
+    params = rest[rest.find("(") + 1:rest.rfind(")")] if "(" in rest and ")" in rest else None
+    simple = [p.strip() for p in _split_params(params or "") if re.fullmatch(r"\s*[A-Za-z_]\w*\s*", p)
+              and p.strip() not in ("self", "cls")]
+    choices = ["rename"]
+    if kind == "def" and params is not None:
+        choices += ["add_param", "hints"] + (["rename_param"] * 2 if simple else [])
+    op = rng.choice(choices)
+
+    def fresh(pool) -> str | None:
+        pool = [w for w in pool if not re.search(rf"\b{re.escape(w)}\b", block)]
+        return rng.choice(pool) if pool else None
+
+    if op == "rename":
+        if kind == "class":
+            new = rng.choice([f"New{name}", f"{name}V2", f"Base{name}", f"{name}Impl", f"Simple{name}"])
+        else:
+            new = rng.choice([f"{name}_v2", f"new_{name}", f"{name}_impl", f"_{name}", f"{name}2", f"safe_{name}"])
+        return re.sub(rf"(?<![.\w]){re.escape(name)}\b", new, block)
+    if op == "rename_param":
+        old = rng.choice(simple)
+        new = fresh([w for w in words if w != old and len(w) > 2] + list(_NAMES))
+        if new is None:
+            return None
+        return re.sub(rf"(?<![.\w]){re.escape(old)}\b", new, block)
+    if op == "add_param":
+        new = fresh(_NAMES)
+        if new is None:
+            return None
+        cut = header.rfind(")")
+        sep = ", " if params and params.strip() else ""
+        return header[:cut] + f"{sep}{new}={rng.choice(['None', 'False', '0', 'True'])}" + header[cut:] + "\n" + body
+    # hints: annotate bare parameters, add a return annotation when there is none
+    parts = _split_params(params or "")
+    hinted = [f"{p.rstrip()}: {rng.choice(_TYPES)}" if p.strip() in simple else p for p in parts]
+    new_params = ",".join(hinted)
+    close = rest.rfind(")")
+    ret = rest[close + 1:]
+    if "->" not in ret:
+        ret = f" -> {rng.choice(_TYPES + ('None',))}" + ret
+    new_header = header[:header.find("(") + 1] + new_params + ")" + ret + ":"
+    if new_header == header.rstrip("\r"):
+        return None
+    return new_header + "\n" + body
+
+
+def edit_document(text: str, rng: random.Random, cfg: EditConfig) -> str | None:
+    """Context + an original block + its edited copy, or None when the file has no usable block."""
+    spans = code_blocks(text, cfg.max_block_chars)
+    if not spans:
+        return None
+    s, e = rng.choice(spans)
+    block = text[s:e]
+    words = sorted(set(re.findall(r"\b[a-z_][a-z0-9_]{2,15}\b", text[max(0, s - 2000):s])))
+    edited = edit_block(block, rng, words)
+    if edited is None or edited == block:
+        return None
+    c = text.rfind("\n", 0, max(0, s - cfg.context_chars)) + 1 if s > cfg.context_chars else 0
+    return text[c:e] + ("\n" if block.startswith((" ", "\t")) else "\n\n") + edited
 
 
 def _line_starts(text: str) -> list[int]:
@@ -89,9 +216,11 @@ def split_segments(text: str, max_chars: int) -> list[str]:
 class DocumentEncoder:
     """Turns a file's text into the token ids of its training documents."""
 
-    def __init__(self, tokenizer, fim: FimConfig = FimConfig(), segment_chars: int = 3000):
+    def __init__(self, tokenizer, fim: FimConfig = FimConfig(), segment_chars: int = 3000,
+                 edit: EditConfig = EditConfig()):
         self.tok = tokenizer
         self.fim = fim
+        self.edit = edit
         self.segment_chars = segment_chars
         self.eos = tokenizer.token_to_id(EOS)
         self.pre = tokenizer.token_to_id(FIM_PREFIX)
@@ -126,16 +255,20 @@ class DocumentEncoder:
                 plain += seg
         if plain:
             out += self._enc(plain) + [self.eos]
+        if self.edit.rate > 0 and rng.random() < self.edit.rate:  # rate 0 leaves the rng stream as it was
+            doc = edit_document(text, rng, self.edit)
+            if doc:
+                out += self._enc(doc) + [self.eos]
         return out
 
 
 def packed_sequences(files: list[Path], tokenizer, seq_len: int, seed: int,
                      fim: FimConfig = FimConfig(), segment_chars: int = 3000,
-                     epochs: int | None = None) -> Iterator[list[int]]:
+                     epochs: int | None = None, edit: EditConfig = EditConfig()) -> Iterator[list[int]]:
     """Endless (or ``epochs``-long) stream of ``seq_len``-token sequences: files shuffled per
     epoch, documents concatenated and cut into fixed lengths (no padding)."""
     texts = [p.read_text(encoding="utf-8") for p in files]
-    enc = DocumentEncoder(tokenizer, fim, segment_chars)
+    enc = DocumentEncoder(tokenizer, fim, segment_chars, edit)
     buf: list[int] = []
     epoch = 0
     while epochs is None or epoch < epochs:

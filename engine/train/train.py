@@ -107,6 +107,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int, default=None, help="step budget when no --max-minutes")
     ap.add_argument("--fim-rate", type=float, default=0.5)
     ap.add_argument("--spm-rate", type=float, default=0.5)
+    ap.add_argument("--edit-rate", type=float, default=0.0,
+                    help="fraction of files that also yield an edited-copy document (engine.train.data.EditConfig)")
     ap.add_argument("--segment-chars", type=int, default=3000)
     ap.add_argument("--shuffle-buffer", type=int, default=512, help="sequences mixed across files (1 = off)")
     ap.add_argument("--seed", type=int, default=0)
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
-    from .data import FimConfig, packed_sequences, shuffle_buffer
+    from .data import EditConfig, FimConfig, packed_sequences, shuffle_buffer
     from .tokenizer import EOS, PAD, read_file_list
 
     args = parse_args(argv)
@@ -164,7 +166,7 @@ def main(argv=None) -> None:
         args.tokens_before = init["seqs"] * init["args"]["seq_len"] + init["args"].get("tokens_before", 0)
     if ckpt:  # the model shape and data stream of a run are fixed by its first invocation
         for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context", "seq_len", "seed",
-                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer", "tokens_before"):
+                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer", "tokens_before", "edit_rate"):
             if k in ckpt["args"]:
                 setattr(args, k, ckpt["args"][k])
     tokens_before = getattr(args, "tokens_before", 0) or 0
@@ -187,10 +189,12 @@ def main(argv=None) -> None:
         model.load_state_dict(init["model"])
         opt.load_state_dict(init["optimizer"])
         history = list(init["history"])
-        print(f"phase 2 from {args.init_from}: {tokens_before / 1e6:.2f}M tokens already trained", flush=True)
+        print(f"new phase from {args.init_from}: {tokens_before / 1e6:.2f}M tokens already trained", flush=True)
 
     fim = FimConfig(rate=args.fim_rate, spm_rate=args.spm_rate)
-    stream = shuffle_buffer(packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars),
+    edit = EditConfig(rate=args.edit_rate)
+    stream = shuffle_buffer(packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars,
+                                             edit=edit),
                             args.shuffle_buffer, args.seed)
     stream = itertools.islice(stream, seqs_done, None)
     val_batch = torch.tensor(list(itertools.islice(

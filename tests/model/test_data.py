@@ -8,7 +8,8 @@ import random
 import pytest
 
 pytest.importorskip("tokenizers")
-from engine.train.data import DocumentEncoder, FimConfig, fim_split, packed_sequences, split_segments  # noqa: E402
+from engine.train.data import (DocumentEncoder, EditConfig, FimConfig, code_blocks, edit_block,  # noqa: E402
+                               edit_document, fim_split, packed_sequences, split_segments)
 from engine.train.tokenizer import build_tokenizer, list_stdlib_files, split_files  # noqa: E402
 
 SRC = "import os\n\n\ndef f(x):\n    if x:\n        return os.path.join(x, 'a')\n    return None\n"
@@ -83,3 +84,75 @@ def test_shuffle_buffer_mixes_deterministically():
     assert a == list(shuffle_buffer(iter(range(200)), 16, seed=1))
     assert sorted(a) == list(range(200)) and a != list(range(200))
     assert list(shuffle_buffer(iter(range(5)), 1, seed=1)) == list(range(5))
+
+
+EDIT_SRC = """import os
+
+
+class Cache:
+    def get(self, key, default):
+        value = self._items.get(key, default)
+        return value
+
+    def put(self, key, value):
+        self._items[key] = value
+
+
+def join_all(root, names):
+    out = []
+    for name in names:
+        out.append(os.path.join(root, name))
+    return out
+"""
+
+
+def test_code_blocks_find_whole_def_and_class_blocks():
+    spans = [EDIT_SRC[s:e] for s, e in code_blocks(EDIT_SRC)]
+    assert spans[0].startswith("class Cache:") and spans[0].rstrip().endswith("self._items[key] = value")
+    assert "    def get(self, key, default):\n        value" in spans[1]
+    assert spans[-1].startswith("def join_all(root, names):") and spans[-1].endswith("return out\n")
+    assert all(len(b.splitlines()) >= 3 for b in spans)   # "def put" has 2 lines: skipped
+
+
+def test_edit_block_keeps_the_body_and_changes_the_header():
+    block = EDIT_SRC[EDIT_SRC.index("def join_all"):]
+    head0, body0 = block.split("\n", 1)
+    seen = set()
+    for seed in range(80):
+        new = edit_block(block, random.Random(seed), ["prefix", "entries"])
+        if new is None:
+            continue
+        head, body = new.split("\n", 1)
+        assert head != head0 and head.startswith("def ") and head.endswith(":")
+        compile(new, "<edit>", "exec")                  # still valid Python
+        if not head.startswith("def join_all("):
+            seen.add("rename")
+            assert body == body0
+        elif "->" in head:
+            seen.add("hints")
+            assert body == body0 and head.count(": ") == 2
+        elif head.count(",") == 2:
+            seen.add("add_param")
+            assert body == body0 and head.startswith("def join_all(root, names, ")
+        else:                                           # a parameter renamed everywhere
+            seen.add("rename_param")
+            old = "root" if "root" not in head else "names"
+            assert old not in new and body != body0
+            assert body.count("root" if old == "names" else "names") == body0.count("root" if old == "names" else "names")
+    assert seen == {"rename", "rename_param", "hints", "add_param"}
+
+
+def test_edit_document_is_context_original_then_copy(files, tok):
+    doc = edit_document(EDIT_SRC, random.Random(1), EditConfig(rate=1.0, context_chars=20))
+    assert doc is not None
+    originals = [EDIT_SRC[s:e] for s, e in code_blocks(EDIT_SRC)]
+    original = next(b for b in originals if b in doc)
+    before, after = doc.split(original, 1)
+    assert EDIT_SRC.find(before + original) >= 0        # the file's own text up to the block
+    assert after.lstrip("\n") != original and after.startswith("\n")
+    # rate 0 leaves the training stream exactly as it was; rate 1 adds edit documents
+    plain = list(itertools.islice(packed_sequences(files, tok, 64, 0), 30))
+    again = list(itertools.islice(packed_sequences(files, tok, 64, 0, edit=EditConfig(rate=0.0)), 30))
+    more = sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=1.0)))
+    assert plain == again
+    assert more > sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1))
