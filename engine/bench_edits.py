@@ -108,16 +108,16 @@ class Task:
     suffix: str | None = None   # text after the cursor: a fill-in-the-middle prompt when set
     new_tokens: int = 128
 
-    def prompt_ids(self, engine) -> list[int]:
-        """Token ids of the prompt (FIM layout of the model's tokenizer when ``suffix`` is set)."""
-        if self.suffix is None:
-            return engine.tokenizer.encode(self.prefix)
-        from .fim import FimFormat
+    def prompt(self, engine) -> tuple[list[int], str]:
+        """(prompt ids, healed text): the FIM layout of the model's tokenizer when ``suffix`` is
+        set, and the prompt's final line break healed as a code action's is
+        (``engine.fim.heal(newline=True)``: the output's first token spells it)."""
+        from .fim import FimFormat, heal
 
-        fim = FimFormat.detect(engine.tokenizer)
-        if fim is None:  # a model without FIM tokens: plain left-to-right prompt
-            return engine.tokenizer.encode(self.prefix)
-        return fim.build(self.prefix, self.suffix)
+        fim = FimFormat.detect(engine.tokenizer) if self.suffix is not None else None
+        if fim is None:  # left to right (also a model without FIM tokens)
+            return heal(engine.tokenizer, self.prefix, engine.tokenizer.encode(self.prefix), keep=1, newline=True)
+        return fim.build_healed(self.prefix, self.suffix, newline=True)
 
     def max_new_tokens(self, engine) -> int:
         if self.draft is None:
@@ -150,8 +150,8 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
     from .generate import GenerationParams
     from .speculative import generate as spec_generate
 
-    ids = task.prompt_ids(eng)
-    params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True)
+    ids, healed = task.prompt(eng)
+    params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed)
     plain_rates, spec_rates, plain_ms, spec_ms, stats = [], [], [], [], []
     plain_cpu, spec_cpu = [], []
     identical = True

@@ -25,6 +25,11 @@ So the tokens of the partial word at the cursor are backed off the prompt and th
 returned, for the engine to generate as the constrained start of the middle
 (``GenerationParams.healed_prefix``).  The prompt is only shorter at its end, so in SPM order
 the prefix KV cache still hits while the user types.
+
+``heal(..., newline=True)`` also backs off a prompt's final line break: code actions cut the
+prompt at a line start, and where the tokenizer keeps a newline together with the next line's
+indentation (the bundled model's does) a bare ``"\n"`` before indented code is a token the
+model never saw there — it then writes junk instead of the indented line.
 """
 
 from __future__ import annotations
@@ -98,11 +103,12 @@ class FimFormat:
         self._check(prefix, suffix, spm)
         return self.layout(self._encode(prefix), self._encode(suffix), spm)
 
-    def build_healed(self, prefix: str, suffix: str, spm: bool = False) -> tuple[list[int], str]:
+    def build_healed(self, prefix: str, suffix: str, spm: bool = False, *,
+                     newline: bool = False) -> tuple[list[int], str]:
         """``build`` with the prefix healed (:func:`heal`): (prompt ids, the text the middle
         must begin with, to pass as ``GenerationParams.healed_prefix``; "" if nothing healed)."""
         self._check(prefix, suffix, spm)
-        kept, healed = heal(self._tok, prefix, self._encode(prefix))
+        kept, healed = heal(self._tok, prefix, self._encode(prefix), newline=newline)
         return self.layout(kept, self._encode(suffix), spm), healed
 
     def _check(self, prefix: str, suffix: str, spm: bool) -> None:
@@ -119,27 +125,38 @@ class FimFormat:
 
 
 def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: int = HEAL_MAX_TOKENS,
-         keep: int = 0, run: "re.Pattern[str]" = HEAL_RUN) -> tuple[list[int], str]:
+         keep: int = 0, run: "re.Pattern[str] | None" = HEAL_RUN, newline: bool = False) -> tuple[list[int], str]:
     """Back the partial word at the end of ``prefix`` off its token ids.
 
     Returns (the ids without the backed-off tokens, their text): every trailing token that
     overlaps ``run``'s match at the end of ``prefix`` (at most ``max_tokens``, never one that
     holds a newline, always leaving ``keep`` ids), cut where the removed tokens' bytes are
-    exactly the end of ``prefix`` on a character boundary.  ``ids`` defaults to
-    ``tokenizer.encode(prefix)``.  Needs ``tokenizer.byte_index()`` (the engine's
-    :class:`~engine.tokenizer.Tokenizer`); other tokenizers, or nothing to heal, give
+    exactly the end of ``prefix`` on a character boundary (``run=None``: no partial words).
+    With ``newline`` a prefix that ends in a line break instead loses its last token when that
+    token is nothing but line breaks.
+    ``ids`` defaults to ``tokenizer.encode(prefix)``.  Needs ``tokenizer.byte_index()`` (the
+    engine's :class:`~engine.tokenizer.Tokenizer`); other tokenizers, or nothing to heal, give
     ``(ids, "")``.
     """
     if ids is None:
         out = tokenizer.encode(prefix) if prefix else []
         ids = list(getattr(out, "ids", out))
     ids = list(ids)
-    m = run.search(prefix)
     index = getattr(tokenizer, "byte_index", None)
-    if m is None or not callable(index) or len(ids) <= keep:
+    if not callable(index) or len(ids) <= keep:
+        return ids, ""
+    raw = prefix.encode("utf-8")
+    if newline and raw.endswith((b"\n", b"\r")):
+        t = ids[-1]
+        spelled = index().token_bytes
+        b = spelled[t] if 0 <= t < len(spelled) else None
+        if b and not b.strip(b"\r\n") and raw.endswith(b):
+            return ids[:-1], b.decode("ascii")
+        return ids, ""
+    m = run.search(prefix) if run is not None else None
+    if m is None:
         return ids, ""
     spelled = index().token_bytes
-    raw = prefix.encode("utf-8")
     need = len(prefix[m.start():].encode("utf-8"))
     tail, best = b"", (0, "")
     for k in range(1, min(max_tokens, len(ids) - keep) + 1):

@@ -478,7 +478,9 @@ def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationPa
 
     ``draft``: the text (or token ids) being rewritten — speculative edits; ``None`` drafts by
     n-gram prompt lookup (``ngram=False`` turns that off too, leaving plain decoding in the same
-    class, for comparisons).
+    class, for comparisons).  A text draft follows ``params.healed_prefix`` (the output's first
+    tokens spell it), so the two are encoded together: the draft's tokens then line up with
+    the output's from the first token on.
     """
     from dataclasses import replace
 
@@ -488,7 +490,8 @@ def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationPa
     if params.max_new_tokens > room:
         params = replace(params, max_new_tokens=max(1, room))
     if draft is not None:
-        src = engine.tokenizer.encode(draft) if isinstance(draft, str) else [int(t) for t in draft]
+        src = engine.tokenizer.encode(params.healed_prefix + draft) if isinstance(draft, str) \
+            else [int(t) for t in draft]
         drafter = EditDrafter(src, fallback=PromptLookup() if ngram else _NoDraft())
         policy = policy or DraftPolicy(alpha=0.9)
     elif ngram:

@@ -244,15 +244,17 @@ def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls:
     (region text, stats))."""
     from .completions import control_ids, generate_steps
 
+    healed = ""
     if p.prompt_text is not None:
         ids = list(builder.tokenizer.encode(p.prompt_text))
         if len(ids) > context_tokens + 512:
             raise ActionError(f"the chat prompt has {len(ids)} tokens; select less code")
-    else:
-        ids = builder.build_parts(p.prefix, p.suffix, context_tokens)
+    else:  # the region usually starts a line: its line break is healed (see build_parts_healed)
+        ids, healed = builder.build_parts_healed(p.prefix, p.suffix, context_tokens)
     # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
     stop = p.stop + tuple(builder.stop_strings)
-    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder))
+    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder),
+                        healed_prefix=healed)
     raw, stats, finish = yield from generate_steps(engine, job, ids, params,
                                                    done=(lambda s: generated_is_done(p, s)), on_text=on_text,
                                                    speculative=speculative, draft=p.draft)

@@ -135,6 +135,22 @@ def test_heal_never_backs_off_a_line_break(tok):
     assert healed.strip(" ") == "" and tok.decode(kept).endswith("\n")
 
 
+@pytest.mark.parametrize("prefix", ["def f():\n", "x = 1\n\n", "class A:\n    def f(self):\n", "x\r\n"])
+def test_heal_newline_backs_off_a_final_line_break(tok, prefix):
+    ids = tok.encode(prefix)
+    kept, healed = heal(tok, prefix, ids, newline=True)
+    assert healed and healed.strip("\r\n") == "" and prefix.endswith(healed)
+    assert kept == ids[:-1] and tok.decode(kept) + healed == prefix
+    assert heal(tok, prefix, ids, newline=True, keep=len(ids)) == (ids, "")
+
+
+def test_heal_newline_leaves_other_endings_to_the_word_rule(tok):
+    for prefix in ("x = values.app", "def f():\n    "):
+        assert heal(tok, prefix, newline=True) == heal(tok, prefix)
+    ids = tok.encode("x = values.app")
+    assert heal(tok, "x = values.app", ids, run=None) == (ids, "")  # run=None: no partial words
+
+
 def test_heal_keeps_tokens_and_needs_a_byte_table(tok):
     assert heal(tok, "x", keep=1) == (tok.encode("x"), "")
     kept, healed = heal(tok, "x", keep=0)
@@ -232,6 +248,22 @@ def test_speculative_equals_plain_under_healing(eng, tok, cut):
     chunks = list(spec)
     assert spec.tokens == ref.tokens and spec.text == ref.text == "".join(c.text for c in chunks)
     assert tok.decode(ref.tokens).startswith(healed)
+
+
+def test_speculative_edit_under_a_healed_line_break(eng, tok):
+    """A code action's prompt ends at a line start: the line break is healed and the draft (the
+    region's original text) is encoded after it, so it lines up with the output token for token."""
+    body = "    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n"
+    prefix = CODE + "def scale2(values, factor):\n"
+    ids, healed = heal(tok, prefix, tok.encode(prefix), keep=1, newline=True)
+    assert healed == "\n"
+    params = GenerationParams(max_new_tokens=30, ignore_eos=True, healed_prefix=healed)
+    ref = eng.generate(ids, params)
+    ref.result()
+    spec = spec_generate(eng, ids, params, draft=body)
+    spec.result()
+    assert spec.tokens == ref.tokens and spec.text == ref.text
+    assert tok.decode(ref.tokens).startswith("\n")
 
 
 def test_bad_healed_prefix():

@@ -144,6 +144,16 @@ def test_build_parts_keeps_text_near_the_middle(tokenizer):
     assert tokenizer.decode(ids).count("line_499") == 1 and "line_0 " not in tokenizer.decode(ids)
 
 
+def test_build_parts_healed_heals_only_a_final_line_break(tokenizer):
+    b = PromptBuilder(tokenizer)
+    prefix, suffix = "class A:\n    def f(self):\n", "\n\nx = 1\n"
+    ids, healed = b.build_parts_healed(prefix, suffix, 200)
+    assert healed == "\n" and ids == b.build_parts(prefix[:-1], suffix, 200)
+    assert b.build_parts_healed("x = values.app", suffix, 200) == (b.build_parts("x = values.app", suffix, 200), "")
+    assert PromptBuilder(tokenizer, heal=False).build_parts_healed(prefix, suffix, 200) == \
+        (b.build_parts(prefix, suffix, 200), "")
+
+
 # -- live edits -----------------------------------------------------------------------------------
 def test_live_edit_frames_and_recognises_its_own_changes():
     original = "a = 1\nb = 2\nc = 3\n"

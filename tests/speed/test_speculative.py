@@ -272,8 +272,8 @@ def test_identical_on_bundled_model(tmp_path_factory):
         pytest.skip(f"no bundled model: {e}")
     from engine.bench_edits import TASKS
     for task in TASKS:
-        ids = task.prompt_ids(eng)
-        params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True)
+        ids, healed = task.prompt(eng)
+        params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed)
         ref = plain(eng, ids, params)
         gen = generate(eng, ids, params, draft=task.draft)
         gen.result()
