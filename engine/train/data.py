@@ -39,7 +39,7 @@ class FimConfig:
 
 @dataclass(frozen=True)
 class EditConfig:
-    rate: float = 0.0          # fraction of files that also yield one edited-copy document
+    rate: float = 0.0          # edited-copy documents per file (on average; 0.3: 30% of files get one)
     context_chars: int = 600   # file text kept before the original block
     max_block_chars: int = 1500
 
@@ -255,10 +255,11 @@ class DocumentEncoder:
                 plain += seg
         if plain:
             out += self._enc(plain) + [self.eos]
-        if self.edit.rate > 0 and rng.random() < self.edit.rate:  # rate 0 leaves the rng stream as it was
-            doc = edit_document(text, rng, self.edit)
-            if doc:
-                out += self._enc(doc) + [self.eos]
+        if self.edit.rate > 0:  # rate 0 leaves the rng stream as it was
+            for _ in range(int(self.edit.rate) + (rng.random() < self.edit.rate % 1)):
+                doc = edit_document(text, rng, self.edit)
+                if doc:
+                    out += self._enc(doc) + [self.eos]
         return out
 
 

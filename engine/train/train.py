@@ -108,7 +108,7 @@ def parse_args(argv=None):
     ap.add_argument("--fim-rate", type=float, default=0.5)
     ap.add_argument("--spm-rate", type=float, default=0.5)
     ap.add_argument("--edit-rate", type=float, default=0.0,
-                    help="fraction of files that also yield an edited-copy document (engine.train.data.EditConfig)")
+                    help="edited-copy documents per file, on average (engine.train.data.EditConfig)")
     ap.add_argument("--segment-chars", type=int, default=3000)
     ap.add_argument("--shuffle-buffer", type=int, default=512, help="sequences mixed across files (1 = off)")
     ap.add_argument("--seed", type=int, default=0)

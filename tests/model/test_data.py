@@ -156,3 +156,4 @@ def test_edit_document_is_context_original_then_copy(files, tok):
     more = sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=1.0)))
     assert plain == again
     assert more > sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1))
+    assert sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=2.5))) > more
