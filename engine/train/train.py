@@ -109,6 +109,8 @@ def parse_args(argv=None):
     ap.add_argument("--spm-rate", type=float, default=0.5)
     ap.add_argument("--edit-rate", type=float, default=0.0,
                     help="edited-copy documents per file, on average (engine.train.data.EditConfig)")
+    ap.add_argument("--copy-rate", type=float, default=0.0,
+                    help="repeated shuffled-window documents per file, on average (engine.train.data.copy_document)")
     ap.add_argument("--segment-chars", type=int, default=3000)
     ap.add_argument("--shuffle-buffer", type=int, default=512, help="sequences mixed across files (1 = off)")
     ap.add_argument("--seed", type=int, default=0)
@@ -166,7 +168,7 @@ def main(argv=None) -> None:
         args.tokens_before = init["seqs"] * init["args"]["seq_len"] + init["args"].get("tokens_before", 0)
     if ckpt:  # the model shape and data stream of a run are fixed by its first invocation
         for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context", "seq_len", "seed",
-                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer", "tokens_before", "edit_rate"):
+                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer", "tokens_before", "edit_rate", "copy_rate"):
             if k in ckpt["args"]:
                 setattr(args, k, ckpt["args"][k])
     tokens_before = getattr(args, "tokens_before", 0) or 0
@@ -192,7 +194,7 @@ def main(argv=None) -> None:
         print(f"new phase from {args.init_from}: {tokens_before / 1e6:.2f}M tokens already trained", flush=True)
 
     fim = FimConfig(rate=args.fim_rate, spm_rate=args.spm_rate)
-    edit = EditConfig(rate=args.edit_rate)
+    edit = EditConfig(rate=args.edit_rate, copy_rate=args.copy_rate)
     stream = shuffle_buffer(packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars,
                                              edit=edit),
                             args.shuffle_buffer, args.seed)

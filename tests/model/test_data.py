@@ -8,8 +8,8 @@ import random
 import pytest
 
 pytest.importorskip("tokenizers")
-from engine.train.data import (DocumentEncoder, EditConfig, FimConfig, code_blocks, edit_block,  # noqa: E402
-                               edit_document, fim_split, packed_sequences, split_segments)
+from engine.train.data import (DocumentEncoder, EditConfig, FimConfig, code_blocks, copy_document,  # noqa: E402
+                               edit_block, edit_document, fim_split, packed_sequences, split_segments)
 from engine.train.tokenizer import build_tokenizer, list_stdlib_files, split_files  # noqa: E402
 
 SRC = "import os\n\n\ndef f(x):\n    if x:\n        return os.path.join(x, 'a')\n    return None\n"
@@ -157,3 +157,21 @@ def test_edit_document_is_context_original_then_copy(files, tok):
     assert plain == again
     assert more > sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1))
     assert sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=2.5))) > more
+
+
+def test_copy_document_repeats_a_shuffled_window_of_the_file():
+    pool = list(range(1000, 1300))
+    for seed in range(20):
+        ids = copy_document(pool, random.Random(seed))
+        n = next(k for k in range(16, 97) if ids[:k] * (len(ids) // k) == ids and len(ids) // k in (2, 3))
+        window = ids[:n]
+        assert sorted(window) == list(range(min(window), min(window) + n))  # a slice of the file's tokens
+        assert window != sorted(window)                                     # shuffled
+    assert copy_document(list(range(10)), random.Random(0)) is None  # too short a file
+
+
+def test_copy_rate_adds_copy_documents(tok):
+    text = EDIT_SRC * 4
+    plain = DocumentEncoder(tok).encode_file(text, random.Random(3))
+    more = DocumentEncoder(tok, edit=EditConfig(copy_rate=2.0)).encode_file(text, random.Random(3))
+    assert more[:len(plain)] == plain and len(more) > len(plain) + 2 * 16
