@@ -11,7 +11,7 @@ from onnx import TensorProto
 from engine.engine import _linear_emitter
 from engine.generate import GenerationParams
 from engine.graph import GraphBuilder
-from engine.quant import (QuantLinear, choose_precision, dequantize, greedy_agreement, load_engine, make_linear,
+from engine.quant import (QuantLinear, choose_precision, pick_precision, dequantize, greedy_agreement, load_engine, make_linear,
                           quantize_blockwise)
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for i in range(n):\n        a, b = b, a + b\n    return a\n"
@@ -135,6 +135,17 @@ def test_choose_precision_measures_once(tiny_llama, tmp_path, monkeypatch):
     assert third.cached and third.precision == first.precision
     with pytest.raises(ValueError, match="candidates"):
         choose_precision(tiny_llama, candidates=("fp32",), cache_dir=tmp_path / "graphs")
+
+
+def test_pick_precision_rule():
+    speeds = {"fp32": 1000.0, "int8": 3000.0, "int8-rowq": 1800.0, "int4": 3300.0}
+    agree = {"int8": 0.995, "int8-rowq": 0.99, "int4": 0.96}
+    assert pick_precision(speeds, agree) == "int8"            # int4 10% faster: a wash, int8 agrees more
+    assert pick_precision({**speeds, "int4": 4000.0}, agree) == "int4"   # 33% faster: speed wins
+    assert pick_precision(speeds, {**agree, "int8": 0.94}) == "int4"     # int8 below the bar
+    assert pick_precision({**speeds, "int8-rowq": 2800.0}, agree) == "int8-rowq"  # within 10% of int8
+    assert pick_precision(speeds, {k: 0.9 for k in agree}) == "fp32"
+    assert pick_precision({k: 1000.0 for k in speeds}, agree) == "fp32"  # nothing 1.15x faster
 
 
 def test_choice_made_under_load_is_measured_again_when_calm(tiny_llama, tmp_path, monkeypatch):
