@@ -146,9 +146,9 @@ def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: in
     if not callable(index) or len(ids) <= keep:
         return ids, ""
     raw = prefix.encode("utf-8")
+    spelled = index().token_bytes
     if newline and raw.endswith((b"\n", b"\r")):
         t = ids[-1]
-        spelled = index().token_bytes
         b = spelled[t] if 0 <= t < len(spelled) else None
         if b and not b.strip(b"\r\n") and raw.endswith(b):
             return ids[:-1], b.decode("ascii")
@@ -156,7 +156,6 @@ def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: in
     m = run.search(prefix) if run is not None else None
     if m is None:
         return ids, ""
-    spelled = index().token_bytes
     need = len(prefix[m.start():].encode("utf-8"))
     tail, best = b"", (0, "")
     for k in range(1, min(max_tokens, len(ids) - keep) + 1):

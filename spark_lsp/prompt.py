@@ -59,7 +59,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any, fim: Any | None = None, heal: bool = True):
         self.tokenizer = tokenizer
-        self.heal = heal  # token-heal inline-completion prompts (`build`); code actions never are
+        self.heal = heal  # token-heal prompts: a partial word (`build`), a final line break (code actions)
         if heal and callable(getattr(tokenizer, "byte_index", None)):
             tokenizer.byte_index()  # built once here, at model load, not in the first completion
         self.fim: FimFormat | None = fim if fim is not None else FimFormat.detect(tokenizer)
@@ -82,14 +82,14 @@ class PromptBuilder:
             return list(self.tokenizer.encode(prefix))
         return self.fim.build(prefix, suffix, spm=self.spm)
 
-    def encode_healed(self, prefix: str, suffix: str) -> tuple[list[int], str]:
+    def encode_healed(self, prefix: str, suffix: str, *, line_break: bool = False) -> tuple[list[int], str]:
         """`encode_fim` with the prefix token-healed: (ids, healed text). A left-to-right prompt
-        keeps at least one token (the engine needs something to start from)."""
+        keeps at least one token (the engine needs something to start from). `line_break`: heal
+        only a final line break, never a partial word (code actions, see `build_parts_healed`)."""
         if not self.heal:
             return self.encode_fim(prefix, suffix), ""
-        ids, healed = heal_ids(self.tokenizer, prefix, keep=0 if self.fim is not None else 1)
-        if not healed:
-            return self.encode_fim(prefix, suffix), ""
+        rule = {"run": None, "newline": True} if line_break else {}
+        ids, healed = heal_ids(self.tokenizer, prefix, keep=0 if self.fim is not None else 1, **rule)
         if self.fim is None:
             return ids, healed
         suffix_ids = list(self.tokenizer.encode(suffix)) if suffix else []
@@ -167,16 +167,7 @@ class PromptBuilder:
         action's prompt ends where its region starts, usually a line start, and a bare newline
         before indented code is out of distribution for tokenizers that merge it with the
         indentation. Returns (ids, healed text for `GenerationParams.healed_prefix`)."""
-        prefix, suffix = self._fit_parts(prefix, suffix, budget)
-        if not self.heal:
-            return self.encode_fim(prefix, suffix), ""
-        if self.fim is None:
-            return heal_ids(self.tokenizer, prefix, keep=1, run=None, newline=True)
-        kept, healed = heal_ids(self.tokenizer, prefix, keep=0, run=None, newline=True)
-        if not healed:
-            return self.encode_fim(prefix, suffix), ""
-        suffix_ids = list(self.tokenizer.encode(suffix)) if suffix else []
-        return self.fim.layout(kept, suffix_ids, self.spm), healed
+        return self.encode_healed(*self._fit_parts(prefix, suffix, budget), line_break=True)
 
     def _fit_parts(self, prefix: str, suffix: str, budget: int) -> tuple[str, str]:
         """The ends of `prefix` and `suffix` that fit `budget` tokens (suffix at most 30%)."""

@@ -47,6 +47,12 @@ class EditConfig:
     copy_rate: float = 0.0     # repeated-window documents per file (on average), see copy_document
 
 
+def _draws(rate: float, rng: random.Random) -> int:
+    """How many documents a per-file ``rate`` gives this file: its whole part, plus one with the
+    probability of its fraction."""
+    return int(rate) + (rng.random() < rate % 1)
+
+
 def copy_document(pool: list[int], rng: random.Random) -> list[int] | None:
     """A window of 16-96 of the file's tokens, shuffled, repeated 2-3 times.
 
@@ -276,14 +282,14 @@ class DocumentEncoder:
         if plain:
             out += self._enc(plain) + [self.eos]
         if self.edit.rate > 0:  # rate 0 leaves the rng stream as it was
-            for _ in range(int(self.edit.rate) + (rng.random() < self.edit.rate % 1)):
+            for _ in range(_draws(self.edit.rate, rng)):
                 doc = edit_document(text, rng, self.edit)
                 if doc:
                     out += self._enc(doc) + [self.eos]
         if self.edit.copy_rate > 0:
             special = {self.eos, self.pre, self.suf, self.mid}
             pool = [t for t in out if t not in special]
-            for _ in range(int(self.edit.copy_rate) + (rng.random() < self.edit.copy_rate % 1)):
+            for _ in range(_draws(self.edit.copy_rate, rng)):
                 ids = copy_document(pool, rng)
                 if ids:
                     out += ids + [self.eos]
