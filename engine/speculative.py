@@ -28,6 +28,8 @@ loop picks it.  It is a :class:`~engine.generate.Generation` — same iterator, 
 
 from __future__ import annotations
 
+import os
+import re
 import time
 import weakref
 from dataclasses import dataclass
@@ -176,29 +178,45 @@ class EditDrafter:
     nearest before it (single-token matches only within ``window`` tokens ahead, where they are
     likely to be the same spot and not a coincidence).  When the source has nothing to offer,
     ``fallback`` (prompt lookup by default) drafts from the context.
+
+    With a ``tokenizer`` the drafter also learns renames: when the output replaced one identifier
+    of the source by another and then rejoined it, the rest of the source gets the new name
+    wherever the old one stands as a whole word — an edit that renames something does it
+    everywhere, and without this every later occurrence would cost a missed draft.
     """
 
+    #: a learned rename replaces at most this many source tokens by at most this many
+    MAX_RENAME_TOKENS = (8, 16)
+
     def __init__(self, source: Sequence[int], *, max_ngram: int = 4, min_ngram: int = 1, window: int = 24,
-                 fallback: PromptLookup | None = None) -> None:
+                 fallback: PromptLookup | None = None, tokenizer=None) -> None:
         self.source = np.asarray(list(source), np.int64)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.window = window
         self.fallback = fallback if fallback is not None else PromptLookup()
+        self.tokenizer = tokenizer
+        self.renames: dict[str, str] = {}
         self.cursor: int | None = 0
         self._last = 0  # where the cursor was before it got lost
+        self._lost_at = 0  # the context index of the output token that lost it
+        self._context: _Tokens | None = None
 
     def start(self, context: _Tokens) -> None:
         self.cursor, self._last = 0, 0
+        self._context = context
 
     def observe(self, tokens: Sequence[int], from_draft: int) -> None:
         if self.cursor is not None:
             self.cursor += from_draft
-        for t in tokens[from_draft:]:
+        base = (self._context.n if self._context is not None else len(tokens)) - len(tokens)
+        for j in range(from_draft, len(tokens)):
+            t = tokens[j]
             if self.cursor is not None and self.cursor < self.source.shape[0] and self.source[self.cursor] == t:
                 self.cursor += 1
             elif self.cursor is not None:
                 self._last, self.cursor = self.cursor, None
+                self._lost_at = base + j
 
     def _resync(self, ctx: np.ndarray) -> int | None:
         L = ctx.shape[0]
@@ -208,8 +226,52 @@ class EditDrafter:
                 hits = hits[(hits >= self._last) & (hits <= self._last + self.window)]
             if hits.size:
                 after = hits[hits >= self._last]
-                return int(after[0]) if after.size else int(hits[-1])
+                cursor = int(after[0]) if after.size else int(hits[-1])
+                try:
+                    self._learn_rename(self._last, cursor - n, ctx[self._lost_at:L - n], cursor)
+                except ValueError:  # ids the tokenizer cannot decode (a caller's token draft): no renames
+                    pass
+                return cursor
         return None
+
+    def _learn_rename(self, start: int, end: int, new: np.ndarray, cursor: int) -> None:
+        """The output wrote ``new`` where the source had ``source[start:end]``: if that changed
+        one whole identifier (or attribute name) into another, rename it in the source after
+        ``cursor``."""
+        max_old, max_new = self.MAX_RENAME_TOKENS
+        if self.tokenizer is None or not (1 <= end - start <= max_old and 1 <= new.shape[0] <= max_new):
+            return
+        decode = self.tokenizer.decode
+        # the changed text with a few tokens either side, to see the whole word it belongs to
+        left, right = decode(self.source[max(0, start - 4):start].tolist()), decode(self.source[end:end + 4].tolist())
+        old_text, new_text = left + decode(self.source[start:end].tolist()) + right, left + decode(new.tolist()) + right
+        p = len(os.path.commonprefix([old_text, new_text]))
+        q = len(os.path.commonprefix([old_text[p:][::-1], new_text[p:][::-1]]))
+        i, j = p, len(old_text) - q
+        while i > 0 and _WORD.match(old_text[i - 1]):
+            i -= 1
+        while j < len(old_text) and _WORD.match(old_text[j]):
+            j += 1
+        if i == 0 or j == len(old_text):  # the word may go on beyond what was decoded: not sure
+            return
+        a, b = old_text[i:j], new_text[i:len(new_text) - (len(old_text) - j)]
+        if a == b or not (_IDENTIFIER.fullmatch(a) and _IDENTIFIER.fullmatch(b)):
+            return
+        # an attribute (``self._items``) is renamed only after dots, a name only where no dot precedes
+        attribute = old_text[i - 1] == "."
+        rest = decode(self.source[cursor:].tolist())
+        before = r"(?<=\.)" if attribute else r"(?<![\w.])"
+        renamed = re.sub(before + re.escape(a) + r"(?!\w)", b, rest)
+        if renamed == rest:
+            return
+        self.renames[("." if attribute else "") + a] = b
+        # encoded whole, as the model's output is (a string encoded from its middle can split its
+        # first word differently); the part before the cursor must keep its tokens
+        whole = np.asarray(self.tokenizer.encode(decode(self.source[:cursor].tolist()) + renamed), np.int64)
+        if whole.shape[0] >= cursor and np.array_equal(whole[:cursor], self.source[:cursor]):
+            self.source = whole
+        else:
+            self.source = np.concatenate([self.source[:cursor], np.asarray(self.tokenizer.encode(renamed), np.int64)])
 
     def propose(self, context: _Tokens, k: int) -> list[int]:
         if self.cursor is None:
@@ -217,6 +279,10 @@ class EditDrafter:
         if self.cursor is not None and self.cursor < self.source.shape[0]:
             return self.source[self.cursor:self.cursor + k].tolist()
         return self.fallback.propose(context, k)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_WORD = re.compile(r"\w")
 
 
 # -- adaptive draft length -----------------------------------------------------------------------
@@ -492,7 +558,7 @@ def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationPa
     if draft is not None:
         src = engine.tokenizer.encode(params.healed_prefix + draft) if isinstance(draft, str) \
             else [int(t) for t in draft]
-        drafter = EditDrafter(src, fallback=PromptLookup() if ngram else _NoDraft())
+        drafter = EditDrafter(src, fallback=PromptLookup() if ngram else _NoDraft(), tokenizer=engine.tokenizer)
         policy = policy or DraftPolicy(alpha=0.9)
     elif ngram:
         drafter = PromptLookup()

@@ -218,6 +218,52 @@ def test_edit_drafter_follows_and_resyncs():
     assert d.propose(ctx, 2) == [122, 123]
 
 
+def _drive(drafter: EditDrafter, prompt: list[int], output: list[int], k: int = 16) -> int:
+    """Run ``drafter`` against a known greedy ``output`` as the generation loop does; passes used."""
+    ctx = _Tokens(prompt)
+    drafter.start(ctx)
+    ctx.extend(output[:1])
+    drafter.observe(output[:1], 0)
+    i, passes = 1, 0
+    while i < len(output):
+        draft = drafter.propose(ctx, k)[:k]
+        a = 0
+        while a < len(draft) and i + a < len(output) and draft[a] == output[i + a]:
+            a += 1
+        decided = output[i:i + a + 1]
+        ctx.extend(decided)
+        drafter.observe(decided, a)
+        i += len(decided)
+        passes += 1
+    return passes
+
+
+def test_edit_drafter_learns_renames():
+    from engine.models import default_model_dir
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(default_model_dir())
+    body = ("    total = 0\n    for value in values:\n        total += value * self._scale\n"
+            "    print(values.count, len(values), self._scale)\n    return total / len(values)\n")
+    # the edit renames the parameter `values` and the attribute `_scale` everywhere; `value`
+    # (another word that starts the same) stays
+    edited = body.replace("values", "samples").replace("._scale", "._factor")
+    prompt, src, out = tok.encode("def mean(self, values):\n" + body + "\n\ndef mean(self, samples):\n"), \
+        tok.encode(body), tok.encode(edited)
+    learned = EditDrafter(src, tokenizer=tok)
+    with_renames, without = _drive(learned, prompt, out), _drive(EditDrafter(src), prompt, out)
+    assert learned.renames == {"values": "samples", "._scale": "_factor"}
+    assert with_renames < without
+    rest = tok.decode(learned.source.tolist())  # renamed after the first occurrence, whole words only
+    assert "total += value * self._scale" in rest and "len(samples), self._factor" in rest
+    # an unchanged output learns nothing; a changed non-identifier (an operator) is not a rename
+    same = EditDrafter(src, tokenizer=tok)
+    assert _drive(same, prompt, src) == _drive(EditDrafter(src), prompt, src) and not same.renames
+    op = EditDrafter(src, tokenizer=tok)
+    _drive(op, prompt, tok.encode(body.replace("+=", "-=")))
+    assert not op.renames
+
+
 def test_policy_follows_acceptance_and_cost():
     p = DraftPolicy(k_min=2, k_max=12, max_misses=2, backoff=3, alpha=0.7, beta=0.15)
     k0 = p.size()
