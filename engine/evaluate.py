@@ -4,9 +4,12 @@ Line completion imitates an editor's request: at a sampled cursor inside a non-b
 the prompt is the text before the cursor (prefix) and the text after the line (suffix,
 starting with its newline); the model completes greedily until a newline and its first line
 is compared with the real rest of the line (exact match, and edit similarity = 1 -
-normalised Levenshtein distance).  Prompts are token-healed by default, as the server's are
-(``engine.fim.heal``: the partial word at the cursor is generated, not prompted, and not
-counted in the prediction); ``heal=False`` measures the raw prompt.  TTFT and decode speed come from the engine's own stats,
+normalised Levenshtein distance).  ``line_start=True`` puts every cursor at column 0 of an
+indented line instead (the prediction is the whole line, indentation included: what an editor
+asks for on a line whose indentation is not typed yet).  Prompts are token-healed by default,
+as the server's are (``engine.fim.heal``: the partial word at the cursor, or the line break
+before a column-0 cursor, is generated, not prompted, and not counted in the prediction);
+``heal=False`` measures the raw prompt.  TTFT and decode speed come from the engine's own stats,
 measured cold (prefix cache cleared) for every sample.
 
 Bits per byte: the files' total negative log-likelihood (each file starting after an
@@ -78,25 +81,26 @@ class Position:
     target: str      # the real rest of the line after the cursor
 
 
-def sample_positions(texts: dict[Path, str], n: int, seed: int) -> list[Position]:
+def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: bool = False) -> list[Position]:
     """``n`` cursors drawn uniformly over all non-blank lines of the files, then uniformly
-    inside the line after its indentation (leaving at least one character to complete)."""
+    inside the line after its indentation (leaving at least one character to complete); with
+    ``line_start`` over the indented lines only, each at column 0."""
     lines = []
     for path, text in texts.items():
         start = 0
         for i, line in enumerate(text.split("\n")):
-            if line.strip():
+            if line.strip() and (not line_start or line[0] in " \t"):
                 lines.append((path, i, start, line))
             start += len(line) + 1
     if not lines:
-        raise ValueError("the files have no non-blank lines")
+        raise ValueError("the files have no " + ("indented lines" if line_start else "non-blank lines"))
     rng = random.Random(seed)
     picks = [lines[rng.randrange(len(lines))] for _ in range(n)]
     out = []
     for path, i, start, line in picks:
         body = line.rstrip()
         indent = len(line) - len(line.lstrip())
-        cursor = start + rng.randint(indent, len(body) - 1)
+        cursor = start if line_start else start + rng.randint(indent, len(body) - 1)
         text = texts[path]
         end = start + len(line)
         prefix = text[:cursor]
@@ -149,7 +153,7 @@ def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | N
     samples, ttft, speed = [], [], []
     for pos in positions:
         engine.reset()  # cold prefill: TTFT without prefix reuse
-        ids, healed = fim.build_healed(pos.prefix, pos.suffix, spm=spm) if heal else \
+        ids, healed = fim.build_healed(pos.prefix, pos.suffix, spm=spm, newline=True) if heal else \
             (fim.build(pos.prefix, pos.suffix, spm=spm), "")
         gen = engine.generate(ids, replace(params, healed_prefix=healed) if healed else params)
         for _ in gen:
@@ -203,17 +207,18 @@ def bits_per_byte(engine: "Engine", texts: Iterable[str], *, window: int = 1024,
 
 def evaluate(engine: "Engine", files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
              max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
-             heal: bool = True) -> dict:
+             heal: bool = True, line_start: bool = False) -> dict:
     """Both measures on ``files``; a JSON-ready dict."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
-    comp = complete_lines(engine, sample_positions(texts, n, seed), spm=spm, max_new_tokens=max_new_tokens,
-                          heal=heal)
+    comp = complete_lines(engine, sample_positions(texts, n, seed, line_start=line_start), spm=spm,
+                          max_new_tokens=max_new_tokens, heal=heal)
     order = sorted(texts)  # deterministic subset when capped
     random.Random(seed).shuffle(order)
     bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)
-    out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, **asdict(comp),
+    out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, "line_start": line_start,
+           **asdict(comp),
            "bits_per_byte": bpb, "bpb_bytes": scored, "bpb_window": window}
     out["samples"] = out.pop("samples")
     return out

@@ -11,7 +11,9 @@ a line count that depends only on the suffix text.
 Token healing: the partial word at the cursor is backed off the prompt (`Prompt.healed`, see
 `engine.fim.heal`) and the engine generates it as the constrained start of the answer without
 emitting it, so the model completes `assertEq` as the `assertEqual` it learnt instead of from an
-odd token boundary. The healed prompt only loses tokens at its end: the prefix cache still hits.
+odd token boundary. A cursor at column 0 heals the line break before it the same way, so the
+model writes the line's indentation as the merged newline+indent token it learnt. The healed
+prompt only loses tokens at its end: the prefix cache still hits.
 """
 
 from __future__ import annotations
@@ -84,11 +86,13 @@ class PromptBuilder:
 
     def encode_healed(self, prefix: str, suffix: str, *, line_break: bool = False) -> tuple[list[int], str]:
         """`encode_fim` with the prefix token-healed: (ids, healed text). A left-to-right prompt
-        keeps at least one token (the engine needs something to start from). `line_break`: heal
-        only a final line break, never a partial word (code actions, see `build_parts_healed`)."""
+        keeps at least one token (the engine needs something to start from). A final line break
+        is always healed (a cursor at column 0: tokenizers that merge a newline with the next
+        line's indentation never saw a bare one before indented code); `line_break`: only that,
+        never a partial word (code actions, see `build_parts_healed`)."""
         if not self.heal:
             return self.encode_fim(prefix, suffix), ""
-        rule = {"run": None, "newline": True} if line_break else {}
+        rule = {"run": None, "newline": True} if line_break else {"newline": True}
         ids, healed = heal_ids(self.tokenizer, prefix, keep=0 if self.fim is not None else 1, **rule)
         if self.fim is None:
             return ids, healed

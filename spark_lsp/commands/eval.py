@@ -2,7 +2,8 @@
 
 At ``--n`` sampled cursors the model completes the rest of the line from the text before the
 cursor and the text after the line; the first line is compared with the real one (exact
-match, edit similarity), with median TTFT and decode tokens/s.  Prompts are token-healed as
+match, edit similarity), with median TTFT and decode tokens/s (``--line-start``: cursors at
+column 0 of indented lines, the whole line to write).  Prompts are token-healed as
 the server's are (``--no-heal``: not).  Bits per byte is scored on
 the files themselves.  Errors print one line on stderr and exit 2.
 """
@@ -27,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="FIM prompt order (auto: SPM where the model was trained on it)")
     p.add_argument("--no-heal", dest="heal", action="store_false",
                    help="no token healing: the prompt ends with the partial word's own tokens")
+    p.add_argument("--line-start", action="store_true",
+                   help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
     p.add_argument("--max-new-tokens", type=int, default=48, metavar="N")
     p.add_argument("--bpb-max-bytes", type=int, default=400_000, metavar="B",
                    help="score bits per byte on at most this many bytes (0 = all)")
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         eng = Engine.load(args.model, threads=args.threads)
         spm = None if args.order == "auto" else args.order == "spm"
         res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
-                       bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal)
+                       bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,
+                       line_start=args.line_start)
     except (ModelError, ValueError, OSError) as e:
         return fail(str(e))
     if args.json:
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     dec = res["decode_tok_s_median"]
     print(f"model {res['model']}: {res['files']} files, {res['n']} positions (seed {res['seed']}"
-          f"{'' if res['heal'] else ', no token healing'})")
+          f"{', at line starts' if res['line_start'] else ''}{'' if res['heal'] else ', no token healing'})")
     print(f"  exact match      {res['exact_match']:.1%}")
     print(f"  edit similarity  {res['edit_similarity']:.3f}")
     print(f"  TTFT median      {res['ttft_ms_median']:.1f} ms")

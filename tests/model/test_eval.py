@@ -30,6 +30,17 @@ def test_positions_cut_a_line():
     assert sample_positions(texts, 5, seed=1) == sample_positions(texts, 5, seed=1)
 
 
+def test_line_start_positions_are_indented_lines_at_column_0():
+    texts = {Path("a.py"): SRC}
+    positions = sample_positions(texts, 30, seed=0, line_start=True)
+    for pos in positions:
+        assert pos.prefix == "" or pos.prefix.endswith("\n")
+        assert pos.target[0] in " \t" and pos.target.strip()  # the whole line, indentation included
+        assert pos.prefix + pos.target + pos.suffix == SRC
+    with pytest.raises(ValueError, match="no indented lines"):
+        sample_positions({Path("b.py"): "x = 1\ny = 2\n"}, 3, seed=0, line_start=True)
+
+
 def test_resolve_files(tmp_path):
     (tmp_path / "a.py").write_text(SRC)
     (tmp_path / "sub").mkdir()

@@ -73,6 +73,22 @@ def test_mid_word_completion_does_not_repeat_the_partial_word(engine, monkeypatc
             assert item in gen.text or gen.text.startswith(item.rstrip())
 
 
+def test_column_zero_heals_the_line_break(engine, monkeypatch):
+    """A cursor at the start of a line: the prompt's final newline is backed off, so the model
+    writes it merged with the line's indentation, as it learnt; only what follows is emitted."""
+    line = SAMPLE.index("        out.append")
+    text = SAMPLE[:line] + SAMPLE[SAMPLE.index("\n", line) + 1:]  # that line deleted, cursor at column 0
+    res, gen = run_complete(engine, text, line, monkeypatch)
+    healed = gen.params.healed_prefix
+    assert healed and not healed.strip("\r\n") and text[:line].endswith(healed)
+    assert res.stats["healed"] == len(healed)
+    assert engine.tokenizer.decode(gen.tokens).startswith(healed + gen.text)
+    # the prompt is the unhealed one less the newline token (before the FIM middle token): the
+    # prefix cache still hits
+    unhealed = PromptBuilder(engine.tokenizer, heal=False).build(text, line, OPTIONS["contextTokens"], key="doc").ids
+    assert list(gen.prompt) == unhealed[:-2] + unhealed[-1:]
+
+
 def test_typing_on_a_healed_word_reuses_the_prompt_cache(engine, monkeypatch):
     text, off = mid_word_doc("        out.app")
     res1, gen1 = run_complete(engine, text, off, monkeypatch, slot="cache")
