@@ -500,8 +500,8 @@ class SpeculativeGeneration(Generation):
                         a += 1
                     sure = np.ones(a + 1, bool)
                     if draft and guard > 0:  # margins of the rows we are about to use
-                        top2 = np.partition(rows[:a + 1], -2, axis=1)[:, -2:]
-                        sure = (top2[:, 1] - top2[:, 0]) >= guard * np.maximum(np.abs(top2[:, 1]), 1.0)
+                        top, margin = _top2_margin(rows[:a + 1], picks[:a + 1])
+                        sure = margin >= guard * np.maximum(np.abs(top), 1.0)
                         a = int(np.argmin(sure)) if not sure.all() else a
                     if sure[a]:  # the model's own next token is trustworthy too
                         slot.tokens.append(token)
@@ -535,6 +535,20 @@ class SpeculativeGeneration(Generation):
 
 def _argmax(row: np.ndarray) -> int:
     return int(row.argmax())
+
+
+def _top2_margin(rows: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the top logit, its margin over the runner-up) of each row, ``picks`` being the argmaxes.
+
+    Two passes over the rows (the top masked out in place, then put back): ~25x cheaper than
+    ``np.partition`` over a vocabulary of 8k, which cost about as much as a decode step.
+    """
+    r = np.arange(rows.shape[0])
+    top = rows[r, picks].copy()
+    rows[r, picks] = -np.inf
+    second = rows.max(axis=1)
+    rows[r, picks] = top
+    return top, top - second
 
 
 def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationParams | None = None,

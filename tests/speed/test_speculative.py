@@ -264,6 +264,18 @@ def test_edit_drafter_learns_renames():
     assert not op.renames
 
 
+def test_top2_margin_matches_a_full_sort():
+    from engine.speculative import _top2_margin
+
+    rows = np.random.default_rng(0).standard_normal((5, 300)).astype(np.float32)
+    rows[3, [7, 9]] = 50.0  # a tie at the top: no margin
+    before = rows.copy()
+    top, margin = _top2_margin(rows, rows.argmax(-1))
+    ref = np.sort(before, axis=1)
+    assert np.array_equal(top, ref[:, -1]) and np.array_equal(margin, ref[:, -1] - ref[:, -2])
+    assert margin[3] == 0.0 and np.array_equal(rows, before)  # the rows are left as they were
+
+
 def test_policy_follows_acceptance_and_cost():
     p = DraftPolicy(k_min=2, k_max=12, max_misses=2, backoff=3, alpha=0.7, beta=0.15)
     k0 = p.size()
