@@ -489,8 +489,6 @@ class SpeculativeGeneration(Generation):
                         logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
                     else:
                         logits = self._run_model(rt.decode, slot.kv, token, pos)[None, :]
-                    dt_run = time.perf_counter() - t_run
-                    self.policy.timed(1 + len(draft), dt_run)
                     rows = logits[:, :nv]
                     picks = rows.argmax(-1)
                     if healing:  # a single row (no draft): the constrained greedy choice
@@ -503,6 +501,9 @@ class SpeculativeGeneration(Generation):
                         top, margin = _top2_margin(rows[:a + 1], picks[:a + 1])
                         sure = margin >= guard * np.maximum(np.abs(top), 1.0)
                         a = int(np.argmin(sure)) if not sure.all() else a
+                    # what the policy weighs: the pass and its verification (argmaxes, margins)
+                    dt_run = time.perf_counter() - t_run
+                    self.policy.timed(1 + len(draft), dt_run)
                     if sure[a]:  # the model's own next token is trustworthy too
                         slot.tokens.append(token)
                         slot.tokens.extend(draft[:a])
