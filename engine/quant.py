@@ -403,6 +403,17 @@ def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0,
     return prompts
 
 
+def heldout_files(folder: Path, minimum: int = 4) -> list[Path] | None:
+    """The files a model folder's ``heldout_files.txt`` lists (code it was not trained on), when at
+    least ``minimum`` of them exist on this machine; else None."""
+    try:
+        lines = (Path(folder) / "heldout_files.txt").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    files = [Path(ln.strip()) for ln in lines if ln.strip() and Path(ln.strip()).is_file()]
+    return files if len(files) >= minimum else None
+
+
 def greedy_agreement(ref, test, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64) -> dict[str, Any]:
     """How often ``test`` picks the same greedy token as ``ref`` (both engines on the same tokenizer).
 
@@ -556,12 +567,15 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     bad = [c for c in candidates if c not in PRECISIONS or c == "fp32"]
     if bad:
         raise ValueError(f"candidates: {bad[0]!r} is not a quantised precision; expected some of {PRECISIONS[1:]}")
+    # agreement on code the model did not train on where the folder names some (its own text
+    # would flatter every precision alike), else on this Python's standard library
+    agreement_files = heldout_files(folder)
     blob = json.dumps({"weights": weights_digest(folder), "candidates": list(candidates), "wafer": bool(wafer),
                        "grid": list(grid) if grid else None, "threads": threads, "cpu": _cpu_id(),
                        "ort": ort.__version__, "min_agreement": min_agreement, "min_speedup": min_speedup,
-                       "agreement_prompts": prompts,
+                       "agreement_prompts": prompts, "agreement_files": "heldout" if agreement_files else "stdlib",
                        "emitters": [make_linear(c, wafer, grid).cache_key() if c != "fp32" else "" for c in candidates],
-                       "v": 2}, sort_keys=True)
+                       "v": 3}, sort_keys=True)
     key = hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
     path = _decision_path(cache_dir, key)
     if path.is_file() and not remeasure:
@@ -582,7 +596,7 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     # steady thread mode: the automatic one can flip between runs and skew single ratios
     engines = {c: load_engine(folder, make_linear(c, wafer, grid), threads=threads, cache_dir=cache_dir, spinning=False)
                for c in ("fp32", *candidates)}
-    ps = eval_prompts(engines["fp32"].tokenizer, count=prompts)
+    ps = eval_prompts(engines["fp32"].tokenizer, count=prompts, files=agreement_files)
     speeds = compare_decode(engines, ps[0], new_tokens)
     agreement, speedup = {}, {}
     for c in candidates:

@@ -137,6 +137,19 @@ def test_choose_precision_measures_once(tiny_llama, tmp_path, monkeypatch):
         choose_precision(tiny_llama, candidates=("fp32",), cache_dir=tmp_path / "graphs")
 
 
+def test_heldout_files_of_a_model_folder(tmp_path):
+    from engine.quant import heldout_files
+
+    assert heldout_files(tmp_path) is None  # no list
+    real = []
+    for i in range(5):
+        real.append(tmp_path / f"f{i}.py")
+        real[-1].write_text("x = 1\n")
+    (tmp_path / "heldout_files.txt").write_text("\n".join(map(str, real + [tmp_path / "gone.py"])) + "\n")
+    assert heldout_files(tmp_path) == real  # the missing one is left out
+    assert heldout_files(tmp_path, minimum=6) is None
+
+
 def test_pick_precision_rule():
     speeds = {"fp32": 1000.0, "int8": 3000.0, "int8-rowq": 1800.0, "int4": 3300.0}
     agree = {"int8": 0.995, "int8-rowq": 0.99, "int4": 0.96}
