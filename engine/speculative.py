@@ -320,6 +320,7 @@ class DraftPolicy:
         if not 0.0 < self.alpha < 1.0 or self.beta < 0:
             raise ValueError(f"alpha={self.alpha!r} must be in (0, 1) and beta={self.beta!r} >= 0")
         self.k = self.k_min
+        self._ks = np.arange(self.k_min, self.k_max + 1, dtype=np.float64)
         self._hits = 4.0 * self.alpha  # decayed counts behind the alpha estimate (prior weight 4)
         self._fails = 4.0 * (1 - self.alpha)
         self._misses = 0
@@ -347,10 +348,14 @@ class DraftPolicy:
         return self.beta
 
     def best(self) -> tuple[int, float]:
-        """(k, expected speed-up over plain decoding) for the current estimates."""
+        """(k, expected speed-up over plain decoding) for the current estimates (vectorised: it
+        runs before every step that could draft)."""
         a, c = self.acceptance, self.cost_per_token
-        k = max(range(self.k_min, self.k_max + 1), key=lambda k: self.expected_tokens(a, k) / (1 + c * k))
-        return k, self.expected_tokens(a, k) / (1 + c * k)
+        ks = self._ks
+        tokens = ks + 1.0 if a >= 1.0 else (1.0 - a ** (ks + 1.0)) / (1.0 - a)
+        gains = tokens / (1.0 + c * ks)
+        i = int(gains.argmax())
+        return self.k_min + i, float(gains[i])
 
     def size(self) -> int:
         """Draft length for the next step (0: take a plain step)."""
@@ -482,22 +487,32 @@ class SpeculativeGeneration(Generation):
                 k = 0 if recheck or healing else min(self.policy.size(), room, k_cap)
                 draft = self.drafter.propose(context, k) if k > 0 else []
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
+                if not draft:  # a single step, as lean as the plain loop's (fresh text runs here)
+                    with eng._lock:
+                        self._check(slot)
+                        t_run = time.perf_counter()
+                        row = self._run_model(rt.decode, slot.kv, token, pos)[:nv]
+                        pick = self._pick(row, _argmax) if healing else int(row.argmax())
+                        dt_run = time.perf_counter() - t_run
+                        self.policy.timed(1, dt_run)
+                        slot.tokens.append(token)
+                        pos += 1
+                    runs += 1
+                    # a single step forced by a near-tie is charged to drafting
+                    self.policy.emitted("draft" if was_recheck else "plain", 1, dt_run)
+                    decided, recheck, from_draft = [pick], False, 0
+                    continue
                 with eng._lock:
                     self._check(slot)
                     t_run = time.perf_counter()
-                    if draft:
-                        logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
-                    else:
-                        logits = self._run_model(rt.decode, slot.kv, token, pos)[None, :]
+                    logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
                     rows = logits[:, :nv]
                     picks = rows.argmax(-1)
-                    if healing:  # a single row (no draft): the constrained greedy choice
-                        picks[0] = self._pick(rows[0], _argmax)
                     a = 0
                     while a < len(draft) and picks[a] == draft[a]:
                         a += 1
                     sure = np.ones(a + 1, bool)
-                    if draft and guard > 0:  # margins of the rows we are about to use
+                    if guard > 0:  # margins of the rows we are about to use
                         top, margin = _top2_margin(rows[:a + 1], picks[:a + 1])
                         sure = margin >= guard * np.maximum(np.abs(top), 1.0)
                         a = int(np.argmin(sure)) if not sure.all() else a
@@ -522,8 +537,7 @@ class SpeculativeGeneration(Generation):
                 drafted += len(draft)
                 accepted_total += a
                 self.policy.update(len(draft), a)
-                # a single step forced by a near-tie is charged to drafting
-                self.policy.emitted("draft" if (draft or was_recheck) else "plain", len(decided), dt_run)
+                self.policy.emitted("draft", len(decided), dt_run)
                 from_draft = a
         except _Cancelled:
             self.finish_reason = "cancelled"
