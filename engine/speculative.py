@@ -143,6 +143,9 @@ class PromptLookup:
     occurrence wins (code repeats locally).
     """
 
+    #: nothing to look up now rarely means something next step: the policy may pause asking
+    pause_when_empty = True
+
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
@@ -187,6 +190,8 @@ class EditDrafter:
 
     #: a learned rename replaces at most this many source tokens by at most this many
     MAX_RENAME_TOKENS = (8, 16)
+    #: lost in the original, the cursor may be re-found at the very next step: never pause
+    pause_when_empty = False
 
     def __init__(self, source: Sequence[int], *, max_ngram: int = 4, min_ngram: int = 1, window: int = 24,
                  fallback: PromptLookup | None = None, tokenizer=None) -> None:
@@ -313,6 +318,7 @@ class DraftPolicy:
     min_gain: float = 1.05
     decay: float = 0.9
     min_rate: float = 0.95    # drafting must keep at least this share of plain decoding's measured speed
+    empty_pause: int = 2      # plain steps after the drafter had nothing to offer (see empty)
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k_max:
@@ -384,6 +390,12 @@ class DraftPolicy:
         else:
             self._misses = 0
             self._wait = self.backoff
+
+    def empty(self) -> None:
+        """The drafter had nothing to offer: pause for ``empty_pause`` plain steps, so a stretch of
+        text with no n-gram to look up does not pay a lookup (and this policy's arithmetic) on every
+        step; no miss is counted and the acceptance estimate is untouched."""
+        self._off = max(self._off, self.empty_pause)
 
     def prime(self, step_s: float | None, pass_s: float | None, width: int) -> None:
         """Start from this engine's measured costs: a single step and a ``width``-token pass."""
@@ -487,6 +499,8 @@ class SpeculativeGeneration(Generation):
                 k = 0 if recheck or healing else min(self.policy.size(), room, k_cap)
                 draft = self.drafter.propose(context, k) if k > 0 else []
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
+                if k > 0 and not draft and getattr(self.drafter, "pause_when_empty", False):
+                    self.policy.empty()
                 if not draft:  # a single step, as lean as the plain loop's (fresh text runs here)
                     with eng._lock:
                         self._check(slot)

@@ -296,6 +296,13 @@ def test_policy_follows_acceptance_and_cost():
     assert q.cost_per_token == pytest.approx(1.0)
     assert q.best()[1] < 1.0 and q.size() == 0
     assert DraftPolicy.expected_tokens(0.5, 3) == pytest.approx(1.875)
+    # a drafter with nothing to offer pauses drafting for a couple of steps, alpha untouched
+    e = DraftPolicy(k_min=2, empty_pause=2)
+    alpha, k = e.acceptance, e.size()
+    assert k > 0
+    e.empty()
+    assert [e.size() for _ in range(3)] == [0, 2, k] and e.acceptance == alpha
+    assert PromptLookup.pause_when_empty and not EditDrafter.pause_when_empty
     # measured: drafting passes emit tokens more slowly than plain steps -> back off, whatever alpha says
     r = DraftPolicy(alpha=0.9)
     for _ in range(10):
