@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     spin.add_argument("--no-spinning", dest="spinning", action="store_false",
                       help="never spin; with the default (auto) each generation picks by CPU pressure, "
                            "which can flip between rounds and make single rounds swing")
+    p.add_argument("--tile", default=None, metavar="ROLES",
+                   help="tile only these linears (comma-separated of qkv,o,gate_up,down,lm_head; the rest stay "
+                        "plain MatMuls): what each part of the partitioning costs (default: all)")
     p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -55,7 +58,7 @@ def _resolve(spec):
 def bench_wafer(args, log=print) -> dict:
     from engine import Engine, GenerationParams
     from engine.wafer.chips import load_chip
-    from engine.wafer.partition import DEFAULT_GRID, parse_grid
+    from engine.wafer.partition import DEFAULT_GRID, TiledLinear, parse_grid
     from engine.wafer.perfmodel import plan, summary
     from engine.wafer.placement import ModelShape
 
@@ -68,7 +71,9 @@ def bench_wafer(args, log=print) -> dict:
     t0 = time.perf_counter()
     spinning = getattr(args, "spinning", None)
     dense = Engine.load(model, wafer=False, threads=args.threads, spinning=spinning)
-    tiled = Engine.load(model, wafer=True, grid=grid, threads=args.threads, spinning=spinning)
+    tile = getattr(args, "tile", None)
+    roles = [r.strip() for r in tile.split(",") if r.strip()] if tile else None
+    tiled = Engine.load(model, linear=TiledLinear(grid, roles=roles), threads=args.threads, spinning=spinning)
     log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s (dense, and tiled over {grid[0]}x{grid[1]})")
     vocab = dense.sample_vocab
     prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]
@@ -103,6 +108,7 @@ def bench_wafer(args, log=print) -> dict:
     return {
         "model": str(model),
         "grid": f"{grid[0]}x{grid[1]}",
+        "tiled_roles": list(tiled.linear.roles),
         "threads": dense.runtime.threads,
         "tokens_per_round": args.tokens,
         "rounds": args.rounds,
@@ -131,7 +137,8 @@ def _loadavg() -> str:
 def format_result(res: dict) -> str:
     p = res["projection"]
     return "\n".join([
-        f"partitioned execution ({res['grid']} emulated grid) vs dense, {res['model']}, "
+        f"partitioned execution ({res['grid']} emulated grid"
+        f"{'' if len(res['tiled_roles']) == 5 else ', tiled: ' + ','.join(res['tiled_roles'])}) vs dense, {res['model']}, "
         f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
         f"  {'':24}{'dense':>12}{'partitioned':>14}{'ratio':>8}",
         f"  {'decode tok/s (median)':24}{res['dense_decode_tok_s']:>12,.1f}{res['partitioned_decode_tok_s']:>14,.1f}"

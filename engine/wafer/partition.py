@@ -96,11 +96,17 @@ class TiledLinear:
     """Linear emitter that stores weights as per-PE tiles and reduces explicitly over the mesh.
 
     ``grid`` is the emulated execution grid (R rows x C columns of PEs per weight); ``None``
-    picks :data:`DEFAULT_GRID`.  ``layout`` records, per emitted linear, its role, shape, grid,
-    reduction axis and block sizes.
+    picks :data:`DEFAULT_GRID`.  ``roles`` limits the tiling to some linears (the others stay one
+    plain ``MatMul``): to measure what each costs (``spark-lsp bench wafer --tile``), not to run.
+    ``layout`` records, per emitted linear, its role, shape, grid, reduction axis and block sizes.
     """
 
-    def __init__(self, grid: tuple[int, int] | None = None) -> None:
+    def __init__(self, grid: tuple[int, int] | None = None, roles=None) -> None:
+        roles = tuple(ROW_REDUCE + COL_REDUCE) if roles is None else tuple(roles)
+        unknown = [r for r in roles if r not in ROW_REDUCE + COL_REDUCE]
+        if unknown or not roles:
+            raise ValueError(f"roles: expected some of {', '.join(ROW_REDUCE + COL_REDUCE)}, got {roles!r}")
+        self.roles = roles
         if grid is None:
             grid = DEFAULT_GRID
         try:
@@ -113,7 +119,8 @@ class TiledLinear:
         self.layout: dict[str, dict] = {}
 
     def cache_key(self) -> str:
-        return f"tiled-{self.grid[0]}x{self.grid[1]}-chain-v1"
+        every = set(self.roles) == set(ROW_REDUCE + COL_REDUCE)
+        return f"tiled-{self.grid[0]}x{self.grid[1]}-chain-v1" + ("" if every else "-only-" + "-".join(sorted(self.roles)))
 
     def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str,
              bias: np.ndarray | None = None) -> str:
@@ -123,6 +130,12 @@ class TiledLinear:
         K, N = weight.shape
         R, C = self.grid
         axis = reduce_axis(role)
+        if role not in self.roles:  # left whole (an ablation): one MatMul, as DenseLinear emits
+            y = gb.node("MatMul", [x, gb.initializer(f"{name}.weight", weight)], name=f"{name}/matmul")
+            if bias is not None:
+                y = gb.node("Add", [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))],
+                            name=f"{name}/bias")
+            return y
         k_parts, n_parts = (R, C) if axis == "rows" else (C, R)
         k_sizes, n_sizes = block_sizes(K, k_parts), block_sizes(N, n_parts)
         self.layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,

@@ -126,6 +126,17 @@ def test_bench_wafer_bad_args(capsys):
 
     assert bench.main(["--rounds", "0"]) == 2
     assert "--rounds" in capsys.readouterr().err
+    assert bench.main(["--tile", "attention", "--rounds", "1", "--tokens", "1"]) == 2
+    assert "roles" in capsys.readouterr().err
+
+
+def test_bench_wafer_tiles_only_what_it_is_told(tiny_qwen2, capsys):
+    from engine.wafer import bench
+
+    assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
+                       "--threads", "1", "--tile", "qkv,lm_head"]) == 0
+    out = capsys.readouterr().out
+    assert "tiled: qkv,lm_head" in out and "greedy tokens identical: True" in out
 
 
 def test_png_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):

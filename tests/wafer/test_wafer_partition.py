@@ -111,3 +111,18 @@ def test_partitioned_engine_equals_dense(arch, grid, tiny_models, dense_engines,
     a, b = eng.generate(ids, params), dense.generate(ids, params)
     a.result(), b.result()
     assert a.tokens == b.tokens
+
+
+def test_tiling_only_some_linears(tiny_models, dense_engines, tmp_path_factory):
+    """`bench wafer --tile`: the named linears are tiled, the others stay one MatMul; same logits."""
+    dense = dense_engines["qwen2"]
+    eng = Engine.load(tiny_models["qwen2"], linear=TiledLinear((2, 2), roles=["lm_head"]),
+                      cache_dir=tmp_path_factory.getbasetemp() / "graph_cache", threads=1)
+    graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
+    reduced = {n.name.split("/")[0] for n in graph.node if n.name.endswith("_gemv_reduce")}
+    assert reduced == {"lm_head"}
+    ids = np.random.default_rng(3).integers(0, dense.sample_vocab, 16).tolist()
+    np.testing.assert_allclose(eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0)
+    assert TiledLinear((2, 2), roles=["lm_head"]).cache_key() != TiledLinear((2, 2)).cache_key()
+    with pytest.raises(ValueError, match="roles"):
+        TiledLinear((2, 2), roles=["attention"])
