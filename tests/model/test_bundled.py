@@ -71,11 +71,12 @@ def test_loads_by_default_and_answers(engine):
     assert engine.name == DEFAULT_MODEL_NAME
     fim = FimFormat.detect(engine.tokenizer)
     assert fim is not None and fim.supports_spm
-    prompt = fim.build("import os\n\n\ndef read_text(path):\n    with open(path) as f:\n        return f.",
-                       "\n", spm=True)
-    gen = engine.generate(prompt, GenerationParams(max_new_tokens=16, stop=("\n",)))
+    # token-healed, as the server prompts (unhealed, the phase-4 model ends this one at once)
+    prompt, healed = fim.build_healed("import os\n\n\ndef read_text(path):\n    with open(path) as f:\n"
+                                      "        return f.", "\n", spm=True)
+    gen = engine.generate(prompt, GenerationParams(max_new_tokens=16, stop=("\n",), healed_prefix=healed))
     gen.result()
-    assert gen.finish_reason in ("eos", "stop", "length") and gen.stats["new_tokens"] >= 1
+    assert gen.finish_reason in ("eos", "stop", "length") and gen.stats["new_tokens"] >= 1 and gen.text.strip()
     plain = engine.generate("import os\n\n\ndef ", GenerationParams(max_new_tokens=16))
     assert plain.result().strip()  # it says something
 
