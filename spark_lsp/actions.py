@@ -174,7 +174,7 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         nxt = tuple(ln.rstrip("\r\n") for ln in lines[cursor_line + 1:cursor_line + 7])
         prv = tuple(ln.rstrip("\r\n") for ln in lines[max(0, cursor_line - 6):cursor_line])
         after = lines[cursor_line][len(ctx_line):].rstrip("\r\n") if cursor_line < len(lines) else ""
-        ctx = postprocess.Context(ctx_line, after, nxt, prv)
+        ctx = postprocess.Context(ctx_line, after, nxt, prv, python=True)  # the actions find Python blocks
 
         def finish(raw: str, ctx=ctx) -> str:
             return postprocess.clean(raw, ctx, multiline=True, max_lines=200)
@@ -210,7 +210,7 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         at = len(text)
         head = ("" if text.endswith("\n") or not text else "\n") + f"\n\ndef test_{name}():\n    "
         prefix = text + head
-        ctx = postprocess.Context("    ", "", (), (f"def test_{name}():",))
+        ctx = postprocess.Context("    ", "", (), (f"def test_{name}():",), python=True)
 
         def finish(raw: str, ctx=ctx) -> str:
             body = postprocess.clean(raw, ctx, multiline=True, max_lines=60)

@@ -39,14 +39,14 @@ class Result:
     source: str = "model"     # 'model' | 'typing-through'
 
 
-def context_at(text: str, offset: int, n: int = 6) -> postprocess.Context:
+def context_at(text: str, offset: int, n: int = 6, python: bool = False) -> postprocess.Context:
     before, after = line_at(text, offset)
     line_start = offset - len(before)
     line_end = offset + len(after)
     prev = split_lines(text[max(0, line_start - 2000):line_start])[:-1]
     nxt = split_lines(text[line_end:line_end + 2000])[1:]
     strip = lambda ls: tuple(x.rstrip("\r\n") for x in ls)  # noqa: E731
-    return postprocess.Context(before, after, strip(nxt[:n]), strip(prev[-n:]))
+    return postprocess.Context(before, after, strip(nxt[:n]), strip(prev[-n:]), python=python)
 
 
 class TypingThrough:
@@ -195,10 +195,11 @@ def complete(*args: Any, **kw: Any) -> Result:
 
 def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
                    settings: Settings, trigger: int, params_cls: Any,
-                   on_partial: Callable[[str], None] | None = None):
-    """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result)."""
+                   on_partial: Callable[[str], None] | None = None, python: bool = False):
+    """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result);
+    `python`: the document is Python (its indentation rules cut multi-line suggestions)."""
     t0 = time.perf_counter()
-    ctx = context_at(text, offset)
+    ctx = context_at(text, offset, python=python)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
     max_new = settings.max_tokens if multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
     limit = context_limit(engine)

@@ -23,6 +23,7 @@ class Context:
     line_after: str           # cursor line, after the cursor (no line ending)
     next_lines: tuple[str, ...] = ()  # a few following lines, without line endings
     prev_lines: tuple[str, ...] = ()  # a few preceding lines (nearest last), without line endings
+    python: bool = False      # indentation is syntax: a block ends at an unexpected indent
 
     @property
     def mid_line(self) -> bool:
@@ -111,10 +112,56 @@ def _cut_unbalanced(text: str, ctx: Context) -> str:
     return text
 
 
+class _PythonLines:
+    """Where a Python line may be indented deeper than the one before it: after a line ending in
+    ``:`` or ``\\``, inside open brackets, or inside a triple-quoted string. A rough scan (no
+    tokenizer): strings and comments are skipped so their brackets do not count."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.triple: str | None = None
+        self.opens_block = True  # the text before the suggestion is not seen: trust its first line
+
+    def deeper_ok(self) -> bool:
+        return self.opens_block or self.depth > 0 or self.triple is not None
+
+    def feed(self, line: str) -> None:
+        i, quote = 0, None
+        while i < len(line):
+            if self.triple:
+                end = line.find(self.triple, i)
+                if end < 0:
+                    break
+                i, self.triple = end + 3, None
+                continue
+            ch = line[i]
+            if quote:
+                if ch == "\\":
+                    i += 1
+                elif ch == quote:
+                    quote = None
+            elif line.startswith(('"""', "'''"), i):
+                self.triple = line[i:i + 3]
+                i += 3
+                continue
+            elif ch in "'\"":
+                quote = ch
+            elif ch == "#":
+                break
+            elif ch in OPENERS:
+                self.depth += 1
+            elif ch in CLOSERS:
+                self.depth = max(0, self.depth - 1)
+            i += 1
+        code = line.split("#", 1)[0].rstrip() if self.triple is None else ""
+        self.opens_block = code.endswith((":", "\\"))
+
+
 def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
     """Keep the lines of a multi-line suggestion that belong to the block being written: stop at a
     dedent past the block, at two blank lines, at a line repeating the next line of the document,
-    or at `max_lines`."""
+    at `max_lines`, and in Python at a line indented deeper than the one before it could be
+    (a syntax error: nothing after it can be accepted)."""
     lines = text.split("\n")
     first_indent = None
     cursor_indent = indentation(ctx.line_before)
@@ -122,6 +169,8 @@ def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
     next_line = next((ln.strip() for ln in ctx.next_lines if ln.strip()), None)
     kept: list[str] = []
     blanks = 0
+    py = _PythonLines() if ctx.python else None
+    prev_indent: int | None = None
     for n, line in enumerate(lines):
         full = (ctx.line_before + line) if n == 0 else line
         if n > 0 and not line.strip():
@@ -141,8 +190,13 @@ def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
                 break
             if next_line is not None and line.strip() == next_line and line.strip() not in ("", ")", "]", "}"):
                 break
+            if py is not None and prev_indent is not None and ind > prev_indent and not py.deeper_ok():
+                break  # an unexpected indent
         elif ctx.line_before.strip() == "" and line.strip():
             first_indent = len(indentation(full))
+        if py is not None and full.strip():
+            py.feed(full)
+            prev_indent = len(indentation(full))
         kept.append(line)
         if len([k for k in kept if k.strip()]) >= max_lines:
             break

@@ -408,14 +408,22 @@ class SparkServer(LanguageServer):
         self.typing.remember(uri, text, offset, result.items)
         return self._items(result.items, params.position, trigger)
 
+    def _is_python(self, uri: str) -> bool:
+        """The client says the document is Python (or, saying nothing, its name ends in .py/.pyi)."""
+        doc = self.workspace.text_documents.get(uri)
+        lang = getattr(doc, "language_id", None)
+        return lang == "python" or (not lang and uri.endswith((".py", ".pyi")))
+
     async def _generate(self, uri: str, text: str, offset: int, trigger: int) -> completions.Result:
         """A fresh completion for `text` at `offset` on the engine thread (joinable while it runs)."""
         await self._ready()
         engine, builder, params_cls, settings = self.host.engine, self.host.builder, self.host.params_cls, self.settings
         holder: dict = {}
+        python = self._is_python(uri)
         job = Job(uri, lambda j: completions.complete_steps(engine, builder, j, text, offset, settings, trigger,
                                                             params_cls,
-                                                            on_partial=lambda s: setattr(holder["inf"], "partial", s)),
+                                                            on_partial=lambda s: setattr(holder["inf"], "partial", s),
+                                                            python=python),
                   asyncio.get_running_loop(), kind="completion")
         inf = holder["inf"] = completions.Inflight(job, text, offset)
         self.inflight[uri] = inf

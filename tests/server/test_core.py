@@ -97,6 +97,20 @@ def test_multiline_stops_at_block_end_and_at_next_line_repeat():
     assert postprocess.clean("   \n\n", c2, multiline=True) == ""
 
 
+def test_python_block_stops_at_an_unexpected_indent():
+    py = postprocess.Context("    ", "", (), ("def test_scale():",), python=True)
+    raw = "n = 1\n        for item in items:\n            pass\n"
+    assert postprocess.clean(raw, py, multiline=True) == "n = 1"  # the deeper `for` is a syntax error
+    # deeper lines that Python allows: after a colon, inside brackets, a backslash or a docstring
+    ok = ('if n:\n        total = f(a,\n              b)\n        x = 1 + \\\n            2\n'
+          '        s = """doc\n              more"""\n        return s')
+    assert postprocess.clean(ok, py, multiline=True) == ok
+    # other languages indent continuations freely: the rule is Python's only
+    js = postprocess.Context("    ", "", (), ("function f() {",))
+    assert postprocess.clean("items\n        .map(g)\n", js, multiline=True) == "items\n        .map(g)"
+    assert postprocess.clean("n = 1\n        for x in y:", py, multiline=True) == "n = 1"
+
+
 # -- typing through -------------------------------------------------------------------------------
 def test_typing_through_serves_the_rest_of_the_suggestion():
     tt = completions.TypingThrough()
