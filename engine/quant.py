@@ -406,11 +406,13 @@ def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0,
 def heldout_files(folder: Path, minimum: int = 4) -> list[Path] | None:
     """The files a model folder's ``heldout_files.txt`` lists (code it was not trained on), when at
     least ``minimum`` of them exist on this machine; else None."""
+    from .evaluate import resolve_files  # reads an @list as `spark-lsp eval --files @list` does
+
     try:
-        lines = (Path(folder) / "heldout_files.txt").read_text(encoding="utf-8").splitlines()
-    except OSError:
+        listed = resolve_files([f"@{Path(folder) / 'heldout_files.txt'}"])
+    except ValueError:  # no list, or an empty one
         return None
-    files = [Path(ln.strip()) for ln in lines if ln.strip() and Path(ln.strip()).is_file()]
+    files = [p for p in listed if p.is_file()]
     return files if len(files) >= minimum else None
 
 

@@ -410,8 +410,8 @@ class SparkServer(LanguageServer):
 
     def _is_python(self, uri: str) -> bool:
         """The client says the document is Python (or, saying nothing, its name ends in .py/.pyi)."""
-        doc = self.workspace.text_documents.get(uri)
-        lang = getattr(doc, "language_id", None)
+        # not `_doc`: the document may have been closed while this request waited (debounce)
+        lang = getattr(self.workspace.text_documents.get(uri), "language_id", None)
         return lang == "python" or (not lang and uri.endswith((".py", ".pyi")))
 
     async def _generate(self, uri: str, text: str, offset: int, trigger: int) -> completions.Result:

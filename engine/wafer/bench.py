@@ -135,10 +135,13 @@ def _loadavg() -> str:
 
 
 def format_result(res: dict) -> str:
+    from engine.graph import ROLES
+
     p = res["projection"]
+    partial = set(res["tiled_roles"]) != set(ROLES)
     return "\n".join([
         f"partitioned execution ({res['grid']} emulated grid"
-        f"{'' if len(res['tiled_roles']) == 5 else ', tiled: ' + ','.join(res['tiled_roles'])}) vs dense, {res['model']}, "
+        f"{', tiled: ' + ','.join(res['tiled_roles']) if partial else ''}) vs dense, {res['model']}, "
         f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
         f"  {'':24}{'dense':>12}{'partitioned':>14}{'ratio':>8}",
         f"  {'decode tok/s (median)':24}{res['dense_decode_tok_s']:>12,.1f}{res['partitioned_decode_tok_s']:>14,.1f}"

@@ -36,6 +36,8 @@ import math
 
 import numpy as np
 
+from engine.graph import ROLES, DenseLinear
+
 #: Default emulated grid: 2 x 2 is the smallest mesh on which every linear has a real
 #: reduction along its axis (qkv/gate_up/lm_head over 2 rows, o/down over 2 columns) and, by
 #: measurement, the one whose extra ops cost least (each extra mesh line adds one Gemm).
@@ -102,10 +104,9 @@ class TiledLinear:
     """
 
     def __init__(self, grid: tuple[int, int] | None = None, roles=None) -> None:
-        roles = tuple(ROW_REDUCE + COL_REDUCE) if roles is None else tuple(roles)
-        unknown = [r for r in roles if r not in ROW_REDUCE + COL_REDUCE]
-        if unknown or not roles:
-            raise ValueError(f"roles: expected some of {', '.join(ROW_REDUCE + COL_REDUCE)}, got {roles!r}")
+        roles = ROLES if roles is None else tuple(roles)
+        if not roles or any(r not in ROLES for r in roles):
+            raise ValueError(f"roles: expected some of {', '.join(ROLES)}, got {roles!r}")
         self.roles = roles
         if grid is None:
             grid = DEFAULT_GRID
@@ -118,9 +119,14 @@ class TiledLinear:
         self.grid = (r, c)
         self.layout: dict[str, dict] = {}
 
+    @property
+    def partial(self) -> bool:
+        """Some linears are left whole (an ablation, see ``roles``)."""
+        return set(self.roles) != set(ROLES)
+
     def cache_key(self) -> str:
-        every = set(self.roles) == set(ROW_REDUCE + COL_REDUCE)
-        return f"tiled-{self.grid[0]}x{self.grid[1]}-chain-v1" + ("" if every else "-only-" + "-".join(sorted(self.roles)))
+        return f"tiled-{self.grid[0]}x{self.grid[1]}-chain-v1" + ("-only-" + "-".join(sorted(self.roles))
+                                                                 if self.partial else "")
 
     def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str,
              bias: np.ndarray | None = None) -> str:
@@ -130,12 +136,8 @@ class TiledLinear:
         K, N = weight.shape
         R, C = self.grid
         axis = reduce_axis(role)
-        if role not in self.roles:  # left whole (an ablation): one MatMul, as DenseLinear emits
-            y = gb.node("MatMul", [x, gb.initializer(f"{name}.weight", weight)], name=f"{name}/matmul")
-            if bias is not None:
-                y = gb.node("Add", [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))],
-                            name=f"{name}/bias")
-            return y
+        if role not in self.roles:  # left whole (an ablation): the dense emitter's one MatMul
+            return DenseLinear().emit(gb, x, weight, name=name, role=role, bias=bias)
         k_parts, n_parts = (R, C) if axis == "rows" else (C, R)
         k_sizes, n_sizes = block_sizes(K, k_parts), block_sizes(N, n_parts)
         self.layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
