@@ -126,7 +126,7 @@ class _PythonLines:
         return self.opens_block or self.depth > 0 or self.triple is not None
 
     def feed(self, line: str) -> None:
-        i, quote = 0, None
+        i, quote, code_end = 0, None, len(line)
         while i < len(line):
             if self.triple:
                 end = line.find(self.triple, i)
@@ -147,14 +147,15 @@ class _PythonLines:
             elif ch in "'\"":
                 quote = ch
             elif ch == "#":
+                code_end = i
                 break
             elif ch in OPENERS:
                 self.depth += 1
             elif ch in CLOSERS:
                 self.depth = max(0, self.depth - 1)
             i += 1
-        code = line.split("#", 1)[0].rstrip() if self.triple is None else ""
-        self.opens_block = code.endswith((":", "\\"))
+        # the line's code, up to a comment the scan found (a "#" inside a string is not one)
+        self.opens_block = self.triple is None and line[:code_end].rstrip().endswith((":", "\\"))
 
 
 def _cut_block(text: str, ctx: Context, max_lines: int) -> str:

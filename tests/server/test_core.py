@@ -109,6 +109,9 @@ def test_python_block_stops_at_an_unexpected_indent():
     js = postprocess.Context("    ", "", (), ("function f() {",))
     assert postprocess.clean("items\n        .map(g)\n", js, multiline=True) == "items\n        .map(g)"
     assert postprocess.clean("n = 1\n        for x in y:", py, multiline=True) == "n = 1"
+    # a "#" inside a string is not a comment: the colon after it still opens the block
+    hashed = 'if c == "#":\n        skip()'
+    assert postprocess.clean(hashed, py, multiline=True) == hashed
 
 
 # -- typing through -------------------------------------------------------------------------------
