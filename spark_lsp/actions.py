@@ -147,7 +147,7 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         keep_nl = selected.endswith("\n")
 
         def finish(raw: str, keep_nl=keep_nl) -> str:
-            out = raw.rstrip()
+            out = postprocess.cut_loops(raw).rstrip()
             return out + "\n" if keep_nl and out else out
         if action == INSTRUCT and chat is not None:
             from . import chat as chatmod
@@ -195,7 +195,7 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         head = ("" if text[:at].endswith("\n") or not text[:at] else "\n") + ind + '"""'
 
         def finish(raw: str, ind=ind) -> str:
-            body = raw.split('"""', 1)[0].rstrip()
+            body = postprocess.cut_loops(raw.split('"""', 1)[0]).rstrip()
             if not body.strip():
                 raise ActionError("the model produced an empty docstring")
             return body + ("\n" + ind if "\n" in body else "")
@@ -224,7 +224,10 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
 
 
 def generated_is_done(p: EditPlan, raw: str) -> bool:
-    """Early stop for block-shaped actions once the block is complete."""
+    """Early stop once the output is complete: the block is, or the output started to loop
+    (nothing after a loop is kept)."""
+    if postprocess.ends_in_loop(raw):
+        return True
     if p.done is not None:
         return p.done(raw)
     if p.multiline_ctx is None:

@@ -1,11 +1,13 @@
 """Turning raw model output into a suggestion an editor can show and the user can accept.
 
 Users' top complaints about AI completions are suggestions that repeat the text after the cursor,
-leave brackets or quotes unbalanced, or come back at the wrong indentation; each rule here fixes one.
+leave brackets or quotes unbalanced, come back at the wrong indentation, or loop (a small model's
+greedy output can repeat a line or a phrase until the token budget runs out); each rule here fixes one.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .documents import indentation
@@ -13,6 +15,18 @@ from .documents import indentation
 OPENERS = {"(": ")", "[": "]", "{": "}"}
 CLOSERS = {v: k for k, v in OPENERS.items()}
 BLOCK_OPENERS = (":", "{", "(", "[", "=>", "->")
+
+#: A line that loops: a run of 2..LOOP_UNIT_TOKENS tokens (words and marks, spaces ignored) holding
+#: at least two different words, LINE_LOOP_REPEATS times in a row ("of the items of the items of
+#: the items of the items").  Lists like ``[0, 0, 0, 0]`` or ``# -----`` have one word or none.
+LINE_LOOP_REPEATS = 4
+LOOP_UNIT_TOKENS = 12
+#: A block that loops: a run of 1..LOOP_UNIT_LINES lines (compared stripped, blank lines skipped)
+#: BLOCK_LOOP_REPEATS times in a row.
+BLOCK_LOOP_REPEATS = 3
+LOOP_UNIT_LINES = 4
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+_WORD = re.compile(r"\w")
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,81 @@ def _strip_suffix_overlap(text: str, line_after: str) -> str:
         if text.endswith(lead[:j]):
             return text[: len(text) - j]
     return text
+
+
+def _loop_unit(words: list[str], i: int, p: int) -> bool:
+    """Whether words[i:i+p] repeats LINE_LOOP_REPEATS times from i and holds two different words."""
+    unit = words[i:i + p]
+    if len({w for w in unit if _WORD.match(w)}) < 2:
+        return False
+    return all(words[i + k * p:i + (k + 1) * p] == unit for k in range(1, LINE_LOOP_REPEATS))
+
+
+def line_loop_start(line: str) -> int | None:
+    """Offset in ``line`` where the first repeat of a looping phrase starts (None: no loop).
+
+    Keeping ``line[:offset]`` keeps the phrase once: the text before the loop is usually fine."""
+    toks = [(m.start(), m.group()) for m in _TOKEN.finditer(line)]
+    words = [t for _, t in toks]
+    for i in range(len(words)):
+        for p in range(2, min(LOOP_UNIT_TOKENS, (len(words) - i) // LINE_LOOP_REPEATS) + 1):
+            if _loop_unit(words, i, p):
+                return toks[i + p][0]
+    return None
+
+
+def line_loops(line: str) -> bool:
+    """Whether ``line`` ends in a looping phrase: the cheap check streaming output runs per token."""
+    words = _TOKEN.findall(line)
+    return any(_loop_unit(words, len(words) - LINE_LOOP_REPEATS * p, p)
+               for p in range(2, min(LOOP_UNIT_TOKENS, len(words) // LINE_LOOP_REPEATS) + 1))
+
+
+def _block_loop(lines: list[str]) -> int:
+    """How many trailing entries of ``lines`` (stripped non-blank lines, newest last) repeat the
+    unit before them, BLOCK_LOOP_REPEATS occurrences in all: the ones to drop (0: no loop).  A unit
+    holds a word: closing brackets at successive indents are not a loop."""
+    for p in range(1, LOOP_UNIT_LINES + 1):
+        if len(lines) < BLOCK_LOOP_REPEATS * p:
+            break
+        unit = lines[-p:]
+        if any(_WORD.search(ln) for ln in unit) and all(lines[-(k + 1) * p:len(lines) - k * p] == unit for k in range(1, BLOCK_LOOP_REPEATS)):
+            return (BLOCK_LOOP_REPEATS - 1) * p
+    return 0
+
+
+def cut_loops(text: str) -> str:
+    """``text`` up to its first loop, the looping phrase or lines kept once (any kind of output:
+    suggestions, docstrings, rewrites)."""
+    lines = text.split("\n")
+    filled: list[int] = []  # indices of the non-blank lines so far
+    for n, line in enumerate(lines):
+        loop = line_loop_start(line)
+        if loop is not None:
+            return "\n".join(lines[:n] + [line[:loop].rstrip()])
+        if line.strip():
+            filled.append(n)
+            drop = _block_loop([lines[i].strip() for i in filled[-BLOCK_LOOP_REPEATS * LOOP_UNIT_LINES:]])
+            if drop:  # cut where the first repeated line starts
+                return "\n".join(lines[:filled[-drop]]).rstrip()
+    return text
+
+
+def ends_in_loop(text: str) -> bool:
+    """Whether streamed output has just started to loop (checked per token, so only its end):
+    generation can stop, nothing after a loop is kept."""
+    nl = text.rfind("\n")
+    if line_loops(text[nl + 1:]):
+        return True
+    if nl < 0:
+        return False
+    tail = [ln.strip() for ln in text[:nl].split("\n")[-(BLOCK_LOOP_REPEATS * LOOP_UNIT_LINES * 2):] if ln.strip()]
+    return _block_loop(tail) > 0
+
+
+def line_done(text: str) -> bool:
+    """Streamed single-line output is finished once its line loops (stop generating early)."""
+    return line_loops(text.split("\n", 1)[0])
 
 
 def _cut_unbalanced(text: str, ctx: Context) -> str:
@@ -212,13 +301,16 @@ def clean(raw: str, ctx: Context, multiline: bool, max_lines: int = 12) -> str:
     text = raw.replace("\r\n", "\n").replace("\r", "\n")
     if not multiline:
         text = text.split("\n", 1)[0]
+        loop = line_loop_start(text)
+        if loop is not None:
+            text = text[:loop].rstrip()
         text = _cut_unbalanced(text, ctx)
         text = _strip_suffix_overlap(text, ctx.line_after)
         text = text.rstrip() if not ctx.mid_line else text
     else:
         if ctx.line_before.strip() == "" and text.startswith("\n"):
             text = text.lstrip("\n")  # an empty line asked for a body, not a blank line first
-        text = _cut_block(text, ctx, max_lines)
+        text = _cut_block(cut_loops(text), ctx, max_lines)
         text = _cut_unbalanced(text, ctx)
         text = "\n".join(ln.rstrip() for ln in text.split("\n")).rstrip()
     return text if text.strip() else ""
@@ -226,6 +318,8 @@ def clean(raw: str, ctx: Context, multiline: bool, max_lines: int = 12) -> str:
 
 def block_done(text: str, ctx: Context, max_lines: int) -> bool:
     """True once streamed output already holds a finished block, so generation can stop early."""
+    if ends_in_loop(text):
+        return True
     if "\n" not in text:
         return False
     complete = text[: text.rfind("\n")]

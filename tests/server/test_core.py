@@ -114,6 +114,33 @@ def test_python_block_stops_at_an_unexpected_indent():
     assert postprocess.clean(hashed, py, multiline=True) == hashed
 
 
+def test_loops_are_kept_once_and_stop_generation():
+    py = postprocess.Context("    ", "", (), ("def f():",), python=True)
+    # a line repeated (at any indentation) is kept once, and so is a repeated run of lines
+    raw = "self._items = []\n    self._items = []\n    self._items = []\n    self._items = []\n"
+    assert postprocess.clean(raw, py, multiline=True) == "self._items = []"
+    assert postprocess.clean("a = 1\n    b = 2\n" * 3 + "    c = 3", py, multiline=True) == "a = 1\n    b = 2"
+    # a phrase looping inside a line: the text before its first repeat stays
+    line = "Return the average of values of values of values of values of values"
+    assert postprocess.clean(line, postprocess.Context("", ""), multiline=False) == "Return the average of values"
+    assert postprocess.cut_loops('"""' + line + '\n    more') == '"""Return the average of values'
+    # repetition that is code, not a loop: one word or none, or too few repeats
+    for ok in ("x = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]", "# " + "-" * 40, "f(a, b) + f(a, b) + f(a, b)",
+               "if a:\n        f()\n    }\n  }\n}", "next(f)\nnext(f)\nx = 1"):
+        assert postprocess.cut_loops(ok) == ok
+        assert not postprocess.ends_in_loop(ok)
+    assert postprocess.clean("x = [0, 0, 0, 0, 0, 0, 0, 0]", postprocess.Context("", ""), multiline=False) \
+        == "x = [0, 0, 0, 0, 0, 0, 0, 0]"
+    # streaming: generation stops as soon as a loop completes, not before
+    assert postprocess.line_done("the bunch of " * 4) and not postprocess.line_done("the bunch of " * 3)
+    assert postprocess.block_done("n = 1\n    n = 1\n    n = 1\n", py, 12)
+    assert not postprocess.block_done("n = 1\n    n = 1\n", py, 12)
+    # code actions cut loops too (rewrites and docstrings)
+    p = actions.plan(actions.REWRITE, "x = 1\ny = 2\n", 0, 6, 0, 64)
+    assert p.finish("x = 1\nx = 1\nx = 1\nx = 1\n") == "x = 1\n"
+    assert actions.generated_is_done(p, "x = 1\nx = 1\nx = 1\n")
+
+
 # -- typing through -------------------------------------------------------------------------------
 def test_typing_through_serves_the_rest_of_the_suggestion():
     tt = completions.TypingThrough()
