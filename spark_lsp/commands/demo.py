@@ -135,10 +135,14 @@ def run(args) -> int:
         fut = client.inline(uri, offset, trigger=1)
         time.sleep(0.04)
         t_type = time.perf_counter()
-        offset = client.type_text(uri, offset, "\n    ")
+        offset = client.type_text(uri, offset, "\n    lines")
         try:
             fut.result(60)
-            print(f"{header}  -> the suggestion finished before the keystroke ({fut.latency_ms:.0f} ms)")
+            if fut.received_at < t_type:
+                print(f"{header}  -> the suggestion finished before the keystroke ({fut.latency_ms:.0f} ms)")
+            else:  # the keystroke typed what the generation was writing: it went on (typing through)
+                print(f"{header}  -> the keystroke typed what the suggestion was writing, so it went on "
+                      f"({fut.latency_ms:.0f} ms)")
         except RpcError as exc:
             after = (fut.received_at - t_type) * 1e3
             m2 = client.call("spark/metrics", {})
