@@ -154,6 +154,50 @@ def line_done(text: str) -> bool:
     return line_loops(text.split("\n", 1)[0])
 
 
+class _Lexer:
+    """Strings and comments of code fed in pieces (a whole text, or line by line): ``marks`` yields
+    the characters that matter outside them — brackets, and a ``#`` where a comment starts (the rest
+    of its line is skipped).  Triple-quoted strings run across lines; others end at a line break.
+    A rough scan, no tokenizer: enough to count brackets and find block openers."""
+
+    def __init__(self) -> None:
+        self.quote: str | None = None   # inside '...' or "..."
+        self.triple: str | None = None  # inside '''...''' or """..."""
+
+    def marks(self, text: str):
+        i, n = 0, len(text)
+        while i < n:
+            if self.triple:
+                end = text.find(self.triple, i)
+                if end < 0:
+                    return
+                i, self.triple = end + 3, None
+                continue
+            ch = text[i]
+            if self.quote:
+                if ch == "\\":
+                    i += 2
+                    continue
+                if ch == self.quote or ch == "\n":
+                    self.quote = None
+            elif text.startswith(('"""', "'''"), i):
+                self.triple = text[i:i + 3]
+                i += 3
+                continue
+            elif ch in "'\"":
+                self.quote = ch
+            elif ch == "#":
+                yield i, ch
+                nl = text.find("\n", i)
+                if nl < 0:
+                    return
+                i = nl
+                continue
+            elif ch in OPENERS or ch in CLOSERS:
+                yield i, ch
+            i += 1
+
+
 def _cut_unbalanced(text: str, ctx: Context) -> str:
     """Cut the suggestion at a closing bracket that nothing opened: one the suffix already closes
     (mid-line) or one that does not match the prefix's innermost open bracket."""
@@ -164,27 +208,8 @@ def _cut_unbalanced(text: str, ctx: Context) -> str:
             prefix_open.append(ch)
         elif ch in CLOSERS and prefix_open and prefix_open[-1] == CLOSERS[ch]:
             prefix_open.pop()
-    quote: str | None = None
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if quote:
-            if ch == "\\":
-                i += 2
-                continue
-            if ch == quote:
-                quote = None
-            elif ch == "\n" and quote in "'\"":
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#":
-            nl = text.find("\n", i)
-            if nl < 0:
-                break
-            i = nl
-            continue
-        elif ch in OPENERS:
+    for i, ch in _Lexer().marks(text):
+        if ch in OPENERS:
             stack.append(ch)
         elif ch in CLOSERS:
             if stack:
@@ -197,54 +222,30 @@ def _cut_unbalanced(text: str, ctx: Context) -> str:
                 if not prefix_open or prefix_open[-1] != CLOSERS[ch]:
                     return text[:i].rstrip()
                 prefix_open.pop()
-        i += 1
     return text
 
 
 class _PythonLines:
     """Where a Python line may be indented deeper than the one before it: after a line ending in
-    ``:`` or ``\\``, inside open brackets, or inside a triple-quoted string. A rough scan (no
-    tokenizer): strings and comments are skipped so their brackets do not count."""
+    ``:`` or ``\\``, inside open brackets, or inside a triple-quoted string."""
 
     def __init__(self) -> None:
         self.depth = 0
-        self.triple: str | None = None
+        self.lexer = _Lexer()
         self.opens_block = True  # the text before the suggestion is not seen: trust its first line
 
     def deeper_ok(self) -> bool:
-        return self.opens_block or self.depth > 0 or self.triple is not None
+        return self.opens_block or self.depth > 0 or self.lexer.triple is not None
 
     def feed(self, line: str) -> None:
-        i, quote, code_end = 0, None, len(line)
-        while i < len(line):
-            if self.triple:
-                end = line.find(self.triple, i)
-                if end < 0:
-                    break
-                i, self.triple = end + 3, None
-                continue
-            ch = line[i]
-            if quote:
-                if ch == "\\":
-                    i += 1
-                elif ch == quote:
-                    quote = None
-            elif line.startswith(('"""', "'''"), i):
-                self.triple = line[i:i + 3]
-                i += 3
-                continue
-            elif ch in "'\"":
-                quote = ch
-            elif ch == "#":
-                code_end = i
+        code_end = len(line)
+        for i, ch in self.lexer.marks(line):
+            if ch == "#":
+                code_end = i  # the line's code ends at its comment ("#" inside a string is not one)
                 break
-            elif ch in OPENERS:
-                self.depth += 1
-            elif ch in CLOSERS:
-                self.depth = max(0, self.depth - 1)
-            i += 1
-        # the line's code, up to a comment the scan found (a "#" inside a string is not one)
-        self.opens_block = self.triple is None and line[:code_end].rstrip().endswith((":", "\\"))
+            self.depth = self.depth + 1 if ch in OPENERS else max(0, self.depth - 1)
+        self.lexer.quote = None  # a one-line string ends with its line
+        self.opens_block = self.lexer.triple is None and line[:code_end].rstrip().endswith((":", "\\"))
 
 
 def _cut_block(text: str, ctx: Context, max_lines: int) -> str:

@@ -112,6 +112,9 @@ def test_python_block_stops_at_an_unexpected_indent():
     # a "#" inside a string is not a comment: the colon after it still opens the block
     hashed = 'if c == "#":\n        skip()'
     assert postprocess.clean(hashed, py, multiline=True) == hashed
+    # brackets in a docstring's prose are text, on every line of it, not unmatched closers
+    doc = '"""Sum the values.\n\n        Values may be negative :) or empty.\n        """\n        return sum(values)'
+    assert postprocess.clean(doc, py, multiline=True) == doc
 
 
 def test_loops_are_kept_once_and_stop_generation():
