@@ -77,7 +77,7 @@ class Engine:
     def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
              cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
              spinning: bool | None = None, linear=None, decode_threads: int | None = None,
-             precision: str = "fp32") -> "Engine":
+             precision: str = "fp32", profile: str | None = None) -> "Engine":
         """Load a Hugging Face model folder (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
@@ -91,6 +91,8 @@ class Engine:
         and ``precision``.  ``precision``: 'fp32' (default), 'int8', 'int4', 'int8-rowq', or 'auto':
         the fastest precision that keeps >= 95 % greedy agreement with fp32 on this model and
         machine (``engine.quant.choose_precision``: measured once, then read from the disk cache).
+        ``profile``: record ONNX Runtime's per-node profile to files with this prefix
+        (:meth:`end_profiling` returns them; ``spark-lsp bench profile``).
         """
         t0 = time.perf_counter()
         if model_dir is None:
@@ -132,7 +134,7 @@ class Engine:
         path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
         try:
             runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
-                              spinning=spinning)
+                              spinning=spinning, profile=profile)
         except Exception as e:
             if built:
                 raise
@@ -140,7 +142,7 @@ class Engine:
             graph_cache.invalidate(path)
             path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
             runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
-                              spinning=spinning)
+                              spinning=spinning, profile=profile)
         eng = cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
                   linear=linear, load_s=time.perf_counter() - t0)
         eng.precision = "custom" if explicit_linear else precision
@@ -207,6 +209,11 @@ class Engine:
         """Forget every cached sequence."""
         with self._lock:
             self._cache.clear()
+
+    def end_profiling(self) -> list[str]:
+        """The ONNX Runtime profile files of an engine loaded with ``profile=`` (profiling stops)."""
+        with self._lock:
+            return self.runtime.end_profiling()
 
     def __repr__(self) -> str:
         return f"Engine({self.name!r}, context={self.context}, linear={graph_cache.emitter_key(self.linear)})"

@@ -105,7 +105,10 @@ class GenaiPeer:
 
     name = "onnxruntime-genai"
 
-    def __init__(self, model_dir: Path, threads: int, digest: str, cache_root: Path, log=print) -> None:
+    def __init__(self, model_dir: Path, threads: int, digest: str, cache_root: Path, log=print,
+                 profile: str | None = None) -> None:
+        """``profile``: record ONNX Runtime's per-node profile to files with this prefix (a copy of
+        the built model's config turns it on; :meth:`end_profiling` returns the files)."""
         try:
             import onnxruntime_genai as og
         except ImportError as e:
@@ -118,7 +121,32 @@ class GenaiPeer:
         self.version = f"onnxruntime-genai {og.__version__}"
         path = genai_model_dir(model_dir, digest, cache_root, log)
         self._set_threads(path, threads)
+        self._profile = profile
+        if profile:
+            path = self._profiled_copy(path, profile)
         self.model = og.Model(str(path))
+
+    @staticmethod
+    def _profiled_copy(path: Path, prefix: str) -> Path:
+        """A folder beside the profile files: links to the built model, a config that profiles."""
+        out = Path(tempfile.mkdtemp(prefix="genai-profiled-", dir=Path(prefix).parent))
+        for f in path.iterdir():
+            if f.name != "genai_config.json":
+                (out / f.name).symlink_to(f.resolve())
+        cfg = json.loads((path / "genai_config.json").read_text())
+        cfg["model"]["decoder"].setdefault("session_options", {})["enable_profiling"] = str(prefix)
+        (out / "genai_config.json").write_text(json.dumps(cfg, indent=4))
+        return out
+
+    def end_profiling(self) -> list[str]:
+        """Release the model (onnxruntime-genai writes its profile then) and return the files."""
+        import gc
+
+        self.model = None
+        gc.collect()
+        if not self._profile:
+            return []
+        return sorted(str(p) for p in Path(self._profile).parent.glob(Path(self._profile).name + "*.json"))
 
     @staticmethod
     def _set_threads(path: Path, threads: int) -> None:

@@ -38,9 +38,14 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def session_options(threads: int | None = None, *, spinning: bool = False) -> ort.SessionOptions:
-    """Session options for low-latency decoding (see :class:`Runtime` for when to spin)."""
+def session_options(threads: int | None = None, *, spinning: bool = False,
+                    profile: str | None = None) -> ort.SessionOptions:
+    """Session options for low-latency decoding (see :class:`Runtime` for when to spin);
+    ``profile``: write ONNX Runtime's per-node profile (Chrome trace JSON) to files with this prefix."""
     so = ort.SessionOptions()
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile)
     so.intra_op_num_threads = int(threads or physical_cores())
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -161,7 +166,8 @@ class Runtime:
     """
 
     def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,
-                 decode_threads: int | None = None, spinning: bool | None = None) -> None:
+                 decode_threads: int | None = None, spinning: bool | None = None,
+                 profile: str | None = None) -> None:
         self.config = config
         self.max_len = int(max_len)
         self.num_layers = config.num_hidden_layers
@@ -173,7 +179,7 @@ class Runtime:
         size = sum(p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file())
 
         def target(n: int, spin: bool) -> _Target:
-            so = session_options(n, spinning=spin)
+            so = session_options(n, spinning=spin, profile=profile)
             return _Target(ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]), n, spin)
 
         self.wide = target(self.threads, bool(spinning))  # long prefills
@@ -186,6 +192,11 @@ class Runtime:
         self.zero_i64 = np.zeros([1], np.int64)
         # KV head size as built (the graph pads it to a multiple of 16).
         self.head_dim = int(next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key"))
+
+    def end_profiling(self) -> list[str]:
+        """Stop profiling (``profile=``) and return the profile files, one per session."""
+        targets = {id(t): t for t in (self.wide, self.busy, self.calm)}.values()
+        return [t.session.end_profiling() for t in targets]
 
     def refresh_mode(self) -> _Target:
         """Pick the decode session for the next generation (spinning only while the CPU is calm)."""

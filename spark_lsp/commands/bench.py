@@ -1,9 +1,10 @@
-"""`spark-lsp bench`: speed measurements — engine, edits, lsp, wafer, or all of them.
+"""`spark-lsp bench`: speed measurements — engine, edits, lsp, wafer, or all of them; profile.
 
 Each benchmark lives in its own module, imported only when run (torch etc. load lazily):
 
     engine -> engine.bench          edits -> engine.bench_edits
     lsp    -> spark_lsp.bench_lsp   wafer -> engine.wafer.bench
+    profile -> engine.bench_profile (a diagnosis, not part of ``all``)
 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
 (``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
@@ -29,23 +30,26 @@ MODULES = {
     "lsp": "spark_lsp.bench_lsp",
     "wafer": "engine.wafer.bench",
 }
+#: Diagnoses: run like the benchmarks, but not by ``all``.
+DIAGNOSES = {"profile": "engine.bench_profile"}
 HELP = {
     "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
     "edits": "streamed code-action edits (speculative edits vs plain decoding)",
     "lsp": "end-to-end language-server latency (keystroke to completion)",
     "wafer": "partitioned-weight emitter and the wafer performance model",
+    "profile": "a decode step's time per ONNX operator: ours (dense, partitioned) and onnxruntime-genai",
 }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure speed (engine, edits, lsp, wafer, all)",
+    p = sub.add_parser("bench", help="measure speed (engine, edits, lsp, wafer, all; profile)",
                        description=__doc__.splitlines()[0])
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
     eng = bsub.add_parser("engine", help=HELP["engine"], description=HELP["engine"])
     _add_engine_arguments(eng)
     eng.set_defaults(func=_run_engine)
-    for name in ("edits", "lsp", "wafer"):
+    for name in ("edits", "lsp", "wafer", "profile"):
         # Options belong to the module (imported lazily): pass every argument through untouched.
         q = bsub.add_parser(name, help=HELP[name], add_help=False, prefix_chars="\0")
         q.add_argument("argv", nargs="*")
@@ -84,10 +88,11 @@ def _run_engine(args: argparse.Namespace) -> int:
 
 def _load(name: str):
     """The benchmark module, or None when it is not installed (yet)."""
+    path = MODULES.get(name) or DIAGNOSES[name]
     try:
-        return importlib.import_module(MODULES[name])
+        return importlib.import_module(path)
     except ModuleNotFoundError as e:
-        if e.name and MODULES[name].startswith(e.name):
+        if e.name and path.startswith(e.name):
             return None
         raise
 
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     mod = _load(name)
     if mod is None or not hasattr(mod, "main"):
         print(f"spark-lsp bench {name}: error: not available in this installation "
-              f"({MODULES[name]}.main is missing)", file=sys.stderr)
+              f"({MODULES.get(name) or DIAGNOSES[name]}.main is missing)", file=sys.stderr)
         return 2
     argv = list(args.argv)
     wanted = any(a == "--plot" or a.startswith("--plot=") for a in argv)

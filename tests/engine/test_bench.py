@@ -144,3 +144,25 @@ def test_dispatcher_passes_arguments_through(capsys, monkeypatch):
     rc, out, _ = cli(["all", "--model", "/models/m"], capsys)
     assert calls == [("engine", ["--model", "/models/m"]), ("edits", ["--model", "/models/m"]),
                      ("wafer", ["--model", "/models/m"])]
+
+
+@pytest.mark.slow
+def test_profile_splits_decode_steps_per_operator(tiny_llama, capsys):
+    """`bench profile`: every decode step is profiled (prefill runs left out), per operator; the
+    partitioned graph shows its mesh ops (Gemm reductions, Splits) and the peer its own graph."""
+    rc, out, err = cli(["profile", "--model", str(tiny_llama), "--json", "--tokens", "6", "--rounds", "2"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    dense, tiled = res["runners"]["ours, dense"], res["runners"]["ours, partitioned"]
+    for r in (dense, tiled):
+        assert r["steps"] == 2 * 5  # 6 tokens: 1 from the prefill, 5 decode steps, per round
+        assert r["step_us"] >= r["kernel_us"] > 0
+        assert abs(sum(o["us_per_step"] for o in r["ops"].values()) - r["kernel_us"]) < 0.01 * r["kernel_us"] + 1
+    assert "Gemm" in tiled["ops"] and "Gemm" not in dense["ops"] and tiled["nodes"] > dense["nodes"]
+    genai = res["runners"]["onnxruntime-genai"]
+    assert "skipped" not in genai, genai
+    assert genai["steps"] == 2 * 5 and "MatMul" in genai["ops"]
+    rc, out, err = cli(["profile", "--model", str(tiny_llama), "--tokens", "3", "--rounds", "1", "--no-peers"], capsys)
+    assert rc == 0 and "executor overhead" in out and "onnxruntime-genai" not in out
+    rc, out, err = cli(["profile", "--model", str(tiny_llama), "--tokens", "1"], capsys)
+    assert rc == 2 and "--tokens" in err
