@@ -21,9 +21,11 @@ BLOCK_OPENERS = (":", "{", "(", "[", "=>", "->")
 #: the items of the items").  Lists like ``[0, 0, 0, 0]`` or ``# -----`` have one word or none.
 LINE_LOOP_REPEATS = 4
 LOOP_UNIT_TOKENS = 12
-#: A block that loops: a run of 1..LOOP_UNIT_LINES lines (compared stripped, blank lines skipped)
-#: BLOCK_LOOP_REPEATS times in a row.
+#: A block that loops: a run of 2..LOOP_UNIT_LINES lines (compared stripped, blank lines skipped)
+#: BLOCK_LOOP_REPEATS times in a row, or one line LINE_REPEATS times (tests and tables repeat a
+#: line three times often enough: 57 of the 1,758 stdlib files the model trained on do).
 BLOCK_LOOP_REPEATS = 3
+LINE_REPEATS = 4
 LOOP_UNIT_LINES = 4
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 _WORD = re.compile(r"\w")
@@ -109,14 +111,16 @@ def line_loops(line: str) -> bool:
 
 def _block_loop(lines: list[str]) -> int:
     """How many trailing entries of ``lines`` (stripped non-blank lines, newest last) repeat the
-    unit before them, BLOCK_LOOP_REPEATS occurrences in all: the ones to drop (0: no loop).  A unit
-    holds a word: closing brackets at successive indents are not a loop."""
+    unit before them (LINE_REPEATS / BLOCK_LOOP_REPEATS occurrences in all): the ones to drop
+    (0: no loop).  A unit holds a word: closing brackets at successive indents are not a loop."""
     for p in range(1, LOOP_UNIT_LINES + 1):
-        if len(lines) < BLOCK_LOOP_REPEATS * p:
-            break
+        repeats = LINE_REPEATS if p == 1 else BLOCK_LOOP_REPEATS
+        if len(lines) < repeats * p:
+            continue
         unit = lines[-p:]
-        if any(_WORD.search(ln) for ln in unit) and all(lines[-(k + 1) * p:len(lines) - k * p] == unit for k in range(1, BLOCK_LOOP_REPEATS)):
-            return (BLOCK_LOOP_REPEATS - 1) * p
+        if any(_WORD.search(ln) for ln in unit) and \
+                all(lines[-(k + 1) * p:len(lines) - k * p] == unit for k in range(1, repeats)):
+            return (repeats - 1) * p
     return 0
 
 

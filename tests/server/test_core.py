@@ -119,7 +119,7 @@ def test_python_block_stops_at_an_unexpected_indent():
 
 def test_loops_are_kept_once_and_stop_generation():
     py = postprocess.Context("    ", "", (), ("def f():",), python=True)
-    # a line repeated (at any indentation) is kept once, and so is a repeated run of lines
+    # a line repeated (at any indentation) four times is kept once, a run of lines three times too
     raw = "self._items = []\n    self._items = []\n    self._items = []\n    self._items = []\n"
     assert postprocess.clean(raw, py, multiline=True) == "self._items = []"
     assert postprocess.clean("a = 1\n    b = 2\n" * 3 + "    c = 3", py, multiline=True) == "a = 1\n    b = 2"
@@ -136,12 +136,13 @@ def test_loops_are_kept_once_and_stop_generation():
         == "x = [0, 0, 0, 0, 0, 0, 0, 0]"
     # streaming: generation stops as soon as a loop completes, not before
     assert postprocess.line_done("the bunch of " * 4) and not postprocess.line_done("the bunch of " * 3)
-    assert postprocess.block_done("n = 1\n    n = 1\n    n = 1\n", py, 12)
-    assert not postprocess.block_done("n = 1\n    n = 1\n", py, 12)
+    assert postprocess.block_done("n = 1\n    n = 1\n    n = 1\n    n = 1\n", py, 12)
+    assert not postprocess.block_done("n = 1\n    n = 1\n    n = 1\n", py, 12)  # tests repeat a line thrice
+    assert postprocess.block_done("a()\n    b()\n" * 3, py, 12)
     # code actions cut loops too (rewrites and docstrings)
     p = actions.plan(actions.REWRITE, "x = 1\ny = 2\n", 0, 6, 0, 64)
     assert p.finish("x = 1\nx = 1\nx = 1\nx = 1\n") == "x = 1\n"
-    assert actions.generated_is_done(p, "x = 1\nx = 1\nx = 1\n")
+    assert actions.generated_is_done(p, "x = 1\nx = 1\nx = 1\nx = 1\n")
 
 
 # -- typing through -------------------------------------------------------------------------------
