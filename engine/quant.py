@@ -643,13 +643,14 @@ def batch_consistency(eng, width: int = 9, positions: int = 30, files: Sequence[
     return np.asarray(rel)
 
 
-def op_profile(eng, steps: int = 64, prompt_len: int = 128, verify: int = 0) -> dict[str, Any]:
+def op_profile(eng, steps: int = 64, prompt_len: int = 61, verify: int = 0) -> dict[str, Any]:
     """Where a decode step's time goes: ONNX Runtime's own profiler over ``steps`` single-token runs
     (``verify > 0``: runs of ``verify`` tokens, like a speculative verification pass).
 
     Opens a second, profiling session on the engine's cached graph (same options and the same
     shared past/present KV binding as the runtime).  Returns per-op-type microseconds per run,
-    sorted, the kernel total and the wall time per run.
+    sorted, the kernel total and the wall time per run (the prompt's run left out: ``prompt_len``
+    is a prime, see ``engine.bench_profile.step_profile``).
     """
     import onnxruntime as ort
 
@@ -692,20 +693,14 @@ def op_profile(eng, steps: int = 64, prompt_len: int = 128, verify: int = 0) -> 
         pos += n
     wall = (time.perf_counter() - t0) / steps * 1e6
     path = sess.end_profiling()
-    events = json.loads(Path(path).read_text())
-    Path(path).unlink(missing_ok=True)
-    per_op: dict[str, float] = {}
-    runs = 0
-    for e in events:
-        if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time"):
-            op = e.get("args", {}).get("op_name", "?")
-            per_op[op] = per_op.get(op, 0.0) + float(e.get("dur", 0))
-        elif e.get("cat") == "Session" and e.get("name") == "model_run":
-            runs += 1
-    runs = max(runs, 1)  # the prefill run is one of them
-    per_step = {op: us / runs for op, us in per_op.items()}
-    return {"per_op_us": dict(sorted(per_step.items(), key=lambda kv_: -kv_[1])),
-            "kernel_us": sum(per_step.values()), "wall_us": wall, "tokens_per_run": n, "runs": runs}
+    from .bench_profile import step_profile
+
+    try:
+        prof = step_profile([path], prompt_tokens=prompt_len)  # the runs after the prompt's
+    finally:
+        Path(path).unlink(missing_ok=True)
+    return {"per_op_us": {op: o["us_per_step"] for op, o in prof["ops"].items()}, "kernel_us": prof["kernel_us"],
+            "wall_us": wall, "tokens_per_run": n, "runs": prof["steps"]}
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -39,3 +39,13 @@ def test_auto_resolves_to_a_measured_precision_and_is_stored(tiny_llama, tmp_pat
 def test_unknown_precision_is_a_clear_error(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="precision='fp8'"):
         Engine.load(tiny_llama, precision="fp8", cache_dir=tmp_path)
+
+
+def test_op_profile_counts_decode_runs_only(tiny_llama, tmp_path):
+    """`python -m engine.quant --profile`: per-op time of the decode runs, the prompt's run left out."""
+    from engine.quant import op_profile
+
+    prof = op_profile(Engine.load(tiny_llama, precision="int8", cache_dir=tmp_path), steps=5)
+    assert prof["runs"] == 5 and prof["tokens_per_run"] == 1
+    assert "MatMulNBits" in prof["per_op_us"] and prof["kernel_us"] > 0
+    assert abs(sum(prof["per_op_us"].values()) - prof["kernel_us"]) < 0.01 * prof["kernel_us"] + 1
