@@ -25,7 +25,7 @@ import random
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
@@ -141,8 +141,12 @@ class CompletionResult:
 
 
 def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | None = None,
-                   max_new_tokens: int = 48, heal: bool = True) -> CompletionResult:
-    """Greedy FIM line completion at every position (see the module docstring)."""
+                   max_new_tokens: int = 48, heal: bool = True,
+                   finish: Callable[[Position, str], str] | None = None) -> CompletionResult:
+    """Greedy FIM line completion at every position (see the module docstring).
+
+    ``finish(position, raw)``: what a client makes of the raw output before it is compared (the
+    language server passes its post-processing, so the score is the suggestion users would see)."""
     from .generate import GenerationParams
 
     fim = FimFormat.detect(engine.tokenizer)
@@ -158,7 +162,7 @@ def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | N
         gen = engine.generate(ids, replace(params, healed_prefix=healed) if healed else params)
         for _ in gen:
             pass
-        pred = gen.text.split("\n", 1)[0].rstrip()
+        pred = (finish(pos, gen.text) if finish is not None else gen.text).split("\n", 1)[0].rstrip()
         target = pos.target.rstrip()
         samples.append({"file": pos.file, "line": pos.line + 1, "target": target, "prediction": pred,
                         "healed": healed, "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
@@ -207,13 +211,14 @@ def bits_per_byte(engine: "Engine", texts: Iterable[str], *, window: int = 1024,
 
 def evaluate(engine: "Engine", files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
              max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
-             heal: bool = True, line_start: bool = False) -> dict:
-    """Both measures on ``files``; a JSON-ready dict."""
+             heal: bool = True, line_start: bool = False,
+             finish: Callable[[Position, str], str] | None = None) -> dict:
+    """Both measures on ``files``; a JSON-ready dict (``finish``: see :func:`complete_lines`)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
     comp = complete_lines(engine, sample_positions(texts, n, seed, line_start=line_start), spm=spm,
-                          max_new_tokens=max_new_tokens, heal=heal)
+                          max_new_tokens=max_new_tokens, heal=heal, finish=finish)
     order = sorted(texts)  # deterministic subset when capped
     random.Random(seed).shuffle(order)
     bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)

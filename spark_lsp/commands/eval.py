@@ -4,7 +4,8 @@ At ``--n`` sampled cursors the model completes the rest of the line from the tex
 cursor and the text after the line; the first line is compared with the real one (exact
 match, edit similarity), with median TTFT and decode tokens/s (``--line-start``: cursors at
 column 0 of indented lines, the whole line to write).  Prompts are token-healed as
-the server's are (``--no-heal``: not).  Bits per byte is scored on
+the server's are (``--no-heal``: not); ``--served`` scores the suggestion after the server's
+post-processing (what an editor would show) instead of the raw line.  Bits per byte is scored on
 the files themselves.  Errors print one line on stderr and exit 2.
 """
 
@@ -30,12 +31,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no token healing: the prompt ends with the partial word's own tokens")
     p.add_argument("--line-start", action="store_true",
                    help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
+    p.add_argument("--served", action="store_true",
+                   help="score the suggestion after the server's post-processing, not the raw line")
     p.add_argument("--max-new-tokens", type=int, default=48, metavar="N")
     p.add_argument("--bpb-max-bytes", type=int, default=400_000, metavar="B",
                    help="score bits per byte on at most this many bytes (0 = all)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
     p.add_argument("--json", action="store_true", help="print one JSON object (with every sample)")
     p.set_defaults(func=run)
+
+
+def served(pos, raw: str) -> str:
+    """The suggestion the server would show for raw output at an eval cursor (a Python file, the
+    rest of the line not yet typed): its post-processing, multi-line where it would choose that."""
+    from spark_lsp import postprocess
+    from spark_lsp.completions import context_at
+
+    ctx = context_at(pos.prefix + pos.suffix, len(pos.prefix), python=True)
+    return postprocess.clean(raw, ctx, postprocess.choose_multiline(ctx))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         spm = None if args.order == "auto" else args.order == "spm"
         res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
                        bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,
-                       line_start=args.line_start)
+                       line_start=args.line_start, finish=served if args.served else None)
     except (ModelError, ValueError, OSError) as e:
         return fail(str(e))
     if args.json:
@@ -64,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     dec = res["decode_tok_s_median"]
     print(f"model {res['model']}: {res['files']} files, {res['n']} positions (seed {res['seed']}"
-          f"{', at line starts' if res['line_start'] else ''}{'' if res['heal'] else ', no token healing'})")
+          f"{', at line starts' if res['line_start'] else ''}{'' if res['heal'] else ', no token healing'}"
+          f"{', as served' if args.served else ''})")
     print(f"  exact match      {res['exact_match']:.1%}")
     print(f"  edit similarity  {res['edit_similarity']:.3f}")
     print(f"  TTFT median      {res['ttft_ms_median']:.1f} ms")

@@ -79,3 +79,27 @@ def test_eval_cli_errors(tiny_llama, tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope"), "--files", __file__, "--n", "1"]) == 2
     assert "error" in capsys.readouterr().err
     assert main(["eval", "--files", __file__, "--n", "0"]) == 2
+
+
+def test_served_scores_the_post_processed_suggestion(tiny_llama, tmp_path, capsys):
+    """`--served`: the prediction is what the server would show (its post-processing applied)."""
+    from engine.evaluate import Position
+    from spark_lsp.cli import main
+    from spark_lsp.commands.eval import served
+
+    pos = Position("a.py", 5, "def f(x):\n    if x:\n        return g(", "\n    return None\n", "x)")
+    assert served(pos, "x)) + 1") == "x)"  # the unmatched ")" and what follows are cut
+    assert served(pos, "x, " + "a, b, " * 5) == "x, a, b"  # a looping phrase is kept once
+    f = tmp_path / "m.py"
+    f.write_text(SRC * 3)
+    rc = main(["eval", "--model", str(tiny_llama), "--files", str(f), "--n", "4", "--max-new-tokens", "6",
+               "--json", "--threads", "1", "--served"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    raw = main(["eval", "--model", str(tiny_llama), "--files", str(f), "--n", "4", "--max-new-tokens", "6",
+                "--json", "--threads", "1"])
+    assert raw == 0
+    raw = json.loads(capsys.readouterr().out)
+    for s, r in zip(res["samples"], raw["samples"]):
+        assert s["target"] == r["target"]
+        assert r["prediction"].startswith(s["prediction"].rstrip()) or not s["prediction"]
