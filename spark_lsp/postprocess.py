@@ -204,14 +204,18 @@ class _Lexer:
 
 def _cut_unbalanced(text: str, ctx: Context) -> str:
     """Cut the suggestion at a closing bracket that nothing opened: one the suffix already closes
-    (mid-line) or one that does not match the prefix's innermost open bracket."""
+    (mid-line) or one that does not match the prefix's innermost open bracket (brackets still open
+    on the cursor line or the lines before it: a call's arguments may span lines).  Each prefix line
+    is lexed on its own: the window of lines may start inside a docstring, whose closing quotes
+    would otherwise read as opening ones and hide every bracket after them."""
     stack: list[str] = []
-    prefix_open: list[str] = []
-    for ch in ctx.line_before:  # brackets left open on the cursor line, nearest last
-        if ch in OPENERS:
-            prefix_open.append(ch)
-        elif ch in CLOSERS and prefix_open and prefix_open[-1] == CLOSERS[ch]:
-            prefix_open.pop()
+    prefix_open: list[str] = []  # nearest last
+    for line in (*ctx.prev_lines, ctx.line_before):
+        for _, ch in _Lexer().marks(line):
+            if ch in OPENERS:
+                prefix_open.append(ch)
+            elif ch in CLOSERS and prefix_open and prefix_open[-1] == CLOSERS[ch]:
+                prefix_open.pop()
     for i, ch in _Lexer().marks(text):
         if ch in OPENERS:
             stack.append(ch)

@@ -112,6 +112,12 @@ def test_python_block_stops_at_an_unexpected_indent():
     # a "#" inside a string is not a comment: the colon after it still opens the block
     hashed = 'if c == "#":\n        skip()'
     assert postprocess.clean(hashed, py, multiline=True) == hashed
+    # a bracket opened on an earlier line may be closed by the suggestion (arguments over lines),
+    # also when the lines before start with a docstring's closing quotes
+    call = postprocess.Context("        refold_binar", "", (), ('        """', "        folded = self._fold(name,"),
+                               python=True)
+    assert postprocess.clean("y=False)", call, multiline=False) == "y=False)"
+    assert postprocess.clean("y=False))", call, multiline=False) == "y=False)"
     # brackets in a docstring's prose are text, on every line of it, not unmatched closers
     doc = '"""Sum the values.\n\n        Values may be negative :) or empty.\n        """\n        return sum(values)'
     assert postprocess.clean(doc, py, multiline=True) == doc
