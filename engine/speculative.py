@@ -306,6 +306,9 @@ class DraftPolicy:
     back-off probes with ``k_min`` tokens, so fresh text costs at most a few short failed drafts.
     The same back-off starts when the *measured* rate of drafting passes (tokens emitted per second,
     single steps forced by near-ties included) falls below ``min_rate`` times plain steps' rate.
+    Drafts also start short and grow by evidence (a slow start): the length is capped at
+    ``k_min``, doubled after every draft accepted whole and reset to just past the accepted run
+    after a partial one — a long draft that misses early costs a pass of many tokens for one.
     """
 
     k_min: int = 2
@@ -326,6 +329,7 @@ class DraftPolicy:
         if not 0.0 < self.alpha < 1.0 or self.beta < 0:
             raise ValueError(f"alpha={self.alpha!r} must be in (0, 1) and beta={self.beta!r} >= 0")
         self.k = self.k_min
+        self._cap = self.k_min  # slow start: the longest draft the evidence allows now
         self._ks = np.arange(self.k_min, self.k_max + 1, dtype=np.float64)
         self._hits = 4.0 * self.alpha  # decayed counts behind the alpha estimate (prior weight 4)
         self._fails = 4.0 * (1 - self.alpha)
@@ -353,11 +357,11 @@ class DraftPolicy:
             return max(0.0, self._extra_s / self._step_s)
         return self.beta
 
-    def best(self) -> tuple[int, float]:
-        """(k, expected speed-up over plain decoding) for the current estimates (vectorised: it
-        runs before every step that could draft)."""
+    def best(self, cap: int | None = None) -> tuple[int, float]:
+        """(k, expected speed-up over plain decoding) for the current estimates, k at most ``cap``
+        (vectorised: it runs before every step that could draft)."""
         a, c = self.acceptance, self.cost_per_token
-        ks = self._ks
+        ks = self._ks if cap is None else self._ks[:max(1, cap - self.k_min + 1)]
         tokens = ks + 1.0 if a >= 1.0 else (1.0 - a ** (ks + 1.0)) / (1.0 - a)
         gains = tokens / (1.0 + c * ks)
         i = int(gains.argmax())
@@ -368,7 +372,7 @@ class DraftPolicy:
         if self._off > 0:
             self._off -= 1
             return self.k_min if self._off == 0 else 0  # the last step of a back-off probes
-        k, gain = self.best()
+        k, gain = self.best(self._cap)
         self.k = k
         if gain < self.min_gain or self.losing():  # drafting does not pay now: plain steps, then probe
             self._off = self._wait
@@ -380,6 +384,7 @@ class DraftPolicy:
         """A pass drafted ``drafted`` tokens and ``accepted`` of them matched the model."""
         if drafted == 0:
             return
+        self._cap = min(self.k_max, 2 * self._cap) if accepted == drafted else max(self.k_min, accepted + 1)
         self._hits = self._hits * self.decay + accepted
         self._fails = self._fails * self.decay + (1.0 if accepted < drafted else 0.0)
         if accepted == 0:
@@ -418,6 +423,10 @@ class DraftPolicy:
         r = self._rate[mode]
         r[0] = r[0] * self.decay + tokens
         r[1] = r[1] * self.decay + seconds
+
+    def charge(self, seconds: float) -> None:
+        """Drafting time that yielded no draft (the lookup found nothing): it slows drafting down."""
+        self._rate["draft"][1] += seconds
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A pass of ``tokens`` positions took ``seconds`` (feeds the cost model)."""
@@ -497,10 +506,15 @@ class SpeculativeGeneration(Generation):
                 healing = self._healing is not None and self._healing.active
                 # while healing, each token's allowed set depends on the one before: no drafts
                 k = 0 if recheck or healing else min(self.policy.size(), room, k_cap)
+                t_draft = time.perf_counter()
                 draft = self.drafter.propose(context, k) if k > 0 else []
                 draft = [int(t) for t in draft[:k] if 0 <= t < nv]
-                if k > 0 and not draft and getattr(self.drafter, "pause_when_empty", False):
-                    self.policy.empty()
+                # drafting's own time (n-gram search, resync, rename learning) is charged to it
+                dt_draft = time.perf_counter() - t_draft if k > 0 else 0.0
+                if k > 0 and not draft:
+                    self.policy.charge(dt_draft)
+                    if getattr(self.drafter, "pause_when_empty", False):
+                        self.policy.empty()
                 if not draft:  # a single step, as lean as the plain loop's (fresh text runs here)
                     with eng._lock:
                         self._check(slot)
@@ -530,8 +544,8 @@ class SpeculativeGeneration(Generation):
                         top, margin = _top2_margin(rows[:a + 1], picks[:a + 1])
                         sure = margin >= guard * np.maximum(np.abs(top), 1.0)
                         a = int(np.argmin(sure)) if not sure.all() else a
-                    # what the policy weighs: the pass and its verification (argmaxes, margins)
-                    dt_run = time.perf_counter() - t_run
+                    # what the policy weighs: drafting, the pass and its verification (argmaxes, margins)
+                    dt_run = time.perf_counter() - t_run + dt_draft
                     self.policy.timed(1 + len(draft), dt_run)
                     if sure[a]:  # the model's own next token is trustworthy too
                         slot.tokens.append(token)

@@ -65,6 +65,9 @@ class UntimedPolicy(DraftPolicy):
     def emitted(self, *args) -> None:
         pass
 
+    def charge(self, *args) -> None:
+        pass
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_identical_to_greedy(engines, arch):
@@ -314,6 +317,20 @@ def test_policy_follows_acceptance_and_cost():
         r2.emitted("draft", 6, 0.002)
         r2.emitted("plain", 1, 0.001)
     assert not r2.losing() and r2.size() > 0
+    # slow start: drafts begin at k_min, double while accepted whole, fall back after a miss
+    sl = DraftPolicy(alpha=0.95, k_min=2, k_max=24)
+    sizes = []
+    for _ in range(5):
+        k = sl.size()
+        sizes.append(k)
+        sl.update(k, k)
+    assert sizes == [2, 4, 8, 16, 24]
+    sl.update(24, 3)
+    assert sl.size() == 4  # just past the accepted run
+    # lookups that found nothing cost time too: charged to drafting, they can make it lose
+    for _ in range(10):
+        r2.charge(0.004)
+    assert r2.losing() and r2.size() == 0
     # primed with this engine's costs: a 9-token pass as dear as 9 steps never pays
     q2 = DraftPolicy(alpha=0.6)
     q2.prime(0.001, 0.009, 9)
