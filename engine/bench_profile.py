@@ -113,16 +113,15 @@ class _Genai:
 def bench_profile(args, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Load every runner, decode in alternating rounds (same machine load for all), profile each."""
     from .bench import resolve_model
+    from .config import load_config
     from .peers import PeerUnavailable
     from .runtime import physical_cores
+    from .tokenizer import Tokenizer
 
     if args.tokens < 2 or args.rounds < 1:
         raise ValueError("--tokens must be at least 2 and --rounds at least 1")
     model = resolve_model(args.model)
     threads = args.threads or physical_cores()
-    from .config import load_config
-    from .tokenizer import Tokenizer
-
     vocab = min(load_config(model).vocab_size, Tokenizer.load(model).vocab_size)
     prompt = [(7 + 31 * i) % (vocab - 16) + 16 for i in range(PROMPT_TOKENS)]  # past the special tokens
     res: dict[str, Any] = {"model": str(model), "threads": threads, "tokens": args.tokens,

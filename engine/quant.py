@@ -657,9 +657,8 @@ def op_profile(eng, steps: int = 64, prompt_len: int = 61, verify: int = 0) -> d
     from .runtime import session_options
 
     rt = eng.runtime
-    so = session_options(rt.threads)
-    so.enable_profiling = True
-    so.profile_file_prefix = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"spark-ort-profile-{os.getpid()}")
+    so = session_options(rt.threads,
+                         profile=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"spark-ort-profile-{os.getpid()}"))
     sess = ort.InferenceSession(str(eng.graph_path), so, providers=["CPUExecutionProvider"])
     binding = sess.io_binding()
     for i in range(rt.num_layers):  # one buffer bound as past and present, as the runtime does

@@ -226,13 +226,9 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
 def generated_is_done(p: EditPlan, raw: str) -> bool:
     """Early stop once the output is complete: the block is, or the output started to loop
     (nothing after a loop is kept)."""
-    if postprocess.ends_in_loop(raw):
-        return True
-    if p.done is not None:
-        return p.done(raw)
-    if p.multiline_ctx is None:
-        return False
-    return postprocess.block_done(raw, p.multiline_ctx, 200)
+    if p.multiline_ctx is not None and p.done is None:
+        return postprocess.block_done(raw, p.multiline_ctx, 200)  # (it checks for loops itself)
+    return postprocess.ends_in_loop(raw) or (p.done is not None and p.done(raw))
 
 
 def run_plan(*args: Any, **kw: Any) -> tuple[str, dict]:

@@ -208,7 +208,7 @@ def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, off
         budget = max(16, min(budget, limit - max_new - 8))
     prompt = builder.build(text, offset, budget, key=job.slot)
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
-    done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.line_done
+    done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
     items: list[str] = []
     stats: dict = {}

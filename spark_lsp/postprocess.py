@@ -149,13 +149,9 @@ def ends_in_loop(text: str) -> bool:
         return True
     if nl < 0:
         return False
-    tail = [ln.strip() for ln in text[:nl].split("\n")[-(BLOCK_LOOP_REPEATS * LOOP_UNIT_LINES * 2):] if ln.strip()]
+    window = BLOCK_LOOP_REPEATS * LOOP_UNIT_LINES * 2  # lines, blank ones included
+    tail = [ln.strip() for ln in text[:nl].rsplit("\n", window)[-window:] if ln.strip()]
     return _block_loop(tail) > 0
-
-
-def line_done(text: str) -> bool:
-    """Streamed single-line output is finished once its line loops (stop generating early)."""
-    return line_loops(text.split("\n", 1)[0])
 
 
 class _Lexer:
@@ -309,10 +305,7 @@ def clean(raw: str, ctx: Context, multiline: bool, max_lines: int = 12) -> str:
     "" when nothing useful is left."""
     text = raw.replace("\r\n", "\n").replace("\r", "\n")
     if not multiline:
-        text = text.split("\n", 1)[0]
-        loop = line_loop_start(text)
-        if loop is not None:
-            text = text[:loop].rstrip()
+        text = cut_loops(text.split("\n", 1)[0])
         text = _cut_unbalanced(text, ctx)
         text = _strip_suffix_overlap(text, ctx.line_after)
         text = text.rstrip() if not ctx.mid_line else text

@@ -86,9 +86,13 @@ def _run_engine(args: argparse.Namespace) -> int:
     return rc or int(importlib.import_module("engine.bench").run(args, plot=plot) or 0)
 
 
+def _module_path(name: str) -> str:
+    return MODULES.get(name) or DIAGNOSES[name]
+
+
 def _load(name: str):
     """The benchmark module, or None when it is not installed (yet)."""
-    path = MODULES.get(name) or DIAGNOSES[name]
+    path = _module_path(name)
     try:
         return importlib.import_module(path)
     except ModuleNotFoundError as e:
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     mod = _load(name)
     if mod is None or not hasattr(mod, "main"):
         print(f"spark-lsp bench {name}: error: not available in this installation "
-              f"({MODULES.get(name) or DIAGNOSES[name]}.main is missing)", file=sys.stderr)
+              f"({_module_path(name)}.main is missing)", file=sys.stderr)
         return 2
     argv = list(args.argv)
     wanted = any(a == "--plot" or a.startswith("--plot=") for a in argv)

@@ -141,7 +141,7 @@ def test_loops_are_kept_once_and_stop_generation():
     assert postprocess.clean("x = [0, 0, 0, 0, 0, 0, 0, 0]", postprocess.Context("", ""), multiline=False) \
         == "x = [0, 0, 0, 0, 0, 0, 0, 0]"
     # streaming: generation stops as soon as a loop completes, not before
-    assert postprocess.line_done("the bunch of " * 4) and not postprocess.line_done("the bunch of " * 3)
+    assert postprocess.ends_in_loop("the bunch of " * 4) and not postprocess.ends_in_loop("the bunch of " * 3)
     assert postprocess.block_done("n = 1\n    n = 1\n    n = 1\n    n = 1\n", py, 12)
     assert not postprocess.block_done("n = 1\n    n = 1\n    n = 1\n", py, 12)  # tests repeat a line thrice
     assert postprocess.block_done("a()\n    b()\n" * 3, py, 12)
