@@ -6,8 +6,9 @@ default) and dense (``wafer=False``) — checks they produce the same greedy tok
 in alternating rounds (dense, partitioned, dense, ...) so both see the same machine load, and
 reports the median decode tok/s of each and the median of the per-round ratios, plus the ratio
 of tokens per CPU-second of the process (robust to other processes stealing the CPU when run
-with ``--threads 1``).  Then it plans
-the model on a chip with the performance model.
+with ``--threads 1``).  Every timed run starts ``engine.bench.SETTLE_S`` after the last, so
+threads the other engine left spinning are not counted against it.  Then it plans the model on a
+chip with the performance model.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _resolve(spec):
 
 def bench_wafer(args, log=print) -> dict:
     from engine import Engine, GenerationParams
+    from engine.bench import SETTLE_S
     from engine.wafer.chips import load_chip
     from engine.wafer.partition import DEFAULT_GRID, TiledLinear, parse_grid
     from engine.wafer.perfmodel import plan, summary
@@ -81,6 +83,7 @@ def bench_wafer(args, log=print) -> dict:
 
     def decode(eng) -> tuple[float, float, list[int]]:
         """(decode tok/s wall clock, tokens per CPU-second of this process, tokens)."""
+        time.sleep(SETTLE_S)  # the other engine's spinning threads go back to sleep first
         cpu = time.process_time()
         gen = eng.generate(prompt, params)
         gen.result()
