@@ -121,6 +121,21 @@ def test_bench_wafer_pins_thread_spinning(tiny_qwen2, capsys, monkeypatch):
         assert seen == [want, want]
 
 
+def test_bench_wafer_settles_before_every_timed_run(tiny_qwen2, capsys, monkeypatch):
+    """Each timed decode starts SETTLE_S after the last: threads the other engine left spinning
+    must not be counted against it (the default mode swung 0.73-1.00x between runs without it)."""
+    import engine.bench
+    from engine.wafer import bench
+
+    monkeypatch.setattr(engine.bench, "SETTLE_S", 0.001)
+    slept = []
+    monkeypatch.setattr(bench.time, "sleep", lambda s: slept.append(s))
+    assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "3", "--prompt-tokens", "8",
+                       "--threads", "1", "--json"]) == 0
+    capsys.readouterr()
+    assert slept.count(0.001) == 2 + 2 * 3  # the two warm-up runs, then both engines every round
+
+
 def test_bench_wafer_bad_args(capsys):
     from engine.wafer import bench
 
