@@ -51,6 +51,7 @@ class EditPlan:
     partial: Callable[[str], str] = field(default=lambda s: s)  # raw output -> body mid-stream
     done: Callable[[str], bool] | None = None                   # early stop on raw output
     draft: str | None = None           # text the output probably repeats (speculative decoding)
+    retry_lead: str = ""               # output empty: generate once more, made to begin with this
 
     def region_text(self, raw: str, final: bool) -> str:
         body = self.finish(raw) if final else self.partial(raw)
@@ -199,8 +200,10 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
             if not body.strip():
                 raise ActionError("the model produced an empty docstring")
             return body + ("\n" + ind if "\n" in body else "")
+        # A model may close the quotes at once (an empty docstring); it is then asked again with
+        # its text made to start on the next line, a summary it rarely declines (run_plan_steps).
         return EditPlan(action, at, at, prefix, text[at:], stop=('"""',), max_tokens=min(max_tokens, 160),
-                        head=head, tail='"""\n', finish=finish)
+                        head=head, tail='"""\n', finish=finish, retry_lead="\n" + ind)
 
     if action == TEST:
         fn = enclosing_block(lines, cursor_line, kinds=("def",))
@@ -252,10 +255,17 @@ def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls:
         ids, healed = builder.build_parts_healed(p.prefix, p.suffix, context_tokens)
     # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
     stop = p.stop + tuple(builder.stop_strings)
-    params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder),
-                        healed_prefix=healed)
-    raw, stats, finish = yield from generate_steps(engine, job, ids, params,
-                                                   done=(lambda s: generated_is_done(p, s)), on_text=on_text,
-                                                   speculative=speculative, draft=p.draft)
-    stats = {**stats, "finish_reason": finish}
+
+    def attempt(lead: str):
+        params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder),
+                            healed_prefix=healed + lead)  # generated, not emitted: put back below
+        raw, stats, finish = yield from generate_steps(
+            engine, job, ids, params, done=(lambda s: generated_is_done(p, lead + s)),
+            on_text=(lambda s: on_text(lead + s)) if on_text is not None and lead else on_text,
+            speculative=speculative, draft=p.draft)
+        return lead + raw, {**stats, "finish_reason": finish}
+
+    raw, stats = yield from attempt("")
+    if p.retry_lead and not raw.strip():  # e.g. a docstring closed at once: ask once more
+        raw, stats = yield from attempt(p.retry_lead)
     return p.region_text(raw, final=True), stats

@@ -249,6 +249,50 @@ def test_action_plans():
         actions.plan(actions.DOCSTRING, "x = 1\n", 0, 0, 0, 100)
 
 
+
+def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
+    """A model that closes the quotes at once gets a second pass, made to start a summary line."""
+    from engine import GenerationParams
+
+    line = SRC.splitlines().index("    return a + b")
+    d = actions.plan(actions.DOCSTRING, SRC, 0, 0, line, 100)
+
+    def scripted(*outputs):
+        leads = []
+
+        def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None):
+            leads.append(params.healed_prefix)  # generated but not emitted: the runner puts it back
+            text = outputs[min(len(leads), len(outputs)) - 1]
+            if on_text is not None:
+                on_text(text)
+            return text, {"new_tokens": 3}, "stop"
+            yield  # a step generator
+        monkeypatch.setattr(completions, "generate_steps", fake_generate)
+        return leads
+
+    class Builder:
+        stop_strings = ()
+
+        def build_parts_healed(self, prefix, suffix, budget):
+            return [1, 2, 3], ""
+
+    monkeypatch.setattr(completions, "control_ids", lambda b: frozenset())
+    leads, streamed = scripted(" ", "Add two numbers.\n    "), []
+    region, stats = actions.run_plan(None, Builder(), None, d, GenerationParams, 256, on_text=streamed.append)
+    assert leads == ["", "\n    "]
+    assert region == '    """\n    Add two numbers.\n    """\n'
+    assert streamed[-1] == "\n    Add two numbers.\n    " and stats["finish_reason"] == "stop"
+    # A docstring written on the first pass is not asked again.
+    leads = scripted("Add two numbers.")
+    assert actions.run_plan(None, Builder(), None, d, GenerationParams, 256)[0] == '    """Add two numbers."""\n'
+    assert leads == [""]
+    # Still empty after the second pass: the clear error, no third pass.
+    leads = scripted(" ", "")
+    with pytest.raises(actions.ActionError, match="empty docstring"):
+        actions.run_plan(None, Builder(), None, d, GenerationParams, 256)
+    assert len(leads) == 2
+    assert actions.plan(actions.TEST, SRC, 0, 0, line, 100).retry_lead == ""  # other plans never retry
+
 # -- scheduler ------------------------------------------------------------------------------------
 class FakeGen:
     """A generation that yields a token every `step` seconds until cancelled (tests only)."""
