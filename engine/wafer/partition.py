@@ -24,11 +24,14 @@ own partial product to the running sum with ``Gemm(x_i, W_i, C=partial)`` — an
 (systolic) reduction along the mesh axis.  Every weight stays a 2-D constant, which ONNX
 Runtime pre-packs; the "one batched MatMul over a [R, C, K/R, N/C] tile tensor + ReduceSum"
 alternative decoded at ~0.55-0.6x dense speed because ORT does not pre-pack 3-D weights, and
-per-PE MatMul nodes + Sum + Concat at ~0.65x.  What remains is the GEMV kernel itself: a packed
-MLAS GEMV with K/R < 256 rows streams its weights from L3 slower per byte than one full-K pass
-(``perf`` sampling: the partitioned graph spends 23-28% more time in MLAS's SGEMM kernel for the
-same tokens), so models with hidden size 256 pay ~25-35% for the split, models from 512 up do not
-(the chain then accumulates exactly like MLAS's own K loop).  README "wafer" lists the other forms
+per-PE MatMul nodes + Sum + Concat at ~0.65x.  What remains depends on the threads (``perf``
+sampling).  With one, it is the GEMV kernel: a packed MLAS GEMV with K/R < 256 rows streams its
+weights from L3 slower per byte than one full-K pass (23-28% more time in MLAS's SGEMM kernel for
+the same tokens).  With two (this machine's default) the kernels take the same time as dense, and
+the cost is the graph's ~2x nodes (a Split and a second GEMV per linear, the 2-D form's reshapes
+around attention): executor, allocation and thread-pool hand-off, on the critical path.  Models
+with hidden size 256 pay ~20-35% for the split, models from 512 up do not (the chain then
+accumulates exactly like MLAS's own K loop).  README "wafer" lists the other forms
 measured.
 """
 
