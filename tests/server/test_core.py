@@ -249,7 +249,6 @@ def test_action_plans():
         actions.plan(actions.DOCSTRING, "x = 1\n", 0, 0, 0, 100)
 
 
-
 def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
     """A model that closes the quotes at once gets a second pass, made to start a summary line."""
     from engine import GenerationParams
@@ -292,6 +291,7 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
         actions.run_plan(None, Builder(), None, d, GenerationParams, 256)
     assert len(leads) == 2
     assert actions.plan(actions.TEST, SRC, 0, 0, line, 100).retry_lead == ""  # other plans never retry
+
 
 # -- scheduler ------------------------------------------------------------------------------------
 class FakeGen:
