@@ -30,7 +30,7 @@ weights from L3 slower per byte than one full-K pass (23-28% more time in MLAS's
 the same tokens).  With two (this machine's default) the kernels take the same time as dense, and
 the cost is the graph's ~2x nodes (a Split and a second GEMV per linear, the 2-D form's reshapes
 around attention): executor, allocation and thread-pool hand-off, on the critical path.  Models
-with hidden size 256 pay ~20-35% for the split, models from 512 up do not (the chain then
+with hidden size 256 pay ~20-30% for the split, models from 512 up do not (the chain then
 accumulates exactly like MLAS's own K loop).  README "wafer" lists the other forms
 measured.
 """
