@@ -131,10 +131,11 @@ class Engine:
             return build_decoder(config, load_weights(folder, config), linear, max_len=options["rope_len"])
 
         info = {"model_dir": str(folder), "emitter": graph_cache.emitter_key(linear), "options": options}
+        custom_ops = tuple(getattr(linear, "custom_op_libraries", ()))
         path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
         try:
             runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
-                              spinning=spinning, profile=profile)
+                              spinning=spinning, profile=profile, custom_ops=custom_ops)
         except Exception as e:
             if built:
                 raise
@@ -142,7 +143,7 @@ class Engine:
             graph_cache.invalidate(path)
             path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
             runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
-                              spinning=spinning, profile=profile)
+                              spinning=spinning, profile=profile, custom_ops=custom_ops)
         eng = cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
                   linear=linear, load_s=time.perf_counter() - t0)
         eng.precision = "custom" if explicit_linear else precision

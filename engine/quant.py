@@ -233,6 +233,11 @@ class QuantLinear:
         """
         return None if self.op == "rowq" else 1
 
+    @property
+    def custom_op_libraries(self) -> tuple[str, ...]:
+        """The float emitter's op libraries: linears outside ``roles`` are emitted by it."""
+        return tuple(getattr(self.inner, "custom_op_libraries", ())) if self.roles is not None else ()
+
     def cache_key(self) -> str:
         inner = getattr(self.inner, "cache_key", None)
         inner_key = inner() if callable(inner) else "dense"
@@ -657,7 +662,7 @@ def op_profile(eng, steps: int = 64, prompt_len: int = 61, verify: int = 0) -> d
     from .runtime import session_options
 
     rt = eng.runtime
-    so = session_options(rt.threads,
+    so = session_options(rt.threads, custom_ops=rt.custom_ops,
                          profile=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"spark-ort-profile-{os.getpid()}"))
     sess = ort.InferenceSession(str(eng.graph_path), so, providers=["CPUExecutionProvider"])
     binding = sess.io_binding()

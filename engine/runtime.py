@@ -39,10 +39,13 @@ def physical_cores() -> int:
 
 
 def session_options(threads: int | None = None, *, spinning: bool = False,
-                    profile: str | None = None) -> ort.SessionOptions:
+                    profile: str | None = None, custom_ops: tuple[str, ...] = ()) -> ort.SessionOptions:
     """Session options for low-latency decoding (see :class:`Runtime` for when to spin);
-    ``profile``: write ONNX Runtime's per-node profile (Chrome trace JSON) to files with this prefix."""
+    ``profile``: write ONNX Runtime's per-node profile (Chrome trace JSON) to files with this prefix;
+    ``custom_ops``: op libraries the graph needs (e.g. the wafer package's MeshLinear)."""
     so = ort.SessionOptions()
+    for lib in custom_ops:
+        so.register_custom_ops_library(str(lib))
     if profile:
         so.enable_profiling = True
         so.profile_file_prefix = str(profile)
@@ -167,19 +170,20 @@ class Runtime:
 
     def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,
                  decode_threads: int | None = None, spinning: bool | None = None,
-                 profile: str | None = None) -> None:
+                 profile: str | None = None, custom_ops: tuple[str, ...] = ()) -> None:
         self.config = config
         self.max_len = int(max_len)
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.vocab_size = config.vocab_size
         self.threads = int(threads or physical_cores())
+        self.custom_ops = tuple(custom_ops)
         self.decode_threads = min(int(decode_threads or self.threads), self.threads)
         model_path = Path(model_path)
         size = sum(p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file())
 
         def target(n: int, spin: bool) -> _Target:
-            so = session_options(n, spinning=spin, profile=profile)
+            so = session_options(n, spinning=spin, profile=profile, custom_ops=custom_ops)
             return _Target(ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]), n, spin)
 
         self.wide = target(self.threads, bool(spinning))  # long prefills

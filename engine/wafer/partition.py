@@ -42,11 +42,16 @@ import math
 import numpy as np
 
 from engine.graph import ROLES, DenseLinear
+from engine.wafer import mesh_op
 
 #: Default emulated grid: 2 x 2 is the smallest mesh on which every linear has a real
 #: reduction along its axis (qkv/gate_up/lm_head over 2 rows, o/down over 2 columns) and, by
 #: measurement, the one whose extra ops cost least (each extra mesh line adds one Gemm).
 DEFAULT_GRID = (2, 2)
+
+#: ONNX forms of a tiled linear: ``op`` — one ``spark.wafer::MeshLinear`` node (engine/wafer/mesh_op.c);
+#: ``graph`` — standard ops: ``Split`` + a ``MatMul``/``Gemm(C = partial)`` chain per mesh line.
+FORMS = ("op", "graph")
 
 #: Roles whose reduction runs over the mesh rows (input split along rows).
 ROW_REDUCE = ("qkv", "gate_up", "lm_head")
@@ -108,7 +113,14 @@ class TiledLinear:
     ``layout`` records, per emitted linear, its role, shape, grid, reduction axis and block sizes.
     """
 
-    def __init__(self, grid: tuple[int, int] | None = None, roles=None) -> None:
+    def __init__(self, grid: tuple[int, int] | None = None, roles=None, form: str | None = None) -> None:
+        if form is None:
+            form = "op" if mesh_op.library() else "graph"
+        if form not in FORMS:
+            raise ValueError(f"form: expected one of {', '.join(FORMS)}, got {form!r}")
+        if form == "op" and not mesh_op.library():
+            raise ValueError(f"form='op': the MeshLinear op is unavailable ({mesh_op.why_not()})")
+        self.form = form
         roles = ROLES if roles is None else tuple(roles)
         if not roles or any(r not in ROLES for r in roles):
             raise ValueError(f"roles: expected some of {', '.join(ROLES)}, got {roles!r}")
@@ -129,9 +141,20 @@ class TiledLinear:
         """Some linears are left whole (an ablation, see ``roles``)."""
         return set(self.roles) != set(ROLES)
 
+    @property
+    def accepts_3d(self) -> bool:
+        """The op takes [1, S, K] activations; the standard-op form's Gemm needs 2-D ones."""
+        return self.form == "op"
+
+    @property
+    def custom_op_libraries(self) -> tuple[str, ...]:
+        """Libraries the sessions running this emitter's graphs must register."""
+        return (mesh_op.library(),) if self.form == "op" else ()
+
     def cache_key(self) -> str:
-        return f"tiled-{self.grid[0]}x{self.grid[1]}-chain-v1" + ("-only-" + "-".join(sorted(self.roles))
-                                                                 if self.partial else "")
+        form = "meshop-v1" if self.form == "op" else "chain-v1"
+        return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + ("-only-" + "-".join(sorted(self.roles))
+                                                               if self.partial else "")
 
     def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str,
              bias: np.ndarray | None = None) -> str:
@@ -148,13 +171,24 @@ class TiledLinear:
         self.layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
                              "k_blocks": k_sizes, "n_blocks": n_sizes}
 
+        line = "row" if axis == "rows" else "col"
+        if self.form == "op":  # every line's GEMVs and the chain reduction in one op
+            tiles, k0 = [], 0
+            for p, kp in enumerate(k_sizes):
+                tiles.append(gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0:k0 + kp])))
+                k0 += kp
+            y = gb.node(mesh_op.OP, [x, *tiles], domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
+            if bias is not None:
+                y = gb.node("Add", [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))],
+                            name=f"{name}/bias")
+            return y
+
         # Split the input along the reduction axis: mesh line p receives x[:, K-block p].
         if len(k_sizes) > 1:
             xs = gb.node("Split", [x, gb.const_i64(k_sizes)], n_out=len(k_sizes),
                          name=f"{name}/to_mesh", axis=1)
         else:
             xs = [x]
-        line = "row" if axis == "rows" else "col"
         y = None
         k0 = 0
         for p, (xp, kp) in enumerate(zip(xs, k_sizes)):

@@ -149,7 +149,7 @@ def test_dispatcher_passes_arguments_through(capsys, monkeypatch):
 @pytest.mark.slow
 def test_profile_splits_decode_steps_per_operator(tiny_llama, capsys):
     """`bench profile`: every decode step is profiled (prefill runs left out), per operator; the
-    partitioned graph shows its mesh ops (Gemm reductions, Splits) and the peer its own graph."""
+    partitioned graph shows its mesh op (MeshLinear, one per linear) and the peer its own graph."""
     rc, out, err = cli(["profile", "--model", str(tiny_llama), "--json", "--tokens", "6", "--rounds", "2"], capsys)
     assert rc == 0, err
     res = json.loads(out)
@@ -158,7 +158,8 @@ def test_profile_splits_decode_steps_per_operator(tiny_llama, capsys):
         assert r["steps"] == 2 * 5  # 6 tokens: 1 from the prefill, 5 decode steps, per round
         assert r["step_us"] >= r["kernel_us"] > 0
         assert abs(sum(o["us_per_step"] for o in r["ops"].values()) - r["kernel_us"]) < 0.01 * r["kernel_us"] + 1
-    assert "Gemm" in tiled["ops"] and "Gemm" not in dense["ops"] and tiled["nodes"] > dense["nodes"]
+    assert "MeshLinear" in tiled["ops"] and "MatMul" not in tiled["ops"] and "MeshLinear" not in dense["ops"]
+    assert tiled["ops"]["MeshLinear"]["nodes"] == dense["ops"]["MatMul"]["nodes"]
     genai = res["runners"]["onnxruntime-genai"]
     assert "skipped" not in genai, genai
     assert genai["steps"] == 2 * 5 and "MatMul" in genai["ops"]

@@ -11,7 +11,8 @@ from onnx import TensorProto
 
 from engine import Engine, GenerationParams
 from engine.graph import GraphBuilder
-from engine.wafer.partition import (DEFAULT_GRID, ROW_REDUCE, TiledLinear, block_sizes, parse_grid,
+from engine.runtime import session_options
+from engine.wafer.partition import (DEFAULT_GRID, FORMS, ROW_REDUCE, TiledLinear, block_sizes, parse_grid,
                                     pe_tiles)
 
 
@@ -54,33 +55,41 @@ def test_bad_grid_and_role_rejected():
         TiledLinear((2, 2)).emit(GraphBuilder(), "x", np.zeros((4, 4), np.float32), name="l", role="embed")
 
 
-def _run_linear(role, grid, K, N, T, bias):
+def _run_linear(role, grid, K, N, T, bias, form="graph"):
     rng = np.random.default_rng(K * N + T)
     w = rng.standard_normal((K, N)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32) if bias else None
     x = rng.standard_normal((T, K)).astype(np.float32)
     gb = GraphBuilder()
     xi = gb.input("x", TensorProto.FLOAT, ["T", K])
-    lin = TiledLinear(grid)
+    lin = TiledLinear(grid, form=form)
     y = lin.emit(gb, xi, w, name="lin", role=role, bias=b)
     gb.output(y, "y", TensorProto.FLOAT, ["T", N])
-    sess = ort.InferenceSession(gb.to_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(gb.to_model().SerializeToString(), session_options(1, custom_ops=lin.custom_op_libraries),
+                                providers=["CPUExecutionProvider"])
     out = sess.run(None, {"x": x})[0]
     ref = x @ w + (b if bias else 0)
     return out, ref, lin, gb
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("role", ["qkv", "o", "gate_up", "down", "lm_head"])
 @pytest.mark.parametrize("grid", [(2, 2), (3, 5), (1, 4), (7, 3)])
-def test_single_linear_matches_matmul(role, grid):
-    out, ref, lin, gb = _run_linear(role, grid, K=37, N=29, T=3, bias=role == "qkv")
+def test_single_linear_matches_matmul(role, grid, form):
+    out, ref, lin, gb = _run_linear(role, grid, K=37, N=29, T=3, bias=role == "qkv", form=form)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-5)
     info = lin.layout["lin"]
     parts = grid[0] if role in ROW_REDUCE else grid[1]
     assert info["k_blocks"] == block_sizes(37, parts)
-    # The reduction is explicit: one GEMV per mesh line along the reduction axis, chained.
+    # The reduction is explicit: one GEMV per mesh line along the reduction axis, chained — as
+    # graph nodes, or as the MeshLinear op over one tile initializer per mesh line.
     ops = [n.op_type for n in gb.nodes]
-    assert ops.count("MatMul") == 1 and ops.count("Gemm") == len(info["k_blocks"]) - 1
+    if form == "graph":
+        assert ops.count("MatMul") == 1 and ops.count("Gemm") == len(info["k_blocks"]) - 1
+    else:
+        (node,) = [n for n in gb.nodes if n.op_type == "MeshLinear"]
+        assert node.domain == "spark.wafer" and len(node.input) == 1 + len(info["k_blocks"])
+        assert "MatMul" not in ops and "Gemm" not in ops
     assert sum(t.dims[0] for t in gb.initializers if t.name.startswith("lin.")
                and t.name != "lin.bias") == 37
 
@@ -96,15 +105,22 @@ def dense_engines(tiny_models, tmp_path_factory):
     return {a: Engine.load(p, wafer=False, cache_dir=cache, threads=1) for a, p in tiny_models.items()}
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("arch,grid", [("llama", (2, 2)), ("qwen2", (3, 5)), ("mistral", (4, 4)),
                                        ("qwen2", (1, 3)), ("llama", (5, 2)), ("mistral", None)])
-def test_partitioned_engine_equals_dense(arch, grid, tiny_models, dense_engines, tmp_path_factory):
+def test_partitioned_engine_equals_dense(arch, grid, form, tiny_models, dense_engines, tmp_path_factory):
     dense = dense_engines[arch]
-    eng = Engine.load(tiny_models[arch], wafer=True, grid=grid,
-                      cache_dir=tmp_path_factory.getbasetemp() / "graph_cache", threads=1)
+    lin = TiledLinear(grid, form=form)
+    eng = Engine.load(tiny_models[arch], linear=lin, cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
+                      threads=1)
     assert eng.linear.grid == (grid or DEFAULT_GRID)
     graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
-    assert sum(n.op_type == "Gemm" and n.name.endswith("_gemv_reduce") for n in graph.node) >= 5
+    linears = 4 * dense.config.num_hidden_layers + 1
+    if form == "graph":
+        assert sum(n.op_type == "Gemm" and n.name.endswith("_gemv_reduce") for n in graph.node) >= 5
+    else:
+        assert sum(n.op_type == "MeshLinear" for n in graph.node) == linears
+        assert not any(n.op_type in ("MatMul", "Gemm") for n in graph.node)
     ids = np.random.default_rng(7).integers(0, dense.sample_vocab, 24).tolist()
     np.testing.assert_allclose(eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0)
     params = GenerationParams(max_new_tokens=16, ignore_eos=True)
@@ -113,13 +129,15 @@ def test_partitioned_engine_equals_dense(arch, grid, tiny_models, dense_engines,
     assert a.tokens == b.tokens
 
 
-def test_tiling_only_some_linears(tiny_models, dense_engines, tmp_path_factory):
+@pytest.mark.parametrize("form", FORMS)
+def test_tiling_only_some_linears(form, tiny_models, dense_engines, tmp_path_factory):
     """`bench wafer --tile`: the named linears are tiled, the others stay one MatMul; same logits."""
     dense = dense_engines["qwen2"]
-    eng = Engine.load(tiny_models["qwen2"], linear=TiledLinear((2, 2), roles=["lm_head"]),
+    eng = Engine.load(tiny_models["qwen2"], linear=TiledLinear((2, 2), roles=["lm_head"], form=form),
                       cache_dir=tmp_path_factory.getbasetemp() / "graph_cache", threads=1)
     graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
-    reduced = {n.name.split("/")[0] for n in graph.node if n.name.endswith("_gemv_reduce")}
+    reduced = {n.name.split("/")[0] for n in graph.node
+               if n.name.endswith("_gemv_reduce") or n.op_type == "MeshLinear"}
     assert reduced == {"lm_head"}
     ids = np.random.default_rng(3).integers(0, dense.sample_vocab, 16).tolist()
     np.testing.assert_allclose(eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0)
