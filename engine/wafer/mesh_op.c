@@ -126,6 +126,9 @@ static inline v16 bc(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s,
 
 #define MAX_LINES 256
 #define NR 64 /* columns per panel: four 16-float vectors */
+#ifndef MAXR
+#define MAXR 6
+#endif
 
 /* One mesh line's tiles, packed once when the session loads: panel q holds columns
    [q*NR, q*NR+NR) of every row, rows contiguous ([panels][rows][NR], zero-padded past N), so a
@@ -179,7 +182,7 @@ static inline __attribute__((always_inline)) void panel(const Job* j, const floa
   for (size_t p = 0; p < t->lines; p++) {
     const size_t rows = t->rows[p];
     const float* w = t->packed[p] + q * rows * NR;
-    v16 part[4][4], odd[4];
+    v16 part[MAXR][4], odd[4];
     for (int r = 0; r < MR; r++)
       for (int c = 0; c < 4; c++) part[r][c] = bc(0);
     for (int c = 0; c < 4; c++) odd[c] = bc(0);
@@ -214,6 +217,7 @@ static void task(void* data, size_t i) {
   const size_t K = j->t->K, N = j->t->N;
   for (size_t q = q0; q < q1; q++) {
     size_t m = 0;
+    for (; m + MAXR <= j->M; m += MAXR) panel(j, j->x + m * K, j->y + m * N, q, MAXR);
     for (; m + 4 <= j->M; m += 4) panel(j, j->x + m * K, j->y + m * N, q, 4);
     for (; m < j->M; m++) panel(j, j->x + m * K, j->y + m * N, q, 1);
   }
