@@ -53,11 +53,13 @@ local function client()
   return vim.lsp.get_clients({ name = 'spark', bufnr = 0 })[1]
 end
 
-local function sync_request(method, params, timeout_ms)
+-- (`buf`: a real buffer number makes Client:request() first send that buffer's pending didChange;
+-- Neovim's flush skips them for 0)
+local function sync_request(method, params, timeout_ms, buf)
   local done, res, e
   client():request(method, params, function(err, result)
     done, res, e = true, result, err
-  end, 0)
+  end, buf or 0)
   wait_for(function() return done end, timeout_ms or 10000)
   return res, e
 end
@@ -107,8 +109,7 @@ end
 
 local SAMPLE_TEXT
 
--- A longer function for the streaming steps: rewriting it takes a few hundred tokens, so the edit is
--- still streaming when the user types (or cancels).
+-- A longer function for the streaming steps (the region the live edit rewrites).
 local function long_doc()
   local lines = vim.split(SAMPLE_TEXT, '\n', { plain = true })
   local first = #lines + 2
@@ -120,26 +121,94 @@ local function long_doc()
   return lines, first, first + 26
 end
 
+-- workspace/applyEdit as Neovim handles it, except that while `hold` is set the reply to the first
+-- edit the server streams is held back (the edit is applied first) until the step has done what
+-- the user does and the server has seen it. The server waits for that reply before it writes
+-- anything more, so the user's action lands while the edit is in flight however fast the model
+-- finishes (tests/server/test_lsp.py types at the same moment, from its client's applyEdit).
+-- Neovim runs a server request's handler in a coroutine and replies when the handler returns.
+local hold
+local default_apply_edit = vim.lsp.handlers['workspace/applyEdit']
+vim.lsp.handlers['workspace/applyEdit'] = function(err, params, ctx)
+  local reply = default_apply_edit(err, params, ctx)
+  local h = hold
+  if h and not h.co then
+    hold = nil
+    h.reply = reply
+    h.co = coroutine.running()
+    if h.co then
+      coroutine.yield()
+    end
+  end
+  return reply
+end
+
 -- Rewrites `def table` in a fresh long_doc() (a random test model's text can hold \x1c-\x1e or \f,
 -- which pygls, not the LSP spec, counts as line breaks, so each attempt starts from the clean
--- sample), runs `interrupt()` as soon as the first streamed edit lands, waits for the edit to end
--- and returns what the attempt showed.
+-- sample). Once the first streamed edit is applied, with its reply held (see `hold`), runs
+-- `interrupt()` (the user's action), then a request round trip: Client:request() sends the
+-- buffer's pending didChange first and the server handles messages in order, so when the reply
+-- comes the server has seen the action. Then lets the reply go, waits for the edit to end and
+-- returns what the attempt showed.
 local function interrupted_edit(interrupt)
   local doc, l1, l2 = long_doc()
   vim.api.nvim_buf_set_lines(0, 0, -1, false, doc)
   sleep(200)
+  local buf = vim.api.nvim_get_current_buf()
   local result, done = nil, false
-  local tick0 = vim.api.nvim_buf_get_changedtick(0)
+  local h = {}
+  hold = h
   spark.edit('rewrite this in a different style', l1, l2, false, function(err, res)
     result, done = err or res, true
   end)
-  local streamed = wait_for(function() return vim.api.nvim_buf_get_changedtick(0) ~= tick0 end, 15000, 1)
-  interrupt()
+  wait_for(function() return h.co ~= nil or done end, 15000, 1)
+  hold = nil
+  local a = { doc = doc, l1 = l1, l2 = l2, held = h.co ~= nil,
+    first_applied = type(h.reply) == 'table' and h.reply.applied == true }
+  if a.held then
+    local ok_i, err_i = pcall(interrupt)
+    if not ok_i then
+      a.interrupt_error = tostring(err_i)
+    end
+    local seen = sync_request('workspace/executeCommand', { command = 'spark.status', arguments = {} }, 10000, buf)
+    a.server_saw_it = ok_i and seen ~= nil
+    local ok_r, err_r = coroutine.resume(h.co)
+    if not ok_r then
+      a.reply_error = tostring(err_r)
+    end
+  end
   wait_for(function() return done end, 20000)
   local tick_done = vim.api.nvim_buf_get_changedtick(0)
   sleep(300)
-  return { streamed = streamed ~= nil, result = result,
-    quiet_after = vim.api.nvim_buf_get_changedtick(0) == tick_done }
+  a.result = result
+  a.quiet_after = vim.api.nvim_buf_get_changedtick(0) == tick_done
+  return a
+end
+
+--- Whether the buffer is the attempt's document with `first_line` as its line 1 and the lines
+--- around the edited region untouched, the region changed by what was streamed.
+local function consistent(a, first_line)
+  local now = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  local doc, l1, l2 = a.doc, a.l1, a.l2
+  if now[1] ~= first_line then
+    return false, 'line 1: ' .. tostring(now[1])
+  end
+  for i = 2, l1 - 1 do
+    if now[i] ~= doc[i] then
+      return false, string.format('line %d before the region: %s', i, tostring(now[i]))
+    end
+  end
+  local tail = #doc - l2 -- lines after the region
+  for k = 0, tail - 1 do
+    if now[#now - k] ~= doc[#doc - k] then
+      return false, string.format('line %d after the region: %s', #now - k, tostring(now[#now - k]))
+    end
+  end
+  local region = table.concat(vim.list_slice(now, l1, #now - tail), '\n')
+  if region == table.concat(vim.list_slice(doc, l1, l2), '\n') then
+    return false, 'the region shows nothing of the streamed edit'
+  end
+  return true
 end
 
 local function scenario()
@@ -270,47 +339,53 @@ local function scenario()
     and (lines[5] or ''):match('^%s+"""') ~= nil, { titles = titles, lines = { unpack(lines, 3, 8) } })
 
   -- 5. A live edit stops when the user types -----------------------------------------------------
-  -- The user types as soon as the first streamed edit lands. A small test model can finish the
-  -- whole edit before the keystroke reaches the server; such an attempt proves nothing, so it is
-  -- retried (up to 5 times) and the attempts are reported.
+  -- The user types (on line 1, outside the region being written) once the first streamed edit is
+  -- applied, and the server sees the keystroke before it can write anything more (interrupted_edit),
+  -- so the edit is stopped in flight however fast the model is. Only an edit whose first streamed
+  -- write was already the whole edit (a model that finished within one flush interval) proves
+  -- nothing: that attempt is retried (up to 5 times) and reported.
   spark.configure({ maxEditTokens = 400, liveEditHz = 200 })
   sleep(100)
   local attempts = {}
   local ok_live = false
   for attempt = 1, 5 do
     local marker = '# typed by the user ' .. attempt
-    -- the user types on line 1, outside the region being written
     local a = interrupted_edit(function()
       vim.api.nvim_win_set_cursor(0, { 1, 0 })
       vim.api.nvim_input('I' .. marker .. '<Esc>')
+      -- the keys are typed once Neovim reads its input: wait for them to be in the buffer
+      assert(wait_for(function() return buf_text():find(marker, 1, true) ~= nil end, 5000, 1),
+        'the typed text did not reach the buffer')
     end)
     local result = a.result
     a.typed_kept = buf_text():find(marker, 1, true) ~= nil
+    a.consistent, a.inconsistency = consistent(a, marker .. a.doc[1])
+    a.doc = nil
     table.insert(attempts, a)
-    if type(result) == 'table' and result.outcome == 'stopped by the user' then
-      ok_live = a.streamed and a.quiet_after and a.typed_kept
+    local stopped = type(result) == 'table' and result.outcome == 'stopped by the user'
+    if not (stopped and result.complete == true) then
+      ok_live = stopped and result.complete == false and a.held and a.first_applied and a.server_saw_it
+        and a.quiet_after and a.typed_kept and a.consistent
       break
-    end
-    if not (type(result) == 'table' and result.outcome == 'done') then
-      break -- an error or another outcome: report it, do not retry
     end
   end
   record('live_edit_stops_on_typing', ok_live, attempts)
 
-  -- 5b. :SparkCancel stops a streaming edit (same retry rule as above).
+  -- 5b. :SparkCancel stops a streaming edit, given the same way while the first streamed write
+  -- waits for its reply. The server stops the generation; one that had already finished when the
+  -- cancel came is still written in full ('done': that attempt is retried, up to 5 times).
   local cancel_attempts = {}
   local ok_cancel = false
   for _ = 1, 5 do
     local a = interrupted_edit(function() vim.cmd('SparkCancel') end)
     local result = a.result
+    a.consistent, a.inconsistency = consistent(a, a.doc[1])
+    a.doc = nil
     table.insert(cancel_attempts, a)
     local outcome = type(result) == 'table' and result.outcome or nil
-    if outcome and outcome ~= 'done' then
-      ok_cancel = a.streamed and a.quiet_after and result.complete == false
-        and outcome:match('cancel') ~= nil
-      break
-    end
     if outcome ~= 'done' then
+      ok_cancel = outcome ~= nil and a.held and a.first_applied and a.server_saw_it and a.quiet_after
+        and a.consistent and result.complete == false and outcome:match('cancel') ~= nil
       break
     end
   end
