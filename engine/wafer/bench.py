@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile", default=None, metavar="ROLES",
                    help="tile only these linears (comma-separated of qkv,o,gate_up,down,lm_head; the rest stay "
                         "plain MatMuls): what each part of the partitioning costs (default: all)")
+    p.add_argument("--form", default=None, choices=("op", "graph"),
+                   help="ONNX form of the partitioned linears: op (the MeshLinear op, the default where it "
+                        "builds) or graph (standard ops: Split + chained Gemm per mesh line)")
     p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -75,7 +78,8 @@ def bench_wafer(args, log=print) -> dict:
     dense = Engine.load(model, wafer=False, threads=args.threads, spinning=spinning)
     tile = getattr(args, "tile", None)
     roles = [r.strip() for r in tile.split(",") if r.strip()] if tile else None
-    tiled = Engine.load(model, linear=TiledLinear(grid, roles=roles), threads=args.threads, spinning=spinning)
+    tiled = Engine.load(model, linear=TiledLinear(grid, roles=roles, form=getattr(args, "form", None)),
+                        threads=args.threads, spinning=spinning)
     log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s (dense, and tiled over {grid[0]}x{grid[1]})")
     vocab = dense.sample_vocab
     prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]
@@ -111,6 +115,7 @@ def bench_wafer(args, log=print) -> dict:
     return {
         "model": str(model),
         "grid": f"{grid[0]}x{grid[1]}",
+        "form": tiled.linear.form,
         "tiled_roles": list(tiled.linear.roles),
         "threads": dense.runtime.threads,
         "tokens_per_round": args.tokens,
@@ -143,7 +148,7 @@ def format_result(res: dict) -> str:
     p = res["projection"]
     partial = set(res["tiled_roles"]) != set(ROLES)
     return "\n".join([
-        f"partitioned execution ({res['grid']} emulated grid"
+        f"partitioned execution ({res['grid']} emulated grid, {res.get('form', 'graph')} form"
         f"{', tiled: ' + ','.join(res['tiled_roles']) if partial else ''}) vs dense, {res['model']}, "
         f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
         f"  {'':24}{'dense':>12}{'partitioned':>14}{'ratio':>8}",
@@ -171,7 +176,7 @@ def run(args, plot=None) -> int:
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:
         res = bench_wafer(args, log)
-    except (ModelError, ChipError, PlacementError, ValueError) as e:
+    except (ModelError, ChipError, PlacementError, ValueError) as e:  # incl. --form op where it cannot build
         print(f"spark-lsp bench wafer: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=2) if args.json else format_result(res))

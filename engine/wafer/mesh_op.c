@@ -9,9 +9,10 @@
  * chain, in one kernel launch instead of 2L+1 ONNX nodes (on a small model the per-node cost of
  * ONNX Runtime, not the arithmetic, is what partitioning costs).
  *
- * Columns are cut into tasks run on ONNX Runtime's intra-op thread pool.  Inside a task the loop
- * is k-outer, columns-inner: every weight row segment is read once and contiguously per block of
- * up to four token rows, which keeps the hardware prefetchers streaming on wide weights.
+ * Each line's tiles are packed once, when the session loads, into 64-column panels stored row
+ * after row, so a GEMV streams every panel front to back (what MLAS's pre-packing does for its
+ * own MatMul); panels are cut into tasks run on ONNX Runtime's intra-op thread pool, and token
+ * rows go through in blocks of six (prefill, speculative verification) or one (decode).
  *
  * No ONNX Runtime header is needed: the C API is an append-only table of function pointers
  * whose slots never move, so the few entries used are called by slot number (below).  Built on

@@ -15,24 +15,27 @@ PE ``(i, j)`` holding one block, and computed the MeshGEMV way:
 Q, K and V are one fused weight, as are gate and up, so they share one reduction.  Uneven
 splits give the last PEs smaller blocks (exact sizes, no padding).
 
-ONNX form, chosen by measurement (``spark-lsp bench wafer``; see README "wafer"): for each
-*mesh line* along the reduction axis one ``[K/R, N]`` initializer holds that line's tiles side
-by side (column block j is PE (i, j)'s tile: splitting a GEMV's output columns needs no
-communication, so adjacent storage changes nothing numerically).  The input is ``Split`` over
-the reduction axis, line 0 computes its partial with ``MatMul`` and every next line adds its
-own partial product to the running sum with ``Gemm(x_i, W_i, C=partial)`` — an explicit chain
-(systolic) reduction along the mesh axis.  Every weight stays a 2-D constant, which ONNX
-Runtime pre-packs; the "one batched MatMul over a [R, C, K/R, N/C] tile tensor + ReduceSum"
-alternative decoded at ~0.55-0.6x dense speed because ORT does not pre-pack 3-D weights, and
-per-PE MatMul nodes + Sum + Concat at ~0.65x.  What remains depends on the threads (``perf``
-sampling).  With one, it is the GEMV kernel: a packed MLAS GEMV with K/R < 256 rows streams its
-weights from L3 slower per byte than one full-K pass (23-28% more time in MLAS's SGEMM kernel for
-the same tokens).  With two (this machine's default) the kernels take the same time as dense, and
-the cost is the graph's ~2x nodes (a Split and a second GEMV per linear, the 2-D form's reshapes
-around attention): executor, allocation and thread-pool hand-off, on the critical path.  Models
-with hidden size 256 pay ~20-30% for the split, models from 512 up do not (the chain then
-accumulates exactly like MLAS's own K loop).  README "wafer" lists the other forms
-measured.
+Two ONNX forms of the same tiling (``form=``).  In both, each *mesh line* along the reduction
+axis holds its tiles in one ``[K/R, N]`` initializer, side by side (column block j is PE (i, j)'s
+tile: splitting a GEMV's output columns needs no communication, so adjacent storage changes
+nothing numerically), and line p's partial products are added to the partial sum arriving from
+line p-1 — an explicit chain (systolic) reduction along the mesh axis.
+
+* ``op`` (the default where it builds): one ``spark.wafer::MeshLinear`` node per linear over the
+  lines' tile initializers (``mesh_op.c``, compiled on first use, see :mod:`.mesh_op`).  Each
+  line computes its partial products in registers and reduces them into the output in line
+  order.  A decode step has as many nodes as the dense graph, so partitioning costs nothing
+  measurable.
+* ``graph`` (standard ONNX ops, the fallback without a C compiler): the input is ``Split`` over
+  the reduction axis, line 0 runs ``MatMul`` and every next line ``Gemm(x_p, W_p, C=partial)``.
+  On a hidden-256 model this costs ~20-30% of decode speed with two threads.  The cost is not the
+  arithmetic: it is the graph's ~2x nodes (a ``Split`` and a second GEMV per linear, reshapes
+  around attention), each paying the executor, allocation and thread-pool hand-off (``perf``,
+  session 7).  With one thread, MLAS's packed GEMV is also slower on K/R < 256 rows.  Models
+  from hidden size 512 up pay nothing in either form.
+
+README "wafer" lists the other forms measured (batched ``MatMul`` over 3-D tiles + ``ReduceSum``,
+per-PE nodes, masked lines, grouped ``Conv``, ...) and why each was not kept.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from engine.wafer import mesh_op
 
 #: Default emulated grid: 2 x 2 is the smallest mesh on which every linear has a real
 #: reduction along its axis (qkv/gate_up/lm_head over 2 rows, o/down over 2 columns) and, by
-#: measurement, the one whose extra ops cost least (each extra mesh line adds one Gemm).
+#: measurement, the one whose extra ops cost least in the ``graph`` form (each extra mesh line
+#: adds one Gemm there; in the ``op`` form it adds one pass over shorter tiles).
 DEFAULT_GRID = (2, 2)
 
 #: ONNX forms of a tiled linear: ``op`` — one ``spark.wafer::MeshLinear`` node (engine/wafer/mesh_op.c);
@@ -108,7 +112,8 @@ class TiledLinear:
     """Linear emitter that stores weights as per-PE tiles and reduces explicitly over the mesh.
 
     ``grid`` is the emulated execution grid (R rows x C columns of PEs per weight); ``None``
-    picks :data:`DEFAULT_GRID`.  ``roles`` limits the tiling to some linears (the others stay one
+    picks :data:`DEFAULT_GRID`.  ``form`` is one of :data:`FORMS`; ``None`` picks ``op`` where
+    the MeshLinear op builds, else ``graph`` (``op`` where it cannot build is a ValueError).  ``roles`` limits the tiling to some linears (the others stay one
     plain ``MatMul``): to measure what each costs (``spark-lsp bench wafer --tile``), not to run.
     ``layout`` records, per emitted linear, its role, shape, grid, reduction axis and block sizes.
     """

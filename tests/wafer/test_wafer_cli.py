@@ -95,7 +95,7 @@ def test_bench_wafer_reports_both_speeds(tiny_qwen2, capsys):
                      "--grid", "3x5", "--threads", "1", "--json"])
     assert rc == 0
     o = json.loads(capsys.readouterr().out)
-    assert o["greedy_tokens_identical"] is True and o["grid"] == "3x5"
+    assert o["greedy_tokens_identical"] is True and o["grid"] == "3x5" and o["form"] == "op"
     assert o["dense_decode_tok_s"] > 0 and o["partitioned_decode_tok_s"] > 0 and o["ratio_of_medians"] > 0
     assert o["projection"]["decode_tok_s"] > 0
 
@@ -143,6 +143,16 @@ def test_bench_wafer_bad_args(capsys):
     assert "--rounds" in capsys.readouterr().err
     assert bench.main(["--tile", "attention", "--rounds", "1", "--tokens", "1"]) == 2
     assert "roles" in capsys.readouterr().err
+
+
+def test_bench_wafer_standard_op_form(tiny_qwen2, capsys):
+    """--form graph measures the standard-op form (Split + chained Gemm) against dense."""
+    from engine.wafer import bench
+
+    assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
+                       "--threads", "1", "--form", "graph", "--json"]) == 0
+    o = json.loads(capsys.readouterr().out)
+    assert o["form"] == "graph" and o["greedy_tokens_identical"] is True
 
 
 def test_bench_wafer_tiles_only_what_it_is_told(tiny_qwen2, capsys):
