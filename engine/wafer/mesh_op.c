@@ -18,6 +18,7 @@
  * whose slots never move, so the few entries used are called by slot number (below).  Built on
  * first use by engine/wafer/mesh_op.py with the system C compiler.
  */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -414,17 +415,25 @@ static const OrtCustomOp mesh_linear = {
     .KernelComputeV2 = compute,
 };
 
-static OrtCustomOpDomain* domain; /* must outlive every session that uses it: kept for the process */
+/* One domain for the process (it must outlive every session that uses it), made once even when
+   sessions are created on several threads. */
+static OrtCustomOpDomain* domain;
+static OrtStatus* domain_error;
+static const OrtApiBase* api_base;
+static pthread_once_t domain_once = PTHREAD_ONCE_INIT;
+
+static void make_domain(void) {
+  api = api_base->GetApi(API_VERSION);
+  if (!api) return;
+  domain_error = CALL(CreateCustomOpDomain, CreateCustomOpDomainFn)("spark.wafer", &domain);
+  if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear);
+}
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                    const OrtApiBase* base) {
-  if (!api) api = base->GetApi(API_VERSION);
-  if (!api) return NULL; /* older than 1.20: cannot happen with the pinned minimum; the Python side checks */
-  if (!domain) TRY(CALL(CreateCustomOpDomain, CreateCustomOpDomainFn)("spark.wafer", &domain));
-  static int added;
-  if (!added) {
-    TRY(CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear));
-    added = 1;
-  }
+  api_base = base;
+  pthread_once(&domain_once, make_domain);
+  if (!api) return NULL; /* older than 1.20: mesh_op.py never loads it there */
+  if (domain_error) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: could not register spark.wafer");
   return CALL(AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);
 }

@@ -6,7 +6,7 @@ system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for this CPU (``-marc
 the spark-lsp cache (``$SPARK_LSP_CACHE/ops``, else ``~/.cache/spark-lsp/ops``), keyed by the
 source, compiler and CPU, and loaded into sessions with ``SessionOptions.register_custom_ops_library``.
 Like the graph cache, a build is written to a temporary name and renamed, so concurrent servers
-never load half a file.
+never load half a file; each process checks the library on one small linear before using it.
 
 Where it cannot be built (no compiler, an ONNX Runtime older than the op needs, or
 ``SPARK_LSP_MESH_OP=0``), :func:`library` returns ``None`` with the reason in :func:`why_not`,
@@ -33,7 +33,7 @@ DOMAIN = "spark.wafer"
 OP = "MeshLinear"
 #: The C API table version the op is compiled against (its slots exist from this release on).
 MIN_ORT = (1, 20)
-FLAGS = ("-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-std=gnu11")
+FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-std=gnu11")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -92,6 +92,32 @@ def _build(cc: str, out: Path) -> None:
     raise RuntimeError("; ".join(errors))
 
 
+def _self_test(path: str) -> None:
+    """Load the library into a session and check one uneven, multi-row linear against numpy, so a
+    broken build (compiler, ABI) falls back to the standard-op form instead of failing a load."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((70, 130)).astype(np.float32)
+    x = rng.standard_normal((7, 70)).astype(np.float32)
+    tiles = [numpy_helper.from_array(np.ascontiguousarray(w[:36]), "w0"),
+             numpy_helper.from_array(np.ascontiguousarray(w[36:]), "w1")]
+    graph = helper.make_graph([helper.make_node(OP, ["x", "w0", "w1"], ["y"], domain=DOMAIN)], "self_test",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [7, 70])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [7, 130])], tiles)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.register_custom_ops_library(path)
+    y = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    err = float(np.abs(y - x @ w).max())
+    if not err < 1e-3:
+        raise RuntimeError(f"self-test: max error {err:g} against numpy")
+
+
 def library() -> str | None:
     """Path of the compiled op library (built on first call), or ``None`` (see :func:`why_not`)."""
     with _lock:
@@ -116,8 +142,9 @@ def library() -> str | None:
                 if not out.exists():
                     log.info("compiling %s -> %s", SOURCE.name, out)
                     _build(cc, out)
+                _self_test(str(out))
                 path = str(out)
-        except Exception as e:  # any build failure: fall back to the standard-op form
+        except Exception as e:  # a failed build or self-test: fall back to the standard-op form
             reason = f"build failed: {e}"
         if reason:
             log.warning("MeshLinear op unavailable (%s); partitioned linears use standard ONNX ops", reason)

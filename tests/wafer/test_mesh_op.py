@@ -99,7 +99,8 @@ def test_emitter_stores_one_tile_initializer_per_mesh_line():
 
 
 def test_fallback_when_the_op_cannot_be_built(monkeypatch, tmp_path, tiny_models):
-    """No compiler / disabled / a failing build: the engine still runs, on the standard-op form."""
+    """No compiler / disabled / a failing build or self-test: the engine still runs, on the
+    standard-op form."""
     try:
         monkeypatch.setenv("SPARK_LSP_MESH_OP", "0")
         mesh_op.reset()
@@ -115,6 +116,11 @@ def test_fallback_when_the_op_cannot_be_built(monkeypatch, tmp_path, tiny_models
         monkeypatch.setattr(mesh_op, "_compiler", lambda: None)
         mesh_op.reset()
         assert mesh_op.library() is None and "no C compiler" in mesh_op.why_not()
+
+        monkeypatch.undo()
+        monkeypatch.setattr(mesh_op, "_self_test", lambda path: (_ for _ in ()).throw(RuntimeError("self-test: max error 9")))
+        mesh_op.reset()
+        assert mesh_op.library() is None and "self-test: max error 9" in mesh_op.why_not()
 
         monkeypatch.undo()
         bad = tmp_path / "bad.c"
