@@ -118,7 +118,10 @@ def test_fallback_when_the_op_cannot_be_built(monkeypatch, tmp_path, tiny_models
         assert mesh_op.library() is None and "no C compiler" in mesh_op.why_not()
 
         monkeypatch.undo()
-        monkeypatch.setattr(mesh_op, "_self_test", lambda path: (_ for _ in ()).throw(RuntimeError("self-test: max error 9")))
+        def broken(path):
+            raise RuntimeError("self-test: max error 9")
+
+        monkeypatch.setattr(mesh_op, "_self_test", broken)
         mesh_op.reset()
         assert mesh_op.library() is None and "self-test: max error 9" in mesh_op.why_not()
 
