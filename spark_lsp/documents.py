@@ -25,6 +25,27 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
+_EOL_RE = re.compile(r"\r\n|\r|\n")
+
+
+def line_ending(text: str, default: str = "\n") -> str:
+    """The line break `text` uses: the most common of "\\n", "\\r\\n" and "\\r" (a tie goes to
+    "\\n", then "\\r\\n"); `default` when it has none. Editors keep one per document."""
+    crlf = text.count("\r\n")
+    lf, cr = text.count("\n") - crlf, text.count("\r") - crlf
+    if not (lf or crlf or cr):
+        return default
+    return max((lf, "\n"), (crlf, "\r\n"), (cr, "\r"), key=lambda c: c[0])[1]
+
+
+def normalize_eol(text: str, eol: str = "\n") -> str:
+    """`text` with every line break ("\\r\\n", "\\r" or "\\n") made `eol`, as editors convert the text
+    an edit inserts to the document's line ending (VS Code to its EOL setting, Neovim to its lines)."""
+    if "\r" not in text and (eol == "\n" or "\n" not in text):
+        return text
+    return _EOL_RE.sub(eol, text)
+
+
 def lsp_lines(text: str) -> list[str]:
     """Lines of `text` with their endings kept, as str.splitlines(True) gives them but breaking only
     at LSP line ends ("\\n", "\\r\\n", "\\r"); no trailing empty line."""
@@ -152,6 +173,8 @@ def minimal_edit(old: str, new: str, base: int = 0) -> Edit | None:
     # Never split a "\r\n" pair or a surrogate-sensitive boundary across the edit.
     while p > 0 and old[p - 1] == "\r" and p < len(old) and old[p] == "\n":
         p -= 1
+    while s > 0 and old[len(old) - s] == "\n" and len(old) - s > p and old[len(old) - s - 1] == "\r":
+        s -= 1  # (an LSP range cannot end between the two either: it would take the whole break)
     return Edit(base + p, base + len(old) - s, new[p:len(new) - s])
 
 

@@ -5,8 +5,15 @@ A session owns one region of one document. Each flush turns "what the region sho
 overwrite the original lines one by one (the rest of the original stays below until the final
 flush), so an interrupted rewrite leaves valid text and what was written stays.
 
-Our own edits come back as `didChange`; they are recognised by the document text they produce.
-Any other change to the document is the user's, and stops the session within one decode step.
+Generated text is written with the document's own line ending (a CRLF document stays CRLF), as
+editors convert the text an edit inserts anyway (VS Code to the document's EOL, Neovim to its lines):
+the text our edit produces in the client is then the text we expect.
+
+Our own edits come back as `didChange`; they are recognised by the document text they produce
+(compared exactly, else modulo line endings, in case a client converts them in a way not foreseen).
+Any other change to the document is the user's, and stops the session within one decode step. A
+cancel (`spark.cancel`, the progress's cancel button) stops it too: no edit is sent after it, not
+even the final one when the generation had already finished.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable
 
-from .documents import Pos, advance, minimal_edit, split_lines
+from .documents import Pos, advance, line_ending, minimal_edit, normalize_eol, split_lines
 
 
 @dataclass
@@ -25,9 +32,11 @@ class RangeEdit:
     new_text: str
 
 
-def frame(original: str, generated: str, final: bool) -> str:
+def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
     """What the region shows mid-stream: the generated text, then the original lines it has not
-    overwritten yet (a partial last line overwrites its original line too)."""
+    overwritten yet (a partial last line overwrites its original line too). The generated text's
+    line breaks become `eol`, the document's line ending."""
+    generated = normalize_eol(generated, eol)
     if final:
         return generated
     gen_lines = split_lines(generated)
@@ -36,7 +45,7 @@ def frame(original: str, generated: str, final: bool) -> str:
     covered = len(gen_lines) - (1 if gen_lines[-1] == "" else 0)
     rest = "".join(orig_lines[covered:])
     if rest and not generated.endswith(("\n", "\r")) and generated:
-        return generated + "\n" + rest
+        return generated + eol + rest
     return generated + rest
 
 
@@ -53,12 +62,30 @@ class LiveEdit:
         self.region_start = start
         self.start_pos = start_pos
         self.original = doc_text[start:end]
+        self.eol = line_ending(doc_text)    # what generated line breaks are written as
         self.shown = self.original          # region text as the document has it now
         self._doc = doc_text                # document text once all our sent edits apply
         self._expected: collections.deque[str] = collections.deque()
         self._on_user_change = on_user_change
         self.stopped_by_user = False
+        self.cancelled: str | None = None   # why the user cancelled the edit, once they did
         self.flushes = 0
+
+    @property
+    def stopped(self) -> bool:
+        """The user typed or cancelled: no further edit may be sent."""
+        return self.stopped_by_user or self.cancelled is not None
+
+    def cancel(self, reason: str) -> bool:
+        """The user asked to stop (`reason` says how); False if the session had already stopped."""
+        if self.stopped:
+            return False
+        self.cancelled = reason
+        return True
+
+    def frame(self, generated: str, final: bool) -> str:
+        """The region's text for `generated` (see `frame`), in the document's line ending."""
+        return frame(self.original, generated, final, self.eol)
 
     def edits_to(self, region_text: str) -> list[RangeEdit]:
         """Minimal edits turning the region's current text into `region_text`; records the
@@ -93,6 +120,10 @@ class LiveEdit:
     def on_did_change(self, doc_text: str, version: int | None = None) -> bool:
         """Feed every didChange of the document; returns True if it was ours. A change that is
         not ours is the user's: the session stops (once)."""
+        if doc_text not in self._expected and ("\r" in doc_text or any("\r" in e for e in self._expected)):
+            # a client that converted our line breaks otherwise than to the document's line ending
+            norm = normalize_eol(doc_text)
+            doc_text = next((e for e in self._expected if normalize_eol(e) == norm), doc_text)
         if doc_text in self._expected:
             while self._expected and self._expected.popleft() != doc_text:
                 pass

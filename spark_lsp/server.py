@@ -24,7 +24,7 @@ from pygls.workspace import TextDocument, Workspace
 
 from . import __version__ as _pkg_version
 from . import actions, completions, live_edits
-from .documents import PositionError, lsp_lines, minimal_edits, offset_at, position_at
+from .documents import PositionError, line_ending, lsp_lines, minimal_edits, normalize_eol, offset_at, position_at
 from .model_host import ModelHost, ModelNotReady
 from .scheduler import Cancelled, Job, Scheduler, run_job
 from .settings import Settings, SettingsError, to_json, update
@@ -577,6 +577,7 @@ class SparkServer(LanguageServer):
             return await self._stream_edit(uri, text, plan)
         region, stats = await self._edit_job(uri, plan)
         self.send_status(f"edit:{name}", stats)
+        region = normalize_eol(region, line_ending(text))  # the document's line ending, as streamed edits
         return T.WorkspaceEdit(changes={uri: _text_edits(text, plan.start, plan.end, region, self.enc)})
 
     async def _edit_job(self, uri: str, plan: actions.EditPlan, on_text=None):
@@ -619,13 +620,14 @@ class SparkServer(LanguageServer):
                     title=actions.TITLES[plan.action], cancellable=True, message="writing…"))
                 fut = self.work_done_progress.tokens.get(token)
                 if fut is not None:
-                    fut.add_done_callback(lambda f: f.cancelled() and sched.cancel(key, "progress cancelled"))
+                    fut.add_done_callback(
+                        lambda f: f.cancelled() and self.cancel_live_edit(session, "progress cancelled"))
             except Exception as exc:
                 log.debug("progress unavailable: %s", exc)
                 progress = False
 
         async def flush(region: str, final: bool) -> bool:
-            shown = live_edits.frame(session.original, region, final)
+            shown = session.frame(region, final)
             edits = session.edits_to(shown)
             if not edits:
                 return True
@@ -653,7 +655,8 @@ class SparkServer(LanguageServer):
         try:
             while not task.done():
                 await asyncio.wait([task], timeout=interval)
-                if session.stopped_by_user:
+                if session.stopped:  # the user typed or cancelled: nothing more is written
+                    sched.cancel(key, session.cancelled or "user typed")  # a job that began after it too
                     break
                 if interval is not None and latest["raw"] is not None and not task.done():
                     if not await flush(plan.region_text(latest["raw"], final=False), final=False):
@@ -662,7 +665,11 @@ class SparkServer(LanguageServer):
                         break
             try:
                 region, stats = await task
-                if not session.stopped_by_user:
+                # a cancel that came after the generation finished still keeps the final write
+                # from happening: what was streamed stays, as when the engine is stopped mid-stream
+                if session.cancelled is not None:
+                    outcome = f"edit stopped: {session.cancelled}"
+                elif not session.stopped_by_user:
                     written_final = await flush(region, final=True)
                     outcome = "done" if written_final else "rejected"
                 self.send_status(f"edit:{plan.action}", stats)
@@ -683,6 +690,15 @@ class SparkServer(LanguageServer):
         if session.stopped_by_user:
             outcome = "stopped by the user"
         return {"outcome": outcome, "flushes": session.flushes, "complete": written_final}
+
+    def cancel_live_edit(self, session: live_edits.LiveEdit, reason: str) -> bool:
+        """The user cancelled a live edit: stop its generation and every edit it has not sent yet
+        (its final write too, when the generation has already finished); False if nothing was left
+        to stop."""
+        hit = session.cancel(reason)
+        if self.scheduler is not None and self.live.get(session.uri) is session:
+            hit = self.scheduler.cancel(session.uri + EDIT_SUFFIX, reason) or hit
+        return hit
 
 
 class SparkServerError(JsonRpcException):
@@ -805,6 +821,10 @@ def create_server(model_dir: str | None = None) -> SparkServer:
         for uri in uris:
             if ls.scheduler is not None:
                 n += ls.scheduler.cancel(uri, "cancelled by command")
+            session = ls.live.get(uri)
+            if session is not None:  # also when its generation has finished and its final write not yet come
+                n += ls.cancel_live_edit(session, "cancelled by command")
+            elif ls.scheduler is not None:
                 n += ls.scheduler.cancel(uri + EDIT_SUFFIX, "cancelled by command")
         return {"cancelled": n}
 

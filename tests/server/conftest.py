@@ -7,6 +7,7 @@ echoes each edit back as `didChange`, as VS Code and Neovim do.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 import pytest
@@ -49,6 +50,7 @@ class Editor:
         self.status: list[dict] = []
         self.applied: list = []
         self.after_apply = None  # callable(uri) run after each applied edit
+        self.eol = None  # set: the line breaks of an applied edit become this one (Neovim, VS Code)
 
     def open(self, uri: str, text: str) -> None:
         self.docs[uri] = [text, 1]
@@ -125,7 +127,10 @@ async def start_editor(model_dir, options=None, transport=None, capabilities=Non
         groups = list((params.edit.changes or {}).items()) + [
             (dc.text_document.uri, dc.edits) for dc in params.edit.document_changes or []]
         for uri, edits in groups:
-            ed.change(uri, [(e.range, e.new_text) for e in edits])
+            if ed.eol is None:
+                ed.change(uri, [(e.range, e.new_text) for e in edits])
+            else:
+                ed.change(uri, [(e.range, re.sub(r"\r\n|\r|\n", ed.eol, e.new_text)) for e in edits])
             ed.applied.append(params)
             if ed.after_apply is not None:
                 ed.after_apply(uri)

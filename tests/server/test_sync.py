@@ -47,11 +47,15 @@ async def test_server_text_matches_editor_after_odd_line_breaks(editor):
     assert editor.text(URI).startswith(ODD + "value_total = 42 + 1000")
 
 
-async def _stream_rewrite(ed, body_lines=12):
+def _long(body_lines=12, eol="\n"):
+    body = "".join(f"    v_{i} = f(v_{i - 1}, {i})\n" for i in range(1, body_lines))
+    return ("def long():\n" + body).replace("\n", eol)
+
+
+async def _stream_rewrite(ed, body_lines=12, eol="\n"):
     await ed.command("spark.configure", {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 80,
                                          "contextTokens": 128})
-    body = "".join(f"    v_{i} = f(v_{i - 1}, {i})\n" for i in range(1, body_lines))
-    text = "def long():\n" + body
+    text = _long(body_lines, eol)
     ed.open(URI, text)
     rng = T.Range(ed.pos(URI, text.index("    v_1")), ed.pos(URI, len(text)))
     listed = await ed.client.text_document_code_action_async(T.CodeActionParams(
@@ -84,6 +88,27 @@ async def test_live_edit_versioned_user_typing_still_stops_it(editor):
     res = await _stream_rewrite(editor, body_lines=30)
     assert res["outcome"] in ("stopped by the user", "rejected") and not res["complete"], res
     assert editor.text(URI).startswith("# user\ndef long():\n")
+
+
+async def test_a_crlf_document_stays_crlf_through_an_editor_that_converts_line_breaks(editor):
+    # as Neovim with fileformat=dos (and VS Code with CRLF): an edit's line breaks become the
+    # document's, so the server must send CRLF to recognise the echo of its own edit
+    editor.eol = "\r\n"
+    res = await _stream_rewrite(editor, eol="\r\n")
+    assert res["outcome"] == "done" and res["complete"], res
+    assert "\n" not in editor.text(URI).replace("\r\n", "") and "\r" not in editor.text(URI).replace("\r\n", "")
+    sent = [e.new_text for p in editor.applied for dc in p.edit.document_changes for e in dc.edits]
+    assert sent and not any("\n" in t.replace("\r\n", "") for t in sent), sent
+    # the finished edit of a resolved action too
+    await editor.command("spark.configure", {"liveEdits": False})
+    text = _long(eol="\r\n")
+    editor.open(URI, text)
+    rng = T.Range(editor.pos(URI, text.index("\r\n") + 2), editor.pos(URI, len(text)))
+    listed = await editor.client.text_document_code_action_async(T.CodeActionParams(
+        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
+    rewrite = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite")
+    edits = (await editor.client.code_action_resolve_async(rewrite)).edit.changes[URI]
+    assert edits and not any("\n" in e.new_text.replace("\r\n", "") for e in edits), edits
 
 
 async def test_live_edits_fall_back_to_changes_without_capability(tiny_llama):

@@ -1,0 +1,245 @@
+"""Live edits against an editor simulated in process, with the generation scripted: line breaks the
+editor converts when it applies an edit, and a cancel that lands after the generation finished but
+before the final write. Scripted, the interleavings are exact (no model, no timing)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from lsprotocol import types as T
+from pygls.workspace import Workspace
+
+from spark_lsp import actions
+from spark_lsp.documents import Edit, Pos, apply_edits, line_ending, minimal_edit, normalize_eol, offset_at
+from spark_lsp.live_edits import LiveEdit, frame
+from spark_lsp.server import CMD_CANCEL, SparkServer, create_server
+from spark_lsp.settings import update
+
+URI = "file:///work/live.py"
+BODY = ["    a = 1", "    b = 2", "    c = 3", "    d = 4"]
+
+
+def _doc(eol: str) -> str:
+    return eol.join(["def f():", *BODY, "    return a", ""])
+
+
+class Scripted:
+    """An in-process server whose client converts line breaks as Neovim does (an edit's "\\r\\n" and
+    "\\r" become line breaks, the buffer's line ending when the change is echoed; VS Code converts
+    to the document's EOL likewise) and whose generation writes `chunks`, one streamed flush each."""
+
+    def __init__(self, text: str, chunks: list[str], editor_eol: str | None):
+        self.ls: SparkServer = create_server()
+        self.ls.protocol._workspace = Workspace(None, T.TextDocumentSyncKind.Incremental)
+        self.ls.protocol.client_capabilities = T.ClientCapabilities(
+            window=T.WindowClientCapabilities(work_done_progress=True),
+            workspace=T.WorkspaceClientCapabilities(
+                apply_edit=True, workspace_edit=T.WorkspaceEditClientCapabilities(document_changes=True)))
+        self.ls.settings = update(self.ls.settings, {"liveEditHz": 200})[0]
+        self.ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text=text))
+        self.text, self.version, self.editor_eol = text, 1, editor_eol
+        self.chunks = chunks
+        self.sent: list[str] = []          # new texts of the edits the server sent
+        self.progress: list = []           # $/progress values
+        self.statuses: list = []
+        self.on_apply = None               # async callable(n) run as the client applies edit n (1-based)
+        self.on_create = None              # callable() run as the client creates the progress
+        self.generation: asyncio.Task | None = None
+        self._applied = asyncio.Event()
+
+        async def create(*args, **kwargs):
+            if self.on_create is not None:
+                self.on_create()
+        self.ls.protocol.send_request_async = lambda method, params=None, msg_id=None: create()
+        self.ls.protocol.notify = lambda method, params=None: (
+            self.progress.append(params.value) if method == T.PROGRESS else None)
+        self.ls.send_status = lambda kind, stats: self.statuses.append(kind)
+        self.ls.workspace_apply_edit_async = self.apply_edit
+        self.ls._edit_job = self.generate
+
+    async def generate(self, uri, plan, on_text=None):
+        """The engine job, scripted: each chunk of output is flushed before the next comes (a chunk
+        that changes nothing on screen is given a few flush intervals)."""
+        self.generation = asyncio.current_task()
+        raw = ""
+        for chunk in self.chunks:
+            raw += chunk
+            self._applied.clear()
+            on_text(raw)
+            try:
+                await asyncio.wait_for(self._applied.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+        return plan.region_text(raw, final=True), {"new_tokens": len(self.chunks)}
+
+    async def apply_edit(self, params: T.ApplyWorkspaceEditParams) -> T.ApplyWorkspaceEditResult:
+        (dc,) = params.edit.document_changes
+        if dc.text_document.version != self.version:
+            return T.ApplyWorkspaceEditResult(applied=False, failure_reason="version mismatch")
+        changes = []
+        for e in dc.edits:
+            self.sent.append(e.new_text)
+            new = e.new_text
+            if self.editor_eol is not None:
+                new = re.sub(r"\r\n?", "\n", new).replace("\n", self.editor_eol)
+            s = offset_at(self.text, e.range.start.line, e.range.start.character)
+            t = offset_at(self.text, e.range.end.line, e.range.end.character)
+            self.text = apply_edits(self.text, [Edit(s, t, new)])
+            changes.append(T.TextDocumentContentChangePartial(range=e.range, text=new))
+        self.version += 1
+        self.did_change(changes)
+        if self.on_apply is not None:
+            await self.on_apply(len(self.sent))
+        self._applied.set()
+        return T.ApplyWorkspaceEditResult(applied=True)
+
+    def did_change(self, changes) -> None:
+        """The echo, as pygls delivers it: the workspace copy updated, then the server's handler."""
+        ident = T.VersionedTextDocumentIdentifier(uri=URI, version=self.version)
+        for c in changes:
+            self.ls.workspace.update_text_document(ident, c)
+        self.ls.on_did_change(T.DidChangeTextDocumentParams(ident, changes))
+
+    async def rewrite_body(self) -> dict:
+        """Stream a rewrite of the function's body (lines 1..4)."""
+        start = offset_at(self.text, 1, 0)
+        end = offset_at(self.text, 1 + len(BODY), 0)
+        plan = actions.EditPlan(actions.REWRITE, start, end, self.text[:start], self.text[end:])
+        try:
+            return await asyncio.wait_for(self.ls._stream_edit(URI, self.text, plan), 10)
+        finally:
+            if self.ls.scheduler is not None:
+                self.ls.scheduler.shutdown()
+
+    def cancel_command(self, *args):
+        return self.ls.protocol.fm.commands[CMD_CANCEL](*args)
+
+
+# -- line endings -----------------------------------------------------------------------------------
+def test_line_ending_and_normalize_eol():
+    assert line_ending("a\nb\n") == "\n" and line_ending("a\r\nb\r\n") == "\r\n" and line_ending("a\rb") == "\r"
+    assert line_ending("no break") == "\n" and line_ending("a\r\nb\nc\r\n") == "\r\n"
+    assert normalize_eol("a\r\nb\rc\n", "\n") == "a\nb\nc\n"
+    assert normalize_eol("a\r\nb\rc\n", "\r\n") == "a\r\nb\r\nc\r\n"
+    # a "\r" that ends a chunk and the "\n" that completes it in the next one make one break
+    assert normalize_eol("x\r", "\r\n") + "y" == normalize_eol("x\r\ny", "\r\n")
+
+
+def test_minimal_edit_never_starts_or_ends_inside_a_crlf():
+    for old, new in [("a\r\nb", "a0\nb"), ("a\r\nb", "a\nb"), ("ab\r\ncd", "ab\r\n\r\ncd"), ("x\r\ny", "x\r\r\ny")]:
+        e = minimal_edit(old, new)
+        assert apply_edits(old, [e]) == new
+        assert not (0 < e.start < len(old) and old[e.start - 1:e.start + 1] == "\r\n"), (old, new, e)
+        assert not (0 < e.end < len(old) and old[e.end - 1:e.end + 1] == "\r\n"), (old, new, e)
+
+
+def test_live_edit_writes_generated_line_breaks_in_the_document_line_ending():
+    original = "a = 1\r\nb = 2\r\nc = 3\r\n"
+    assert frame(original, "A = 1\nB", final=False, eol="\r\n") == "A = 1\r\nB\r\nc = 3\r\n"
+    doc = "# head\r\n" + original
+    s = LiveEdit("u", doc, 8, len(doc), Pos(1, 0), on_user_change=lambda: None)
+    assert s.eol == "\r\n"
+    (e,) = s.edits_to(s.frame("A = 1\rB", final=False))
+    assert not re.search(r"\r(?!\n)|(?<!\r)\n", e.new_text), e.new_text
+    assert s.on_did_change("# head\r\nA = 1\r\nB\r\nc = 3\r\n") and not s.stopped_by_user
+    (e,) = s.edits_to(s.frame("A = 1\nB = 2\r\nC = 3\r", final=True))
+    assert s.on_did_change("# head\r\nA = 1\r\nB = 2\r\nC = 3\r\n") and not s.stopped_by_user
+
+
+def test_an_echo_converted_otherwise_is_still_recognised():
+    doc = "x = 0\nyy = 1\n"
+    s = LiveEdit("u", doc, 6, len(doc), Pos(1, 0), on_user_change=lambda: None)
+    s.edits_to("y = 2\n")
+    assert s.on_did_change("x = 0\r\ny = 2\r\n") and not s.stopped_by_user  # a client that wrote CRLF
+    s.edits_to("y = 3\n")
+    assert not s.on_did_change("x = 0\ny = 3\n# typed\n") and s.stopped_by_user
+
+
+async def test_generated_carriage_returns_do_not_stop_a_live_edit_in_a_converting_editor():
+    text = _doc("\n")
+    # a "\r" alone, a "\r\n", and a "\r" whose "\n" comes in the next chunk (which shows nothing new)
+    sc = Scripted(text, ["    a = 10\r", "\n    b = 20\r\n    c", " = 30\r", "\n"], editor_eol="\n")
+    res = await sc.rewrite_body()
+    assert res["outcome"] == "done" and res["complete"], res
+    assert sc.text == "def f():\n    a = 10\n    b = 20\n    c = 30\n    return a\n"
+    assert sc.ls.workspace.get_text_document(URI).source == sc.text
+    assert not any("\r" in t for t in sc.sent), sc.sent  # what the editor applies is what was sent
+    assert len(sc.sent) == 3 + 1  # a flush per chunk that shows something new, then the final write
+
+
+async def test_a_crlf_document_keeps_crlf_in_a_live_edit():
+    text = _doc("\r\n")
+    sc = Scripted(text, ["    a = 10\n", "    b = 20\r", "\n    c", " = 30\n    d = 40\n"], editor_eol="\r\n")
+    res = await sc.rewrite_body()
+    assert res["outcome"] == "done" and res["complete"], res
+    assert sc.text == "def f():\r\n    a = 10\r\n    b = 20\r\n    c = 30\r\n    d = 40\r\n    return a\r\n"
+    assert not any(re.search(r"\r(?!\n)|(?<!\r)\n", t) for t in sc.sent), sc.sent
+
+
+async def test_an_editor_that_applies_edits_as_sent_gets_the_document_line_ending_too():
+    text = _doc("\r\n")
+    sc = Scripted(text, ["    a = 10\n", "    b = 20\n    c = 30\n    d = 40\n"], editor_eol=None)
+    res = await sc.rewrite_body()
+    assert res["outcome"] == "done" and res["complete"], res
+    assert "\n" not in sc.text.replace("\r\n", "") and sc.text.count("\r\n") == text.count("\r\n")
+
+
+# -- a cancel between the end of the generation and the final write -----------------------------------
+async def _cancel_after_generation(cancel) -> tuple[Scripted, dict, dict]:
+    """Stream three chunks; while the client applies the last streamed one, let the generation
+    finish, then `cancel(sc)` (the user's cancel arrives before the server's final write)."""
+    text = _doc("\n")
+    sc = Scripted(text, ["    a = 10\n", "    b = 20\n", "    c = 30\n"], editor_eol="\n")
+    seen = {}
+
+    async def on_apply(n):
+        if n == len(sc.chunks):
+            sc._applied.set()
+            await asyncio.wait([sc.generation])   # the generation has finished
+            assert sc.generation.result()
+            seen["text"] = sc.text
+            seen["cancel"] = cancel(sc)
+    sc.on_apply = on_apply
+    res = await sc.rewrite_body()
+    return sc, res, seen
+
+
+async def test_spark_cancel_after_the_generation_finished_skips_the_final_write():
+    sc, res, seen = await _cancel_after_generation(lambda sc: sc.cancel_command(URI))
+    assert seen["cancel"] == {"cancelled": 1}
+    assert res["outcome"] == "edit stopped: cancelled by command" and not res["complete"], res
+    assert len(sc.sent) == len(sc.chunks)          # no final write after the cancel
+    # what was streamed stays, as when a cancel stops the engine mid-stream: the generated lines
+    # over the original ones they replaced, the rest of the original below
+    assert sc.text == seen["text"] == "def f():\n    a = 10\n    b = 20\n    c = 30\n    d = 4\n    return a\n"
+    assert sc.ls.workspace.get_text_document(URI).source == sc.text
+    assert URI not in sc.ls.live
+    assert sc.progress[-1].kind == "end" and "cancelled" in sc.progress[-1].message
+
+
+async def test_progress_cancel_after_the_generation_finished_skips_the_final_write():
+    def cancel_progress(sc):
+        (token,) = [t for t in sc.ls.work_done_progress.tokens if str(t).startswith("spark-edit")]
+        return sc.ls.work_done_progress.tokens[token].cancel()  # what pygls does on the client's cancel
+    sc, res, seen = await _cancel_after_generation(cancel_progress)
+    assert res["outcome"] == "edit stopped: progress cancelled" and not res["complete"], res
+    assert len(sc.sent) == len(sc.chunks)
+    assert sc.text == seen["text"] and "d = 4\n" in sc.text
+    assert sc.progress[-1].kind == "end" and "progress cancelled" in sc.progress[-1].message
+
+
+async def test_a_cancel_before_anything_was_written_writes_nothing():
+    sc = Scripted(_doc("\n"), ["    a = 10\n", "    b = 20\n"], editor_eol="\n")
+    sc.on_create = lambda: sc.cancel_command(URI)  # while the progress is being created
+    res = await sc.rewrite_body()
+    assert res["outcome"] == "edit stopped: cancelled by command" and not res["complete"], res
+    assert sc.sent == [] and sc.text == _doc("\n")
+
+
+async def test_a_live_edit_left_alone_still_writes_its_final_text():
+    sc = Scripted(_doc("\n"), ["    a = 10\n", "    b = 20\n", "    c = 30\n"], editor_eol="\n")
+    res = await sc.rewrite_body()
+    assert res["outcome"] == "done" and res["complete"], res
+    assert sc.text == "def f():\n    a = 10\n    b = 20\n    c = 30\n    return a\n"
+    assert sc.cancel_command(URI) == {"cancelled": 0}  # nothing left to cancel
