@@ -34,8 +34,9 @@ class RangeEdit:
 
 def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
     """What the region shows mid-stream: the generated text, then the original lines it has not
-    overwritten yet (a partial last line overwrites its original line too). The generated text's
-    line breaks become `eol`, the document's line ending."""
+    overwritten yet (a partial last line overwrites its original line too, and ends in a line
+    break if the region did). The generated text's line breaks become `eol`, the document's line
+    ending."""
     generated = normalize_eol(generated, eol)
     if final:
         return generated
@@ -44,7 +45,9 @@ def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
     # complete generated lines replace as many original lines; a partial line replaces one more
     covered = len(gen_lines) - (1 if gen_lines[-1] == "" else 0)
     rest = "".join(orig_lines[covered:])
-    if rest and not generated.endswith(("\n", "\r")) and generated:
+    # a partial last line is closed with a line break whenever the region's text goes on after it:
+    # more original lines, or the line after the region (an interrupted rewrite must not join them)
+    if generated and not generated.endswith(("\n", "\r")) and (rest or original.endswith(("\n", "\r"))):
         return generated + eol + rest
     return generated + rest
 

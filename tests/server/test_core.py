@@ -214,6 +214,11 @@ def test_live_edit_frames_and_recognises_its_own_changes():
     assert frame(original, "A = 1\nB", final=False) == "A = 1\nB\nc = 3\n"
     assert frame(original, "A = 1\n", final=False) == "A = 1\nb = 2\nc = 3\n"
     assert frame(original, "A = 1\n", final=True) == "A = 1\n"
+    # a partial line past the original's last line keeps the region's final line break, so an
+    # edit interrupted there does not join it with the line after the region
+    assert frame(original, "A = 1\nB = 2\nC", final=False) == "A = 1\nB = 2\nC\n"
+    assert frame(original, "A = 1\nB = 2\nC = 3\nD", final=False) == "A = 1\nB = 2\nC = 3\nD\n"
+    assert frame("a = 1", "A", final=False) == "A"  # a region without a final break gets none
     doc = "# head\n" + original + "# tail\n"
     stopped = []
     s = LiveEdit("u", doc, 7, 7 + len(original), Pos(1, 0), on_user_change=lambda: stopped.append(1))
