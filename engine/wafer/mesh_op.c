@@ -254,14 +254,19 @@ static OrtStatus* shape_of(const OrtValue* v, int* type, size_t* rank, int64_t d
   return s;
 }
 
+/* x and 1..MAX_LINES lines of tiles: the inputs a MeshLinear node must have. */
+static OrtStatus* check_input_count(size_t n_in) {
+  if (n_in < 2 || n_in - 1 > MAX_LINES)
+    return error("MeshLinear: expected x and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  return NULL;
+}
+
 /* Check the lines' tiles (2-D float, same column count) and pack them into t. */
 static OrtStatus* pack_tiles(const OrtValue* const* vals, size_t lines, Tiles* t) {
   int type = 0;
   size_t rank = 0;
   int64_t d[8];
   memset(t, 0, sizeof *t);
-  if (lines < 1 || lines > MAX_LINES)
-    return error("MeshLinear: expected 1 to %d mesh lines of tiles, got %zu", MAX_LINES, lines);
   t->lines = lines;
   for (size_t p = 0; p < lines; p++) {
     TRY(shape_of(vals[p], &type, &rank, d));
@@ -289,8 +294,7 @@ static void free_tiles(Tiles* t) {
 }
 
 typedef struct {
-  Tiles tiles;   /* packed at load time when every line's tiles are constant initializers */
-  int packed;
+  Tiles tiles; /* packed at load time when every line's tiles are constant initializers, else empty */
 } Kernel;
 
 static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv) {
@@ -333,11 +337,10 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* x = NULL;
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
-  if (k->packed) return run(&k->tiles, ctx, x);
+  if (k->tiles.lines) return run(&k->tiles, ctx, x);
   /* Tiles fed at run time (not initializers): pack them for this call only. */
   const OrtValue* vals[MAX_LINES];
-  if (n_in < 2 || n_in - 1 > MAX_LINES)
-    return error("MeshLinear: expected x and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  TRY(check_input_count(n_in));
   for (size_t p = 0; p + 1 < n_in; p++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, p + 1, &vals[p]));
   Tiles t;
   OrtStatus* s = pack_tiles(vals, n_in - 1, &t);
@@ -350,8 +353,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   (void)op; (void)a;
   size_t n_in = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 2 || n_in - 1 > MAX_LINES)
-    return error("MeshLinear: expected x and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  TRY(check_input_count(n_in));
   Kernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory");
   const OrtValue* vals[MAX_LINES];
@@ -372,7 +374,6 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
       free(k);
       return s;
     }
-    k->packed = 1;
   }
   *out = k;
   return NULL;

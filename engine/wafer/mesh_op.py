@@ -40,15 +40,15 @@ _state: dict[str, object] = {}
 
 
 def ops_dir() -> Path:
-    env = os.environ.get("SPARK_LSP_CACHE")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "spark-lsp") / "ops"
+    """Beside the graph cache (``$SPARK_LSP_CACHE``, else ``~/.cache/spark-lsp``)."""
+    from engine.graph_cache import cache_root
+
+    return cache_root().parent / "ops"
 
 
 def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
-    return None
+    found = (shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c)
+    return next((path for path in found if path), None)
 
 
 def _cpu_id() -> str:

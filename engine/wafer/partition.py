@@ -176,33 +176,20 @@ class TiledLinear:
         self.layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
                              "k_blocks": k_sizes, "n_blocks": n_sizes}
 
+        # Mesh line p's tiles, side by side: the rows of W in its K-block.
         line = "row" if axis == "rows" else "col"
+        k0 = np.cumsum([0] + k_sizes)
+        tiles = [gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p]:k0[p + 1]]))
+                 for p in range(len(k_sizes))]
         if self.form == "op":  # every line's GEMVs and the chain reduction in one op
-            tiles, k0 = [], 0
-            for p, kp in enumerate(k_sizes):
-                tiles.append(gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0:k0 + kp])))
-                k0 += kp
             y = gb.node(mesh_op.OP, [x, *tiles], domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
-            if bias is not None:
-                y = gb.node("Add", [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))],
-                            name=f"{name}/bias")
-            return y
-
-        # Split the input along the reduction axis: mesh line p receives x[:, K-block p].
-        if len(k_sizes) > 1:
-            xs = gb.node("Split", [x, gb.const_i64(k_sizes)], n_out=len(k_sizes),
-                         name=f"{name}/to_mesh", axis=1)
         else:
-            xs = [x]
-        y = None
-        k0 = 0
-        for p, (xp, kp) in enumerate(zip(xs, k_sizes)):
-            wp = gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0:k0 + kp]))
-            k0 += kp
-            if y is None:
-                y = gb.node("MatMul", [xp, wp], name=f"{name}/{line}{p}_gemv")
-            else:  # this line's partial products + the partial sum arriving from line p-1
-                y = gb.node("Gemm", [xp, wp, y], name=f"{name}/{line}{p}_gemv_reduce")
+            # Split the input along the reduction axis: mesh line p receives x[:, K-block p].
+            xs = (gb.node("Split", [x, gb.const_i64(k_sizes)], n_out=len(k_sizes), name=f"{name}/to_mesh", axis=1)
+                  if len(k_sizes) > 1 else [x])
+            y = gb.node("MatMul", [xs[0], tiles[0]], name=f"{name}/{line}0_gemv")
+            for p in range(1, len(k_sizes)):  # line p's partial products + the partial sum from line p-1
+                y = gb.node("Gemm", [xs[p], tiles[p], y], name=f"{name}/{line}{p}_gemv_reduce")
         if bias is not None:
             b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
             y = gb.node("Add", [y, b], name=f"{name}/bias")
