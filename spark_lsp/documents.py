@@ -14,7 +14,7 @@ _LINE_RE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
 
 
 class PositionError(ValueError):
-    """A position or range that does not lie inside the document."""
+    """A position that is not a pair of non-negative integers (the request's params are invalid)."""
 
 
 def split_lines(text: str) -> list[str]:
@@ -97,38 +97,80 @@ class Pos:
     character: int
 
 
+def _check_position(line: object, character: object) -> None:
+    for name, v in (("line", line), ("character", character)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise PositionError(f"position {name} must be an integer, got {v!r}")
+        if v < 0:
+            raise PositionError(f"position {name} must not be negative, got {v}")
+
+
+def _line_start(text: str, line: int) -> int | None:
+    """Offset where `line` begins in a text whose lines end in "\n" only; None past the end."""
+    start = 0
+    for _ in range(line):
+        nl = text.find("\n", start)
+        if nl < 0:
+            return None
+        start = nl + 1
+    return start
+
+
 def offset_at(text: str, line: int, character: int, *, lines: list[str] | None = None,
               strict: bool = True, enc: str = "utf-16") -> int:
-    """String offset of an LSP position. With `strict`, a line past the end or a character past the
-    end of its line raises PositionError (clients must not send those); otherwise they are clamped."""
-    if line < 0 or character < 0:
-        raise PositionError(f"position ({line}, {character}) is negative")
+    """String offset of an LSP position, read the way the specification says: a character past
+    the end of its line means the line's end (Neovim's visual-line ranges and `v:maxcol` send
+    such characters) and a line past the last line means the end of the document. A negative or
+    non-integer value raises PositionError; without `strict` it is read as 0."""
+    if strict:
+        _check_position(line, character)
+    else:
+        line = line if isinstance(line, int) and line > 0 else 0
+        character = character if isinstance(character, int) and character > 0 else 0
     if lines is None and "\r" not in text:  # fast path: find the line start without splitting
-        start = 0
-        for _ in range(line):
-            nl = text.find("\n", start)
-            if nl < 0:
-                if strict:
-                    raise PositionError(f"line {line} is outside the document ({text.count(chr(10)) + 1} lines)")
-                return len(text)
-            start = nl + 1
+        start = _line_start(text, line)
+        if start is None:
+            return len(text)
         end = text.find("\n", start)
         content = text[start:] if end < 0 else text[start:end]
-        if strict and character > utf16_len(content, enc):
-            raise PositionError(f"character {character} is past the end of line {line} "
-                                f"({utf16_len(content, enc)} {enc.upper()} units)")
         return start + utf16_to_index(content, character, enc)
     lines = lines if lines is not None else split_lines(text)
     if line >= len(lines):
-        if strict:
-            raise PositionError(f"line {line} is outside the document ({len(lines)} lines)")
         return len(text)
-    content = strip_eol(lines[line])
-    if strict and character > utf16_len(content, enc):
-        raise PositionError(f"character {character} is past the end of line {line} "
-                            f"({utf16_len(content, enc)} {enc.upper()} units)")
     start = sum(len(ln) for ln in lines[:line])
-    return start + utf16_to_index(content, character, enc)
+    return start + utf16_to_index(strip_eol(lines[line]), character, enc)
+
+
+def in_document(text: str, line: int, character: int, enc: str = "utf-16") -> bool:
+    """Whether a (valid) position lies inside the document as it stands, without clamping."""
+    if "\r" in text:
+        lines = split_lines(text)
+        if line >= len(lines):
+            return False
+        content = strip_eol(lines[line])
+    else:
+        start = _line_start(text, line)
+        if start is None:
+            return False
+        end = text.find("\n", start)
+        content = text[start:] if end < 0 else text[start:end]
+    return character <= utf16_len(content, enc)
+
+
+def apply_change(text: str, start: Pos, end: Pos, new_text: str, enc: str = "utf-16") -> tuple[str, bool]:
+    """(`text` with the range start..end replaced by `new_text`, whether the range had to be read
+    leniently). Positions past a line's end or the document's end are clamped as the specification
+    says; a range whose end comes before its start is read with the two swapped. Negative or
+    non-integer positions raise PositionError: such a change cannot be applied."""
+    _check_position(start.line, start.character)
+    _check_position(end.line, end.character)
+    lenient = not (in_document(text, start.line, start.character, enc)
+                   and in_document(text, end.line, end.character, enc))
+    s = offset_at(text, start.line, start.character, enc=enc)
+    e = offset_at(text, end.line, end.character, enc=enc) if end != start else s
+    if e < s:
+        s, e, lenient = e, s, True
+    return text[:s] + new_text + text[e:], lenient
 
 
 def position_at(text: str, offset: int, enc: str = "utf-16") -> Pos:

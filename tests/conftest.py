@@ -51,3 +51,15 @@ def tiny_qwen2(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tiny_models) -> Path:
     return tiny_models["mistral"]
+
+
+try:  # property tests: a fixed seed and a bounded number of examples, so CI is fast and repeatable
+    from hypothesis import HealthCheck, settings as _hyp_settings
+
+    _hyp_settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
+    _hyp_settings.register_profile("long", max_examples=2000, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
+    _hyp_settings.load_profile(os.environ.get("SPARK_LSP_HYPOTHESIS", "ci"))
+except ImportError:  # the test extra installs it; without it only the property tests are skipped
+    pass

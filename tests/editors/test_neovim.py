@@ -32,7 +32,8 @@ def greet(name):
 '''
 COMMON = ["filetype", "server_attached", "model_loaded", "mode", "ghost_text", "accept_inserts",
           "accept_word", "suggestion_after_cancel", "typing_cancels_inflight", "code_action_edits",
-          "live_edit_stops_on_typing", "cancel_command_stops_edit", "instruction_code_action", "toggle",
+          "live_edit_stops_on_typing", "cancel_command_stops_edit", "instruction_code_action",
+          "visual_selection_code_action", "toggle",
           "statusline", "status_command", "checkhealth"]
 # run name -> (setup()'s inline option, the ghost-text path it must pick, checks)
 RUNS = {

@@ -413,6 +413,46 @@ local function scenario()
   record('instruction_code_action', asked_prompt ~= nil and instr_changed ~= nil,
     { prompt = asked_prompt, lines = vim.api.nvim_buf_get_lines(0, 2, 7, false) })
 
+  -- 5d. Code actions for a visual selection that ends on an empty line: Neovim sends the range end
+  -- as {line = N, character = 1} on a line of length 0 (past its end), which the LSP specification
+  -- reads as the line's end. The user selects `def add` charwise down to the empty line after it.
+  vim.api.nvim_buf_set_lines(0, 0, -1, false, vim.split(SAMPLE_TEXT, '\n', { plain = true }))
+  sleep(200)
+  local sel_lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  local def_row, blank_row
+  for i, l in ipairs(sel_lines) do
+    if not def_row and l:match('^def add') then def_row = i end
+    if def_row and not blank_row and i > def_row and l == '' then blank_row = i end
+  end
+  local sent_range, offered
+  local c = client()
+  local orig_request = c.request
+  c.request = function(self, method, params, ...)
+    if method == 'textDocument/codeAction' then sent_range = vim.deepcopy(params.range) end
+    return orig_request(self, method, params, ...)
+  end
+  local orig_select = vim.ui.select
+  vim.ui.select = function(items, _, on_choice)
+    offered = {}
+    for _, it in ipairs(items) do
+      table.insert(offered, (it.action or it[2] or it).title)
+    end
+    on_choice(nil)
+  end
+  vim.api.nvim_win_set_cursor(0, { def_row, 0 })
+  vim.api.nvim_input('v' .. string.rep('j', blank_row - def_row))
+  assert(wait_for(function() return vim.fn.mode() == 'v' and vim.fn.line('.') == blank_row end, 3000),
+    'the visual selection did not reach the empty line')
+  vim.lsp.buf.code_action()
+  wait_for(function() return offered ~= nil end, 10000)
+  vim.ui.select = orig_select
+  c.request = orig_request
+  vim.api.nvim_input('<Esc>')
+  sleep(50)
+  record('visual_selection_code_action', offered ~= nil and #offered > 0 and sent_range ~= nil
+    and sent_range['end'].line == blank_row - 1 and sent_range['end'].character > 0,
+    { range = sent_range, offered = offered, def_row = def_row, blank_row = blank_row })
+
   -- 6. The other commands ----------------------------------------------------------------------
   local on = spark.is_enabled()
   vim.cmd('SparkToggle')
