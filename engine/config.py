@@ -2,7 +2,12 @@
 
 Everything the graph builder needs is checked here, once, so a bad model folder fails at load time
 with a message that names the file and the field rather than deep inside ONNX Runtime.
-Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM (RMSNorm, RoPE, SwiGLU, GQA).
+Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM (RMSNorm, RoPE, SwiGLU, GQA),
+Qwen3ForCausalLM (+ per-head RMSNorm on q and k), Starcoder2ForCausalLM (LayerNorm with bias,
+GELU-tanh MLP, biases everywhere) and GemmaForCausalLM (RMSNorm scaled by weight + 1, GeGLU,
+embeddings scaled by sqrt(hidden)).  The family differences are fields of :class:`ModelConfig`
+(``norm``, ``mlp_act``, ``mlp_gated``, ``qk_norm``, ``embed_scale`` …), so the graph builder
+reads what to emit rather than branching on architecture names.
 """
 
 from __future__ import annotations
@@ -20,7 +25,22 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Starcoder2ForCausalLM": "starcoder2",
+    "GemmaForCausalLM": "gemma",
 }
+#: transformers' per-architecture defaults for fields a saved config.json may omit.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10_000.0, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
+    "mistral": {"rope_theta": 10_000.0, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
+    "qwen2": {"rope_theta": 1_000_000.0, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
+    "qwen3": {"rope_theta": 10_000.0, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
+    "starcoder2": {"rope_theta": 10_000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-5},
+    "gemma": {"rope_theta": 10_000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
+}
+#: hidden_act values by the activation the graph emits ('gelu_tanh': the tanh approximation).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32", "float16", "bfloat16"}
@@ -41,7 +61,7 @@ class ModelConfig:
     use :meth:`rope_inv_freq` rather than interpreting it yourself.
     """
 
-    architecture: str  # 'llama' | 'qwen2' | 'mistral'
+    architecture: str  # 'llama' | 'qwen2' | 'mistral' | 'qwen3' | 'starcoder2' | 'gemma'
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,7 +69,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # epsilon of every norm (LayerNorm's too: Starcoder2's norm_epsilon)
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -60,6 +80,12 @@ class ModelConfig:
     torch_dtype: str  # storage dtype declared by the folder: float32 | float16 | bfloat16
     sliding_window: int | None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    norm: str = "rms"  # 'rms' | 'rms_offset' (Gemma: scaled by 1 + weight) | 'layer' (LayerNorm + bias)
+    mlp_act: str = "silu"  # 'silu' | 'gelu_tanh' | 'gelu' (erf)
+    mlp_gated: bool = True  # act(gate) * up -> down; False: act(c_fc) -> c_proj (Starcoder2)
+    mlp_bias: bool = False  # biases on the MLP's linears
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    embed_scale: float = 1.0  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
 
     @property
     def num_kv_groups(self) -> int:
@@ -197,21 +223,27 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if head_dim % 2:
         raise ModelError(f"{name}: head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
 
-    eps = field("rms_norm_eps", 1e-6, kind=float)
+    defaults = _ARCH_DEFAULTS[arch]
+    eps_key = "norm_epsilon" if arch == "starcoder2" else "rms_norm_eps"
+    eps = field(eps_key, defaults["rms_norm_eps"], kind=float)
     if not eps > 0:
-        raise ModelError(f"{name}: rms_norm_eps={eps} must be positive")
-    act = field("hidden_act", "silu", kind=str)
-    if act not in ("silu", "swish"):
-        raise ModelError(f"{name}: hidden_act={act!r} is not supported (only 'silu')")
-    if field("mlp_bias", False, kind=bool):
-        raise ModelError(f"{name}: mlp_bias=true is not supported")
+        raise ModelError(f"{name}: {eps_key}={eps} must be positive")
+    default_act = {"starcoder2": "gelu_pytorch_tanh", "gemma": "gelu_pytorch_tanh"}.get(arch, "silu")
+    act_key = "hidden_activation" if arch == "gemma" and raw.get("hidden_activation") else "hidden_act"
+    act = field(act_key, default_act, kind=str)
+    if arch == "gemma" and act == "gelu":
+        act = "gelu_pytorch_tanh"  # transformers reads Gemma's legacy 'gelu' as the tanh approximation
+    if act not in _ACTIVATIONS:
+        raise ModelError(f"{name}: {act_key}={act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+    use_bias = field("use_bias", True, kind=bool) if arch == "starcoder2" else False
+    mlp_bias = use_bias or field("mlp_bias", False, kind=bool)
 
     # RoPE: transformers >= 5 writes `rope_parameters`; older folders `rope_theta` + `rope_scaling`.
     rope_params = raw.get("rope_parameters")
     if rope_params is not None and not isinstance(rope_params, dict):
         raise ModelError(f"{name}: rope_parameters={rope_params!r} must be an object")
     rope_params = dict(rope_params or {})
-    theta_default = 1_000_000.0 if arch == "qwen2" else 10_000.0
+    theta_default = defaults["rope_theta"]
     theta = rope_params.get("rope_theta", raw.get("rope_theta", theta_default))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ModelError(f"{name}: rope_theta={theta!r} must be a positive number")
@@ -223,7 +255,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
     max_pos = positive("max_position_embeddings", 2048)
     sliding = raw.get("sliding_window")
-    if arch == "qwen2" and not raw.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         sliding = None
     if sliding is not None:
         if isinstance(sliding, bool) or not isinstance(sliding, int) or sliding <= 0:
@@ -236,10 +268,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
             )
             max_pos = sliding
 
-    tie = field("tie_word_embeddings", False, kind=bool)
+    tie = field("tie_word_embeddings", defaults["tie_word_embeddings"], kind=bool)
     attn_bias_flag = field("attention_bias", False, kind=bool)
-    attention_bias = True if arch == "qwen2" else attn_bias_flag
-    attention_out_bias = arch == "llama" and attn_bias_flag
+    attention_bias = {"qwen2": True, "starcoder2": use_bias}.get(arch, attn_bias_flag)
+    attention_out_bias = (arch in ("llama", "qwen3") and attn_bias_flag) or use_bias
 
     dtype = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     if dtype not in _DTYPES:
@@ -276,6 +308,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=dtype,
         sliding_window=sliding,
         rope_scaling=rope_scaling,
+        norm={"gemma": "rms_offset", "starcoder2": "layer"}.get(arch, "rms"),
+        mlp_act=_ACTIVATIONS[act],
+        mlp_gated=arch != "starcoder2",
+        mlp_bias=mlp_bias,
+        qk_norm=arch == "qwen3",
+        embed_scale=float(np.float32(hidden**0.5)) if arch == "gemma" else 1.0,
     )
 
 

@@ -1,4 +1,9 @@
-"""Write the ONNX decoder for a Llama / Qwen2 / Mistral model straight from its numpy weights.
+"""Write the ONNX decoder for a Llama / Qwen2 / Mistral / Qwen3 / Starcoder2 / Gemma model straight
+from its numpy weights.
+
+The family differences are read from the config, not from the architecture's name: the norm
+(RMSNorm, RMSNorm scaled by 1 + weight, LayerNorm with bias), the MLP (gated SwiGLU / GeGLU or a
+plain GELU MLP, with or without biases), per-head q/k RMSNorm and an embedding scale.
 
 The graph is built for ONNX Runtime on CPU with batch size 1:
 
@@ -35,7 +40,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 4
+GRAPH_VERSION = 5
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -233,16 +238,61 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     cos, sin = rope_cache(inv_freq, max_len)
     cos_c, sin_c = gb.initializer("rope.cos", cos), gb.initializer("rope.sin", sin)
     eps = float(c.rms_norm_eps)
+    norm_kind = getattr(c, "norm", "rms")
+    layer_norm = norm_kind == "layer"
 
-    def skip_norm(pending: str, residual: str, gamma: str, name: str) -> tuple[str, str]:
-        outs = gb.node("SkipSimplifiedLayerNormalization", [pending, residual, gamma], n_out=4,
-                       domain=MS_DOMAIN, name=name, epsilon=eps)
+    def norm_params(key: str, name: str) -> list[str]:
+        """The norm's gamma (and beta for LayerNorm) initializers, from HF tensor ``key``.weight."""
+        gamma = _linear_weight(w, key + ".weight").astype(np.float32)
+        if norm_kind == "rms_offset":
+            gamma = gamma + np.float32(1.0)
+        params = [gb.initializer(name, gamma)]
+        if layer_norm:
+            params.append(gb.initializer(name + ".bias", _linear_weight(w, key + ".bias").astype(np.float32)))
+        return params
+
+    def first_norm(x: str, key: str, name: str) -> str:
+        op = "LayerNormalization" if layer_norm else "SimplifiedLayerNormalization"
+        return gb.node(op, [x, *norm_params(key, name)], name=name, axis=-1, epsilon=eps)
+
+    def skip_norm(pending: str, residual: str, key: str, name: str) -> tuple[str, str]:
+        op = "SkipLayerNormalization" if layer_norm else "SkipSimplifiedLayerNormalization"
+        outs = gb.node(op, [pending, residual, *norm_params(key, name)], n_out=4, domain=MS_DOMAIN,
+                       name=name, epsilon=eps)
         gb.nodes[-1].output[1] = ""
         gb.nodes[-1].output[2] = ""
         return outs[0], outs[3]
 
+    def head_norm(x: str, key: str, heads: int, name: str) -> str:
+        """Per-head RMSNorm over head_dim (Qwen3's q_norm / k_norm) on a [1, S, heads * H] value.
+
+        Padded heads hold zeros, so the mean of squares over H is H0/H times the model's: epsilon
+        and gamma are rescaled to give exactly the unpadded norm."""
+        gamma = _linear_weight(w, key).astype(np.float32)
+        gamma = _pad_rotary_rows(gamma * np.float32(np.sqrt(H0 / H)), 1, H0, H) if H != H0 else gamma
+        x4 = gb.node("Reshape", [x, gb.const_i64([0, 0, heads, H])], name=f"{name}/heads")
+        y = gb.node("SimplifiedLayerNormalization", [x4, gb.initializer(name, gamma)], name=name, axis=-1,
+                    epsilon=eps * H0 / H)
+        return gb.node("Reshape", [y, gb.const_i64([0, 0, heads * H])], name=f"{name}/flat")
+
+    def activation(x: str, name: str) -> str:
+        kind = getattr(c, "mlp_act", "silu")
+        if kind == "silu":
+            return gb.node("Mul", [x, gb.node("Sigmoid", [x], name=f"{name}/sigmoid")], name=f"{name}/silu")
+        if kind == "gelu_tanh":
+            return gb.node("FastGelu", [x], domain=MS_DOMAIN, name=f"{name}/gelu_tanh")
+        if kind == "gelu":
+            return gb.node("Gelu", [x], domain=MS_DOMAIN, name=f"{name}/gelu")
+        raise ValueError(f"unsupported MLP activation {kind!r}")
+
+    def mlp_bias(key: str) -> np.ndarray | None:
+        return _linear_weight(w, key + ".bias") if getattr(c, "mlp_bias", False) else None
+
     embed = gb.initializer("embed_tokens", _linear_weight(w, "model.embed_tokens.weight").astype(np.float32, copy=False))
     residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [1, S, D]
+    embed_scale = float(getattr(c, "embed_scale", 1.0))
+    if embed_scale != 1.0:
+        residual = gb.node("Mul", [residual, gb.const_f32(embed_scale)], name="embed_scale")
     if not act3d:
         residual = gb.node("Reshape", [residual, gb.const_i64([-1, D])], name="embed2d")  # [S, D]
     pending: str | None = None
@@ -252,21 +302,27 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
 
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        g_in = gb.initializer(f"layers.{i}.input_norm", w[p + "input_layernorm.weight"])
         if pending is None:
-            x = gb.node("SimplifiedLayerNormalization", [residual, g_in], name=f"layers.{i}.input_norm",
-                        axis=-1, epsilon=eps)
+            x = first_norm(residual, p + "input_layernorm", f"layers.{i}.input_norm")
         else:
-            x, residual = skip_norm(pending, residual, g_in, f"layers.{i}.input_norm")
+            x, residual = skip_norm(pending, residual, p + "input_layernorm", f"layers.{i}.input_norm")
 
         a = p + "self_attn."
         w_qkv = _fused_qkv(w, a, "weight", N, NKV, H0, H).T
         b_qkv = _fused_qkv(w, a, "bias", N, NKV, H0, H) if c.attention_bias else None
         qkv = linear.emit(gb, x, np.ascontiguousarray(w_qkv), name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
         qkv3 = qkv if act3d else gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
+        if getattr(c, "qk_norm", False):
+            q, k, v = gb.node("Split", [qkv3, gb.const_i64([N * H, NKV * H, NKV * H])], n_out=3,
+                              name=f"layers.{i}.qkv_split", axis=-1)
+            q = head_norm(q, a + "q_norm.weight", N, f"layers.{i}.q_norm")
+            k = head_norm(k, a + "k_norm.weight", NKV, f"layers.{i}.k_norm")
+            attn_in = [q, k, v]
+        else:
+            attn_in = [qkv3, "", ""]
         past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
         past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
-        attn, pk, pv = gb.node("GroupQueryAttention", [qkv3, "", "", past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
+        attn, pk, pv = gb.node("GroupQueryAttention", [*attn_in, past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
                                n_out=3, domain=MS_DOMAIN, name=f"layers.{i}.attn", num_heads=N, kv_num_heads=NKV,
                                do_rotary=1, rotary_interleaved=0, scale=float(H0) ** -0.5)
         gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
@@ -282,19 +338,27 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
 
-        g_post = gb.initializer(f"layers.{i}.post_norm", w[p + "post_attention_layernorm.weight"])
-        x, residual = skip_norm(pending, residual, g_post, f"layers.{i}.post_norm")
+        x, residual = skip_norm(pending, residual, p + "post_attention_layernorm", f"layers.{i}.post_norm")
         m = p + "mlp."
-        w_gu = np.concatenate([_linear_weight(w, m + "gate_proj.weight"), _linear_weight(w, m + "up_proj.weight")], axis=0).T
-        gu = linear.emit(gb, x, np.ascontiguousarray(w_gu), name=f"layers.{i}.gate_up", role="gate_up")
-        gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1)
-        act = gb.node("Mul", [gb.node("Mul", [gate, gb.node("Sigmoid", [gate], name=f"layers.{i}.sigmoid")],
-                                      name=f"layers.{i}.silu"), up], name=f"layers.{i}.swiglu")
-        w_down = np.ascontiguousarray(_linear_weight(w, m + "down_proj.weight").T)
-        pending = linear.emit(gb, act, w_down, name=f"layers.{i}.down", role="down")
+        if getattr(c, "mlp_gated", True):
+            w_gu = np.concatenate([_linear_weight(w, m + "gate_proj.weight"),
+                                   _linear_weight(w, m + "up_proj.weight")], axis=0).T
+            b_gate, b_up = mlp_bias(m + "gate_proj"), mlp_bias(m + "up_proj")
+            b_gu = np.concatenate([b_gate, b_up]) if b_gate is not None else None
+            gu = linear.emit(gb, x, np.ascontiguousarray(w_gu), name=f"layers.{i}.gate_up", role="gate_up",
+                             bias=b_gu)
+            gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1)
+            act = gb.node("Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu")
+            w_down, b_down = _linear_weight(w, m + "down_proj.weight"), mlp_bias(m + "down_proj")
+        else:
+            w_fc = np.ascontiguousarray(_linear_weight(w, m + "c_fc.weight").T)
+            fc = linear.emit(gb, x, w_fc, name=f"layers.{i}.gate_up", role="gate_up", bias=mlp_bias(m + "c_fc"))
+            act = activation(fc, f"layers.{i}.act")
+            w_down, b_down = _linear_weight(w, m + "c_proj.weight"), mlp_bias(m + "c_proj")
+        pending = linear.emit(gb, act, np.ascontiguousarray(w_down.T), name=f"layers.{i}.down", role="down",
+                              bias=b_down)
 
-    g_final = gb.initializer("final_norm", w["model.norm.weight"])
-    x, _ = skip_norm(pending, residual, g_final, "final_norm")
+    x, _ = skip_norm(pending, residual, "model.norm", "final_norm")
     if c.tie_word_embeddings or "lm_head.weight" not in w:
         w_head = w["model.embed_tokens.weight"].T
     else:

@@ -42,10 +42,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         })
+        if config.mlp_gated:
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i)})
+            if config.mlp_bias:
+                shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                               p + "mlp.down_proj.bias": (h,)})
+        else:
+            shapes.update({p + "mlp.c_fc.weight": (i, h), p + "mlp.c_proj.weight": (h, i)})
+            if config.mlp_bias:
+                shapes.update({p + "mlp.c_fc.bias": (i,), p + "mlp.c_proj.bias": (h,)})
+        if config.norm == "layer":
+            shapes.update({p + "input_layernorm.bias": (h,), p + "post_attention_layernorm.bias": (h,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if config.attention_bias:
             shapes.update({
                 p + "self_attn.q_proj.bias": (q,),
@@ -55,6 +66,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_out_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
     shapes["model.norm.weight"] = (h,)
+    if config.norm == "layer":
+        shapes["model.norm.bias"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes

@@ -9,6 +9,11 @@ Models (all fp32, 2 layers, hidden 64, context 512, shared tokenizer):
 - ``llama``:   4 heads / 4 kv heads, tied embeddings
 - ``qwen2``:   4 heads / 2 kv heads, q/k/v biases, untied embeddings
 - ``mistral``: 8 heads / 2 kv heads (GQA, head_dim 8), untied, sliding_window 4096 (> context)
+- ``qwen3``:   4 heads / 2 kv heads, head_dim 24 (padded to 32 in the graph: exercises the
+  rescaled per-head q/k norm), untied
+- ``starcoder2``: 4 heads / 2 kv heads, LayerNorm with bias, GELU-tanh MLP, biases, tied,
+  sliding_window 4096 (> context)
+- ``gemma``:   4 heads / 1 kv head, head_dim 32 (heads x head_dim != hidden), GeGLU, tied
 
 Initialisation is scaled up from transformers' default (std 0.02) and norm weights / biases are
 randomised too, so logits are spread out (greedy decoding is not a tie-break lottery) and a graph
@@ -31,7 +36,7 @@ CONTEXT = 512
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _STDLIB_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py", "string.py", "json/encoder.py")
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "starcoder2", "gemma")
 
 
 def training_text() -> str:
@@ -68,7 +73,8 @@ def save_tokenizer(tok, out_dir: Path) -> None:
 
 def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
     """The transformers config of one tiny architecture."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                              Starcoder2Config)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   max_position_embeddings=CONTEXT, rms_norm_eps=1e-5, initializer_range=0.2,
@@ -81,6 +87,16 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
     if arch == "mistral":
         return MistralConfig(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
                              sliding_window=4096, **common)
+    if arch == "qwen3":
+        return Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                           rope_theta=1_000_000.0, **common)
+    if arch == "starcoder2":
+        common = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        return Starcoder2Config(num_attention_heads=4, num_key_value_heads=2, norm_epsilon=1e-5, use_bias=True,
+                                tie_word_embeddings=True, sliding_window=4096, rope_theta=100_000.0, **common)
+    if arch == "gemma":
+        return GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                           **common)
     raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHS}")
 
 
@@ -97,7 +113,9 @@ def build_model(arch: str, out_dir: Path, tokenizer=None, seed: int = 0) -> Path
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and arch == "gemma" and name.endswith(".weight"):
+                p.uniform_(-0.5, 0.5)  # Gemma scales by 1 + weight: the same 0.5..1.5 gains as the others
+            elif "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.2)
@@ -108,7 +126,7 @@ def build_model(arch: str, out_dir: Path, tokenizer=None, seed: int = 0) -> Path
 
 
 def build_all(root: Path, seed: int = 0) -> dict[str, Path]:
-    """All three tiny models under ``root`` (one tokenizer training for all)."""
+    """All the tiny models under ``root`` (one tokenizer training for all)."""
     tok = build_tokenizer()
     return {arch: build_model(arch, Path(root) / f"tiny_{arch}", tok, seed=seed + i) for i, arch in enumerate(ARCHS)}
 

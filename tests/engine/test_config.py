@@ -60,14 +60,14 @@ def test_generation_config_eos_merged(tmp_path):
     ({"num_hidden_layers": -1}, "num_hidden_layers=-1 must be a positive integer"),
     ({"hidden_size": "big"}, "config.json: hidden_size='big' must be of type int"),
     ({"intermediate_size": ...}, "required field 'intermediate_size' is missing"),
-    ({"hidden_act": "gelu"}, "config.json: hidden_act='gelu' is not supported"),
+    ({"hidden_act": "relu"}, "config.json: hidden_act='relu' is not supported"),
     ({"rms_norm_eps": 0}, "config.json: rms_norm_eps=0.0 must be positive"),
     ({"rope_theta": -1}, "config.json: rope_theta=-1 must be a positive number"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 0}}, "rope_scaling.factor=0 must be a positive number"),
     ({"eos_token_id": 500}, "eos_token_id=500 is outside vocab_size=100"),
     ({"dtype": "int8"}, "config.json: dtype='int8' is not supported"),
-    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"mlp_bias": "yes"}, "config.json: mlp_bias='yes' must be of type bool"),
     ({"head_dim": 7}, "head_dim=7 must be even"),
 ])
 def test_bad_fields_are_named(tmp_path, over, needle):
@@ -137,3 +137,22 @@ def test_rope_inv_freq_matches_transformers(tmp_path):
             ref = ROPE_INIT_FUNCTIONS[kind](ref_cfg, "cpu")[0].double().numpy()
             ours = cfg.rope_inv_freq()
         np.testing.assert_allclose(ours, ref, rtol=1e-6)
+
+
+def test_family_fields(tiny_models):
+    """What each architecture asks of the graph, read from transformers' own config.json files."""
+    got = {a: load_config(p) for a, p in tiny_models.items()}
+    assert (got["llama"].norm, got["llama"].mlp_act, got["llama"].mlp_gated) == ("rms", "silu", True)
+    assert got["qwen3"].qk_norm and got["qwen3"].head_dim == 24 and not got["qwen3"].attention_bias
+    sc = got["starcoder2"]
+    assert (sc.norm, sc.mlp_act, sc.mlp_gated, sc.mlp_bias) == ("layer", "gelu_tanh", False, True)
+    assert sc.attention_bias and sc.attention_out_bias and sc.tie_word_embeddings and sc.rms_norm_eps == 1e-5
+    gm = got["gemma"]
+    assert (gm.norm, gm.mlp_act, gm.embed_scale) == ("rms_offset", "gelu_tanh", 8.0)
+    assert not any(c.qk_norm for a, c in got.items() if a != "qwen3")
+
+
+def test_gemma_legacy_gelu_is_the_tanh_approximation(tmp_path):
+    """CodeGemma's config.json says hidden_act 'gelu'; transformers reads it as gelu_pytorch_tanh."""
+    cfg = load_config(write_config(tmp_path, architectures=["GemmaForCausalLM"], hidden_act="gelu"))
+    assert cfg.mlp_act == "gelu_tanh" and cfg.tie_word_embeddings

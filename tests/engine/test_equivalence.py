@@ -1,4 +1,6 @@
-"""The engine against transformers on the tiny Llama (tied), Qwen2 (q/k/v biases) and Mistral (GQA):
+"""The engine against transformers on the tiny Llama (tied), Qwen2 (q/k/v biases), Mistral (GQA), Qwen3
+(per-head q/k norm, padded head_dim), Starcoder2 (LayerNorm, GELU MLP, biases) and Gemma (GeGLU,
+norm weight + 1, scaled embeddings):
 logits within 1e-4 and 64 identical greedy tokens — cold, after prefix reuse, after a cancel, and
 when a longer prompt follows a shorter one."""
 
@@ -10,7 +12,7 @@ import pytest
 from engine import GenerationParams
 from engine_helpers import greedy, hf_greedy, hf_logits, load_engine, random_ids
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "starcoder2", "gemma")
 STEPS = 64
 
 

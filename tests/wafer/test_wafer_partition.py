@@ -107,7 +107,8 @@ def dense_engines(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("arch,grid", [("llama", (2, 2)), ("qwen2", (3, 5)), ("mistral", (4, 4)),
-                                       ("qwen2", (1, 3)), ("llama", (5, 2)), ("mistral", None)])
+                                       ("qwen2", (1, 3)), ("llama", (5, 2)), ("mistral", None),
+                                       ("qwen3", (2, 3)), ("starcoder2", (3, 2)), ("gemma", (2, 2))])
 def test_partitioned_engine_equals_dense(arch, grid, form, tiny_models, dense_engines, tmp_path_factory):
     dense = dense_engines[arch]
     lin = TiledLinear(grid, form=form)
