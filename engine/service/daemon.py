@@ -1,0 +1,322 @@
+"""The engine daemon: load models once, serve them over WebSocket until SIGTERM.
+
+``python -m engine.service.daemon [options]`` (``spark-lsp engine serve`` is the same command).
+The daemon binds loopback unless told otherwise, generates a random token and writes its URL and
+token to a 0600 record in the user's runtime dir (``engine.service.rundir``).  ``join_or_start``
+is what a client uses to share one daemon per model: it reads the record, or starts a detached
+daemon and waits for its record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..models import default_model_dir
+from . import rundir
+from .local import LocalModels
+from .server import EngineServer, is_loopback
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 8
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start as asked (a refused option, or a start that did not come up)."""
+
+
+def resolve_models(models: Sequence[str | None]) -> list[Path]:
+    """Model folders as absolute paths (None or an empty list: the default model)."""
+    out = [
+        Path(m).expanduser().resolve() if m else default_model_dir().resolve()
+        for m in (models or [None])
+    ]
+    return out
+
+
+def load_engines(
+    folders: Sequence[Path],
+    *,
+    slots: int = DEFAULT_SLOTS,
+    precision: str = "fp32",
+    threads: int | None = None,
+) -> list[Any]:
+    from ..engine import Engine  # lazily: ONNX Runtime loads only when a daemon really starts
+
+    engines = []
+    for folder in folders:
+        t0 = time.perf_counter()
+        eng = Engine.load(folder, slots=slots, precision=precision, threads=threads)
+        log.info("engine: loaded %s in %.1f s", eng.name, time.perf_counter() - t0)
+        engines.append(eng)
+    return engines
+
+
+def read_token_file(path: str) -> str:
+    token = Path(path).expanduser().read_text().strip()
+    if len(token) < 16:
+        raise DaemonError(f"{path}: a token needs at least 16 characters")
+    return token
+
+
+async def run(
+    models: Any,
+    folders: Sequence[Path],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str,
+    origins: Sequence[str] = (),
+    idle_exit_s: float | None = None,
+    record: bool = True,
+    announce=None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve ``models`` until SIGTERM/SIGINT (or ``stop`` is set, or ``idle_exit_s`` passes with
+    no client); every generation in flight is cancelled and its ``done`` delivered before exit."""
+    server = await EngineServer(models, token=token, origins=origins).start(host, port)
+    key = rundir.model_key(folders)
+    path = (
+        rundir.write_record(key, server.url, token, [str(f) for f in folders]) if record else None
+    )
+    log.info(
+        "engine: serving %s on %s%s",
+        [m["name"] for m in models.describe()],
+        server.url,
+        f" (record {path})" if path else "",
+    )
+    if announce is not None:
+        announce(server, path)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    idle = asyncio.ensure_future(_idle_watch(server, idle_exit_s, stop)) if idle_exit_s else None
+    try:
+        await stop.wait()
+        log.info("engine: stopping (%d connection(s))", len(server.connections))
+    finally:
+        if idle is not None:
+            idle.cancel()
+        if path is not None:
+            rundir.remove_record(key, os.getpid())
+        await server.stop()
+        models.close()
+        log.info("engine: stopped")
+
+
+async def _idle_watch(server: EngineServer, idle_exit_s: float, stop: asyncio.Event) -> None:
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(min(5.0, idle_exit_s))
+        if server.connections:
+            last = time.monotonic()
+        elif time.monotonic() - last >= idle_exit_s:
+            log.info("engine: no client for %.0f s, exiting", idle_exit_s)
+            stop.set()
+
+
+# -- joining a user's daemon ------------------------------------------------------------------------
+def daemon_command(
+    folder: Path, *, idle_exit_s: float = 900.0, log_file: Path | None = None
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.service.daemon",
+        "--model",
+        str(folder),
+        "--idle-exit",
+        str(idle_exit_s),
+    ]
+    if log_file is not None:
+        cmd += ["--log-file", str(log_file)]
+    return cmd
+
+
+def join_or_start(
+    model: str | None,
+    *,
+    timeout_s: float = 120.0,
+    idle_exit_s: float = 900.0,
+    command: list[str] | None = None,
+) -> dict[str, Any]:
+    """The record (url, token, pid) of the user's daemon for ``model``, starting a detached one
+    (in its own session, so it outlives the caller) when none runs.  A lock file keeps two callers
+    from starting two daemons for the same model."""
+    folders = resolve_models([model])
+    key = rundir.model_key(folders)
+    found = rundir.read_record(key)
+    if found is not None:
+        return found
+    lock_path = rundir.runtime_dir() / f"engine-{key}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = rundir.read_record(key)
+        if found is not None:
+            return found
+        log_file = rundir.runtime_dir() / f"engine-{key}.log"
+        cmd = command or daemon_command(folders[0], idle_exit_s=idle_exit_s, log_file=log_file)
+        env = dict(os.environ)
+        root = str(
+            Path(__file__).resolve().parents[2]
+        )  # the engine package must import in the child
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+            close_fds=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = rundir.read_record(key)
+            if found is not None and found.get("pid") == proc.pid:
+                return found
+            if proc.poll() is not None:
+                raise DaemonError(
+                    f"the engine daemon exited with status {proc.returncode} before serving "
+                    f"(log: {log_file})"
+                )
+            time.sleep(0.05)
+        proc.terminate()
+        raise DaemonError(
+            f"the engine daemon did not come up within {timeout_s:g} s (log: {log_file})"
+        )
+
+
+# -- command line ---------------------------------------------------------------------------------
+def host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", value
+    try:
+        p = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or PORT, got {value!r}") from None
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port {p} is outside 0..65535")
+    return (host.strip("[]") or "127.0.0.1"), p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ws",
+        metavar="HOST:PORT",
+        type=host_port,
+        default=("127.0.0.1", 0),
+        help="where to listen (default 127.0.0.1 and a free port; the URL goes to the record)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="a model folder to serve (repeat for several; default: the bundled model)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=DEFAULT_SLOTS, help="KV slots per model (documents kept warm)"
+    )
+    p.add_argument("--precision", default="fp32", help="weight precision (fp32, int8, int4, auto)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads per model")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --ws address (clients need the token)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="read the access token from FILE (default: a new random token in the record)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="accept browser connections from this Origin (default: none)",
+    )
+    p.add_argument(
+        "--idle-exit",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="exit after this long without a client",
+    )
+    p.add_argument("--log-file", metavar="FILE", help="write the log here (default: stderr)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def main_args(args: argparse.Namespace) -> int:
+    handler = (
+        logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(args.log_level)
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    host, port = args.ws
+    try:
+        if not is_loopback(host) and not args.allow_remote:
+            raise DaemonError(
+                f"--ws {host}:{port} is not a loopback address: pass --allow-remote "
+                "(and give clients the token) to serve other machines"
+            )
+        token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
+        folders = resolve_models(args.model)
+        models = LocalModels(
+            load_engines(folders, slots=args.slots, precision=args.precision, threads=args.threads)
+        )
+    except (DaemonError, OSError, ValueError) as e:
+        print(f"spark-lsp engine serve: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a model that cannot load
+        print(f"spark-lsp engine serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+    def announce(server: EngineServer, path: Path | None) -> None:
+        print(f"engine service on {server.url} (token in {path})", file=sys.stderr, flush=True)
+
+    sys.setswitchinterval(0.0005)  # a cancel or a socket read waits at most this for the GIL
+    asyncio.run(
+        run(
+            models,
+            folders,
+            host=host,
+            port=port,
+            token=token,
+            origins=args.allow_origin,
+            idle_exit_s=args.idle_exit,
+            announce=announce,
+        )
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m engine.service.daemon", description=__doc__.splitlines()[0]
+    )
+    add_arguments(p)
+    return main_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Models served from this process: loaded ``Engine`` objects, each generation in its own thread.
+
+A generation iterates in a worker thread (the engine's lock is held per step, so generations on
+different slots interleave) and hands every chunk to a :class:`Sink`.  The sink's credit window
+blocks the thread while the client is behind, so a slow reader holds the generation instead of
+growing a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..config import ModelError
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..generate import Generation, GenerationParams
+    from ..tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Where a running generation delivers its output (callable from any thread)."""
+
+    def chunk(self, token_id: int, text: str) -> None: ...
+
+    def finish(
+        self, finish_reason: str, stats: dict[str, Any], error: tuple[str, str] | None
+    ) -> None: ...
+
+    def credit(self, stop: threading.Event, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for room to deliver one chunk; False if there is none yet."""
+        ...
+
+
+def describe(engine: Engine) -> dict[str, Any]:
+    """One model's entry in the ``hello`` reply."""
+    tok = engine.tokenizer
+    fim = getattr(tok, "fim", None)
+    return {
+        "name": engine.name,
+        "context": int(engine.context),
+        "vocab_size": int(engine.config.vocab_size),
+        "eos_ids": sorted(int(i) for i in engine.eos_ids),
+        "bos_id": engine.config.bos_token_id,
+        "fim": fim is not None,
+        "precision": getattr(engine, "precision", "fp32"),
+        "slots": int(engine._cache.capacity),
+    }
+
+
+class LocalRun:
+    """A generation running in its own thread; ``cancel()`` stops it within one decode step."""
+
+    def __init__(self, gen: Generation, sink: Sink) -> None:
+        self.gen = gen
+        self.sink = sink
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._work, name="spark-engine-gen", daemon=True)
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self.gen.cancel()
+
+    def _work(self) -> None:
+        error = None
+        try:
+            for chunk in self.gen:
+                while not self._stop.is_set() and not self.sink.credit(self._stop, 0.05):
+                    pass
+                if self._stop.is_set():
+                    self.gen.cancel()  # the next step ends the iteration with 'cancelled'
+                    continue
+                self.sink.chunk(int(chunk.token_id), chunk.text)
+        except ModelError as e:
+            error = ("engine_error", str(e))
+        except Exception as e:  # an engine failure ends this generation, never the service
+            log.exception("generation failed")
+            error = ("engine_error", f"{type(e).__name__}: {e}")
+        reason = self.gen.finish_reason or "cancelled"
+        if error is not None:
+            reason = "error"
+        self.sink.finish(reason, dict(self.gen.stats), error)
+
+
+class LocalModels:
+    """The models of a daemon (or a test): ``Engine`` objects by name; the first is the default."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        if not engines:
+            raise ValueError("at least one engine is needed")
+        self.engines: dict[str, Engine] = {}
+        for eng in engines:
+            if eng.name in self.engines:
+                raise ValueError(f"two models are named {eng.name!r}")
+            self.engines[eng.name] = eng
+        self.default = next(iter(self.engines))
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [describe(e) for e in self.engines.values()]
+
+    def get(self, name: str | None) -> Engine:
+        eng = self.engines.get(name or self.default)
+        if eng is None:
+            raise KeyError(name)
+        return eng
+
+    def tokenizer(self, name: str | None) -> Tokenizer:
+        return self.get(name).tokenizer
+
+    def encode(self, name: str | None, prompt: str | list[int]) -> list[int]:
+        """Checked token ids of a prompt (ValueError / ModelError when it cannot run)."""
+        return self.get(name).encode_prompt(prompt)
+
+    def start(
+        self,
+        name: str | None,
+        ids: list[int],
+        params: GenerationParams,
+        slot: str | None,
+        sink: Sink,
+    ) -> LocalRun:
+        eng = self.get(name)
+        run = LocalRun(
+            eng.generate(ids, params, slot=("service", slot) if slot is not None else None), sink
+        )
+        run.thread.start()
+        return run
+
+    def status(self) -> list[dict[str, Any]]:
+        out = []
+        for eng in self.engines.values():
+            d = describe(eng)
+            d["cached_slots"] = len(eng._cache.keys())
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        """Nothing to release beyond the engines (their sessions close with the process)."""

@@ -1,0 +1,273 @@
+"""The engine service's wire protocol: JSON text messages over one WebSocket.
+
+This module only parses and builds messages (no I/O), so the daemon, the Ray Serve ingress and
+the client share one definition of the protocol.  docs/engine-protocol.md is its reference.
+
+Every message is a JSON object with a ``type``.  Client → server: ``hello``, ``generate``,
+``cancel``, ``steer``, ``status``.  Server → client: ``hello``, ``tokens``, ``done``, ``steer``,
+``status``, ``error``.  A bad message is answered with an ``error`` carrying a code; the socket
+stays open.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..generate import GenerationParams
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+#: Messages larger than this are refused with ``error`` code ``too_large`` (the socket stays open).
+MAX_MESSAGE_BYTES = 1 << 20
+#: Frames larger than this are not even read: the socket is closed with 1009 (message too big).
+MAX_FRAME_BYTES = 16 << 20
+#: Longest generation id / slot key accepted.
+MAX_ID_CHARS = 256
+#: Longest steer text in one message.
+MAX_STEER_CHARS = 1 << 16
+
+# Error codes (stable: clients branch on them).
+BAD_JSON = "bad_json"
+BAD_MESSAGE = "bad_message"
+UNKNOWN_TYPE = "unknown_type"
+HELLO_REQUIRED = "hello_required"
+UNSUPPORTED_VERSION = "unsupported_version"
+BAD_PARAMS = "bad_params"
+UNKNOWN_MODEL = "unknown_model"
+DUPLICATE_ID = "duplicate_id"
+TOO_LARGE = "too_large"
+TOO_MANY = "too_many_generations"
+BAD_PROMPT = "bad_prompt"
+ENGINE_ERROR = "engine_error"
+SHUTTING_DOWN = "shutting_down"
+UNAVAILABLE = "unavailable"
+
+# Steer states and outcomes (docs/engine-protocol.md, "Steering").
+ACCEPTED = "accepted"
+COMMITTED = "committed"
+FAILED = "failed"
+CONTINUED = "continued"
+STOPPED = "stopped"
+
+#: Generation parameters a client may set; the rest of GenerationParams stays at its default.
+PARAM_NAMES = tuple(f.name for f in fields(GenerationParams))
+
+
+class ProtocolError(Exception):
+    """A message the server (or client) refuses: becomes an ``error`` message with ``code``."""
+
+    def __init__(self, code: str, message: str, id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+
+
+@dataclass(frozen=True)
+class Hello:
+    versions: tuple[int, ...]
+    client: str
+
+
+@dataclass(frozen=True)
+class Generate:
+    id: str
+    model: str | None
+    slot: str | None
+    prompt: str | list[int]
+    params: GenerationParams
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: str
+
+
+@dataclass(frozen=True)
+class Steer:
+    id: str
+    text: str
+    steer: str | None
+
+
+@dataclass(frozen=True)
+class Status:
+    id: str | None
+
+
+def encode(msg: dict[str, Any]) -> str:
+    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False)
+
+
+def decode(raw: str | bytes) -> dict[str, Any]:
+    """A received frame as a message object; ProtocolError for anything that is not one."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(TOO_LARGE, f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(BAD_JSON, f"not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(BAD_MESSAGE, "a message must be a JSON object")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError(BAD_MESSAGE, "a message needs a string 'type'", _id_of(msg))
+    return msg
+
+
+def _id_of(msg: dict[str, Any]) -> str | None:
+    v = msg.get("id")
+    return v if isinstance(v, str) and len(v) <= MAX_ID_CHARS else None
+
+
+def _req_id(msg: dict[str, Any]) -> str:
+    v = msg.get("id")
+    if not isinstance(v, str) or not v or len(v) > MAX_ID_CHARS:
+        raise ProtocolError(
+            BAD_MESSAGE, f"'id' must be a non-empty string of at most {MAX_ID_CHARS} characters"
+        )
+    return v
+
+
+def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status:
+    """A decoded client message as its typed form; ProtocolError when it is malformed."""
+    kind = msg["type"]
+    if kind == "hello":
+        v = msg.get("protocol", PROTOCOL_VERSION)
+        versions = tuple(v) if isinstance(v, list) else (v,)
+        if not versions or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in versions
+        ):
+            raise ProtocolError(BAD_MESSAGE, "'protocol' must be an integer or a list of integers")
+        client = msg.get("client", "")
+        return Hello(versions, client if isinstance(client, str) else "")
+    if kind == "generate":
+        gid = _req_id(msg)
+        try:
+            return Generate(
+                gid,
+                _opt_str(msg, "model"),
+                _opt_str(msg, "slot"),
+                _prompt(msg),
+                params_from_json(msg.get("params")),
+            )
+        except ProtocolError as e:
+            e.id = gid
+            raise
+    if kind == "cancel":
+        return Cancel(_req_id(msg))
+    if kind == "steer":
+        gid = _req_id(msg)
+        text = msg.get("text")
+        if not isinstance(text, str) or len(text) > MAX_STEER_CHARS:
+            raise ProtocolError(
+                BAD_MESSAGE,
+                f"steer 'text' must be a string of at most {MAX_STEER_CHARS} characters",
+                gid,
+            )
+        sid = msg.get("steer")
+        if sid is not None and (not isinstance(sid, str) or len(sid) > MAX_ID_CHARS):
+            raise ProtocolError(BAD_MESSAGE, "steer 'steer' must be a short string", gid)
+        return Steer(gid, text, sid)
+    if kind == "status":
+        return Status(_id_of(msg))
+    raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}", _id_of(msg))
+
+
+def _opt_str(msg: dict[str, Any], key: str) -> str | None:
+    v = msg.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) > MAX_ID_CHARS:
+        raise ProtocolError(
+            BAD_MESSAGE, f"{key!r} must be a string of at most {MAX_ID_CHARS} characters"
+        )
+    return v
+
+
+def _prompt(msg: dict[str, Any]) -> str | list[int]:
+    p = msg.get("prompt")
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    raise ProtocolError(BAD_PROMPT, "'prompt' must be text or a list of token ids")
+
+
+def params_from_json(raw: Any) -> GenerationParams:
+    """GenerationParams from the ``params`` object (unknown names are refused, not ignored)."""
+    if raw is None:
+        return GenerationParams()
+    if not isinstance(raw, dict):
+        raise ProtocolError(BAD_PARAMS, "'params' must be an object")
+    unknown = sorted(set(raw) - set(PARAM_NAMES))
+    if unknown:
+        raise ProtocolError(
+            BAD_PARAMS, f"unknown generation parameter(s) {unknown}; known: {list(PARAM_NAMES)}"
+        )
+    kw = dict(raw)
+    for key in ("stop", "stop_ids"):
+        if key in kw and kw[key] is not None and not isinstance(kw[key], (list, str)):
+            raise ProtocolError(BAD_PARAMS, f"{key!r} must be a list")
+    if isinstance(kw.get("stop"), list):
+        kw["stop"] = tuple(kw["stop"])
+    if isinstance(kw.get("stop_ids"), list):
+        kw["stop_ids"] = (
+            frozenset(kw["stop_ids"])
+            if all(isinstance(i, int) for i in kw["stop_ids"])
+            else kw["stop_ids"]
+        )
+    try:
+        return GenerationParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(BAD_PARAMS, str(e)) from None
+
+
+def params_to_json(params: GenerationParams) -> dict[str, Any]:
+    """The ``params`` object for a GenerationParams (only the fields that differ from the default)."""
+    default = GenerationParams()
+    out: dict[str, Any] = {}
+    for name in PARAM_NAMES:
+        v = getattr(params, name)
+        if v == getattr(default, name):
+            continue
+        out[name] = (
+            sorted(v) if isinstance(v, frozenset) else list(v) if isinstance(v, tuple) else v
+        )
+    return out
+
+
+# -- server → client messages ---------------------------------------------------------------------
+def error(code: str, message: str, id: str | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if id is not None:
+        msg["id"] = id
+    return msg
+
+
+def tokens(id: str, text: str, ids: list[int]) -> dict[str, Any]:
+    return {"type": "tokens", "id": id, "text": text, "ids": ids}
+
+
+def done(
+    id: str,
+    finish_reason: str,
+    stats: dict[str, Any],
+    *,
+    successor: str | None = None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": "done", "id": id, "finish_reason": finish_reason, "stats": stats}
+    if successor is not None:
+        msg["successor"] = successor
+    if error is not None:
+        msg["error"] = error
+    return msg
+
+
+def steer_event(id: str, steer: str | None, state: str, **extra: Any) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": "steer", "id": id, "steer": steer, "state": state}
+    msg.update(extra)
+    return msg

@@ -1,0 +1,111 @@
+"""Where a user's engine daemons leave their address and access token.
+
+Each daemon writes ``<runtime dir>/engine-<key>.json`` (mode 0600, in a 0700 folder): its URL,
+its random token, its pid and the model folders it serves.  ``key`` names the model set, so a
+client looking for "a daemon serving model M" finds it without scanning ports, and only the
+user (who can read the file) can connect.  The runtime dir is ``$XDG_RUNTIME_DIR/spark-lsp`` when
+the session has one, else ``~/.cache/spark-lsp/run``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ENV_DIR = "SPARK_LSP_RUN_DIR"  # overrides the runtime dir (tests, several users on one account)
+
+
+def runtime_dir() -> Path:
+    """The private folder for daemon records (created 0700 if missing)."""
+    env = os.environ.get(ENV_DIR, "").strip()
+    if env:
+        path = Path(env).expanduser()
+    elif os.environ.get("XDG_RUNTIME_DIR") and Path(os.environ["XDG_RUNTIME_DIR"]).is_dir():
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "spark-lsp"
+    else:
+        path = Path.home() / ".cache" / "spark-lsp" / "run"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def model_key(models: Iterable[str | os.PathLike]) -> str:
+    """A short name for a set of model folders (their resolved paths, in order)."""
+    joined = "\n".join(str(Path(m).expanduser().resolve()) for m in models)
+    return hashlib.sha256(joined.encode()).hexdigest()[:16]
+
+
+def record_path(key: str) -> Path:
+    return runtime_dir() / f"engine-{key}.json"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by the owner only (never world-readable, not even briefly)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_record(key: str, url: str, token: str, models: list[str], **extra: Any) -> Path:
+    path = record_path(key)
+    data = {"url": url, "token": token, "pid": os.getpid(), "models": models, **extra}
+    write_private(path, json.dumps(data, indent=1))
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_record(key: str) -> dict[str, Any] | None:
+    """The record of a live daemon for ``key`` (a stale one, whose process is gone, is removed)."""
+    path = record_path(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("pid"), int)
+        or not isinstance(data.get("url"), str)
+    ):
+        return None
+    if not pid_alive(data["pid"]):
+        remove_record(key, data["pid"])
+        return None
+    return data
+
+
+def remove_record(key: str, pid: int | None = None) -> None:
+    """Delete the record (only if it is still ``pid``'s, when given: a successor may own it)."""
+    path = record_path(key)
+    if pid is not None:
+        try:
+            if json.loads(path.read_text()).get("pid") != pid:
+                return
+        except (OSError, ValueError):
+            pass
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

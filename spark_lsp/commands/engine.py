@@ -1,0 +1,48 @@
+"""`spark-lsp engine serve`: run the shared engine daemon (``engine.service``) for editors to join."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    from engine.service import daemon
+
+    p = subparsers.add_parser(
+        "engine",
+        help="run the shared engine service",
+        description="The engine as a service: one model, shared by every editor window.",
+    )
+    sub = p.add_subparsers(dest="engine_command", metavar="ACTION")
+    sub.required = True
+    s = sub.add_parser(
+        "serve",
+        help="serve models over a persistent WebSocket (loopback, token-protected)",
+        description="Load the models once and serve them to spark-lsp servers (engine "
+        "'auto' or 'ws://...') over one WebSocket each. The URL and token go to "
+        "a 0600 file in the user's runtime dir. SIGTERM stops it cleanly.",
+    )
+    daemon.add_arguments(s)
+    s.add_argument(
+        "--ray",
+        action="store_true",
+        help="deploy on Ray Serve instead (pip install 'spark-lsp[ray]')",
+    )
+    s.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
+    s.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.ray:
+        from engine.service import ray_app
+
+        return ray_app.main_args(args)
+    from engine.service import daemon
+
+    return daemon.main_args(args)
+
+
+if __name__ == "__main__":
+    from engine.service.daemon import main
+
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The engine daemon as a process: its private record, token, SIGTERM, and join-or-start."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import GenerationParams
+from engine.service import daemon, rundir
+from engine.service.client import EngineClient, EngineUnavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    monkeypatch.setenv(rundir.ENV_DIR, str(d))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return d
+
+
+def wait_record(key: str, proc: subprocess.Popen, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = rundir.read_record(key)
+        if rec is not None and rec["pid"] == proc.pid:
+            return rec
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else proc.returncode
+        time.sleep(0.05)
+    raise AssertionError("the daemon wrote no record")
+
+
+def start_daemon(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "spark_lsp.cli", "engine", "serve", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_daemon_record_token_and_clean_sigterm(run_dir):
+    proc = start_daemon()
+    try:
+        key = rundir.model_key(daemon.resolve_models([None]))
+        rec = wait_record(key, proc)
+        path = rundir.record_path(key)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        assert rec["url"].startswith("ws://127.0.0.1:") and len(rec["token"]) >= 32
+
+        async def scenario():
+            with pytest.raises(EngineUnavailable, match="401"):
+                await EngineClient.connect(rec["url"], "not-the-token-not-the-token")
+            c = await EngineClient.connect(rec["url"], rec["token"])
+            gen = await c.generate(
+                "def main():\n", GenerationParams(max_new_tokens=1500, ignore_eos=True), slot="d"
+            )
+            async for _ in gen:
+                break
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(gen.wait(), 30)
+            await c.close()
+            return gen
+
+        gen = asyncio.run(scenario())
+        assert (
+            gen.finish_reason == "cancelled"
+        )  # in flight at SIGTERM: cancelled, its done delivered
+        assert proc.wait(30) == 0
+        assert not path.exists()
+        log = proc.stderr.read().decode()
+        assert "connected" in log and "stopped" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_non_loopback_bind_needs_allow_remote(run_dir):
+    proc = start_daemon("--ws", "0.0.0.0:0")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert b"--allow-remote" in err
+
+
+@pytest.mark.slow
+def test_join_or_start_starts_one_detached_daemon_and_joins_it(run_dir):
+    rec = daemon.join_or_start(None, idle_exit_s=120)
+    try:
+        again = daemon.join_or_start(None)
+        assert again["pid"] == rec["pid"] and again["token"] == rec["token"]
+
+        async def use():
+            c = await EngineClient.connect(rec["url"], rec["token"])
+            g = await (await c.generate("x = ", GenerationParams(max_new_tokens=3))).wait()
+            await c.close()
+            return g
+
+        assert asyncio.run(use()).finish_reason in ("length", "eos")
+    finally:
+        os.kill(rec["pid"], signal.SIGTERM)
+        for _ in range(600):  # the daemon is this process's child (detached): reap it
+            if os.waitpid(rec["pid"], os.WNOHANG)[0] == rec["pid"]:
+                break
+            time.sleep(0.05)
+    assert rundir.read_record(rundir.model_key(daemon.resolve_models([None]))) is None

@@ -1,0 +1,379 @@
+"""The engine service protocol over a real WebSocket, on the bundled model.
+
+Greedy decoding is deterministic, so every text coming over the socket is compared with what the
+in-process engine generates for the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from engine import Engine, GenerationParams
+from engine.service import protocol as P
+from engine.service import steering
+from engine.service.client import EngineClient, EngineUnavailable
+from engine.service.connection import WINDOW, Connection
+from engine.service.local import LocalModels
+from engine.service.server import EngineServer
+
+TOKEN = "t" * 32
+PROMPT = "def fibonacci(n):\n"
+LONG = GenerationParams(max_new_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(slots=8)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """In-process greedy text (and stats keys) for PROMPT, 48 tokens, on its own slot."""
+    gen = engine.generate(
+        PROMPT, GenerationParams(max_new_tokens=48, ignore_eos=True), slot="reference"
+    )
+    stream = steering.Stream()
+    for chunk in gen:
+        stream.push(chunk.token_id, chunk.text)
+    return {
+        "text": gen.text,
+        "tokens": list(gen.tokens),
+        "stats": set(gen.stats),
+        "finish_reason": gen.finish_reason,
+        "stream": stream,
+    }
+
+
+@pytest.fixture
+async def server(engine):
+    srv = await EngineServer(
+        LocalModels([engine]), token=TOKEN, origins=["https://allowed.example"]
+    ).start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client(server):
+    c = await EngineClient.connect(server.url, TOKEN)
+    yield c
+    await c.close()
+
+
+async def raw_connection(server, **kw):
+    return await connect(
+        server.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}, proxy=None, **kw
+    )
+
+
+async def recv_json(ws) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+
+# -- handshake ----------------------------------------------------------------------------------
+async def test_hello_lists_models_and_capabilities(client, engine):
+    h = client.hello
+    assert h["protocol"] == P.PROTOCOL_VERSION
+    assert [m["name"] for m in h["models"]] == [engine.name]
+    m = h["models"][0]
+    assert m["context"] == engine.context and m["vocab_size"] == engine.config.vocab_size
+    assert h["capabilities"]["steer"] and h["capabilities"]["cancel"]
+    assert "max_new_tokens" in h["capabilities"]["params"]
+
+
+async def test_unsupported_version_and_messages_before_hello(server):
+    ws = await raw_connection(server)
+    try:
+        await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "x"}))
+        assert (await recv_json(ws))["code"] == P.HELLO_REQUIRED
+        await ws.send(json.dumps({"type": "hello", "protocol": [99]}))
+        reply = await recv_json(ws)
+        assert reply["type"] == "error" and reply["code"] == P.UNSUPPORTED_VERSION
+        await ws.send(json.dumps({"type": "hello", "protocol": [99, 1]}))
+        assert (await recv_json(ws))["protocol"] == 1
+    finally:
+        await ws.close()
+
+
+# -- generation, multiplexing, cancel -----------------------------------------------------------
+async def test_generation_matches_in_process(client, reference):
+    gen = await client.generate(
+        PROMPT, GenerationParams(max_new_tokens=48, ignore_eos=True), slot="doc"
+    )
+    pieces = [p async for p in gen]
+    assert "".join(p.text for p in pieces) == gen.text == reference["text"]
+    assert gen.tokens == reference["tokens"]
+    assert gen.finish_reason == reference["finish_reason"] == "length"
+    assert set(gen.stats) == reference["stats"]
+    assert gen.stats["new_tokens"] == 48
+
+
+async def test_text_and_id_prompts_and_prefix_reuse(client, engine, reference):
+    ids = engine.tokenizer.encode(PROMPT)
+    first = await (
+        await client.generate(ids, GenerationParams(max_new_tokens=48, ignore_eos=True), slot="ids")
+    ).wait()
+    assert first.text == reference["text"]
+    again = await (
+        await client.generate(ids, GenerationParams(max_new_tokens=4), slot="ids")
+    ).wait()
+    assert again.stats["reused_tokens"] == len(ids) - 1  # the slot kept the prompt's KV
+
+
+async def test_many_generations_multiplexed_on_one_socket(client, engine):
+    prompts = [f"def f{i}(x):\n    return x" for i in range(6)]
+    expected = [
+        engine.generate(
+            p, GenerationParams(max_new_tokens=24, ignore_eos=True), slot=("ref", i)
+        ).result()
+        for i, p in enumerate(prompts)
+    ]
+    gens = [
+        await client.generate(p, GenerationParams(max_new_tokens=24, ignore_eos=True), slot=f"m{i}")
+        for i, p in enumerate(prompts)
+    ]
+    await asyncio.gather(*(g.wait() for g in gens))
+    assert [g.text for g in gens] == expected
+    assert len({g.id for g in gens}) == len(gens)
+
+
+async def test_cancel_stops_the_generation(client):
+    gen = await client.generate(PROMPT, LONG, slot="cancel")
+    async for _piece in gen:
+        await gen.cancel()
+        break
+    await gen.wait()
+    assert gen.finish_reason == "cancelled"
+    assert gen.stats["new_tokens"] < LONG.max_new_tokens
+    # the connection goes on
+    after = await (
+        await client.generate(PROMPT, GenerationParams(max_new_tokens=3), slot="cancel")
+    ).wait()
+    assert after.finish_reason in ("length", "eos")
+
+
+async def test_cancel_of_unknown_or_finished_id_is_harmless(client):
+    g = await (await client.generate(PROMPT, GenerationParams(max_new_tokens=2), slot="x")).wait()
+    await g.client._send({"type": "cancel", "id": g.id})
+    await g.client._send({"type": "cancel", "id": "never-started"})
+    st = await client.status()
+    assert st["generations"] == 0
+
+
+# -- steering -----------------------------------------------------------------------------------
+async def test_steer_matching_text_keeps_the_generation(client, reference):
+    gen = await client.generate(
+        PROMPT, GenerationParams(max_new_tokens=48, ignore_eos=True), slot="steer-m"
+    )
+    typed = reference["text"][:5]
+    event = await gen.steer(typed)
+    assert event["state"] == P.COMMITTED and event["outcome"] == P.CONTINUED
+    assert event["matched"] == len(typed)
+    await gen.wait()
+    assert gen.finish_reason == "length" and gen.successor is None
+    assert gen.text == reference["text"]
+
+
+async def test_steer_diverging_text_stops_and_a_successor_continues(client, engine, reference):
+    gen = await client.generate(
+        PROMPT, GenerationParams(max_new_tokens=48, ignore_eos=True), slot="steer-d"
+    )
+    first = await gen.__aiter__().__anext__()
+    typed = first.text + "\u00a7zz"
+    event = await gen.steer(typed)
+    assert event["outcome"] == P.STOPPED and event["successor"]
+    await gen.wait()
+    assert gen.finish_reason == "steered"
+    succ = gen.successor
+    assert succ is not None and succ.id == event["successor"]
+    await succ.wait()
+    assert succ.finish_reason == "length"
+    # the successor is the in-process continuation of prompt + generated tokens + typed rest
+    prompt = engine.tokenizer.encode(PROMPT)
+    expected_ids = steering.successor_prompt(
+        prompt, reference["stream"], typed, engine.tokenizer.encode
+    )
+    expected = engine.generate(
+        expected_ids, GenerationParams(max_new_tokens=48, ignore_eos=True), slot="steer-ref"
+    ).result()
+    assert succ.text == expected
+    assert succ.stats["reused_tokens"] >= len(prompt)
+
+
+async def test_steer_after_the_end_fails_with_the_text_returned(client):
+    gen = await (
+        await client.generate(PROMPT, GenerationParams(max_new_tokens=2), slot="late")
+    ).wait()
+    event = await gen.steer("abc")
+    assert event["state"] == P.FAILED and event["text"] == "abc"
+
+
+def test_judge_and_successor_prompt():
+    assert steering.judge("ab", "abc") == steering.MATCH
+    assert steering.judge("abcd", "abc") == steering.PENDING
+    assert steering.judge("abx", "abc") == steering.DIVERGED
+    s = steering.Stream()
+    for tid, text in ((10, "foo"), (11, "("), (12, "bar")):
+        s.push(tid, text)
+    enc = lambda t: [ord(c) for c in t]
+    assert steering.successor_prompt([1, 2], s, "foo(x", enc) == [1, 2, 10, 11, ord("x")]
+    assert steering.successor_prompt([1, 2], s, "fo", enc) == [1, 2, ord("f"), ord("o")]
+    # healed tokens (no visible text) are kept only with the visible token that follows them
+    h = steering.Stream()
+    h.push(7, "")
+    h.push(8, "ab")
+    assert steering.successor_prompt([1], h, "x", enc, healed_prefix="q") == [1, ord("q"), ord("x")]
+    assert steering.successor_prompt([1], h, "abz", enc, healed_prefix="q") == [1, 7, 8, ord("z")]
+
+
+# -- bad input ----------------------------------------------------------------------------------
+async def test_bad_messages_get_error_codes_and_the_socket_stays(client, server):
+    ws = await raw_connection(server)
+    try:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1}))
+        await recv_json(ws)
+        cases = [
+            ("{not json", P.BAD_JSON),
+            ("[1, 2]", P.BAD_MESSAGE),
+            (json.dumps({"id": "x"}), P.BAD_MESSAGE),
+            (json.dumps({"type": "teleport"}), P.UNKNOWN_TYPE),
+            (json.dumps({"type": "generate", "prompt": "x"}), P.BAD_MESSAGE),
+            (json.dumps({"type": "generate", "id": "a", "prompt": {"x": 1}}), P.BAD_PROMPT),
+            (json.dumps({"type": "generate", "id": "a", "prompt": [10**9]}), P.BAD_PROMPT),
+            (
+                json.dumps(
+                    {"type": "generate", "id": "a", "prompt": "x", "params": {"max_new_tokens": -1}}
+                ),
+                P.BAD_PARAMS,
+            ),
+            (
+                json.dumps({"type": "generate", "id": "a", "prompt": "x", "params": {"warp": 9}}),
+                P.BAD_PARAMS,
+            ),
+            (
+                json.dumps({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": 3}}),
+                P.BAD_PARAMS,
+            ),
+            (
+                json.dumps({"type": "generate", "id": "a", "prompt": "x", "model": "nope"}),
+                P.UNKNOWN_MODEL,
+            ),
+            (json.dumps({"type": "steer", "id": "a", "text": 5}), P.BAD_MESSAGE),
+            (b"\xff\xfe", P.BAD_JSON),
+        ]
+        for raw, code in cases:
+            await ws.send(raw)
+            reply = await recv_json(ws)
+            assert reply["type"] == "error" and reply["code"] == code, (raw, reply)
+        # a duplicate id while the first still runs
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": "dup",
+                    "prompt": PROMPT,
+                    "params": {"max_new_tokens": 300, "ignore_eos": True},
+                }
+            )
+        )
+        await ws.send(json.dumps({"type": "generate", "id": "dup", "prompt": PROMPT}))
+        await ws.send(json.dumps({"type": "cancel", "id": "dup"}))
+        seen = []
+        while True:
+            m = await recv_json(ws)
+            seen.append(m)
+            if m["type"] == "done":
+                break
+        assert any(m["type"] == "error" and m["code"] == P.DUPLICATE_ID for m in seen)
+        assert seen[-1]["finish_reason"] == "cancelled"
+    finally:
+        await ws.close()
+    ok = await (
+        await client.generate(PROMPT, GenerationParams(max_new_tokens=3), slot="after")
+    ).wait()
+    assert ok.finish_reason in ("length", "eos")
+
+
+async def test_oversized_message_is_refused_and_oversized_frame_closes_cleanly(server):
+    ws = await raw_connection(server, max_size=None)
+    try:
+        await ws.send(json.dumps({"type": "hello"}))
+        await recv_json(ws)
+        await ws.send(
+            json.dumps({"type": "steer", "id": "a", "text": "x" * (P.MAX_MESSAGE_BYTES + 10)})
+        )
+        reply = await recv_json(ws)
+        assert reply["code"] == P.TOO_LARGE
+        await ws.send(json.dumps({"type": "status"}))
+        assert (await recv_json(ws))["type"] == "status"  # still open
+        await ws.send("x" * (P.MAX_FRAME_BYTES + 1))
+        with pytest.raises(ConnectionClosed) as info:
+            await recv_json(ws)
+        assert (
+            info.value.rcvd is not None and info.value.rcvd.code == 1009
+        )  # a close frame, not a drop
+    finally:
+        if ws.state.name == "OPEN":
+            await ws.close()
+
+
+async def test_wrong_or_missing_token_is_refused(server):
+    with pytest.raises(EngineUnavailable, match="401"):
+        await EngineClient.connect(server.url, "wrong-token-wrong-token")
+    with pytest.raises(EngineUnavailable, match="401"):
+        await EngineClient.connect(server.url, None)
+
+
+async def test_browser_origin_refused_unless_allowed(server):
+    with pytest.raises(EngineUnavailable, match="403"):
+        await EngineClient.connect(server.url, TOKEN, origin="https://evil.example")
+    c = await EngineClient.connect(server.url, TOKEN, origin="https://allowed.example")
+    await c.close()
+
+
+# -- backpressure -------------------------------------------------------------------------------
+async def test_a_client_that_stops_reading_holds_its_generation(engine):
+    """A sender that never completes: the generation stops after WINDOW undelivered tokens, and
+    the outbox holds them in one merged message; releasing the client lets it finish."""
+    unblock = asyncio.Event()
+    sent: list[str] = []
+
+    async def slow_send(data: str) -> None:
+        await unblock.wait()
+        sent.append(data)
+
+    conn = Connection(LocalModels([engine]), slow_send)
+    await conn.handle(json.dumps({"type": "hello"}))
+    await conn.handle(
+        json.dumps(
+            {
+                "type": "generate",
+                "id": "g",
+                "prompt": PROMPT,
+                "slot": "bp",
+                "params": {"max_new_tokens": 300, "ignore_eos": True},
+            }
+        )
+    )
+    run = conn.runs["g"]
+    for _ in range(3000):
+        if len(run.stream.ids) >= WINDOW:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)  # give a runaway generation the chance to show itself
+    assert len(run.stream.ids) == WINDOW
+    assert len(conn.outbox.items) <= 2  # the hello reply being sent + one merged tokens message
+    unblock.set()
+    for _ in range(3000):
+        if "g" not in conn.runs:
+            break
+        await asyncio.sleep(0.01)
+    await conn.close()
+    done = [json.loads(s) for s in sent if '"done"' in s]
+    assert done and done[-1]["stats"]["new_tokens"] == 300
+    assert sum(len(json.loads(s).get("ids", ())) for s in sent) == 300
