@@ -54,6 +54,11 @@ class ModelHost:
         return self.engine is not None
 
     @property
+    def started(self) -> bool:
+        """A load has begun (the client sent `initialized`)."""
+        return self._event is not None
+
+    @property
     def name(self) -> str:
         return str(getattr(self.engine, "name", None) or self.model_dir or "model")
 

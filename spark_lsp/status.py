@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .settings import Settings
+from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 STATUS_METHOD = "spark/status"
@@ -31,6 +31,18 @@ class WaferProjector:
     def __init__(self) -> None:
         self._cache: dict[tuple, dict | None] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def check_chip(name: str) -> None:
+        """SettingsError unless `name` is a chip the projection knows (no check without it)."""
+        try:
+            from engine.wafer.chips import ChipError, load_chip
+        except ImportError:
+            return
+        try:
+            load_chip(name)
+        except ChipError as exc:
+            raise SettingsError(f"setting 'waferChip': {exc}") from None
 
     def get(self, engine: Any, settings: Settings) -> dict | None:
         if engine is None:

@@ -12,6 +12,7 @@ from pygls.workspace import Workspace
 
 from spark_lsp import actions
 from spark_lsp.documents import Edit, Pos, apply_edits, line_ending, minimal_edit, normalize_eol, offset_at
+from spark_lsp.edits import Target
 from spark_lsp.live_edits import LiveEdit, frame
 from spark_lsp.server import CMD_CANCEL, SparkServer, create_server
 from spark_lsp.settings import update
@@ -36,7 +37,7 @@ class Scripted:
             window=T.WindowClientCapabilities(work_done_progress=True),
             workspace=T.WorkspaceClientCapabilities(
                 apply_edit=True, workspace_edit=T.WorkspaceEditClientCapabilities(document_changes=True)))
-        self.ls.settings = update(self.ls.settings, {"liveEditHz": 200})[0]
+        self.ls.state.settings = update(self.ls.state.settings, {"liveEditHz": 200})[0]
         self.ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text=text))
         self.text, self.version, self.editor_eol = text, 1, editor_eol
         self.chunks = chunks
@@ -54,12 +55,12 @@ class Scripted:
         self.ls.protocol.send_request_async = lambda method, params=None, msg_id=None: create()
         self.ls.protocol.notify = lambda method, params=None: (
             self.progress.append(params.value) if method == T.PROGRESS else None)
-        self.ls.send_status = lambda kind, stats: self.statuses.append(kind)
+        self.ls.state.send_status = lambda kind, stats: self.statuses.append(kind)
         self.ls.workspace_apply_edit_async = self.apply_edit
-        self.ls._edit_job = self.generate
+        self.ls.edits.job = self.generate
 
     async def generate(self, uri, plan, on_text=None):
-        """The engine job, scripted: each chunk of output is flushed before the next comes (a chunk
+        """The engine job (Edits.job), scripted: each chunk of output is flushed before the next comes (a chunk
         that changes nothing on screen is given a few flush intervals)."""
         self.generation = asyncio.current_task()
         raw = ""
@@ -99,7 +100,7 @@ class Scripted:
         ident = T.VersionedTextDocumentIdentifier(uri=URI, version=self.version)
         for c in changes:
             self.ls.workspace.update_text_document(ident, c)
-        self.ls.on_did_change(T.DidChangeTextDocumentParams(ident, changes))
+        self.ls.protocol.fm.features[T.TEXT_DOCUMENT_DID_CHANGE](T.DidChangeTextDocumentParams(ident, changes))
 
     async def rewrite_body(self) -> dict:
         """Stream a rewrite of the function's body (lines 1..4)."""
@@ -107,10 +108,10 @@ class Scripted:
         end = offset_at(self.text, 1 + len(BODY), 0)
         plan = actions.EditPlan(actions.REWRITE, start, end, self.text[:start], self.text[end:])
         try:
-            return await asyncio.wait_for(self.ls._stream_edit(URI, self.text, plan), 10)
+            target = Target(URI, self.text, self.version, start, end, 1)
+            return await asyncio.wait_for(self.ls.edits.stream(target, plan), 10)
         finally:
-            if self.ls.scheduler is not None:
-                self.ls.scheduler.shutdown()
+            self.ls.state.shutdown()
 
     def cancel_command(self, *args):
         return self.ls.protocol.fm.commands[CMD_CANCEL](*args)
@@ -214,7 +215,7 @@ async def test_spark_cancel_after_the_generation_finished_skips_the_final_write(
     # over the original ones they replaced, the rest of the original below
     assert sc.text == seen["text"] == "def f():\n    a = 10\n    b = 20\n    c = 30\n    d = 4\n    return a\n"
     assert sc.ls.workspace.get_text_document(URI).source == sc.text
-    assert URI not in sc.ls.live
+    assert URI not in sc.ls.state.live
     assert sc.progress[-1].kind == "end" and "cancelled" in sc.progress[-1].message
 
 

@@ -145,4 +145,4 @@ async def test_request_cancelled_before_its_handler_starts_is_counted():
     ls.protocol._handle_cancel_notification("7")
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert ls.metrics.cancelled == 1
+    assert ls.state.metrics.cancelled == 1

@@ -1,0 +1,187 @@
+"""Inline completions as a service: typing-through, joining a running generation, debounce, and
+the engine job. Free of any LSP library: handlers pass text and offsets in, get strings back.
+
+Typing-through answers from the suggestion already shown while the user types what it suggests
+(no model call). Joining: when the user types exactly what the model is writing, the generation
+is kept and the new request answers from it. Each document has at most one generation: a newer
+request supersedes the older (`Scheduler.submit`), a didChange that is not typed-along cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from . import completions
+from .completions import AUTOMATIC, INVOKED, Inflight, TypingThrough
+from .errors import ContentModified, InvalidParams, RequestCancelled
+from .scheduler import Cancelled, Job
+from .state import ServerState
+
+JOIN_GRACE_S = 0.25  # how long a generation the user types along with waits for its next request
+
+
+class InlineCompletions:
+    def __init__(self, state: ServerState, is_python: Callable[[str], bool]) -> None:
+        self.state = state
+        self.is_python = is_python  # whether a document (still open) is Python
+        self.typing = TypingThrough()
+        self.inflight: dict[str, Inflight] = {}
+
+    async def complete(
+        self,
+        uri: str,
+        text: str,
+        offset: int,
+        trigger: int,
+        selected: tuple[int, int, str] | None = None,
+    ) -> list[str]:
+        """Suggestions for the cursor at `offset` (one unless the user invoked them).
+        `selected`: the completion menu's chosen item (start, end, text), see `_complete_selected`."""
+        st = self.state
+        st.metrics.inline_requests += 1
+        if not st.enabled or st.edit_running(uri):
+            return []  # one generation per document: an edit is running
+        try:
+            if selected is not None:
+                return await self._complete_selected(uri, text, offset, trigger, *selected)
+            return await self._complete(uri, text, offset, trigger)
+        except asyncio.CancelledError:  # wherever it waited: debounce, model load or the engine
+            st.metrics.cancelled += 1
+            raise
+
+    async def _complete(self, uri: str, text: str, offset: int, trigger: int) -> list[str]:
+        st = self.state
+        through = self.typing.answer(uri, text, offset)
+        if through is not None and (trigger == AUTOMATIC or len(through) > 1):
+            st.metrics.typing_through += 1
+            st.cancel(uri, "superseded", kind="completion")  # stale work is useless now
+            return _shown(through, trigger)
+        joined = await self._join(uri, text, offset)
+        if joined:
+            return _shown(joined, trigger)
+        if st.settings.debounce_ms and trigger == AUTOMATIC:
+            await asyncio.sleep(st.settings.debounce_ms / 1000)
+        items = await self._generate(uri, text, offset, trigger)
+        self.typing.remember(uri, text, offset, items)
+        return _shown(items, trigger)
+
+    async def _complete_selected(
+        self, uri: str, text: str, offset: int, trigger: int, start: int, end: int, selected: str
+    ) -> list[str]:
+        """The completion menu has `selected` chosen for text[start:end]: suggest as if it were
+        accepted; the items extend its text over that range, as the protocol requires."""
+        if not start <= offset <= end:
+            raise InvalidParams(
+                "selectedCompletionInfo.range must be on the cursor's line and contain it"
+            )
+        new_text = text[:start] + selected + text[end:]
+        items = await self._generate(uri, new_text, start + len(selected), trigger)
+        return _shown([selected + it for it in items] or [selected], trigger)
+
+    async def _join(self, uri: str, text: str, offset: int) -> list[str] | None:
+        """The rest of a running generation's items when the user typed what it is writing."""
+        inf = self.inflight.get(uri)
+        if inf is None or inf.job.future.done() or inf.job.cancelled:
+            return None
+        typed = inf.followed_by(text)
+        if typed is None or offset != inf.offset + len(typed):
+            return None
+        inf.expect_join = False
+        result = await self._await(uri, inf)
+        rest = [
+            it[len(typed) :] for it in result.items if it.startswith(typed) and len(it) > len(typed)
+        ]
+        if rest:
+            self.state.metrics.joined += 1
+            self.typing.remember(uri, inf.text, inf.offset, result.items)
+        return rest or None
+
+    async def _generate(self, uri: str, text: str, offset: int, trigger: int) -> list[str]:
+        """A fresh completion on the engine thread (joinable while it runs)."""
+        st = self.state
+        await st.ready()
+        host, settings, python = st.host, st.settings, self.is_python(uri)
+        holder: dict = {}
+
+        def steps(job: Job):
+            return completions.complete_steps(
+                host.engine,
+                host.builder,
+                job,
+                text,
+                offset,
+                settings,
+                trigger,
+                host.params_cls,
+                on_partial=lambda s: setattr(holder["inf"], "partial", s),
+                python=python,
+            )
+
+        job = Job(uri, steps, asyncio.get_running_loop(), kind="completion")
+        inf = holder["inf"] = self.inflight[uri] = Inflight(job, text, offset)
+        st.sched().submit(job)
+        result = await self._await(uri, inf)
+        st.send_status("completion", result.stats)
+        return result.items
+
+    async def _await(self, uri: str, inf: Inflight) -> completions.Result:
+        """Await a completion job shared by the requests that joined it; a cancelled request
+        (`$/cancelRequest`) cancels the job only if no other request still waits for it."""
+        inf.waiters += 1
+        try:
+            return await asyncio.shield(inf.job.future)
+        except asyncio.CancelledError:
+            self._request_cancelled(inf)
+            raise
+        except Cancelled as exc:
+            self.state.metrics.superseded += 1
+            if str(exc) == "content modified":
+                raise ContentModified(f"{uri} changed while the suggestion was computed") from None
+            raise RequestCancelled(f"superseded ({exc})") from None
+        except ValueError as exc:
+            self.state.metrics.errors += 1
+            raise InvalidParams(str(exc)) from None
+        finally:
+            inf.waiters -= 1
+            if inf.job.future.done() and self.inflight.get(uri) is inf:
+                del self.inflight[uri]
+
+    def _request_cancelled(self, inf: Inflight) -> None:
+        if inf.waiters > 1:
+            return
+        if inf.expect_join:
+            # the user typed what the model is writing; editors cancel the old request before
+            # sending the new one that will join, so give it a moment
+            asyncio.get_running_loop().call_later(JOIN_GRACE_S, _cancel_unjoined, inf)
+        else:
+            inf.job.cancel("request cancelled")
+
+    def on_change(self, uri: str, text: str | None) -> None:
+        """The document changed (not by our own streamed edit): keep a generation the user types
+        along with, cancel any other."""
+        inf = self.inflight.get(uri)
+        if (
+            inf is not None
+            and not inf.job.future.done()
+            and text is not None
+            and inf.followed_by(text) is not None
+        ):
+            inf.expect_join = True
+            return  # the user is typing what the model is writing: keep generating
+        self.state.cancel(uri, "content modified", kind="completion")
+
+    def forget(self, uri: str) -> None:
+        """The document closed."""
+        self.typing.forget(uri)
+        self.inflight.pop(uri, None)
+
+
+def _cancel_unjoined(inf: Inflight) -> None:
+    if inf.waiters <= 0 and not inf.job.future.done():
+        inf.job.cancel("request cancelled")
+
+
+def _shown(items: list[str], trigger: int) -> list[str]:
+    """All items for an Invoked request, the first for an Automatic one."""
+    return items if trigger == INVOKED else items[:1]

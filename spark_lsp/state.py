@@ -1,0 +1,136 @@
+"""The server's shared state and the jobs every feature needs: settings, model loading, the engine
+thread, metrics and the status notification. Free of any LSP library (the editor is an `Editor`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .editor import Editor
+from .errors import ServerError
+from .live_edits import LiveEdit
+from .model_host import ModelHost, ModelNotReady
+from .scheduler import Scheduler
+from .settings import Settings, SettingsError, to_json, update
+from .status import Metrics, WaferProjector, status_payload
+
+log = logging.getLogger("spark_lsp")
+
+EDIT_SUFFIX = "#edit"  # scheduler key of a document's code-action edit
+
+
+def edit_key(uri: str) -> str:
+    """The scheduler key of the code-action edit of document `uri` (its completions use `uri`)."""
+    return uri + EDIT_SUFFIX
+
+
+class ServerState:
+    """Settings, the model host, the engine thread and the counters, for every service."""
+
+    def __init__(self, editor: Editor, model_dir: str | None = None) -> None:
+        self.editor = editor
+        self.settings = Settings(model=model_dir)
+        self.host = ModelHost()
+        self.scheduler: Scheduler | None = None  # started at `initialized`
+        self.metrics = Metrics()
+        self.wafer = WaferProjector()
+        self.enabled = True  # inline completions on (spark.toggle)
+        self.live: dict[str, LiveEdit] = {}  # documents with an edit streaming into them
+
+    def sched(self) -> Scheduler:
+        """The engine thread, started on first use."""
+        if self.scheduler is None:
+            self.scheduler = Scheduler()
+        return self.scheduler
+
+    def cancel(self, key: str, reason: str, kind: str | None = None) -> bool:
+        """Cancel the queued and running job of `key` (see Scheduler.cancel); False if none."""
+        return self.scheduler is not None and self.scheduler.cancel(key, reason, kind=kind)
+
+    def edit_running(self, uri: str) -> bool:
+        """An edit is streaming into, or being computed for, document `uri`."""
+        return uri in self.live or (
+            self.scheduler is not None and self.scheduler.busy(edit_key(uri))
+        )
+
+    async def ready(self) -> None:
+        """Wait for the model (up to the loadTimeoutS setting); ServerError if it is not there."""
+        try:
+            await self.host.ready(self.settings.load_timeout_s)
+        except ModelNotReady as exc:
+            raise ServerError(str(exc)) from None
+
+    # -- settings --------------------------------------------------------------------------------
+    def apply_settings(self, raw: Any, source: str) -> None:
+        """Validate and apply settings (SettingsError names each bad one); reloads the model when
+        the model or its precision changed after the first load began."""
+        new, warnings = update(self.settings, raw)
+        if new.wafer_chip and new.wafer_chip != self.settings.wafer_chip:
+            self.wafer.check_chip(new.wafer_chip)
+        for w in warnings:
+            self.editor.log(f"{source}: {w}", "warning")
+        old, self.settings = self.settings, new
+        if (new.model, new.precision) != (old.model, old.precision) and self.host.started:
+            self.editor.log(
+                f"model changed to {new.model or '(bundled default)'} ({new.precision}); reloading"
+            )
+            self.start_loading()
+
+    def settings_json(self) -> dict:
+        return to_json(self.settings)
+
+    # -- model -----------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Load the model in the background, with a progress indicator; requests wait for it."""
+        loop = asyncio.get_running_loop()
+        self.host.expect()  # requests arriving while the progress is being created wait too
+        asyncio.ensure_future(self._load(loop))
+
+    async def _load(self, loop: asyncio.AbstractEventLoop) -> None:
+        name = self.settings.model or "(bundled default)"
+        progress = await self.editor.begin_progress("spark-lsp", f"loading model {name}")
+
+        def done(ok: bool, msg: str) -> None:
+            if progress is not None:
+                progress.end("ready" if ok else "failed")
+            if ok:
+                self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
+                self.wafer.get(self.host.engine, self.settings)  # start the projection early
+            else:
+                self.editor.log(msg, "error")
+                self.editor.show_error(msg)
+
+        self.host.start(loop, self.settings.model, done, precision=self.settings.precision)
+
+    # -- status and metrics ----------------------------------------------------------------------
+    def send_status(self, kind: str, stats: dict) -> None:
+        """Count a finished generation and tell the editor's status bar about it."""
+        self.metrics.record_generation(stats)
+        try:
+            wafer = self.wafer.get(self.host.engine, self.settings)
+            self.editor.notify_status(status_payload(self.host.name, kind, stats, wafer))
+        except Exception as exc:
+            log.debug("status notification failed: %s", exc)
+
+    def metrics_payload(self) -> dict:
+        """What `spark/metrics` and `spark.status` answer."""
+        lat = list(self.scheduler.cancel_latencies_ms) if self.scheduler is not None else []
+        host = self.host
+        return {
+            "model": host.name if host.loaded else None,
+            "loaded": host.loaded,
+            "loadError": host.error,
+            "enabled": self.enabled,
+            "chatModel": host.chat is not None,
+            "settings": to_json(self.settings),
+            **self.metrics.snapshot(lat),
+        }
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+
+__all__ = ["EDIT_SUFFIX", "ServerState", "SettingsError", "edit_key"]
