@@ -8,19 +8,21 @@ by one lock, so the engine can be shared between threads.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from . import graph_cache
+from . import graph_cache, models
+from . import precision as precision_rule
 from .config import ModelConfig, ModelError, load_config, model_path
 from .generate import Generation, GenerationParams
-from .graph import DenseLinear, build_decoder
+from .graph import build_decoder
+from .linears import PRECISIONS, float_linear, make_linear
 from .prefix_cache import PrefixCache
 from .runtime import Runtime
 from .tokenizer import Tokenizer
@@ -36,18 +38,6 @@ DEFAULT_MAX_CONTEXT = 8192
 PREFILL_CHUNK = 1024
 
 
-def _linear_emitter(wafer: bool, grid):
-    """TiledLinear from the wafer package when asked for and installed, else DenseLinear."""
-    if not wafer:
-        return DenseLinear()
-    try:
-        partition = importlib.import_module("engine.wafer.partition")
-    except ImportError as e:
-        log.info("engine.wafer.partition unavailable (%s); using DenseLinear", e)
-        return DenseLinear()
-    return partition.TiledLinear(grid)
-
-
 class Engine:
     """A loaded model: ``tokenizer``, ``config``, ``name``, ``model_dir`` and ``generate()``."""
 
@@ -60,7 +50,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.runtime = runtime
         self.linear = linear
-        self.precision = "fp32"  # what Engine.load resolved ("auto" becomes the measured choice)
+        self.precision = "fp32"  # what Engine.load resolved ("auto" becomes a concrete precision)
+        self.precision_reason = ""  # why, for precision="auto" (a stored decision or the static rule)
         self.graph_path = graph_path
         self.graph_built = graph_built  # False: the graph came from the on-disk cache
         self.load_s = load_s
@@ -89,18 +80,13 @@ class Engine:
         without while it is contended; True/False force it (see ``engine.runtime.Runtime``).
         ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``
         and ``precision``.  ``precision``: 'fp32' (default), 'int8', 'int4', 'int8-rowq', or 'auto':
-        the fastest precision that keeps >= 95 % greedy agreement with fp32 on this model and
-        machine (``engine.quant.choose_precision``: measured once, then read from the disk cache).
+        the decision ``spark-lsp tune`` stored for this model and machine, else a static rule
+        (``engine.precision``); loading never measures and loads exactly one engine.
         ``profile``: record ONNX Runtime's per-node profile to files with this prefix
         (:meth:`end_profiling` returns them; ``spark-lsp bench profile``).
         """
         t0 = time.perf_counter()
         if model_dir is None:
-            try:
-                models = importlib.import_module("engine.models")
-            except ImportError:
-                raise ModelError("no model folder given and no bundled default model is installed "
-                                 "(engine.models is missing); pass model_dir") from None
             model_dir = models.default_model_dir()
         folder = model_path(model_dir)
         config = load_config(folder)
@@ -113,16 +99,18 @@ class Engine:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
         explicit_linear = linear is not None
+        reason = ""
         if linear is None and precision != "fp32":
-            from .quant import PRECISIONS, choose_precision, make_linear
             if precision == "auto":
-                precision = choose_precision(folder, wafer=wafer, grid=grid, threads=threads,
-                                             cache_dir=cache_dir).precision
+                choice = precision_rule.resolve(folder, config, wafer=wafer, grid=grid, threads=threads,
+                                                cache_dir=cache_dir)
+                precision, reason = choice.precision, choice.reason
+                log.info("precision auto for %s: %s (%s)", folder.name, precision, reason)
             elif precision not in PRECISIONS:
                 raise ValueError(f"precision={precision!r}: expected 'auto' or one of {PRECISIONS}")
             if precision != "fp32":
                 linear = make_linear(precision, wafer=wafer, grid=grid)
-        linear = linear if linear is not None else _linear_emitter(wafer, grid)
+        linear = linear if linear is not None else float_linear(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}
         key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
 
@@ -147,6 +135,7 @@ class Engine:
         eng = cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
                   linear=linear, load_s=time.perf_counter() - t0)
         eng.precision = "custom" if explicit_linear else precision
+        eng.precision_reason = reason
         return eng
 
     # -- generation ----------------------------------------------------------------------------
@@ -221,5 +210,4 @@ class Engine:
 
 
 def _replace_max(params: GenerationParams, n: int) -> GenerationParams:
-    from dataclasses import replace
     return replace(params, max_new_tokens=max(1, n))

@@ -280,7 +280,7 @@ def run(args, plot=None) -> int:
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {val}")
-    from engine.bench import plot_results
+    from engine.lab.bench import plot_results
 
     return plot_results(plot, out, args.plot, "lsp")
 

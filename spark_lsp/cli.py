@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "engine", "generate", "eval", "wafer", "bench", "demo")
+COMMANDS = ("serve", "engine", "generate", "eval", "tune", "wafer", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

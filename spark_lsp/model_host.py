@@ -72,8 +72,8 @@ class ModelHost:
               on_done: Callable[[bool, str], None] | None = None, precision: str = "auto") -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread.
 
-        `precision` 'auto' takes the fastest weight precision that keeps greedy agreement with
-        fp32 (measured once per model and machine, then read from the disk cache)."""
+        `precision` 'auto' loads the decision `spark-lsp tune` stored for this model and machine,
+        else the engine's static rule (engine.precision); loading never measures."""
         self._generation += 1
         gen = self._generation
         self.expect()

@@ -31,7 +31,7 @@ class Settings:
     load_timeout_s: float = 120.0      # requests wait this long for the model to load
     wafer_chip: str | None = None      # chip name for the projected wafer speed in spark/status
     wafer_grid: tuple[int, int] | None = None  # (rows, cols) of the emulated mesh
-    precision: str = "auto"            # weights: auto (fastest that agrees with fp32) | fp32 | int8 | int4 | int8-rowq
+    precision: str = "auto"            # weights: auto (stored `spark-lsp tune` decision, else a rule) | fp32 | int8 | int4 | int8-rowq
 
     def replace(self, **kw: Any) -> "Settings":
         return dataclasses.replace(self, **kw)

@@ -36,7 +36,7 @@ class WaferProjector:
     def check_chip(name: str) -> None:
         """SettingsError unless `name` is a chip the projection knows (no check without it)."""
         try:
-            from engine.wafer.chips import ChipError, load_chip
+            from engine.projection.chips import ChipError, load_chip
         except ImportError:
             return
         try:
@@ -63,9 +63,9 @@ class WaferProjector:
         except (AttributeError, OSError):
             pass
         try:
-            from engine.wafer.chips import load_chip
-            from engine.wafer.perfmodel import plan
-            from engine.wafer.placement import ModelShape
+            from engine.projection.chips import load_chip
+            from engine.projection.perfmodel import plan
+            from engine.projection.placement import ModelShape
         except Exception as exc:  # optional package
             log.debug("no wafer performance model: %s", exc)
             return

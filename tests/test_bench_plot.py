@@ -130,8 +130,8 @@ def test_dispatcher_hands_a_plotter_to_the_module(monkeypatch, tmp_path, capsys)
 
 def test_engine_modules_need_the_plotter_from_spark_lsp(tmp_path, capsys):
     """Run directly (python -m), the engine-side benchmarks cannot draw: a clear error, no run."""
-    from engine import bench as engine_bench, bench_edits
-    from engine.wafer import bench as wafer_bench
+    from engine.lab import bench as engine_bench, bench_edits
+    from engine.lab import bench_wafer as wafer_bench
 
     for name, mod in (("engine", engine_bench), ("edits", bench_edits), ("wafer", wafer_bench)):
         assert mod.main(["--model", str(tmp_path / "missing"), "--plot", str(tmp_path / "x.png")]) == 2

@@ -26,6 +26,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from ..graph_cache import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("mesh_op.c")
@@ -41,8 +47,6 @@ _state: dict[str, object] = {}
 
 def ops_dir() -> Path:
     """Beside the graph cache (``$SPARK_LSP_CACHE``, else ``~/.cache/spark-lsp``)."""
-    from engine.graph_cache import cache_root
-
     return cache_root().parent / "ops"
 
 
@@ -65,8 +69,6 @@ def _cpu_id() -> str:
 
 
 def _ort_version() -> tuple[int, ...]:
-    import onnxruntime as ort
-
     return tuple(int(p) for p in ort.__version__.split(".")[:2] if p.isdigit())
 
 
@@ -95,10 +97,6 @@ def _build(cc: str, out: Path) -> None:
 def _self_test(path: str) -> None:
     """Load the library into a session and check one uneven, multi-row linear against numpy, so a
     broken build (compiler, ABI) falls back to the standard-op form instead of failing a load."""
-    import numpy as np
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
     rng = np.random.default_rng(0)
     w = rng.standard_normal((70, 130)).astype(np.float32)
     x = rng.standard_normal((7, 70)).astype(np.float32)

@@ -44,8 +44,8 @@ import math
 
 import numpy as np
 
-from engine.graph import ROLES, DenseLinear
-from engine.wafer import mesh_op
+from ..graph import ROLES, DenseLinear
+from . import mesh_op
 
 #: Default emulated grid: 2 x 2 is the smallest mesh on which every linear has a real
 #: reduction along its axis (qkv/gate_up/lm_head over 2 rows, o/down over 2 columns) and, by

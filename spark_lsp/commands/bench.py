@@ -2,9 +2,9 @@
 
 Each benchmark lives in its own module, imported only when run (torch etc. load lazily):
 
-    engine -> engine.bench          edits -> engine.bench_edits
-    lsp    -> spark_lsp.bench_lsp   wafer -> engine.wafer.bench
-    profile -> engine.bench_profile (a diagnosis, not part of ``all``)
+    engine -> engine.lab.bench          edits -> engine.lab.bench_edits
+    lsp    -> spark_lsp.bench_lsp       wafer -> engine.lab.bench_wafer
+    profile -> engine.lab.bench_profile (a diagnosis, not part of ``all``)
 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
 (``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
@@ -25,13 +25,13 @@ import json
 import sys
 
 MODULES = {
-    "engine": "engine.bench",
-    "edits": "engine.bench_edits",
+    "engine": "engine.lab.bench",
+    "edits": "engine.lab.bench_edits",
     "lsp": "spark_lsp.bench_lsp",
-    "wafer": "engine.wafer.bench",
+    "wafer": "engine.lab.bench_wafer",
 }
 #: Diagnoses: run like the benchmarks, but not by ``all``.
-DIAGNOSES = {"profile": "engine.bench_profile"}
+DIAGNOSES = {"profile": "engine.lab.bench_profile"}
 HELP = {
     "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
     "edits": "streamed code-action edits (speculative edits vs plain decoding)",
@@ -63,8 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    # engine.bench imports only numpy at module level, so its option list is cheap to get.
-    importlib.import_module("engine.bench").add_arguments(p)
+    importlib.import_module("engine.lab.bench").add_arguments(p)
 
 
 def _plotter(name: str, wanted: bool):
@@ -83,7 +82,7 @@ def _plotter(name: str, wanted: bool):
 
 def _run_engine(args: argparse.Namespace) -> int:
     plot, rc = _plotter("engine", bool(args.plot))
-    return rc or int(importlib.import_module("engine.bench").run(args, plot=plot) or 0)
+    return rc or int(importlib.import_module("engine.lab.bench").run(args, plot=plot) or 0)
 
 
 def _module_path(name: str) -> str:

@@ -53,7 +53,7 @@ def served(pos, raw: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from engine import Engine, ModelError
-    from engine.evaluate import evaluate, resolve_files
+    from engine.lab.evaluate import evaluate, resolve_files
 
     def fail(msg: str) -> int:
         print(f"spark-lsp eval: error: {msg}", file=sys.stderr)

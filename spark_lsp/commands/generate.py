@@ -31,8 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str) -> None:
     p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned wafer emitter")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "int8", "int4", "int8-rowq"),
-                   help="weight precision; auto (default) = the fastest that keeps >=95%% greedy agreement "
-                        "with fp32 on this model and machine (measured once, then cached)")
+                   help="weight precision; auto (default) = the decision `spark-lsp tune` stored for this "
+                        "model and machine, else a static rule (int8 on large models with int8 dot products)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

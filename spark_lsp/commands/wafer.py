@@ -78,9 +78,9 @@ def _err(msg: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from engine.config import ModelError
-    from engine.wafer.chips import ChipError, load_chip
-    from engine.wafer.perfmodel import plan, summary
-    from engine.wafer.placement import PlacementError, load_shape
+    from engine.projection.chips import ChipError, load_chip
+    from engine.projection.perfmodel import plan, summary
+    from engine.projection.placement import PlacementError, load_shape
 
     try:
         shape = load_shape(args.model or args.config)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return _err(str(e))
     out = summary(placement, proj)
     if args.png:
-        from engine.wafer.draw import MissingMatplotlib, draw
+        from engine.projection.draw import MissingMatplotlib, draw
 
         try:
             title = (f"{shape.name} on {chip.name}: {out['grid']} PEs per layer, {out['wafers']} wafer(s), "

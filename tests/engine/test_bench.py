@@ -11,7 +11,8 @@ import types
 import numpy as np
 import pytest
 
-from engine import bench
+from engine.lab import bench
+from engine.lab import models as lab_models
 from engine.config import load_config
 from engine.tokenizer import Tokenizer
 from engine.weights import expected_shapes, load_weights
@@ -33,11 +34,11 @@ def cli(argv, capsys):
 
 
 def test_synthetic_model_folder(tmp_path, monkeypatch):
-    spec = dict(bench.SYNTHETIC["synthetic-8m"], hidden_size=32, intermediate_size=48, vocab_size=400,
+    spec = dict(lab_models.SYNTHETIC["synthetic-8m"], hidden_size=32, intermediate_size=48, vocab_size=400,
                 num_hidden_layers=2, max_position_embeddings=256)
-    monkeypatch.setitem(bench.SYNTHETIC, "synthetic-test", spec)
-    folder = bench.synthetic_model("synthetic-test", root=tmp_path)
-    assert bench.synthetic_model("synthetic-test", root=tmp_path) == folder  # cached
+    monkeypatch.setitem(lab_models.SYNTHETIC, "synthetic-test", spec)
+    folder = lab_models.synthetic_model("synthetic-test", root=tmp_path)
+    assert lab_models.synthetic_model("synthetic-test", root=tmp_path) == folder  # cached
     cfg = load_config(folder)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (32, 2, 400, False)
     w = load_weights(folder, cfg)
@@ -46,14 +47,14 @@ def test_synthetic_model_folder(tmp_path, monkeypatch):
     assert tok.vocab_size <= 400 and tok.eos_ids == {tok.token_to_id("<|endoftext|>")}
     assert tok.decode(tok.encode("def f(x): return x")) == "def f(x): return x"
     with pytest.raises(ValueError, match="unknown synthetic model"):
-        bench.synthetic_model("synthetic-1t", root=tmp_path)
+        lab_models.synthetic_model("synthetic-1t", root=tmp_path)
 
 
 def test_reference_model_size():
     """synthetic-8m is the issue's ~8M-parameter fp32 Llama (d=256, 4 layers, d_ff=768, vocab 8192)."""
     from engine.config import ModelConfig
 
-    s = bench.SYNTHETIC["synthetic-8m"]
+    s = lab_models.SYNTHETIC["synthetic-8m"]
     cfg = ModelConfig("llama", s["vocab_size"], s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"],
                       s["num_attention_heads"], s["num_key_value_heads"], 64, 1e-5, 1e4, 2048, False, False, False,
                       (0,), None, "float32", None)

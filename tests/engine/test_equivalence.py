@@ -122,7 +122,6 @@ def test_greedy_after_cancel(arch_engine):
 
 def test_wafer_emitter_matches(tiny_llama, tmp_path_factory):
     """The partitioned (wafer) linear emitter gives the same logits as transformers."""
-    pytest.importorskip("engine.wafer.partition")
     eng = load_engine(tiny_llama, tmp_path_factory, wafer=True, grid=(2, 2))
     ids = random_ids(eng, 32, seed=11)
     np.testing.assert_allclose(eng.forward_logits(ids), hf_logits(tiny_llama, ids), atol=1e-4, rtol=0)

@@ -87,17 +87,10 @@ def test_graph_cache_env(monkeypatch, tmp_path):
     assert graph_cache.cache_root(tmp_path / "x") == tmp_path / "x"
 
 
-def test_default_model_error_is_clear(monkeypatch):
-    import importlib
-
-    real = importlib.import_module
-
-    def fake(name, *a, **k):
-        if name == "engine.models":
-            raise ImportError("no bundled model")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(engine_mod.importlib, "import_module", fake)
+def test_default_model_error_is_clear(monkeypatch, tmp_path):
+    """An install without the bundled model folder (and no $SPARK_LSP_MODEL) says so."""
+    monkeypatch.delenv("SPARK_LSP_MODEL", raising=False)
+    monkeypatch.setattr(engine_mod.models, "bundled_model_dir", lambda: tmp_path / "missing")
     with pytest.raises(engine_mod.ModelError, match="bundled default model"):
         Engine.load()
 

@@ -83,7 +83,7 @@ def test_loads_by_default_and_answers(engine):
 
 
 def test_quality_floor(engine):
-    from engine.evaluate import bits_per_byte, complete_lines, read_texts, sample_positions
+    from engine.lab.evaluate import bits_per_byte, complete_lines, read_texts, sample_positions
 
     texts = read_texts(sorted(DATA.glob("*.py")))
     res = complete_lines(engine, sample_positions(texts, N_POSITIONS, SEED))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.evaluate import edit_similarity, resolve_files, sample_positions
+from engine.lab.evaluate import edit_similarity, resolve_files, sample_positions
 
 SRC = "import os\n\n\ndef f(x):\n    if x:\n        return os.path.join(x, 'a')\n    return None\n"
 
@@ -83,7 +83,7 @@ def test_eval_cli_errors(tiny_llama, tmp_path, capsys):
 
 def test_served_scores_the_post_processed_suggestion(tiny_llama, tmp_path, capsys):
     """`--served`: the prediction is what the server would show (its post-processing applied)."""
-    from engine.evaluate import Position
+    from engine.lab.evaluate import Position
     from spark_lsp.cli import main
     from spark_lsp.commands.eval import served
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from engine import bench
+from engine.lab import bench
 from spark_lsp.cli import build_parser
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -66,7 +66,7 @@ def test_default_is_fp32_only_and_keys_stay(tiny_llama, capsys):
 
 def test_precision_table_with_a_peer(tiny_llama, capsys, monkeypatch):
     """Ratios to each measured peer appear per precision (a second engine stands in for a peer)."""
-    from engine import peers
+    from engine.lab import peers
     from engine.engine import Engine
 
     def fake_transformers(folder, threads):

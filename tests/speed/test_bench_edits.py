@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.bench_edits import TASKS, main
+from engine.lab.bench_edits import TASKS, main
 
 
 def test_bench_edits_json(tiny_llama, capsys, monkeypatch, tmp_path):

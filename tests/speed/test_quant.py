@@ -8,11 +8,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
-from engine.engine import _linear_emitter
 from engine.generate import GenerationParams
 from engine.graph import GraphBuilder
-from engine.quant import (QuantLinear, choose_precision, pick_precision, dequantize, greedy_agreement, load_engine, make_linear,
-                          quantize_blockwise)
+from engine.lab.tune import choose_precision, greedy_agreement, heldout_files, load_engine, pick_precision
+from engine.linears import float_linear, make_linear
+from engine.quant import QuantLinear, dequantize, quantize_blockwise
+from engine.wafer import partition
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for i in range(n):\n        a, b = b, a + b\n    return a\n"
 
@@ -48,7 +49,6 @@ def test_packing_matches_matmulnbits(bits, block, symmetric, shape):
 @pytest.mark.parametrize("role", ["qkv", "down", "lm_head"])
 def test_tiled_fused_equals_mesh_form(bits, role):
     """Per-tile quantisation: one fused MatMulNBits == explicit per-mesh-line ops + Sum."""
-    partition = pytest.importorskip("engine.wafer.partition")
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 160)).astype(np.float32) * 0.1
     x = rng.standard_normal((4, 256)).astype(np.float32)
@@ -66,7 +66,6 @@ def test_tiled_fused_equals_mesh_form(bits, role):
 
 def test_uneven_tiles_fall_back_to_mesh_lines():
     """A tile size no valid block divides (K=200 over 4 rows -> 50) uses explicit mesh lines."""
-    partition = pytest.importorskip("engine.wafer.partition")
     rng = np.random.default_rng(2)
     w = rng.standard_normal((200, 64)).astype(np.float32) * 0.1
     x = rng.standard_normal((2, 200)).astype(np.float32)
@@ -138,8 +137,6 @@ def test_choose_precision_measures_once(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_heldout_files_of_a_model_folder(tmp_path):
-    from engine.quant import heldout_files
-
     assert heldout_files(tmp_path) is None  # no list
     real = []
     for i in range(5):
@@ -178,7 +175,7 @@ def test_choice_made_under_load_is_measured_again_when_calm(tiny_llama, tmp_path
 def test_dense_and_tiled_quant_agree(tiny_llama, tmp_path_factory):
     """Per-tile quantisation (wafer) and whole-matrix quantisation pick the same greedy tokens here."""
     cache = tmp_path_factory.getbasetemp() / "graph_cache"
-    dense = load_engine(tiny_llama, QuantLinear(8, _linear_emitter(False, None)), cache_dir=cache, threads=1)
+    dense = load_engine(tiny_llama, QuantLinear(8, float_linear(False, None)), cache_dir=cache, threads=1)
     tiled = load_engine(tiny_llama, make_linear("int8", wafer=True), cache_dir=cache, threads=1)
     ids = dense.tokenizer.encode(PROMPT)
     a, b = dense.forward_logits(ids), tiled.forward_logits(ids)
@@ -188,7 +185,6 @@ def test_dense_and_tiled_quant_agree(tiny_llama, tmp_path_factory):
 @pytest.mark.parametrize("form", ["fused", "mesh"])
 def test_rowq_rows_are_independent(form):
     """int8-rowq: a batch of rows gives bit-for-bit the results of one row at a time."""
-    partition = pytest.importorskip("engine.wafer.partition")
     rng = np.random.default_rng(3)
     w = rng.standard_normal((256, 96)).astype(np.float32) * 0.1
     x = rng.standard_normal((6, 256)).astype(np.float32) * rng.uniform(0.1, 10, (6, 1)).astype(np.float32)

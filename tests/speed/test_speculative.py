@@ -352,7 +352,7 @@ def test_identical_on_bundled_model(tmp_path_factory):
         eng = Engine.load(None, cache_dir=tmp_path_factory.getbasetemp() / "graph_cache")
     except ModelError as e:
         pytest.skip(f"no bundled model: {e}")
-    from engine.bench_edits import TASKS
+    from engine.lab.bench_edits import TASKS
     for task in TASKS:
         ids, healed = task.prompt(eng)
         params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed)

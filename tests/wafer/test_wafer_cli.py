@@ -89,7 +89,7 @@ def test_bad_grid_rejected_by_parser(capsys):
 
 
 def test_bench_wafer_reports_both_speeds(tiny_qwen2, capsys):
-    from engine.wafer import bench
+    from engine.lab import bench_wafer as bench
 
     rc = bench.main(["--model", str(tiny_qwen2), "--tokens", "4", "--rounds", "1", "--prompt-tokens", "8",
                      "--grid", "3x5", "--threads", "1", "--json"])
@@ -103,7 +103,7 @@ def test_bench_wafer_reports_both_speeds(tiny_qwen2, capsys):
 def test_bench_wafer_pins_thread_spinning(tiny_qwen2, capsys, monkeypatch):
     """--no-spinning / --spinning reach both engines (auto mode can flip between rounds)."""
     from engine import Engine
-    from engine.wafer import bench
+    from engine.lab import bench_wafer as bench
 
     seen = []
     real = Engine.load.__func__
@@ -124,10 +124,10 @@ def test_bench_wafer_pins_thread_spinning(tiny_qwen2, capsys, monkeypatch):
 def test_bench_wafer_settles_before_every_timed_run(tiny_qwen2, capsys, monkeypatch):
     """Each timed decode starts SETTLE_S after the last: threads the other engine left spinning
     must not be counted against it (the default mode swung 0.73-1.00x between runs without it)."""
-    import engine.bench
-    from engine.wafer import bench
+    import engine.lab.bench
+    from engine.lab import bench_wafer as bench
 
-    monkeypatch.setattr(engine.bench, "SETTLE_S", 0.001)
+    monkeypatch.setattr(engine.lab.bench, "SETTLE_S", 0.001)
     slept = []
     monkeypatch.setattr(bench.time, "sleep", lambda s: slept.append(s))
     assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "3", "--prompt-tokens", "8",
@@ -137,7 +137,7 @@ def test_bench_wafer_settles_before_every_timed_run(tiny_qwen2, capsys, monkeypa
 
 
 def test_bench_wafer_bad_args(capsys):
-    from engine.wafer import bench
+    from engine.lab import bench_wafer as bench
 
     assert bench.main(["--rounds", "0"]) == 2
     assert "--rounds" in capsys.readouterr().err
@@ -147,7 +147,7 @@ def test_bench_wafer_bad_args(capsys):
 
 def test_bench_wafer_standard_op_form(tiny_qwen2, capsys):
     """--form graph measures the standard-op form (Split + chained Gemm) against dense."""
-    from engine.wafer import bench
+    from engine.lab import bench_wafer as bench
 
     assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
                        "--threads", "1", "--form", "graph", "--json"]) == 0
@@ -156,7 +156,7 @@ def test_bench_wafer_standard_op_form(tiny_qwen2, capsys):
 
 
 def test_bench_wafer_tiles_only_what_it_is_told(tiny_qwen2, capsys):
-    from engine.wafer import bench
+    from engine.lab import bench_wafer as bench
 
     assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
                        "--threads", "1", "--tile", "qkv,lm_head"]) == 0

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.wafer import perfmodel
-from engine.wafer.chips import WSE2, WSE3, ChipError, load_chip
-from engine.wafer.perfmodel import (Constants, allreduce_cycles, calibrate,
+from engine.projection import perfmodel
+from engine.projection.chips import WSE2, WSE3, ChipError, load_chip
+from engine.projection.perfmodel import (Constants, allreduce_cycles, calibrate,
                                     calibration_table, plan, project)
-from engine.wafer.placement import ModelShape, PlacementError, load_shape, place
-from engine.wafer.simulator import Mesh, _allreduce, analytic_layer, simulate_layer
+from engine.projection.placement import ModelShape, PlacementError, load_shape, place
+from engine.projection.simulator import Mesh, _allreduce, analytic_layer, simulate_layer
 
 DATA = Path(__file__).parent / "data"
 

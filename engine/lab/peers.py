@@ -4,11 +4,12 @@ Both are imported lazily (they are optional and torch must never load at run tim
 Every runner exposes the same ``timed(prompt_ids, new_tokens) -> (token ids, seconds, decode
 seconds)``: greedy, eos ignored, exactly ``new_tokens`` new tokens, wall time from the call until
 the last token, and the time from its first new token to its last taken inside its own loop, so
-``engine.bench`` derives prefill and decode rates the same way for every runner.
+``engine.lab.bench`` derives prefill and decode rates the same way for every runner.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -140,8 +141,6 @@ class GenaiPeer:
 
     def end_profiling(self) -> list[str]:
         """Release the model (onnxruntime-genai writes its profile then) and return the files."""
-        import gc
-
         self.model = None
         gc.collect()
         if not self._profile:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +30,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from ..config import ModelError
+from ..fim import FimFormat, heal
+from ..generate import GenerationParams
+from ..linears import make_linear
+from ..speculative import generate as spec_generate
+from .bench import plot_results
+from .models import resolve_model
+from .tune import choose_precision, load_engine
 
 MOVING_AVG = '''def moving_average(values, window):
     """Return the averages of every run of `window` consecutive values."""
@@ -112,8 +122,6 @@ class Task:
         """(prompt ids, healed text): the FIM layout of the model's tokenizer when ``suffix`` is
         set, and the prompt's final line break healed as a code action's is
         (``engine.fim.heal(newline=True)``: the output's first token spells it)."""
-        from .fim import FimFormat, heal
-
         fim = FimFormat.detect(engine.tokenizer) if self.suffix is not None else None
         if fim is None:  # left to right (also a model without FIM tokens)
             return heal(engine.tokenizer, self.prefix, engine.tokenizer.encode(self.prefix), keep=1, newline=True)
@@ -147,9 +155,6 @@ def _median(xs: list[float]) -> float:
 
 def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
     """Plain and speculative runs of one task, alternated; medians, acceptance, identity."""
-    from .generate import GenerationParams
-    from .speculative import generate as spec_generate
-
     ids, healed = task.prompt(eng)
     params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed)
     plain_rates, spec_rates, plain_ms, spec_ms, stats = [], [], [], [], []
@@ -203,10 +208,7 @@ def _divergence(eng, ids: list[int], plain: list[int], spec: list[int]) -> dict[
 
 def bench_edits(model=None, *, precision: str = "fp32", wafer: bool = True, threads: int | None = None,
                 repeats: int = 3, tasks: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Load the model (``precision``: one of ``engine.quant.PRECISIONS`` or 'auto') and run the tasks."""
-    from .bench import resolve_model
-    from .quant import choose_precision, load_engine, make_linear
-
+    """Load the model (``precision``: one of ``engine.linears.PRECISIONS`` or 'auto') and run the tasks."""
     folder = resolve_model(model)
     chosen = None
     if precision == "auto":
@@ -240,7 +242,6 @@ def bench_edits(model=None, *, precision: str = "fp32", wafer: bool = True, thre
 
 def _loadavg() -> list[float] | None:
     try:
-        import os
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
         return None
@@ -267,7 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
                    help="model folder or 'synthetic-8m' (default: the bundled model)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int8-rowq", "int4", "auto"),
-                   help="weights to run (auto: measured choice, see engine.quant.choose_precision)")
+                   help="weights to run (auto: the stored decision, measured if missing; see spark-lsp tune)")
     p.add_argument("--no-wafer", dest="wafer", action="store_false", help="dense MatMuls instead of wafer tiles")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per task and mode (median)")
@@ -278,9 +279,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, plot: Callable[[dict, str], Any] | None = None) -> int:
-    """``plot``: draws the results for ``--plot FILE`` (see ``engine.bench.run``)."""
-    from .bench import plot_results
-
+    """``plot``: draws the results for ``--plot FILE`` (see ``engine.lab.bench.run``)."""
     if args.plot and plot is None:
         return plot_results(None, {}, args.plot, "edits")
     if args.repeats < 1:
@@ -291,8 +290,6 @@ def run(args: argparse.Namespace, plot: Callable[[dict, str], Any] | None = None
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
-    from .config import ModelError
-
     try:
         res = bench_edits(args.model, precision=args.precision, wafer=args.wafer, threads=args.threads,
                           repeats=args.repeats, tasks=tasks, log=log)

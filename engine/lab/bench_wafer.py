@@ -6,7 +6,7 @@ default) and dense (``wafer=False``) — checks they produce the same greedy tok
 in alternating rounds (dense, partitioned, dense, ...) so both see the same machine load, and
 reports the median decode tok/s of each and the median of the per-round ratios, plus the ratio
 of tokens per CPU-second of the process (robust to other processes stealing the CPU when run
-with ``--threads 1``).  Every timed run starts ``engine.bench.SETTLE_S`` after the last, so
+with ``--threads 1``).  Every timed run starts ``engine.lab.bench.SETTLE_S`` after the last, so
 threads the other engine left spinning are not counted against it.  Then it plans the model on a
 chip with the performance model.
 """
@@ -15,9 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+
+from ..config import ModelError
+from ..engine import Engine
+from ..generate import GenerationParams
+from ..graph import ROLES
+from ..projection.chips import ChipError, load_chip
+from ..projection.perfmodel import plan, summary
+from ..projection.placement import ModelShape, PlacementError
+from ..wafer.partition import DEFAULT_GRID, TiledLinear, parse_grid
+from . import bench
+from .models import resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,9 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(spec):
-    from engine.bench import resolve_model
-    from engine.config import ModelError
-
     try:
         return resolve_model(spec)
     except ModelError:
@@ -60,13 +69,6 @@ def _resolve(spec):
 
 
 def bench_wafer(args, log=print) -> dict:
-    from engine import Engine, GenerationParams
-    from engine.bench import SETTLE_S
-    from engine.wafer.chips import load_chip
-    from engine.wafer.partition import DEFAULT_GRID, TiledLinear, parse_grid
-    from engine.wafer.perfmodel import plan, summary
-    from engine.wafer.placement import ModelShape
-
     for name in ("tokens", "rounds", "prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -87,7 +89,7 @@ def bench_wafer(args, log=print) -> dict:
 
     def decode(eng) -> tuple[float, float, list[int]]:
         """(decode tok/s wall clock, tokens per CPU-second of this process, tokens)."""
-        time.sleep(SETTLE_S)  # the other engine's spinning threads go back to sleep first
+        time.sleep(bench.SETTLE_S)  # the other engine's spinning threads go back to sleep first
         cpu = time.process_time()
         gen = eng.generate(prompt, params)
         gen.result()
@@ -135,16 +137,12 @@ def bench_wafer(args, log=print) -> dict:
 
 def _loadavg() -> str:
     try:
-        import os
-
         return " ".join(f"{v:.2f}" for v in os.getloadavg())
     except (OSError, AttributeError):
         return "n/a"
 
 
 def format_result(res: dict) -> str:
-    from engine.graph import ROLES
-
     p = res["projection"]
     partial = set(res["tiled_roles"]) != set(ROLES)
     return "\n".join([
@@ -165,14 +163,9 @@ def format_result(res: dict) -> str:
 
 
 def run(args, plot=None) -> int:
-    """``plot``: draws the results for ``--plot FILE`` (see ``engine.bench.run``)."""
-    from engine.bench import plot_results
-    from engine.config import ModelError
-    from engine.wafer.chips import ChipError
-    from engine.wafer.placement import PlacementError
-
+    """``plot``: draws the results for ``--plot FILE`` (see ``engine.lab.bench.run``)."""
     if args.plot and plot is None:
-        return plot_results(None, {}, args.plot, "wafer")
+        return bench.plot_results(None, {}, args.plot, "wafer")
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:
         res = bench_wafer(args, log)
@@ -180,7 +173,7 @@ def run(args, plot=None) -> int:
         print(f"spark-lsp bench wafer: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=2) if args.json else format_result(res))
-    return plot_results(plot, res, args.plot, "wafer")
+    return bench.plot_results(plot, res, args.plot, "wafer")
 
 
 def main(argv: list[str] | None = None, plot=None) -> int:

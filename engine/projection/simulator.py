@@ -1,6 +1,6 @@
 """Discrete mesh simulator: one decode step of a layer, message by message, on a small region.
 
-The check on :mod:`engine.wafer.perfmodel` the way Cerebras' cycle-accurate fabric simulator is
+The check on :mod:`engine.projection.perfmodel` the way Cerebras' cycle-accurate fabric simulator is
 used for small rectangles: every PE has its own clock (when its data is ready), every directed
 link between neighbouring routers carries one 32-bit word per cycle and is reserved while a
 message streams over it (a message queues behind earlier ones: contention), each hop costs the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .chips import Chip
-from .perfmodel import ROOT_AT, Constants, allreduce_cycles, layer_phases, tree_levels, words
+from .perfmodel import ROOT_AT, Constants, allreduce_cycles, layer_cycles, layer_phases, tree_levels, words
 from .placement import ModelShape, _blocks
 
 
@@ -204,8 +204,6 @@ def simulate_layer(shape: ModelShape, grid: tuple[int, int], chip: Chip, *, cont
 def analytic_layer(shape: ModelShape, grid: tuple[int, int], chip: Chip, *, context: int = 256,
                    constants: Constants | None = None) -> dict:
     """The analytic model's cycles for the same layer + east hand-off (for comparison)."""
-    from .perfmodel import layer_cycles
-
     k = constants or Constants()
     R, C = grid
     lc = layer_cycles(shape, R, C, context, chip, k)

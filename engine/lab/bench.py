@@ -12,7 +12,7 @@ number of new tokens (greedy, eos ignored), the same intra-op thread count, afte
 - with ``--precision fp32,int8,int4``: our engine once per precision, all taking turns with the
   peers; per precision the rates, the ratios to our fp32 and to each peer, and the greedy agreement
   with our fp32 tokens (teacher-forced: the variant reads fp32's sequence and we count the positions
-  where its argmax is fp32's token — the criterion of ``engine.quant.choose_precision``).
+  where its argmax is fp32's token — the criterion of ``engine.lab.tune.choose_precision``).
 
 ``synthetic-8m`` names a reference model: a random-initialised fp32 Llama (d=256, 4 layers,
 d_ff=768, vocab 8192, untied: ~7.6M parameters) written with numpy into a cache folder.
@@ -20,6 +20,7 @@ d_ff=768, vocab 8192, untied: ~7.6M parameters) written with numpy into a cache 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -32,97 +33,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-SYNTHETIC = {"synthetic-8m": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, vocab_size=8192,
-                                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048)}
-_SYNTHETIC_VERSION = 1
-
-
-def bench_root() -> Path:
-    """``$SPARK_LSP_CACHE/bench`` or ``~/.cache/spark-lsp/bench`` (synthetic models, peer builds)."""
-    env = os.environ.get("SPARK_LSP_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "spark-lsp"
-    return root / "bench"
-
-
-def _synthetic_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on Python stdlib source (the model is random; the vocab just has to exist)."""
-    import sysconfig
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(lib.glob("*.py"))[:120]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer=trainer)
-    return tok
-
-
-def synthetic_model(name: str = "synthetic-8m", root: Path | None = None, seed: int = 0) -> Path:
-    """Write (once) a random-initialised fp32 Llama model folder; returns its path."""
-    from .weights import save_safetensors
-
-    if name not in SYNTHETIC:
-        raise ValueError(f"unknown synthetic model {name!r}; known: {', '.join(SYNTHETIC)}")
-    out = (root or bench_root()) / f"{name}-v{_SYNTHETIC_VERSION}"
-    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    spec = SYNTHETIC[name]
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tok = _synthetic_tokenizer(spec["vocab_size"])
-    eos, pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")
-    tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<pad>",
-        "model_max_length": spec["max_position_embeddings"]}, indent=2))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-              "bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad, "initializer_range": 0.02, **spec}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    rng = np.random.default_rng(seed)
-    h, i, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
-
-    def normal(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
-
-    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal(v, h)}
-    for n in range(spec["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        t.update({p + "input_layernorm.weight": np.ones(h, np.float32),
-                  p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.k_proj.weight": normal(h, h),
-                  p + "self_attn.v_proj.weight": normal(h, h), p + "self_attn.o_proj.weight": normal(h, h),
-                  p + "post_attention_layernorm.weight": np.ones(h, np.float32),
-                  p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
-                  p + "mlp.down_proj.weight": normal(h, i)})
-    t["model.norm.weight"] = np.ones(h, np.float32)
-    t["lm_head.weight"] = normal(v, h)
-    save_safetensors(tmp / "model.safetensors", t)
-    if out.exists():  # another process won the race
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-        return out
-    os.replace(tmp, out)
-    return out
-
-
-def resolve_model(spec: str | None) -> Path:
-    """A model argument: a synthetic model name, a folder, or None for the bundled model."""
-    if spec in SYNTHETIC:
-        return synthetic_model(spec)
-    if spec is None:
-        import importlib
-
-        from .config import ModelError
-        try:
-            return Path(importlib.import_module("engine.models").default_model_dir())
-        except ImportError:
-            raise ModelError("no --model given and no bundled default model is installed") from None
-    return Path(spec)
+from ..config import ModelError, load_config
+from ..engine import Engine
+from ..generate import GenerationParams
+from ..graph_cache import emitter_key
+from ..linears import PRECISIONS
+from ..runtime import physical_cores
+from ..weights import expected_shapes, weights_digest
+from . import peers as peer_mod
+from .models import bench_root, resolve_model
+from .tune import choose_precision
 
 
 @dataclass
@@ -144,10 +64,8 @@ def parse_precisions(spec: str) -> tuple[str, ...]:
     """``--precision fp32,int8,int4`` -> ('fp32', 'int8', 'int4').
 
     fp32 is always measured (first) because every other precision is compared with it; 'auto' is the
-    precision ``engine.quant.choose_precision`` picks for this model and machine.
+    precision ``engine.lab.tune.choose_precision`` picks for this model and machine.
     """
-    from .quant import PRECISIONS
-
     names = [x.strip().lower() for x in str(spec).split(",") if x.strip()]
     if not names:
         raise ValueError("--precision: expected a comma-separated list, e.g. fp32,int8,int4")
@@ -171,7 +89,6 @@ class _Ours:
     name = "spark-lsp"
 
     def __init__(self, eng, name: str = "spark-lsp") -> None:
-        from .generate import GenerationParams
 
         self.eng = eng
         self.name = name
@@ -250,7 +167,6 @@ def _teacher_forced(eng, prompts: list[list[int]], refs: list[list[int]]) -> tup
 def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, phase: str, cold_ms: float,
                     rng: np.random.Generator) -> dict[str, Any]:
     """Cancel from the main thread while another thread iterates; ms until the iterator stops."""
-    from .generate import GenerationParams
 
     lat, reasons = [], []
     for k in range(count):
@@ -299,12 +215,6 @@ def _agree(a: list[int] | None, b: list[int] | None) -> int:
 
 def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the whole engine benchmark; returns the figures (see ``format_table``)."""
-    from .config import ModelError, load_config
-    from .engine import Engine
-    from .runtime import physical_cores
-    from .graph_cache import emitter_key
-    from .weights import expected_shapes, weights_digest
-
     if opts.repeats < 1 or opts.new_tokens < 2 or opts.prompt_tokens < 2 or opts.cancels < 0:
         raise ValueError("--repeats must be >= 1, --new-tokens >= 2, --prompt-tokens >= 2, --cancels >= 0")
     folder = resolve_model(str(model) if model is not None else None)
@@ -312,8 +222,6 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     cfg = load_config(folder)
     precisions, auto = list(dict.fromkeys(["fp32", *opts.precisions])), None
     if "auto" in precisions:
-        from .quant import choose_precision
-
         auto = choose_precision(folder, wafer=opts.wafer, grid=opts.grid, threads=threads, log_fn=log)
         log(f"auto precision: {auto.precision} ({auto.reason})")
         precisions = list(dict.fromkeys(auto.precision if x == "auto" else x for x in precisions))
@@ -349,8 +257,6 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     runners: list = [ours, *(_Ours(e, f"spark-lsp {x}") for x, e in variants.items())]
     peers: dict[str, Any] = {}
     if opts.peers:
-        from . import peers as peer_mod
-
         factories = {
             "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
             "onnxruntime-genai": lambda: peer_mod.GenaiPeer(folder, threads, weights_digest(folder), bench_root(), log),
@@ -421,7 +327,6 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
 def _precision_rows(engines: dict[str, Any], rates: dict[str, dict], prompts: list[list[int]],
                     peers: dict[str, dict], log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
     """Per precision: rates, ratios to our fp32 and to each peer, greedy agreement with fp32."""
-    from .graph_cache import emitter_key
 
     ref = rates["fp32"]["all_tokens"]
     rows = {}
@@ -513,8 +418,7 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None, plot: Callable[[dict, str], Any] | None = None) -> int:
-    """``python -m engine.bench`` — same as ``spark-lsp bench engine`` (``plot``: see ``run``)."""
-    import argparse
+    """``python -m engine.lab.bench`` — same as ``spark-lsp bench engine`` (``plot``: see ``run``)."""
 
     p = argparse.ArgumentParser(prog="spark-lsp bench engine", description=__doc__.splitlines()[0])
     add_arguments(p)
@@ -553,7 +457,6 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
     The drawing lives in ``spark_lsp.bench_plot`` (the engine never imports ``spark_lsp``), so the
     ``spark-lsp bench`` dispatcher passes it in; ``plot`` may raise RuntimeError with a message.
     """
-    from .config import ModelError
 
     grid = None
     try:

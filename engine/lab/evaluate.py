@@ -25,14 +25,13 @@ import random
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
-from .fim import FimFormat
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..engine import Engine
+from ..fim import FimFormat
+from ..generate import GenerationParams
 
 PREFIX_CHARS = 2000   # prompt budget per side, cut at line boundaries; the bundled model was
 SUFFIX_CHARS = 1000   # trained on FIM examples of at most 3,000 characters
@@ -140,15 +139,13 @@ class CompletionResult:
     samples: list[dict] = field(default_factory=list)
 
 
-def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | None = None,
+def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | None = None,
                    max_new_tokens: int = 48, heal: bool = True,
                    finish: Callable[[Position, str], str] | None = None) -> CompletionResult:
     """Greedy FIM line completion at every position (see the module docstring).
 
     ``finish(position, raw)``: what a client makes of the raw output before it is compared (the
     language server passes its post-processing, so the score is the suggestion users would see)."""
-    from .generate import GenerationParams
-
     fim = FimFormat.detect(engine.tokenizer)
     if fim is None:
         raise ValueError(f"{engine.name}: the tokenizer has no fill-in-the-middle tokens")
@@ -181,7 +178,7 @@ def complete_lines(engine: "Engine", positions: list[Position], *, spm: bool | N
     )
 
 
-def bits_per_byte(engine: "Engine", texts: Iterable[str], *, window: int = 1024,
+def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
                   max_bytes: int | None = None) -> tuple[float, int]:
     """(bits per UTF-8 byte, bytes scored) over ``texts``; stops after ``max_bytes``."""
     eos = min(engine.tokenizer.eos_ids) if engine.tokenizer.eos_ids else None
@@ -209,7 +206,7 @@ def bits_per_byte(engine: "Engine", texts: Iterable[str], *, window: int = 1024,
     return nats / math.log(2) / nbytes, nbytes
 
 
-def evaluate(engine: "Engine", files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
+def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
              max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
              heal: bool = True, line_start: bool = False,
              finish: Callable[[Position, str], str] | None = None) -> dict:

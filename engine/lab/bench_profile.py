@@ -21,6 +21,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import ModelError, load_config
+from ..engine import Engine
+from ..generate import GenerationParams
+from ..runtime import physical_cores
+from ..tokenizer import Tokenizer
+from ..weights import weights_digest
+from .models import bench_root, resolve_model
+from .peers import GenaiPeer, PeerUnavailable
+
 #: Prompt length: a prime, so that a dimension equal to it marks a prefill run.
 PROMPT_TOKENS = 61
 
@@ -74,9 +83,6 @@ class _Ours:
 
     def __init__(self, model: Path, wafer: bool, prefix: str, prompt: list[int], tokens: int,
                  threads: int | None) -> None:
-        from .engine import Engine
-        from .generate import GenerationParams
-
         self.eng = Engine.load(model, wafer=wafer, threads=threads, spinning=True, profile=prefix)
         self.prompt, self.params = prompt, GenerationParams(max_new_tokens=tokens, ignore_eos=True)
 
@@ -95,10 +101,6 @@ class _Genai:
 
     def __init__(self, model: Path, prefix: str, prompt: list[int], tokens: int, threads: int,
                  log: Callable[[str], None]) -> None:
-        from .bench import bench_root
-        from .peers import GenaiPeer
-        from .weights import weights_digest
-
         self.peer = GenaiPeer(model, threads, weights_digest(model), bench_root(), log, profile=prefix)
         self.prompt, self.tokens = prompt, tokens
 
@@ -112,12 +114,6 @@ class _Genai:
 
 def bench_profile(args, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Load every runner, decode in alternating rounds (same machine load for all), profile each."""
-    from .bench import resolve_model
-    from .config import load_config
-    from .peers import PeerUnavailable
-    from .runtime import physical_cores
-    from .tokenizer import Tokenizer
-
     if args.tokens < 2 or args.rounds < 1:
         raise ValueError("--tokens must be at least 2 and --rounds at least 1")
     model = resolve_model(args.model)
@@ -189,8 +185,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None, plot=None) -> int:
-    from .config import ModelError
-
     p = argparse.ArgumentParser(prog="spark-lsp bench profile", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)  # (no --plot: a profile is a table)

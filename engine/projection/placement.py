@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ModelError, load_config
+
 from .chips import Chip
 
 #: Fraction of each PE's SRAM the layout may fill: WaferLLM hit "out of PE memory" at link time
@@ -83,14 +85,10 @@ class ModelShape:
 
 def load_shape(path: str | Path) -> ModelShape:
     """A :class:`ModelShape` from a model folder or a ``config.json``-style file (any name)."""
-    from engine.config import load_config
-
     p = Path(path)
     if p.is_dir():
         return ModelShape.from_config(load_config(p), name=p.name)
     if not p.is_file():
-        from engine.config import ModelError
-
         raise ModelError(f"{p}: config file not found")
     if p.name == "config.json":
         return ModelShape.from_config(load_config(p.parent), name=p.parent.name or p.stem)

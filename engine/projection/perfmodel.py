@@ -26,18 +26,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
-from .chips import Chip
-from .placement import Placement, Region
+from .chips import WSE2, Chip
+from .placement import DEFAULT_BUDGET, Placement, PlacementError, Region, load_shape, place
 
 #: Published WaferLLM decode speeds, Llama-3-8B on WSE-2, one P x P region per layer.
 WAFERLLM_POINTS = ((420, 2700.0), (540, 2502.0), (660, 2243.0))
 #: Context assumed for the calibration points (attention over it is a small share of decode).
 CALIBRATION_CONTEXT = 4096
 
-#: Fitted by :func:`calibrate` (see module docstring); ``python -m engine.wafer.perfmodel``
+#: Fitted by :func:`calibrate` (see module docstring); ``python -m engine.projection.perfmodel``
 #: prints the fit.
 ETA_GEMV = 0.1312
 C0_CYCLES = 0.0
@@ -242,8 +243,6 @@ def calibrate(shape, chip: Chip, points=WAFERLLM_POINTS, context: int = CALIBRAT
     Per-token seconds are linear in (c0, 1/eta) once the placement is fixed:
     ``s = (L * c0 + A + B / eta) / f + io``.
     """
-    from .placement import place
-
     rows, rhs = [], []
     for P, tok_s in points:
         pl = place(shape, chip, (P, P), context=context)
@@ -266,8 +265,6 @@ def calibrate(shape, chip: Chip, points=WAFERLLM_POINTS, context: int = CALIBRAT
 
 
 def calibration_table(shape, chip: Chip, constants: Constants | None = None) -> list[dict]:
-    from .placement import place
-
     out = []
     for P, tok_s in WAFERLLM_POINTS:
         pl = place(shape, chip, (P, P), context=CALIBRATION_CONTEXT)
@@ -297,10 +294,8 @@ def plan(shape, chip: Chip, *, grid: tuple[int, int] | None = None, context: int
 
     The search is limited to ``max_wafers`` wafers — by default the fewest any region size needs
     (a wafer is a whole machine; raise it to trade machines for speed).
-    Raises :class:`~engine.wafer.placement.PlacementError` when nothing fits.
+    Raises :class:`~engine.projection.placement.PlacementError` when nothing fits.
     """
-    from .placement import DEFAULT_BUDGET, PlacementError, place
-
     budget = DEFAULT_BUDGET if budget is None else budget
     if grid is not None:
         pl = place(shape, chip, grid, context=context, budget=budget, max_wafers=max_wafers)
@@ -325,11 +320,6 @@ def plan(shape, chip: Chip, *, grid: tuple[int, int] | None = None, context: int
 
 
 if __name__ == "__main__":  # print the fit and the table
-    from pathlib import Path
-
-    from .chips import WSE2
-    from .placement import load_shape
-
     here = Path(__file__).resolve().parents[2] / "tests" / "wafer" / "data" / "llama-3-8b.json"
     s = load_shape(here)
     k = calibrate(s, WSE2)
