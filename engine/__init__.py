@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["Chunk", "Engine", "Generation", "GenerationParams", "ModelError"]
+__all__ = ["CancelToken", "Cancelled", "Chunk", "Engine", "Generation", "GenerationParams", "ModelError"]
 
-_WHERE = {"Engine": "engine", "Generation": "generate", "GenerationParams": "generate", "Chunk": "generate",
-          "ModelError": "config"}
+_WHERE = {"CancelToken": "cancel", "Cancelled": "cancel", "Engine": "engine", "Generation": "generate",
+          "GenerationParams": "generate", "Chunk": "generate", "ModelError": "config"}
 
 if TYPE_CHECKING:
+    from .cancel import Cancelled, CancelToken
     from .config import ModelError
     from .engine import Engine
     from .generate import Chunk, Generation, GenerationParams

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import graph_cache, models
 from . import precision as precision_rule
+from .cancel import CancelToken
 from .config import ModelConfig, ModelError, load_config, model_path
 from .generate import Generation, GenerationParams
 from .graph import build_decoder
@@ -158,10 +159,11 @@ class Engine:
         return ids
 
     def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                 slot: Hashable = None) -> Generation:
+                 slot: Hashable = None, *, cancel: CancelToken | None = None) -> Generation:
         """Start a generation (lazily: the work happens while iterating).
 
         ``slot``: a key (e.g. a document URI) whose KV cache is reused for the common prefix.
+        ``cancel``: a token (``engine.cancel``) that stops it within one step, from any thread.
         Generation stops at the context end with finish_reason 'length'.
         """
         params = params or GenerationParams()
@@ -169,7 +171,7 @@ class Engine:
         room = self.context - len(ids)
         if params.max_new_tokens > room:
             params = _replace_max(params, room)
-        return Generation(self, ids, params, slot)
+        return Generation(self, ids, params, slot, cancel)
 
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a sequence (evaluation, tests)."""

@@ -3,8 +3,9 @@
 The work happens in the thread that iterates (no background thread).  The engine lock is held
 for the prefill and for each decode step, never while the consumer handles a chunk, so several
 generations on different slots interleave fairly and an abandoned generation holds nothing.
-``cancel()`` may be called from any thread: it sets a flag checked before every step and
-terminates an ONNX Runtime run in flight (``RunOptions.terminate``).
+``cancel()`` may be called from any thread, as may the ``CancelToken`` the caller passed
+(``engine.cancel``): a cancel is checked before every step and terminates an ONNX Runtime run in
+flight (``RunOptions.terminate``); the generation then ends with finish_reason 'cancelled'.
 
 Only tokens whose KV was completely written are recorded in the slot, so a cancel in the middle
 of a prefill or a decode step leaves the prefix cache consistent.
@@ -16,13 +17,13 @@ stop strings and chunks concern only the text after it.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Iterator
 
 import onnxruntime as ort
 
+from .cancel import Cancelled, CancelToken
 from .config import ModelError
 from .sampling import Healing, Sampler
 
@@ -85,10 +86,6 @@ class Chunk:
 
     token_id: int
     text: str
-
-
-class _Cancelled(Exception):
-    pass
 
 
 def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
@@ -172,7 +169,8 @@ class _Emitter:
 class Generation:
     """Iterate for :class:`Chunk` objects; then read ``text``, ``tokens``, ``finish_reason``, ``stats``."""
 
-    def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None) -> None:
+    def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None,
+                 cancel: CancelToken | None = None) -> None:
         self._engine = engine
         self.prompt = prompt
         self.params = params
@@ -184,8 +182,10 @@ class Generation:
             "prompt_tokens": len(prompt), "reused_tokens": 0, "new_tokens": 0,
             "ttft_ms": 0.0, "decode_tok_s": 0.0, "total_ms": 0.0,
         }
-        self._cancel = threading.Event()
+        # its own token, a child of the caller's: stopping early on its own leaves the caller's alone
+        self.cancel_token = cancel.child() if cancel is not None else CancelToken()
         self._run_options = ort.RunOptions()
+        self.cancel_token.on_cancel(lambda reason: setattr(self._run_options, "terminate", True))
         self._sampler = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
         self._healing = Healing(engine.tokenizer.byte_index(), params.healed_prefix) if params.healed_prefix else None
         self._t0 = time.perf_counter()
@@ -200,12 +200,11 @@ class Generation:
 
     def cancel(self) -> None:
         """Stop as soon as possible (thread-safe); aborts an ONNX Runtime run in flight."""
-        self._cancel.set()
-        self._run_options.terminate = True
+        self.cancel_token.cancel("generation cancelled")
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self.cancel_token.cancelled
 
     @property
     def done(self) -> bool:
@@ -227,8 +226,9 @@ class Generation:
         return choose(logits)
 
     def _check(self, slot) -> None:
-        if self._cancel.is_set() or slot.owner is not self:
-            raise _Cancelled
+        self.cancel_token.check()
+        if slot.owner is not self:
+            raise Cancelled("another generation took the KV slot")
 
     def _run_model(self, fn, *args):
         try:
@@ -236,8 +236,8 @@ class Generation:
         except ModelError:
             raise
         except Exception:
-            if self._cancel.is_set():  # ORT raises when RunOptions.terminate aborts the run
-                raise _Cancelled from None
+            if self.cancel_token.cancelled:  # ORT raises when RunOptions.terminate aborts the run
+                raise Cancelled(self.cancel_token.reason) from None
             raise
 
     def _prefill(self):
@@ -288,7 +288,7 @@ class Generation:
                     logits = self._run_model(eng.runtime.decode, slot.kv, token, pos)
                     slot.tokens.append(token)
                     pos += 1
-        except _Cancelled:
+        except Cancelled:
             self.finish_reason = "cancelled"
         finally:
             self._finish(slot, t_first, t_last)

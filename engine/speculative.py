@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
 
 import numpy as np
 
-from .generate import Chunk, Generation, GenerationParams, _Cancelled, _Emitter
+from .cancel import Cancelled, CancelToken
+from .generate import Chunk, Generation, GenerationParams, _Emitter
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -447,8 +448,8 @@ class SpeculativeGeneration(Generation):
     """
 
     def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None, *,
-                 drafter=None, policy: DraftPolicy | None = None) -> None:
-        super().__init__(engine, prompt, params, slot)
+                 drafter=None, policy: DraftPolicy | None = None, cancel: CancelToken | None = None) -> None:
+        super().__init__(engine, prompt, params, slot, cancel)
         self.drafter = drafter if drafter is not None else PromptLookup()
         self.policy = policy if policy is not None else DraftPolicy()
         self.stats.update({"drafted_tokens": 0, "accepted_tokens": 0, "acceptance": 0.0, "model_runs": 0,
@@ -471,8 +472,7 @@ class SpeculativeGeneration(Generation):
         drafted = accepted_total = runs = rechecks = 0
         recheck = False
         try:
-            if self._cancel.is_set():
-                raise _Cancelled
+            self.cancel_token.check()
             # A batched pass and a single step may round differently (quantised activations flip a
             # code now and then): only trust argmaxes whose top-2 margin exceeds that noise.
             guard, step_s, pass_s, width_s = _calibration(eng, self.prompt)  # once per engine
@@ -567,7 +567,7 @@ class SpeculativeGeneration(Generation):
                 self.policy.update(len(draft), a)
                 self.policy.emitted("draft", len(decided), dt_run)
                 from_draft = a
-        except _Cancelled:
+        except Cancelled:
             self.finish_reason = "cancelled"
         finally:
             self._finish(slot, t_first, t_last)
@@ -596,12 +596,12 @@ def _top2_margin(rows: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.nd
 
 def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationParams | None = None,
              slot: Hashable = None, *, draft: str | Sequence[int] | None = None, ngram: bool = True,
-             policy: DraftPolicy | None = None) -> Generation:
+             policy: DraftPolicy | None = None, cancel: CancelToken | None = None) -> Generation:
     """Like ``engine.generate`` but speculative (greedy only; sampling runs the plain loop).
 
     ``draft``: the text (or token ids) being rewritten — speculative edits; ``None`` drafts by
     n-gram prompt lookup (``ngram=False`` turns that off too, leaving plain decoding in the same
-    class, for comparisons).  A text draft follows ``params.healed_prefix`` (the output's first
+    class, for comparisons).  ``cancel``: a token that stops it (see ``engine.cancel``).  A text draft follows ``params.healed_prefix`` (the output's first
     tokens spell it), so the two are encoded together: the draft's tokens then line up with
     the output's from the first token on.
     """
@@ -621,7 +621,7 @@ def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationPa
         drafter = PromptLookup()
     else:
         drafter = _NoDraft()
-    return SpeculativeGeneration(engine, ids, params, slot, drafter=drafter, policy=policy)
+    return SpeculativeGeneration(engine, ids, params, slot, drafter=drafter, policy=policy, cancel=cancel)
 
 
 class _NoDraft(PromptLookup):

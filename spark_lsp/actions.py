@@ -240,7 +240,7 @@ def run_plan(*args: Any, **kw: Any) -> tuple[str, dict]:
     return drive(run_plan_steps(*args, **kw))
 
 
-def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
+def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
                    on_text: Callable[[str], None] | None = None, speculative: bool = False):
     """Generate the region's final text for plan `p` (engine thread, a step generator returning
     (region text, stats))."""
@@ -260,7 +260,7 @@ def run_plan_steps(engine: Any, builder: Any, job: Any, p: EditPlan, params_cls:
         params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder),
                             healed_prefix=healed + lead)  # generated, not emitted: put back below
         raw, stats, finish = yield from generate_steps(
-            engine, job, ids, params, done=(lambda s: generated_is_done(p, lead + s)),
+            model, job, ids, params, done=(lambda s: generated_is_done(p, lead + s)),
             on_text=(lambda s: on_text(lead + s)) if on_text is not None and lead else on_text,
             speculative=speculative, draft=p.draft)
         return lead + raw, {**stats, "finish_reason": finish}

@@ -110,20 +110,6 @@ class Inflight:
         return t if t is not None and self.partial.startswith(t) else None
 
 
-def start_generation(engine: Any, ids: list[int], params: Any, slot: str, speculative: bool = False,
-                     draft: str | None = None) -> Any:
-    """A Generation; greedy ones are speculative when asked (the engine's draft-free speculative
-    decoding: `draft` text for rewrites, n-gram prompt lookup otherwise; output identical)."""
-    if speculative and getattr(params, "temperature", 0.0) == 0.0:
-        try:
-            from engine import speculative as spec
-        except ImportError:
-            spec = None
-        if spec is not None:
-            return spec.generate(engine, ids, params, slot, draft=draft)
-    return engine.generate(ids, params, slot=slot)
-
-
 def drive(steps: Any) -> Any:
     """Run a step generator to its end and return its value (outside the scheduler)."""
     try:
@@ -133,14 +119,14 @@ def drive(steps: Any) -> Any:
         return stop.value
 
 
-def generate_steps(engine: Any, job: Job, ids: list[int], params: Any,
+def generate_steps(model: Any, job: Job, ids: list[int], params: Any,
                    done: Callable[[str], bool] | None = None,
                    on_text: Callable[[str], None] | None = None,
                    speculative: bool = False, draft: str | None = None):
-    """One generation, yielding after every decode step so the scheduler can interleave
-    documents; stops early once `done(text)` says the output is complete. Returns
-    (text, stats, finish_reason); raises Cancelled if the job was."""
-    gen = job.attach(start_generation(engine, ids, params, job.slot, speculative, draft))
+    """One generation of `model` (a model_host.Model), yielding after every decode step so the
+    scheduler can interleave documents; stops early once `done(text)` says the output is
+    complete. Returns (text, stats, finish_reason); raises Cancelled if the job was."""
+    gen = model.generate(ids, params, job.slot, cancel=job.token, speculative=speculative, draft=draft)
     text = ""
     early = False
     try:
@@ -152,17 +138,15 @@ def generate_steps(engine: Any, job: Job, ids: list[int], params: Any,
                 break
             if done is not None and chunk.text and done(text):
                 early = True
-                gen.cancel()
+                gen.cancel()  # this generation only: the job goes on
                 break
             yield
         if job.cancelled or early:
             for _ in gen:  # drain: the engine finishes the cancelled step and releases itself
                 pass
     finally:
-        job.detach(gen)
         job.mark_stopped()
-    if job.cancelled:
-        raise Cancelled(job.reason)
+    job.check()
     finish = "stop" if early else str(getattr(gen, "finish_reason", ""))
     if finish == "cancelled":  # stopped by the engine, e.g. another generation took its KV slot
         raise Cancelled("the engine stopped the generation")
@@ -182,10 +166,12 @@ def control_ids(builder: Any) -> frozenset[int]:
     return frozenset(getattr(getattr(builder, "fim", None), "stop_ids", ()) or ()) | frozenset(specials.values())
 
 
-def context_limit(engine: Any) -> int | None:
-    """Tokens the engine can hold (prompt + new), or None when it does not say."""
-    n = getattr(engine, "context", None) or getattr(getattr(engine, "config", None), "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) else None
+def prompt_budget(model: Any, context_tokens: int, max_new: int) -> int:
+    """Prompt tokens for a generation of `max_new` tokens: the contextTokens setting, within
+    what the model holds (prompt and new together)."""
+    if not model.context:
+        return context_tokens
+    return max(16, min(context_tokens, model.context - max_new - 8))
 
 
 def complete(*args: Any, **kw: Any) -> Result:
@@ -193,7 +179,7 @@ def complete(*args: Any, **kw: Any) -> Result:
     return drive(complete_steps(*args, **kw))
 
 
-def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
+def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
                    settings: Settings, trigger: int, params_cls: Any,
                    on_partial: Callable[[str], None] | None = None, python: bool = False):
     """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result);
@@ -202,10 +188,7 @@ def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, off
     ctx = context_at(text, offset, python=python)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
     max_new = settings.max_tokens if multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
-    limit = context_limit(engine)
-    budget = settings.context_tokens
-    if limit:  # the prompt budget never overflows the model's context
-        budget = max(16, min(budget, limit - max_new - 8))
+    budget = prompt_budget(model, settings.context_tokens, max_new)  # never overflows the context
     prompt = builder.build(text, offset, budget, key=job.slot)
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
@@ -222,7 +205,7 @@ def complete_steps(engine: Any, builder: PromptBuilder, job: Job, text: str, off
                                 top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop, stop_ids=control_ids(builder))
         if prompt.healed:  # the answer starts by re-spelling the partial word; only the rest is emitted
             params = replace(params, healed_prefix=prompt.healed)
-        raw, st, finish = yield from generate_steps(engine, job, prompt.ids, params, done,
+        raw, st, finish = yield from generate_steps(model, job, prompt.ids, params, done,
                                                     on_text=on_partial if k == 0 else None,
                                                     speculative=settings.speculative)
         if k == 0:

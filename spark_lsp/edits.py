@@ -9,8 +9,10 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from engine.cancel import CancelToken
+
 from . import actions
-from .completions import context_limit
+from .completions import prompt_budget
 from .documents import Pos, line_ending, minimal_edits, normalize_eol, position_at
 from .errors import InvalidParams, RequestCancelled, ServerError
 from .live_edits import LiveEdit
@@ -94,31 +96,21 @@ class Edits:
         applied = await self.state.editor.apply_edit(t.uri, await self.compute(t, p), None, None)
         return {"outcome": "done" if applied else "rejected", "flushes": 1, "complete": applied}
 
-    async def job(self, uri: str, p: actions.EditPlan, on_text=None) -> tuple[str, dict]:
+    async def job(self, uri: str, p: actions.EditPlan, on_text=None,
+                  parent: CancelToken | None = None) -> tuple[str, dict]:
         """Generate the plan's region text on the engine thread; `on_text(raw)` sees the output
-        so far (on the event loop)."""
+        so far (on the event loop); cancelling `parent` (a live edit's token) stops it."""
         st = self.state
         host, speculative = st.host, st.settings.speculative
-        budget = st.settings.context_tokens
-        limit = context_limit(host.engine)
-        if limit:
-            budget = max(16, min(budget, limit - p.max_tokens - 8))
+        budget = prompt_budget(host.model, st.settings.context_tokens, p.max_tokens)
         st.cancel(uri, "an edit started", kind="completion")  # one generation per document
 
         def steps(j: Job):
             feed = (lambda s: j.call_soon(on_text, s)) if on_text else None
-            return actions.run_plan_steps(
-                host.engine,
-                host.builder,
-                j,
-                p,
-                host.params_cls,
-                budget,
-                on_text=feed,
-                speculative=speculative,
-            )
+            return actions.run_plan_steps(host.model, host.builder, j, p, host.params_cls, budget,
+                                          on_text=feed, speculative=speculative)
 
-        job = Job(edit_key(uri), steps, asyncio.get_running_loop(), kind="edit", slot=uri)
+        job = Job(edit_key(uri), steps, asyncio.get_running_loop(), kind="edit", slot=uri, parent=parent)
         try:
             return await run_job(st.sched(), job)
         except Cancelled as exc:
@@ -134,18 +126,13 @@ class Edits:
         """The user cancelled a live edit: stop its generation and every edit it has not sent yet
         (its final write too, when the generation has already finished); False if nothing was left
         to stop."""
-        hit = session.cancel(reason)
-        if self.state.live.get(session.uri) is session:
-            hit = self.state.cancel(edit_key(session.uri), reason) or hit
-        return hit
+        return session.cancel(reason)  # its token is the parent of the edit's engine job
 
     def cancel(self, uri: str, reason: str) -> int:
         """Stop the completion and the edit of document `uri`; how many were stopped."""
         n = int(self.state.cancel(uri, reason))
         session = self.state.live.get(uri)
-        if (
-            session is not None
-        ):  # also when its generation has finished and its final write not yet come
+        if session is not None:  # also when its generation has finished, its final write not yet sent
             return n + self.cancel_session(session, reason)
         return n + self.state.cancel(edit_key(uri), reason)
 
@@ -169,7 +156,6 @@ class _Stream:
             p.start,
             p.end,
             position_at(t.text, p.start, t.enc),
-            on_user_change=lambda: st.cancel(self.key, "user typed"),
             enc=t.enc,
             version=t.version,
         )
@@ -203,13 +189,11 @@ class _Stream:
 
     async def _generate(self) -> str:
         st, session = self.state, self.session
-        task = asyncio.ensure_future(self.edits.job(self.t.uri, self.p, on_text=self._on_text))
+        job = self.edits.job(self.t.uri, self.p, on_text=self._on_text, parent=session.token)
+        task = asyncio.ensure_future(job)
         while not task.done():
             await asyncio.wait([task], timeout=self.interval)
-            if session.stopped:  # the user typed or cancelled: nothing more is written
-                st.cancel(
-                    self.key, session.cancelled or "user typed"
-                )  # a job that began after it too
+            if session.stopped:  # the user typed or cancelled (its token stopped the job)
                 break
             live = self.interval is not None and self.latest is not None and not task.done()
             if live and not await self._flush(self.p.region_text(self.latest, final=False), False):

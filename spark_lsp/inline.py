@@ -106,7 +106,7 @@ class InlineCompletions:
 
         def steps(job: Job):
             return completions.complete_steps(
-                host.engine,
+                host.model,
                 host.builder,
                 job,
                 text,

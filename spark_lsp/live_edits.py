@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Callable
+
+from engine.cancel import CancelToken
 
 from .documents import Pos, advance, line_ending, minimal_edit, normalize_eol, split_lines
 
@@ -56,7 +57,7 @@ class LiveEdit:
     """State of one streamed edit: the region, what it shows, and the texts our edits produce."""
 
     def __init__(self, uri: str, doc_text: str, start: int, end: int, start_pos: Pos,
-                 on_user_change: Callable[[], None], enc: str = "utf-16", version: int | None = None):
+                 enc: str = "utf-16", version: int | None = None):
         self.uri = uri
         # the document version our next edit applies to: the last one seen, or the one our last
         # applied edit produced when its didChange has not arrived yet (clients count one per edit)
@@ -69,9 +70,10 @@ class LiveEdit:
         self.shown = self.original          # region text as the document has it now
         self._doc = doc_text                # document text once all our sent edits apply
         self._expected: collections.deque[str] = collections.deque()
-        self._on_user_change = on_user_change
         self.stopped_by_user = False
         self.cancelled: str | None = None   # why the user cancelled the edit, once they did
+        # cancelled when the user types or cancels: the parent of the edit's engine job
+        self.token = CancelToken()
         self.flushes = 0
 
     @property
@@ -84,6 +86,7 @@ class LiveEdit:
         if self.stopped:
             return False
         self.cancelled = reason
+        self.token.cancel(reason)
         return True
 
     def frame(self, generated: str, final: bool) -> str:
@@ -136,5 +139,5 @@ class LiveEdit:
         # a user's version is never adopted: an edit still computed against the old text must be refused
         if not self.stopped_by_user:
             self.stopped_by_user = True
-            self._on_user_change()
+            self.token.cancel("user typed")
         return False

@@ -1,7 +1,17 @@
-"""Loads the engine once, off the event loop, and lets requests wait for it.
+"""The seam between the server and the engine: `Model` (what the services need from a loaded
+model), `LocalModel` (the in-process engine behind it) and `ModelHost` (loads one in the background).
 
-The model loads in a background thread after `initialized` so the editor gets its capabilities at
-once; requests that need the model await `ready()` and get a clear error if loading failed or takes
+Every service reaches the engine through a `Model` and nothing else, so another backend (a remote
+llama.cpp, Ollama or OpenAI server, the engine service over WebSocket) is one more class with
+these few members:
+
+- `generate(ids, params, slot, cancel=, speculative=, draft=)`: a `Stream` of text chunks,
+  stopped within one decode step by its `CancelToken` (see docs/ARCHITECTURE.md, "Cancellation");
+- `tokenizer` (the prompt builder counts, heals and finds the FIM tokens with it) and `context`;
+- `name`, `config` (the architecture, for the wafer projection; None when unknown) and `status()`.
+
+The model loads in a background thread after `initialized`, so the editor gets its capabilities
+at once; requests that need it await `ready()` and get a clear error if loading failed or takes
 longer than the `loadTimeoutS` setting.
 """
 
@@ -11,37 +21,110 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
+from engine.cancel import CancelToken
+
+from .chat import load_chat_template
 from .prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
+
+INTERACTIVE_PREFILL_CHUNK = 256
 
 
 class ModelNotReady(RuntimeError):
     """The model is still loading (after the timeout) or failed to load."""
 
 
-INTERACTIVE_PREFILL_CHUNK = 256
+class Stream(Protocol):
+    """A running generation: iterate for chunks (each with `.text`); when it ends, read
+    `finish_reason` ('stop', 'eos', 'length', 'time' or 'cancelled') and `stats`."""
+
+    finish_reason: str | None
+    stats: dict
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def cancel(self) -> None:
+        """Stop this generation only (its caller's token is left alone)."""
 
 
-def warm_up(engine: Any, params_cls: Any) -> None:
-    """One short generation so ONNX Runtime's first-run setup is not paid by the first suggestion
-    (a cold first run also takes far longer to cancel)."""
-    text = "def add(a, b):\n    return a + b\n\n\n" * 8
-    ids = engine.tokenizer.encode(text)[:120]
-    for n in (len(ids), 1):  # a prefill, then a one-token step on top of it
-        for _ in engine.generate(ids[:n] if n > 1 else ids + ids[-1:], params_cls(max_new_tokens=3),
-                                 slot="__warm_up__"):
-            pass
+class Model(Protocol):
+    """What the services need from a loaded model."""
+
+    name: str
+    context: int | None  # tokens it holds, prompt and new together; None when unknown
+    tokenizer: Any  # engine.tokenizer.Tokenizer
+    config: Any  # engine.config.ModelConfig, or None
+
+    def generate(self, ids: list[int], params: Any, slot: str, *, cancel: CancelToken,
+                 speculative: bool = False, draft: str | None = None) -> Stream:
+        """Start a generation of `ids` with `params` (engine.GenerationParams) reusing the KV of
+        `slot`; `speculative`: greedy generations may verify drafted tokens (output identical),
+        `draft` the text being rewritten. Work happens while the stream is iterated."""
+
+    def status(self) -> dict:
+        """What `spark/metrics` shows about the model (name, context, precision...)."""
+
+
+class LocalModel:
+    """The in-process engine (engine.Engine) as a Model."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.name = str(getattr(engine, "name", None) or "model")
+        self.tokenizer = engine.tokenizer
+        self.config = getattr(engine, "config", None)
+        n = getattr(engine, "context", None) or getattr(self.config, "max_position_embeddings", None)
+        self.context = int(n) if isinstance(n, int) else None
+        from engine import speculative  # loads with the engine, not with the server
+
+        self._speculative = speculative
+
+    @classmethod
+    def load(cls, model_dir: str | None, precision: str = "auto") -> LocalModel:
+        """Load `model_dir` (None: the bundled default) and warm it up."""
+        from engine import Engine
+
+        eng = Engine.load(model_dir=model_dir, slots=4, precision=precision)
+        if isinstance(getattr(eng, "prefill_chunk", None), int):
+            # a cancel waits for the prefill run in flight: keep runs short
+            eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
+        model = cls(eng)
+        model.warm_up()
+        return model
+
+    def generate(self, ids: list[int], params: Any, slot: str, *, cancel: CancelToken,
+                 speculative: bool = False, draft: str | None = None) -> Stream:
+        if speculative and getattr(params, "temperature", 0.0) == 0.0:
+            return self._speculative.generate(self.engine, ids, params, slot, draft=draft, cancel=cancel)
+        return self.engine.generate(ids, params, slot=slot, cancel=cancel)
+
+    def warm_up(self) -> None:
+        """One short generation so ONNX Runtime's first-run setup is not paid by the first
+        suggestion (a cold first run also takes far longer to cancel)."""
+        from engine import GenerationParams
+
+        ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\n\n" * 8)[:120]
+        for prompt in (ids, ids + ids[-1:]):  # a prefill, then a one-token step on top of it
+            for _ in self.engine.generate(prompt, GenerationParams(max_new_tokens=3), slot="__warm_up__"):
+                pass
+
+    def status(self) -> dict:
+        return {"name": self.name, "context": self.context,
+                "precision": getattr(self.engine, "precision", None)}
 
 
 class ModelHost:
+    """The one loaded Model, its prompt builder and chat template; loads in the background."""
+
     def __init__(self) -> None:
-        self.engine: Any = None
+        self.model: Model | None = None
         self.builder: PromptBuilder | None = None
-        self.params_cls: Any = None
-        self.chat: Any = None           # ChatTemplate of a chat model, else None
+        self.params_cls: Any = None  # engine.GenerationParams, once loaded
+        self.chat: Any = None  # ChatTemplate of a chat model, else None
         self.model_dir: str | None = None
         self.error: str | None = None
         self.load_s: float | None = None
@@ -51,7 +134,7 @@ class ModelHost:
 
     @property
     def loaded(self) -> bool:
-        return self.engine is not None
+        return self.model is not None
 
     @property
     def started(self) -> bool:
@@ -60,7 +143,7 @@ class ModelHost:
 
     @property
     def name(self) -> str:
-        return str(getattr(self.engine, "name", None) or self.model_dir or "model")
+        return str(getattr(self.model, "name", None) or self.model_dir or "model")
 
     def expect(self) -> None:
         """A load is about to start: requests from now on wait for it (call on the event loop)."""
@@ -84,22 +167,16 @@ class ModelHost:
         def work() -> None:
             t0 = time.perf_counter()
             try:
-                from engine import Engine, GenerationParams
+                from engine import GenerationParams
 
-                eng = Engine.load(model_dir=model_dir, slots=4, precision=precision)
-                if isinstance(getattr(eng, "prefill_chunk", None), int):
-                    # a cancel waits for the prefill run in flight: keep runs short (on this
-                    # 2-core CPU 256-token runs also prefill faster than 1,024-token ones)
-                    eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
-                warm_up(eng, GenerationParams)
-                builder = PromptBuilder(eng.tokenizer)
-                from .chat import load_chat_template
-                chat = load_chat_template(getattr(eng, "model_dir", model_dir), str(getattr(eng, "name", "")),
+                model = LocalModel.load(model_dir, precision)
+                builder = PromptBuilder(model.tokenizer)
+                chat = load_chat_template(getattr(model.engine, "model_dir", model_dir), model.name,
                                           builder.fim is not None)
                 ok, msg = True, ""
             except BaseException as exc:  # report, never crash the server
                 log.exception("model load failed")
-                eng, builder, chat, ok = None, None, None, False
+                model, builder, chat, ok = None, None, None, False
                 msg = f"cannot load model {model_dir or '(bundled default)'}: {exc}"
 
             def finish() -> None:
@@ -107,7 +184,7 @@ class ModelHost:
                     return  # a newer load superseded this one
                 self._loading = False
                 if ok:
-                    self.engine, self.builder, self.params_cls = eng, builder, GenerationParams
+                    self.model, self.builder, self.params_cls = model, builder, GenerationParams
                     self.chat = chat
                     self.load_s = time.perf_counter() - t0
                 else:
@@ -115,6 +192,7 @@ class ModelHost:
                 event.set()
                 if on_done is not None:
                     on_done(ok, msg)
+
             try:
                 loop.call_soon_threadsafe(finish)
             except RuntimeError:
@@ -124,7 +202,7 @@ class ModelHost:
 
     async def ready(self, timeout: float) -> None:
         """Wait until the model is loaded; raise ModelNotReady on failure or timeout."""
-        if self.engine is not None and not self._loading:
+        if self.model is not None and not self._loading:
             return
         if self._event is None:
             raise ModelNotReady("the model is not loaded (the client has not sent 'initialized' yet)")

@@ -34,9 +34,10 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.workspace import TextDocument, Workspace
 
+from engine.cancel import Cancelled
+
 from .documents import lsp_lines
 from .errors import RequestCancelled, SparkError
-from .scheduler import Cancelled
 
 log = logging.getLogger("spark_lsp")
 

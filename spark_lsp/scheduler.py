@@ -1,4 +1,4 @@
-"""One engine thread, at most one job per document, cancellation bridged from asyncio.
+"""One engine thread, at most one job per document, each cancelled through its CancelToken.
 
 Why a dedicated thread: model work on the event loop or pygls' thread pool could stall reading
 `$/cancelRequest`. Handlers stay async and await a Job's future; the job runs here.
@@ -7,6 +7,8 @@ submitting cancels it (queued: dropped; running: stopped within one decode step)
 Why cooperative steps: a job may be a generator that yields after every decode step; the thread
 then takes the running jobs in turn, one step each, so a long streamed edit in one document does
 not hold up a suggestion in another (each document keeps its own KV slot in the engine).
+Cancellation (docs/ARCHITECTURE.md): a job's CancelToken reaches the engine; a job stopped by it
+resolves its future with `Cancelled` (engine.cancel), re-exported here.
 """
 
 from __future__ import annotations
@@ -19,18 +21,21 @@ import threading
 import time
 from typing import Any, Callable
 
+from engine.cancel import Cancelled, CancelToken
+
 log = logging.getLogger(__name__)
 
-
-class Cancelled(Exception):
-    """The job was cancelled (superseded, `$/cancelRequest`, or the user typed)."""
+__all__ = ["Cancelled", "Job", "Scheduler", "run_job"]
 
 
 class Job:
-    """A unit of engine work for one key (document URI); thread-safe cancel."""
+    """A unit of engine work for one key (document URI), cancelled through its CancelToken.
+
+    `parent`: a token whose cancel cancels the job too (a live edit's session); the job's own
+    token is passed to the engine, which stops within one decode step."""
 
     def __init__(self, key: str, fn: Callable[["Job"], Any], loop: asyncio.AbstractEventLoop,
-                 kind: str = "completion", slot: str | None = None):
+                 kind: str = "completion", slot: str | None = None, parent: CancelToken | None = None):
         self.key = key
         self.slot = slot if slot is not None else key   # engine prefix-cache slot
         self.kind = kind
@@ -39,51 +44,35 @@ class Job:
         self.future: asyncio.Future = loop.create_future()
         # the awaiting handler may be gone (cancelled); mark the outcome as seen either way
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._gens: list[Any] = []
-        self.reason = ""
         self.t_submit = time.perf_counter()
         self.t_start: float | None = None
         self.t_cancel: float | None = None
         self.t_stopped: float | None = None   # when the engine stopped after a cancel
+        self.token = parent.child() if parent is not None else CancelToken()
+        self.token.on_cancel(self._cancelled_at)
+
+    def _cancelled_at(self, reason: str) -> None:
+        self.t_cancel = time.perf_counter()
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled
+        return self.token.cancelled
 
-    def attach(self, gen: Any) -> Any:
-        """Register a running engine Generation so cancel() can stop it; cancels it at once if the
-        job was cancelled before the generation started."""
-        with self._lock:
-            self._gens.append(gen)
-            if self._cancelled:
-                gen.cancel()
-        return gen
-
-    def detach(self, gen: Any) -> None:
-        with self._lock:
-            if gen in self._gens:
-                self._gens.remove(gen)
+    @property
+    def reason(self) -> str:
+        return self.token.reason
 
     def cancel(self, reason: str = "cancelled") -> None:
-        with self._lock:
-            if self._cancelled:
-                return
-            self._cancelled = True
-            self.reason = reason
-            self.t_cancel = time.perf_counter()
-            for g in self._gens:
-                g.cancel()
+        self.token.cancel(reason)
+
+    def check(self) -> None:
+        """Raise Cancelled if the job was cancelled."""
+        self.token.check()
 
     def mark_stopped(self) -> None:
         """Called by the job when its generation has actually ended; times the cancel latency."""
-        if self._cancelled and self.t_stopped is None:
+        if self.cancelled and self.t_stopped is None:
             self.t_stopped = time.perf_counter()
-
-    def check(self) -> None:
-        if self._cancelled:
-            raise Cancelled(self.reason)
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run fn(*args) on the event loop (from the engine thread)."""

@@ -97,7 +97,7 @@ class ServerState:
                 progress.end("ready" if ok else "failed")
             if ok:
                 self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
-                self.wafer.get(self.host.engine, self.settings)  # start the projection early
+                self.wafer.get(self.host.model, self.settings)  # start the projection early
             else:
                 self.editor.log(msg, "error")
                 self.editor.show_error(msg)
@@ -109,7 +109,7 @@ class ServerState:
         """Count a finished generation and tell the editor's status bar about it."""
         self.metrics.record_generation(stats)
         try:
-            wafer = self.wafer.get(self.host.engine, self.settings)
+            wafer = self.wafer.get(self.host.model, self.settings)
             self.editor.notify_status(status_payload(self.host.name, kind, stats, wafer))
         except Exception as exc:
             log.debug("status notification failed: %s", exc)

@@ -44,19 +44,20 @@ class WaferProjector:
         except ChipError as exc:
             raise SettingsError(f"setting 'waferChip': {exc}") from None
 
-    def get(self, engine: Any, settings: Settings) -> dict | None:
-        if engine is None:
+    def get(self, model: Any, settings: Settings) -> dict | None:
+        """The projection for `model` (a model_host.Model whose `config` is known), else None."""
+        if getattr(model, "config", None) is None:
             return None
-        key = (id(engine), settings.wafer_chip, settings.wafer_grid)
+        key = (id(model), settings.wafer_chip, settings.wafer_grid)
         with self._lock:
             if key in self._cache:
                 return self._cache[key]
             self._cache[key] = None
-        threading.Thread(target=self._compute, args=(key, engine, settings), daemon=True,
+        threading.Thread(target=self._compute, args=(key, model, settings), daemon=True,
                          name="spark-wafer-projection").start()
         return None
 
-    def _compute(self, key: tuple, engine: Any, settings: Settings) -> None:
+    def _compute(self, key: tuple, model: Any, settings: Settings) -> None:
         try:  # background work: yield the CPU to the engine and the editor's requests (Linux)
             import os
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -71,7 +72,7 @@ class WaferProjector:
             return
         try:
             chip = load_chip(settings.wafer_chip or "wse3")
-            shape = ModelShape.from_config(engine.config, name=str(getattr(engine, "name", "model")))
+            shape = ModelShape.from_config(model.config, name=model.name)
             placement, proj = plan(shape, chip, grid=settings.wafer_grid)
             out = {"chip": chip.name, "grid": list(placement.grid),
                    "decode_tok_s": round(float(proj.decode_tok_s), 1),

@@ -10,6 +10,7 @@ import pytest
 import engine.generate as generate_mod
 from engine import Engine, GenerationParams
 from spark_lsp import actions, completions
+from spark_lsp.model_host import LocalModel
 from spark_lsp.prompt import PromptBuilder
 from spark_lsp.scheduler import Job
 from spark_lsp.settings import Settings
@@ -79,10 +80,10 @@ def test_completion_and_docstring_action_never_contain_control_tokens(eng, monke
     loop = asyncio.new_event_loop()
     try:
         settings = Settings(max_tokens=24, context_tokens=256, speculative=speculative)
-        res = completions.complete(eng, builder, Job("doc", lambda j: None, loop), src, len(src) - 1, settings,
+        res = completions.complete(LocalModel(eng), builder, Job("doc", lambda j: None, loop), src, len(src) - 1, settings,
                                    completions.INVOKED, GenerationParams)
         p = actions.plan(actions.DOCSTRING, src, src.index("return"), src.index("return"), 1, 64)
-        region, _ = actions.run_plan(eng, builder, Job("edit", lambda j: None, loop), p, GenerationParams, 256,
+        region, _ = actions.run_plan(LocalModel(eng), builder, Job("edit", lambda j: None, loop), p, GenerationParams, 256,
                                     speculative=speculative)
     finally:
         loop.close()

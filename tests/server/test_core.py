@@ -4,7 +4,6 @@ scheduling, live-edit framing and code-action plans."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from spark_lsp import actions, completions, postprocess
 from spark_lsp.documents import (Pos, PositionError, apply_edits, minimal_edit, minimal_edits, offset_at,
                                  position_at, split_lines, utf16_len)
 from spark_lsp.live_edits import LiveEdit, frame
+from spark_lsp.model_host import LocalModel
 from spark_lsp.prompt import PromptBuilder
 from spark_lsp.scheduler import Cancelled, Job, Scheduler, run_job
 from spark_lsp.settings import Settings, SettingsError, update
@@ -222,13 +222,14 @@ def test_live_edit_frames_and_recognises_its_own_changes():
     assert frame(original, "A = 1\nB = 2\nC = 3\nD", final=False) == "A = 1\nB = 2\nC = 3\nD\n"
     assert frame("a = 1", "A", final=False) == "A"  # a region without a final break gets none
     doc = "# head\n" + original + "# tail\n"
-    stopped = []
-    s = LiveEdit("u", doc, 7, 7 + len(original), Pos(1, 0), on_user_change=lambda: stopped.append(1))
+    s = LiveEdit("u", doc, 7, 7 + len(original), Pos(1, 0))
+    job = s.token.child()  # the edit's engine job
     (e,) = s.edits_to(frame(original, "A = 1\nB", final=False))
     assert e.start == Pos(1, 0) and e.end.line == 2 and e.new_text.startswith("A")
     ours = "# head\nA = 1\nB\nc = 3\n# tail\n"
-    assert s.on_did_change(ours) and not stopped
-    assert not s.on_did_change(ours + "typed") and stopped == [1]
+    assert s.on_did_change(ours) and not job.cancelled
+    assert not s.on_did_change(ours + "typed") and s.stopped_by_user
+    assert job.cancelled and job.reason == "user typed"  # the user's change stops the engine
 
 
 # -- code-action plans ----------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
     def scripted(*outputs):
         leads = []
 
-        def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None):
+        def fake_generate(model, job, ids, params, done=None, on_text=None, speculative=False, draft=None):
             leads.append(params.healed_prefix)  # generated but not emitted: the runner puts it back
             text = outputs[min(len(leads), len(outputs)) - 1]
             if on_text is not None:
@@ -304,22 +305,19 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
 class FakeGen:
     """A generation that yields a token every `step` seconds until cancelled (tests only)."""
 
-    def __init__(self, n=1000, step=0.002):
-        self.n, self.step, self._cancel = n, step, threading.Event()
-
-    def cancel(self):
-        self._cancel.set()
+    def __init__(self, token, n=1000, step=0.002):
+        self.n, self.step, self.token = n, step, token
 
     def __iter__(self):
         for _ in range(self.n):
-            if self._cancel.is_set():
+            if self.token.cancelled:
                 return
             time.sleep(self.step)
             yield type("C", (), {"text": "x", "token_id": 1})()
 
 
 def _long_job(job):
-    gen = job.attach(FakeGen())
+    gen = FakeGen(job.token.child())
     for _ in gen:
         job.check()
     job.mark_stopped()
@@ -426,14 +424,14 @@ def test_speculative_completions_and_rewrites_match_plain_greedy(tiny_llama):
             for spec in (False, True):
                 job = Job(f"doc-{spec}", lambda j: None, loop)
                 settings = Settings(speculative=spec, max_tokens=24, context_tokens=256)
-                out.append(completions.complete(eng, builder, job, src, off, settings, completions.AUTOMATIC,
+                out.append(completions.complete(LocalModel(eng), builder, job, src, off, settings, completions.AUTOMATIC,
                                                 GenerationParams).items)
             assert out[0] == out[1]
         p = actions.plan(actions.REWRITE, src, src.index("def main"), len(src), 0, 64)
         texts = []
         for spec in (False, True):
             job = Job(f"edit-{spec}", lambda j: None, loop)
-            texts.append(actions.run_plan(eng, builder, job, p, GenerationParams, 256, speculative=spec)[0])
+            texts.append(actions.run_plan(LocalModel(eng), builder, job, p, GenerationParams, 256, speculative=spec)[0])
         assert texts[0] == texts[1]
     finally:
         loop.close()

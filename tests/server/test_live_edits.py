@@ -59,7 +59,7 @@ class Scripted:
         self.ls.workspace_apply_edit_async = self.apply_edit
         self.ls.edits.job = self.generate
 
-    async def generate(self, uri, plan, on_text=None):
+    async def generate(self, uri, plan, on_text=None, parent=None):
         """The engine job (Edits.job), scripted: each chunk of output is flushed before the next comes (a chunk
         that changes nothing on screen is given a few flush intervals)."""
         self.generation = asyncio.current_task()
@@ -139,7 +139,7 @@ def test_live_edit_writes_generated_line_breaks_in_the_document_line_ending():
     original = "a = 1\r\nb = 2\r\nc = 3\r\n"
     assert frame(original, "A = 1\nB", final=False, eol="\r\n") == "A = 1\r\nB\r\nc = 3\r\n"
     doc = "# head\r\n" + original
-    s = LiveEdit("u", doc, 8, len(doc), Pos(1, 0), on_user_change=lambda: None)
+    s = LiveEdit("u", doc, 8, len(doc), Pos(1, 0))
     assert s.eol == "\r\n"
     (e,) = s.edits_to(s.frame("A = 1\rB", final=False))
     assert not re.search(r"\r(?!\n)|(?<!\r)\n", e.new_text), e.new_text
@@ -150,7 +150,7 @@ def test_live_edit_writes_generated_line_breaks_in_the_document_line_ending():
 
 def test_an_echo_converted_otherwise_is_still_recognised():
     doc = "x = 0\nyy = 1\n"
-    s = LiveEdit("u", doc, 6, len(doc), Pos(1, 0), on_user_change=lambda: None)
+    s = LiveEdit("u", doc, 6, len(doc), Pos(1, 0))
     s.edits_to("y = 2\n")
     assert s.on_did_change("x = 0\r\ny = 2\r\n") and not s.stopped_by_user  # a client that wrote CRLF
     s.edits_to("y = 3\n")

@@ -10,6 +10,7 @@ from lsprotocol import types as T
 
 from conftest import OPTIONS, SAMPLE, start_editor
 from spark_lsp import completions
+from spark_lsp.model_host import LocalModel
 from spark_lsp.prompt import PromptBuilder
 from spark_lsp.scheduler import Job
 from spark_lsp.settings import Settings
@@ -39,22 +40,22 @@ def run_complete(engine, text, off, monkeypatch, slot="doc"):
     from engine import GenerationParams
 
     gens = []
-    real = completions.start_generation
+    model = LocalModel(engine)
+    real = model.generate
 
     def spy(*a, **kw):
         gens.append(real(*a, **kw))
         return gens[-1]
 
-    monkeypatch.setattr(completions, "start_generation", spy)
+    model.generate = spy
     loop = asyncio.new_event_loop()
     try:
         settings = Settings(max_tokens=OPTIONS["maxTokens"], context_tokens=OPTIONS["contextTokens"],
                             max_edit_tokens=OPTIONS["maxEditTokens"], live_edits=False, precision="fp32")
-        res = completions.complete(engine, PromptBuilder(engine.tokenizer), Job(slot, lambda j: None, loop),
+        res = completions.complete(model, PromptBuilder(engine.tokenizer), Job(slot, lambda j: None, loop),
                                    text, off, settings, completions.AUTOMATIC, GenerationParams)
     finally:
         loop.close()
-        monkeypatch.setattr(completions, "start_generation", real)
     return res, gens[0]
 
 
