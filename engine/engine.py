@@ -27,7 +27,7 @@ from .linears import PRECISIONS, float_linear, make_linear
 from .prefix_cache import PrefixCache
 from .runtime import Runtime
 from .tokenizer import Tokenizer
-from .weights import load_weights, weights_digest
+from .weights import open_weights, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,11 @@ class Engine:
         options = {"rope_len": config.max_position_embeddings}
         key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
 
-        def build():
+        def build(data_file: Path):
             log.info("building the decoder graph for %s", folder)
-            return build_decoder(config, load_weights(folder, config), linear, max_len=options["rope_len"])
+            with open_weights(folder, config) as weights:
+                return build_decoder(config, weights, linear, max_len=options["rope_len"],
+                                     external_data=data_file)
 
         info = {"model_dir": str(folder), "emitter": graph_cache.emitter_key(linear), "options": options}
         custom_ops = tuple(getattr(linear, "custom_op_libraries", ()))

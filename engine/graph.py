@@ -33,7 +33,8 @@ package can replace it with a partitioned version without touching the rest of t
 
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import Mapping, Protocol
 
 import numpy as np
 import onnx
@@ -50,7 +51,16 @@ INT64_MAX = np.iinfo(np.int64).max
 class GraphBuilder:
     """Accumulates nodes, initializers, inputs and outputs; hands out unique value names."""
 
-    def __init__(self) -> None:
+    #: External tensors start at multiples of this (the page size), so ONNX Runtime can map them.
+    ALIGN = 4096
+
+    def __init__(self, external_data: str | Path | None = None, threshold: int = 1024) -> None:
+        """``external_data``: a file to stream the initializers of ``threshold`` bytes or more into
+        as they are added (ONNX external data; the model must be saved next to it).  The graph then
+        holds no weight bytes in memory, so building a model takes about one tensor of RAM."""
+        self._data = open(external_data, "wb") if external_data is not None else None
+        self._data_name = Path(external_data).name if external_data is not None else ""
+        self._threshold = threshold
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -72,7 +82,20 @@ class GraphBuilder:
     def initializer(self, name: str, array: np.ndarray) -> str:
         """Add a constant tensor (weights etc.); returns its (uniquified) value name."""
         name = self.unique(name)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        arr = np.ascontiguousarray(array)
+        if self._data is None or arr.nbytes < self._threshold:
+            self.initializers.append(numpy_helper.from_array(arr, name))
+            return name
+        tensor = onnx.TensorProto(name=name, dims=arr.shape,
+                                  data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
+        offset = -(-self._data.tell() // self.ALIGN) * self.ALIGN
+        self._data.seek(offset)
+        self._data.write(arr.data)
+        for key, value in (("location", self._data_name), ("offset", offset), ("length", arr.nbytes)):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        self.initializers.append(tensor)
         return name
 
     def node(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "",
@@ -115,7 +138,13 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
+    def close(self) -> None:
+        """Finish the external data file (if any); :meth:`to_model` calls it."""
+        if self._data is not None and not self._data.closed:
+            self._data.close()
+
     def to_model(self, graph_name: str = "decoder", metadata: dict[str, str] | None = None) -> onnx.ModelProto:
+        self.close()
         graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.initializers)
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="spark-lsp")
@@ -207,12 +236,15 @@ def _fused_qkv(w: dict[str, np.ndarray], prefix: str, kind: str, n: int, nkv: in
                            _pad_value_rows(v, nkv, h, hp)], axis=0)
 
 
-def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter | None = None, *,
-                  max_len: int | None = None) -> onnx.ModelProto:
+def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitter | None = None, *,
+                  max_len: int | None = None, external_data: str | Path | None = None) -> onnx.ModelProto:
     """Build the decoder graph (see module docstring for its inputs and outputs).
 
-    ``max_len`` bounds the positions the rotary tables cover (default: the model's
-    ``max_position_embeddings``); the runtime's KV buffers must not exceed it.
+    ``weights``: HF name -> float32 array; a lazy mapping (``engine.weights.open_weights``) is
+    read one tensor at a time.  ``max_len`` bounds the positions the rotary tables cover (default:
+    the model's ``max_position_embeddings``); the runtime's KV buffers must not exceed it.
+    ``external_data``: stream the weights into this file as they are emitted (see
+    :class:`GraphBuilder`); save the returned model next to it.
     """
     linear = linear or DenseLinear()
     c = config
@@ -221,7 +253,7 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
     D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
     max_len = int(max_len or c.max_position_embeddings)
     w = weights
-    gb = GraphBuilder()
+    gb = GraphBuilder(external_data)
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
 
     act3d = bool(getattr(linear, "accepts_3d", False))
@@ -363,7 +395,8 @@ def build_decoder(config, weights: dict[str, np.ndarray], linear: LinearEmitter 
         w_head = w["model.embed_tokens.weight"].T
     else:
         w_head = w["lm_head.weight"].T
-    logits = linear.emit(gb, x, np.ascontiguousarray(w_head, dtype=np.float32), name="lm_head", role="lm_head")
+    # [K, N] as a transposed view: the emitter copies (or quantises) it in the layout it stores.
+    logits = linear.emit(gb, x, w_head, name="lm_head", role="lm_head")
     if not act3d:
         logits = gb.node("Unsqueeze", [logits, gb.const_i64([0])], name="logits3d")
     gb.output(logits, "logits", f32, [1, "num_logits", V])

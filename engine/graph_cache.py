@@ -67,11 +67,14 @@ def invalidate(model_path: str | Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
-def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
+def get_or_build(name: str, key: str, build: Callable[[Path], onnx.ModelProto],
                  cache_dir: str | Path | None = None, info: dict[str, Any] | None = None) -> tuple[Path, bool]:
-    """Path of the cached ``model.onnx`` for ``key``, building it with ``build()`` on a miss.
+    """Path of the cached ``model.onnx`` for ``key``, building it with ``build(data_file)`` on a miss.
 
-    Returns ``(path, built)``.  ``info`` is recorded in the entry's ``meta.json``.
+    ``build`` may stream its weights into ``data_file`` as ONNX external data (named by file name,
+    see ``engine.graph.GraphBuilder``), so the model is never held in memory whole; tensors it
+    leaves in the returned model are appended to that file.  Returns ``(path, built)``.  ``info``
+    is recorded in the entry's ``meta.json``.
     """
     global builds
     root = cache_root(cache_dir)
@@ -90,7 +93,7 @@ def get_or_build(name: str, key: str, build: Callable[[], onnx.ModelProto],
         return get_or_build(name, key, build, fallback, info)
     t0 = time.perf_counter()
     try:
-        model = build()
+        model = build(tmp / DATA_FILE)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -78,9 +78,35 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, *, symmet
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
     K, N = w.shape
     nb = -(-K // block_size)
-    padded = np.zeros((nb * block_size, N), np.float32)
-    padded[:K] = w
-    blocks = padded.T.reshape(N, nb, block_size).astype(np.float64)
+    packed = np.empty((N, nb, block_size * bits // 8), np.uint8)
+    scales = np.empty((N, nb), np.float32)
+    zps = None if symmetric else np.empty((N, nb), np.uint8)
+    # Column chunks of ~32 MB of float64 work: a 150k-row LM head never exists in float64 at once.
+    step = max(1, (1 << 22) // (nb * block_size))
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        p, sc, zp = _quantize_columns(w[:, n0:n1], bits, block_size, nb, symmetric)
+        packed[n0:n1], scales[n0:n1] = p, sc
+        if zps is not None:
+            zps[n0:n1] = zp
+    zero_points = None
+    if zps is not None:
+        z = zps
+        if bits == 4:
+            if nb % 2:
+                z = np.concatenate([z, np.zeros((N, 1), np.uint8)], axis=1)
+            z = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+        zero_points = np.ascontiguousarray(z)
+    return QuantizedWeight(packed, scales, zero_points, K, N, bits, block_size)
+
+
+def _quantize_columns(w: np.ndarray, bits: int, block_size: int, nb: int,
+                      symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes [n, nb, bytes], scales [n, nb] and zero points [n, nb] of the columns ``w[K, n]``."""
+    K, N = w.shape
+    blocks = np.zeros((N, nb * block_size), np.float64)
+    blocks[:, :K] = w.T
+    blocks = blocks.reshape(N, nb, block_size)
     qmax = (1 << bits) - 1
     if symmetric:
         half = 1 << (bits - 1)
@@ -96,18 +122,8 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, *, symmet
         zp = np.clip(np.round(-lo / scale), 0, qmax).astype(np.int64)
     q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
     if bits == 4:
-        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    else:
-        packed = q
-    zero_points = None
-    if not symmetric:
-        z = zp.astype(np.uint8)
-        if bits == 4:
-            if nb % 2:
-                z = np.concatenate([z, np.zeros((N, 1), np.uint8)], axis=1)
-            z = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
-        zero_points = np.ascontiguousarray(z)
-    return QuantizedWeight(np.ascontiguousarray(packed), scale.astype(np.float32), zero_points, K, N, bits, block_size)
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q, scale.astype(np.float32), zp.astype(np.uint8)
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
@@ -261,7 +277,7 @@ class QuantLinear:
             offs = np.cumsum([0] + parts)
             xs = gb.node("Split", [x, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k",
                          axis=-1) if len(parts) > 1 else [x]
-            ys = [self._nbits(gb, xs[p], np.ascontiguousarray(w[offs[p]:offs[p + 1]]), f"{name}.line{p}",
+            ys = [self._nbits(gb, xs[p], w[offs[p]:offs[p + 1]], f"{name}.line{p}",
                               _block_for(parts[p], self.block_size) or 16)
                   for p in range(len(parts))]
             y = gb.node("Sum", ys, name=f"{name}/mesh_reduce") if len(ys) > 1 else ys[0]
@@ -291,9 +307,15 @@ class QuantLinear:
         form is one MatMulInteger (ORT may fuse it with the rescale into MatMulIntegerToFloat).
         """
         K, N = w.shape
-        col = np.abs(w).max(axis=0) / 127.0
-        col[col == 0] = 1.0
-        q = np.clip(np.round(w / col), -127, 127).astype(np.int8)
+        col = np.empty(N, np.float32)
+        q = np.empty((K, N), np.int8)
+        step = max(1, (1 << 22) // K)  # column chunks: no full-size float temporaries
+        for n0 in range(0, N, step):
+            wc = w[:, n0:n0 + step]
+            c = np.abs(wc).max(axis=0) / 127.0
+            c[c == 0] = 1.0
+            col[n0:n0 + step] = c
+            q[:, n0:n0 + step] = np.clip(np.round(wc / c), -127, 127)
         amax = gb.node("ReduceMax", [gb.node("Abs", [x], name=f"{name}/abs")], name=f"{name}/row_max",
                        axes=[-1], keepdims=1)
         row = gb.node("Max", [gb.node("Mul", [amax, gb.const_f32(1.0 / 127.0)], name=f"{name}/row_scale0"),

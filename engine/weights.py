@@ -14,7 +14,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -136,11 +136,15 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
 
 
 def _to_float32(buf: memoryview | bytes, dtype: str, shape: list[int]) -> np.ndarray:
+    """A float32 copy of one tensor's bytes (the result must outlive the mmap it was read from)."""
     raw = np.frombuffer(buf, dtype=_NP_DTYPES[dtype])
     if dtype == "BF16":
-        out = (raw.astype(np.uint32) << 16).view(np.float32)
+        out = np.empty(raw.shape, np.uint32)
+        out[...] = raw
+        out <<= 16  # in place: one allocation for the widened tensor
+        out = out.view(np.float32)
     else:
-        out = raw.astype(np.float32)  # always a copy: the result must outlive the mmap
+        out = raw.astype(np.float32)
     return out.reshape(shape)
 
 
@@ -163,11 +167,94 @@ def read_tensors(path: Path, names: Iterable[str] | None = None) -> dict[str, np
     return out
 
 
-def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """All decoder tensors by HF name, as float32 numpy arrays, checked against ``config``.
+#: Elements converted per read: bounds the raw-bytes buffer a tensor read needs.
+_CHUNK = 1 << 22
 
-    With tied embeddings ``lm_head.weight`` is the *same* array object as
-    ``model.embed_tokens.weight`` (test with ``is`` to share one initializer).
+
+def _read_float32(f, offset: int, dtype: str, shape: list[int]) -> np.ndarray:
+    """Read one tensor from an open file as a new float32 array, in chunks.
+
+    Plain reads rather than a memory map: the file's pages then live in the page cache, not in
+    this process's resident set, and only one chunk of raw bytes exists beside the result.
+    """
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    out = np.empty(count, np.float32)
+    src = _NP_DTYPES[dtype]
+    buf = np.empty(min(count, _CHUNK), src) if dtype != "F32" else None
+    f.seek(offset)
+    for i in range(0, count, _CHUNK):
+        n = min(_CHUNK, count - i)
+        dst = out[i:i + n] if buf is None else buf[:n]
+        if f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
+            raise ModelError(f"{Path(f.name).name}: unexpected end of file")
+        if dtype == "BF16":
+            wide = out[i:i + n].view(np.uint32)
+            wide[...] = dst
+            wide <<= 16
+        elif buf is not None:
+            out[i:i + n] = dst
+    return out.reshape(shape)
+
+
+class WeightStore(Mapping[str, np.ndarray]):
+    """The decoder's tensors by HF name, read from the safetensors files on access.
+
+    Every access returns a new float32 array, checked for NaN/inf: a graph builder that takes one
+    tensor at a time holds one tensor in RAM, not the model (a 1.5B model is 6 GB in float32).
+    Shapes were checked against the config when the store was opened.  With tied embeddings
+    ``lm_head.weight`` reads ``model.embed_tokens.weight``.  Use as a context manager (or call
+    :meth:`close`) to close the files.
+    """
+
+    def __init__(self, folder: Path, entries: dict[str, tuple[Path, str, list[int], int, int]],
+                 aliases: dict[str, str]) -> None:
+        self.folder = folder
+        self._entries = entries
+        self._aliases = aliases
+        self._files: dict[Path, object] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        key = self._aliases.get(name, name)
+        path, dtype, shape, a, _ = self._entries[key]
+        if path not in self._files:
+            self._files[path] = open(path, "rb")
+        arr = _read_float32(self._files[path], a, dtype, shape)
+        flat = arr.reshape(-1)
+        for i in range(0, flat.size, _CHUNK):
+            if not np.isfinite(flat[i:i + _CHUNK]).all():
+                raise ModelError(f"{path.name}: tensor {key} contains NaN or infinite values")
+        return arr
+
+    def __iter__(self):
+        yield from self._entries
+        yield from self._aliases
+
+    def __len__(self) -> int:
+        return len(self._entries) + len(self._aliases)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries or name in self._aliases
+
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (in their file dtype)."""
+        return sum(b - a for _, _, _, a, b in self._entries.values())
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> "WeightStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_weights(model_dir: str | Path, config: ModelConfig) -> WeightStore:
+    """The decoder tensors of a model folder as a :class:`WeightStore`, checked against ``config``.
+
+    Only the headers are read here (names, dtypes, shapes, offsets); tensor data is read on access.
     Tensors the decoder does not use (e.g. ``rotary_emb.inv_freq``) are ignored.
     """
     folder = model_path(model_dir)
@@ -182,36 +269,47 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
                 by_file.setdefault(wm[name], []).append(name)
             elif name not in optional:
                 raise ModelError(f"{INDEX_FILE}: tensor {name} is missing from weight_map")
-        out: dict[str, np.ndarray] = {}
-        for fname, names in by_file.items():
-            got = read_tensors(folder / fname, names)
-            for name in names:
-                if name not in got:
-                    raise ModelError(f"{fname}: tensor {name} is missing (listed in {INDEX_FILE})")
-            out.update(got)
+        missing = f"is missing (listed in {INDEX_FILE})"
     else:
         files = weight_files(folder)
-        out = read_tensors(files[0], list(shapes) + sorted(optional))
-        for name in shapes:
-            if name not in out:
-                raise ModelError(f"{files[0].name}: tensor {name} is missing")
+        by_file = {files[0].name: list(shapes) + sorted(optional)}
+        missing = "is missing"
+    entries: dict[str, tuple[Path, str, list[int], int, int]] = {}
+    for fname, names in by_file.items():
+        path = folder / fname
+        header, start = read_header(path)
+        for name in names:
+            if name not in header:
+                if name in optional:
+                    continue
+                raise ModelError(f"{fname}: tensor {name} {missing}")
+            info = header[name]
+            a, b = info["data_offsets"]
+            entries[name] = (path, info["dtype"], list(info["shape"]), start + a, start + b)
     for name, shape in shapes.items():
-        if tuple(out[name].shape) != shape:
-            raise ModelError(f"{_where(folder, name)}: tensor {name} has shape {list(out[name].shape)}, "
+        got = entries[name][2]
+        if tuple(got) != shape:
+            raise ModelError(f"{entries[name][0].name}: tensor {name} has shape {list(got)}, "
                              f"expected {list(shape)} from config.json")
+    aliases = {}
+    if config.tie_word_embeddings:
+        entries.pop("lm_head.weight", None)
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+    return WeightStore(folder, entries, aliases)
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """All decoder tensors by HF name, as float32 numpy arrays in RAM, checked against ``config``.
+
+    With tied embeddings ``lm_head.weight`` is the *same* array object as
+    ``model.embed_tokens.weight`` (test with ``is`` to share one initializer).  The graph builder
+    reads through :func:`open_weights` instead, one tensor at a time.
+    """
+    with open_weights(model_dir, config) as store:
+        out = {name: store[name] for name in store._entries}
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    for name, arr in out.items():
-        if not np.isfinite(arr).all():
-            raise ModelError(f"{_where(folder, name)}: tensor {name} contains NaN or infinite values")
     return out
-
-
-def _where(folder: Path, name: str) -> str:
-    index = folder / INDEX_FILE
-    if index.is_file():
-        return _read_index(index).get(name, INDEX_FILE)
-    return SINGLE_FILE
 
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}
