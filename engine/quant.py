@@ -42,6 +42,11 @@ DEFAULT_BLOCK = {8: 128, 4: 32}
 _VALID_BLOCKS = (256, 128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
 
 
+#: Weights quantised per step (column chunks): bounds the float64 temporaries of quantising a
+#: large matrix (an LM head of 150k rows) to a few times 8 MB.
+QUANT_CHUNK = 1 << 20
+
+
 # -- packing -------------------------------------------------------------------------------------
 
 @dataclass
@@ -81,8 +86,8 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, *, symmet
     packed = np.empty((N, nb, block_size * bits // 8), np.uint8)
     scales = np.empty((N, nb), np.float32)
     zps = None if symmetric else np.empty((N, nb), np.uint8)
-    # Column chunks of ~32 MB of float64 work: a 150k-row LM head never exists in float64 at once.
-    step = max(1, (1 << 22) // (nb * block_size))
+    # Column chunks: a 150k-row LM head never exists in float64 at once.
+    step = max(1, QUANT_CHUNK // (nb * block_size))
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
         p, sc, zp = _quantize_columns(w[:, n0:n1], bits, block_size, nb, symmetric)
@@ -309,7 +314,7 @@ class QuantLinear:
         K, N = w.shape
         col = np.empty(N, np.float32)
         q = np.empty((K, N), np.int8)
-        step = max(1, (1 << 22) // K)  # column chunks: no full-size float temporaries
+        step = max(1, QUANT_CHUNK // K)  # column chunks: no full-size float temporaries
         for n0 in range(0, N, step):
             wc = w[:, n0:n0 + step]
             c = np.abs(wc).max(axis=0) / 127.0

@@ -53,7 +53,7 @@ def test_graph_cache_hit_on_second_load(tiny_qwen2, tmp_path, monkeypatch):
         raise AssertionError("the graph was rebuilt although it is cached")
 
     monkeypatch.setattr(engine_mod, "build_decoder", no_build)
-    monkeypatch.setattr(engine_mod, "load_weights", no_build)
+    monkeypatch.setattr(engine_mod, "open_weights", no_build)
     second = Engine.load(tiny_qwen2, cache_dir=tmp_path, wafer=False)
     assert not second.graph_built and graph_cache.builds == before + 1
     assert second.graph_path == first.graph_path
