@@ -24,7 +24,7 @@ from .config import ModelConfig, ModelError, load_config, model_path
 from .generate import Generation, GenerationParams
 from .graph import build_decoder
 from .linears import PRECISIONS, float_linear, make_linear
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, Slot
 from .runtime import Runtime
 from .tokenizer import Tokenizer
 from .weights import open_weights, weights_digest
@@ -63,6 +63,7 @@ class Engine:
         self.sample_vocab = min(config.vocab_size, tokenizer.vocab_size)
         self._lock = threading.RLock()
         self._cache = PrefixCache(runtime, slots)
+        self.slots = slots  # how many sequences keep their KV cache (prefix reuse)
         self._scratch = None
 
     @classmethod
@@ -193,10 +194,25 @@ class Engine:
                 out.append(self.runtime.forward(self._scratch, part, start, num_logits=len(part)))
             return np.concatenate(out, axis=0)
 
+    # -- what a Generation uses (engine.generate.Model) ------------------------------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """Serialises model runs; held around each ONNX Runtime run and while taking a KV slot."""
+        return self._lock
+
+    def acquire_slot(self, key: Hashable) -> Slot:
+        """The KV slot for ``key`` (recycling the least recently used one); hold ``lock``."""
+        return self._cache.acquire(key)
+
+    def cached_slots(self) -> list[Hashable]:
+        """The keys whose KV cache is kept, least recently used first."""
+        with self._lock:
+            return self._cache.keys()
+
     def slot_tokens(self, slot: Hashable = None) -> int:
         """How many tokens of ``slot`` have KV cached (0 if the slot is unknown)."""
         with self._lock:
-            s = self._cache._slots.get(slot)
+            s = self._cache.peek(slot)
             return len(s.tokens) if s is not None else 0
 
     def reset(self) -> None:

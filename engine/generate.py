@@ -19,16 +19,39 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Iterator
+from typing import Any, ContextManager, Hashable, Iterator, Protocol
 
 import onnxruntime as ort
 
 from .cancel import Cancelled, CancelToken
 from .config import ModelError
+from .prefix_cache import Slot
+from .runtime import Runtime
 from .sampling import Healing, Sampler
+from .tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class Model(Protocol):
+    """What a generation needs from the engine that runs it (``engine.Engine`` is one).
+
+    ``lock`` serialises model runs: a generation holds it around each ONNX Runtime run and while
+    it takes a KV slot (``acquire_slot``), never while its consumer handles a chunk.
+    """
+
+    tokenizer: Tokenizer
+    runtime: Runtime
+    linear: Any  # the linear emitter: speculation reads its ``max_verify_tokens`` / ``verify_margin``
+    eos_ids: frozenset[int]
+    sample_vocab: int
+    prefill_chunk: int
+    context: int
+
+    @property
+    def lock(self) -> ContextManager: ...
+
+    def acquire_slot(self, key: Hashable) -> Slot: ...
+
+    def encode_prompt(self, prompt: Any) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -169,7 +192,7 @@ class _Emitter:
 class Generation:
     """Iterate for :class:`Chunk` objects; then read ``text``, ``tokens``, ``finish_reason``, ``stats``."""
 
-    def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None,
+    def __init__(self, engine: Model, prompt: list[int], params: GenerationParams, slot: Hashable = None,
                  cancel: CancelToken | None = None) -> None:
         self._engine = engine
         self.prompt = prompt
@@ -244,8 +267,8 @@ class Generation:
         """Rewind the slot to the common prefix, prefill the rest; returns (slot, last logits row)."""
         eng = self._engine
         rt = eng.runtime
-        with eng._lock:
-            slot = eng._cache.acquire(self.slot_key)
+        with eng.lock:
+            slot = eng.acquire_slot(self.slot_key)
             slot.owner = self
             self._check(slot)
             rt.refresh_mode()  # spinning decode session only while the CPU is calm
@@ -283,7 +306,7 @@ class Generation:
                     yield chunk
                 if done:
                     return
-                with eng._lock:
+                with eng.lock:
                     self._check(slot)
                     logits = self._run_model(eng.runtime.decode, slot.kv, token, pos)
                     slot.tokens.append(token)

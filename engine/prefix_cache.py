@@ -81,6 +81,10 @@ class PrefixCache:
     def keys(self) -> list[Hashable]:
         return list(self._slots)
 
+    def peek(self, key: Hashable) -> Slot | None:
+        """The slot of ``key`` if it is cached, without changing the recycling order."""
+        return self._slots.get(key)
+
     def clear(self) -> None:
         for slot in self._slots.values():
             slot.owner = None

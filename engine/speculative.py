@@ -32,16 +32,13 @@ import os
 import re
 import time
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Hashable, Iterator, Sequence
 
 import numpy as np
 
 from .cancel import Cancelled, CancelToken
-from .generate import Chunk, Generation, GenerationParams, _Emitter
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .generate import Chunk, Generation, GenerationParams, Model, _Emitter
 
 #: Relative top-2 logit margin below which a batched verification's argmax is re-decided by a
 #: single decode step (fp32: float summation-order noise is ~1e-7 of the logits).  Linear
@@ -52,7 +49,7 @@ CALIBRATION_SAFETY = 4.0
 _margins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def verify_margin(engine: "Engine", sample: Sequence[int]) -> float:
+def verify_margin(engine: Model, sample: Sequence[int]) -> float:
     """The relative logit margin under which a batched pass is not trusted, for this engine.
 
     Measured once per engine (cached): a few positions of ``sample`` (real prompt tokens) are run
@@ -63,7 +60,7 @@ def verify_margin(engine: "Engine", sample: Sequence[int]) -> float:
     return _calibration(engine, sample)[0]
 
 
-def _calibration(engine: "Engine", sample: Sequence[int]) -> tuple[float, float | None, float | None, int]:
+def _calibration(engine: Model, sample: Sequence[int]) -> tuple[float, float | None, float | None, int]:
     """(margin, single-step seconds, pass seconds, pass width) — see :func:`verify_margin`."""
     if engine in _margins:
         return _margins[engine]
@@ -74,7 +71,7 @@ def _calibration(engine: "Engine", sample: Sequence[int]) -> tuple[float, float 
     worst = 0.0
     steps, passes = [], []
     if width > 1 and len(ids) >= 8 + width and rt.max_len > len(ids):
-        with engine._lock:
+        with engine.lock:
             kv_a, kv_b = rt.new_kv(), rt.new_kv()
             for start in range(4, len(ids) - width + 1, max(1, (len(ids) - width - 4) // 3)):
                 rt.forward(kv_a, ids[:start], 0)
@@ -447,7 +444,7 @@ class SpeculativeGeneration(Generation):
     ``model_runs`` (decoder passes after the prefill) and ``tokens_per_run``.
     """
 
-    def __init__(self, engine: "Engine", prompt: list[int], params: GenerationParams, slot: Hashable = None, *,
+    def __init__(self, engine: Model, prompt: list[int], params: GenerationParams, slot: Hashable = None, *,
                  drafter=None, policy: DraftPolicy | None = None, cancel: CancelToken | None = None) -> None:
         super().__init__(engine, prompt, params, slot, cancel)
         self.drafter = drafter if drafter is not None else PromptLookup()
@@ -516,7 +513,7 @@ class SpeculativeGeneration(Generation):
                     if getattr(self.drafter, "pause_when_empty", False):
                         self.policy.empty()
                 if not draft:  # a single step, as lean as the plain loop's (fresh text runs here)
-                    with eng._lock:
+                    with eng.lock:
                         self._check(slot)
                         t_run = time.perf_counter()
                         row = self._run_model(rt.decode, slot.kv, token, pos)[:nv]
@@ -530,7 +527,7 @@ class SpeculativeGeneration(Generation):
                     self.policy.emitted("draft" if was_recheck else "plain", 1, dt_run)
                     decided, recheck, from_draft = [pick], False, 0
                     continue
-                with eng._lock:
+                with eng.lock:
                     self._check(slot)
                     t_run = time.perf_counter()
                     logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
@@ -594,7 +591,7 @@ def _top2_margin(rows: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.nd
     return top, top - second
 
 
-def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationParams | None = None,
+def generate(engine: Model, prompt: str | Sequence[int], params: GenerationParams | None = None,
              slot: Hashable = None, *, draft: str | Sequence[int] | None = None, ngram: bool = True,
              policy: DraftPolicy | None = None, cancel: CancelToken | None = None) -> Generation:
     """Like ``engine.generate`` but speculative (greedy only; sampling runs the plain loop).
@@ -605,8 +602,6 @@ def generate(engine: "Engine", prompt: str | Sequence[int], params: GenerationPa
     tokens spell it), so the two are encoded together: the draft's tokens then line up with
     the output's from the first token on.
     """
-    from dataclasses import replace
-
     params = params or GenerationParams()
     ids = engine.encode_prompt(prompt)
     room = engine.context - len(ids)

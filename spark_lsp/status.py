@@ -9,6 +9,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.projection import ChipError, load_chip, project_model
+
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -24,9 +26,9 @@ def _num(v: Any, nd: int = 2) -> float | None:
 
 
 class WaferProjector:
-    """Projected decode speed of the loaded model on the emulated wafer (engine.wafer's analytic
-    performance model). Computed once per (model, chip, grid) in a background thread, since
-    searching region sizes can take a while; None until ready or when engine.wafer is absent."""
+    """Projected decode speed of the loaded model on a wafer (``engine.projection.project_model``,
+    the analytic performance model). Computed once per (model, chip, grid) in a background thread,
+    since searching region sizes can take a while; None until ready."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, dict | None] = {}
@@ -35,10 +37,6 @@ class WaferProjector:
     @staticmethod
     def check_chip(name: str) -> None:
         """SettingsError unless `name` is a chip the projection knows (no check without it)."""
-        try:
-            from engine.projection.chips import ChipError, load_chip
-        except ImportError:
-            return
         try:
             load_chip(name)
         except ChipError as exc:
@@ -64,19 +62,8 @@ class WaferProjector:
         except (AttributeError, OSError):
             pass
         try:
-            from engine.projection.chips import load_chip
-            from engine.projection.perfmodel import plan
-            from engine.projection.placement import ModelShape
-        except Exception as exc:  # optional package
-            log.debug("no wafer performance model: %s", exc)
-            return
-        try:
-            chip = load_chip(settings.wafer_chip or "wse3")
-            shape = ModelShape.from_config(model.config, name=model.name)
-            placement, proj = plan(shape, chip, grid=settings.wafer_grid)
-            out = {"chip": chip.name, "grid": list(placement.grid),
-                   "decode_tok_s": round(float(proj.decode_tok_s), 1),
-                   "ttft_ms": round(float(proj.ttft_s) * 1e3, 3)}
+            out = project_model(model.config, chip=settings.wafer_chip or "wse3",
+                                grid=settings.wafer_grid, name=model.name)
         except Exception as exc:  # a projection must never break a completion
             log.warning("wafer projection failed: %s", exc)
             out = {"error": str(exc)}

@@ -7,5 +7,12 @@
 - :mod:`.draw` — the wafer picture
 
 Nothing here runs a model, and the engine's runtime core never imports this package; the server's
-status-bar figure and ``spark-lsp wafer`` read it through :func:`engine.projection.perfmodel.plan`.
+status-bar figure comes from :func:`project_model`, ``spark-lsp wafer`` plans with
+:func:`engine.projection.perfmodel.plan`.
 """
+
+from .chips import ChipError, load_chip
+from .perfmodel import project_model
+from .placement import PlacementError
+
+__all__ = ["ChipError", "PlacementError", "load_chip", "project_model"]

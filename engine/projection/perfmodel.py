@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .chips import WSE2, Chip
-from .placement import DEFAULT_BUDGET, Placement, PlacementError, Region, load_shape, place
+from .chips import WSE2, Chip, load_chip
+from .placement import DEFAULT_BUDGET, ModelShape, Placement, PlacementError, Region, load_shape, place
 
 #: Published WaferLLM decode speeds, Llama-3-8B on WSE-2, one P x P region per layer.
 WAFERLLM_POINTS = ((420, 2700.0), (540, 2502.0), (660, 2243.0))
@@ -319,13 +319,15 @@ def plan(shape, chip: Chip, *, grid: tuple[int, int] | None = None, context: int
     return pl, proj
 
 
-if __name__ == "__main__":  # print the fit and the table
-    here = Path(__file__).resolve().parents[2] / "tests" / "wafer" / "data" / "llama-3-8b.json"
-    s = load_shape(here)
-    k = calibrate(s, WSE2)
-    print(f"eta = {k.eta:.4f}, c0 = {k.c0:.1f}")
-    for row in calibration_table(s, WSE2, k):
-        print(row)
+def project_model(config, *, chip: str | Chip = "wse3", grid: tuple[int, int] | None = None,
+                  name: str = "model") -> dict:
+    """The status-bar projection for a loaded model's config: ``{"chip", "grid", "decode_tok_s",
+    "ttft_ms"}`` on ``chip`` (a built-in name, a spec file, or a :class:`Chip`), at ``grid`` or
+    the fastest region size.  Raises ChipError / PlacementError with a message."""
+    spec = chip if isinstance(chip, Chip) else load_chip(chip)
+    placement, proj = plan(ModelShape.from_config(config, name=name), spec, grid=grid)
+    return {"chip": spec.name, "grid": list(placement.grid), "decode_tok_s": round(float(proj.decode_tok_s), 1),
+            "ttft_ms": round(float(proj.ttft_s) * 1e3, 3)}
 
 
 def summary(placement: Placement, proj: Projection) -> dict:
@@ -363,3 +365,12 @@ def summary(placement: Placement, proj: Projection) -> dict:
         "lm_head": others.get("lm_head"),
         "per_layer": layers,
     }
+
+
+if __name__ == "__main__":  # print the fit and the table
+    here = Path(__file__).resolve().parents[2] / "tests" / "wafer" / "data" / "llama-3-8b.json"
+    s = load_shape(here)
+    k = calibrate(s, WSE2)
+    print(f"eta = {k.eta:.4f}, c0 = {k.c0:.1f}")
+    for row in calibration_table(s, WSE2, k):
+        print(row)

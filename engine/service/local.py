@@ -49,7 +49,7 @@ def describe(engine: Engine) -> dict[str, Any]:
         "bos_id": engine.config.bos_token_id,
         "fim": fim is not None,
         "precision": getattr(engine, "precision", "fp32"),
-        "slots": int(engine._cache.capacity),
+        "slots": int(engine.slots),
     }
 
 
@@ -135,7 +135,7 @@ class LocalModels:
         out = []
         for eng in self.engines.values():
             d = describe(eng)
-            d["cached_slots"] = len(eng._cache.keys())
+            d["cached_slots"] = len(eng.cached_slots())
             out.append(d)
         return out
 

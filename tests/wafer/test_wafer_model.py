@@ -202,3 +202,20 @@ def test_simulator_sees_contention():
     naive = simulate_layer(SMALL, (32, 32), WSE2, handoff="corner")
     assert naive.stall_cycles > designed.stall_cycles
     assert naive.phases["handoff"] > designed.phases["handoff"] + 100
+
+
+def test_project_model_is_the_status_bar_figure():
+    """engine.projection.project_model: what the server shows, from a loaded model's config."""
+    from engine.config import load_config
+    from engine.projection import ChipError, project_model
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "engine" / "models" / "spark-code-mini")
+    out = project_model(cfg, chip="wse3", name="spark-code-mini")
+    assert out["chip"] == WSE3.name and len(out["grid"]) == 2
+    assert out["decode_tok_s"] > 0 and out["ttft_ms"] > 0
+    pinned = project_model(cfg, chip="wse3", grid=tuple(out["grid"]))
+    assert pinned == {**out, "chip": WSE3.name}
+    with pytest.raises(PlacementError):
+        project_model(cfg, chip="wse3", grid=(8, 8))  # a layer's weights and KV do not fit 64 PEs
+    with pytest.raises(ChipError):
+        project_model(cfg, chip="wse9")
