@@ -174,7 +174,17 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = folder / "config.json"
     raw = _read_json(path)
     assert raw is not None
-    name = "config.json"
+    gen = _read_json(folder / "generation_config.json", required=False)
+    return parse_config(raw, path=path, generation=gen)
+
+
+def parse_config(raw: dict[str, Any], *, path: Path | str = "config.json",
+                 generation: dict[str, Any] | None = None, name: str = "config.json") -> ModelConfig:
+    """Validate a Hugging Face config (as a dict) into a :class:`ModelConfig`.
+
+    ``generation``: the ``generation_config.json`` object, whose eos ids are added.  ``name``
+    prefixes every error (a GGUF file passes its own name: its metadata is mapped to this form).
+    """
 
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs:
@@ -278,9 +288,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ModelError(f"{name}: dtype={dtype!r} is not supported; supported: {', '.join(sorted(_DTYPES))}")
 
     eos = _int_ids(raw.get("eos_token_id"), f"{name}: eos_token_id")
-    gen = _read_json(folder / "generation_config.json", required=False)
-    if gen:
-        eos += _int_ids(gen.get("eos_token_id"), "generation_config.json: eos_token_id")
+    if generation:
+        eos += _int_ids(generation.get("eos_token_id"), "generation_config.json: eos_token_id")
     eos = [e for e in dict.fromkeys(eos)]
     for e in eos:
         if e >= vocab:

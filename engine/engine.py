@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Hashable, Sequence
 
@@ -22,12 +22,13 @@ from . import precision as precision_rule
 from .cancel import CancelToken
 from .config import ModelConfig, ModelError, load_config, model_path
 from .generate import Generation, GenerationParams
+from .gguf import GGUFModel, default_precision, is_gguf
 from .graph import build_decoder
 from .linears import PRECISIONS, float_linear, make_linear
 from .prefix_cache import PrefixCache, Slot
 from .runtime import Runtime
 from .tokenizer import Tokenizer
-from .weights import open_weights, weights_digest
+from .weights import file_digest, open_weights, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,37 @@ DEFAULT_MAX_CONTEXT = 8192
 PREFILL_CHUNK = 1024
 
 
+@dataclass
+class _ModelSource:
+    """What Engine.load reads from a model, whether a Hugging Face folder or a GGUF file."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    gguf: GGUFModel | None = None
+
+    def digest(self) -> str:
+        return file_digest(self.path) if self.gguf is not None else weights_digest(self.path)
+
+    def open_weights(self):
+        """The decoder's tensors, read on access (a context manager)."""
+        if self.gguf is not None:
+            return self.gguf.open_weights(self.config)
+        return open_weights(self.path, self.config)
+
+
+def _open_model(model_dir: str | Path) -> _ModelSource:
+    """A model folder or a ``.gguf`` file, its config and tokenizer read and validated."""
+    path = Path(model_dir).expanduser()
+    if is_gguf(path):
+        gg = GGUFModel(path)
+        return _ModelSource(path, gg.config(), gg.tokenizer(), gg)
+    if path.is_file():
+        raise ModelError(f"{path}: neither a model folder nor a GGUF file")
+    folder = model_path(path)
+    return _ModelSource(folder, load_config(folder), Tokenizer.load(folder))
+
+
 class Engine:
     """A loaded model: ``tokenizer``, ``config``, ``name``, ``model_dir`` and ``generate()``."""
 
@@ -46,7 +78,7 @@ class Engine:
                  slots: int = 1, graph_path: Path | None = None, graph_built: bool = False,
                  linear=None, load_s: float = 0.0) -> None:
         self.model_dir = model_dir
-        self.name = model_dir.name
+        self.name = model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
         self.config = config
         self.tokenizer = tokenizer
         self.runtime = runtime
@@ -71,7 +103,7 @@ class Engine:
              cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
              spinning: bool | None = None, linear=None, decode_threads: int | None = None,
              precision: str = "fp32", profile: str | None = None) -> "Engine":
-        """Load a Hugging Face model folder (``None``: the bundled default model).
+        """Load a Hugging Face model folder or a GGUF file (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
         (``engine.wafer.partition.TiledLinear``); ``wafer=False`` uses plain MatMuls.
@@ -83,16 +115,16 @@ class Engine:
         ``linear``: an explicit linear emitter (e.g. a quantising one); overrides ``wafer``/``grid``
         and ``precision``.  ``precision``: 'fp32' (default), 'int8', 'int4', 'int8-rowq', or 'auto':
         the decision ``spark-lsp tune`` stored for this model and machine, else a static rule
-        (``engine.precision``); loading never measures and loads exactly one engine.
+        (``engine.precision``); loading never measures and loads exactly one engine.  For a GGUF
+        file 'auto' keeps the file's own precision (``engine.gguf.default_precision``).
         ``profile``: record ONNX Runtime's per-node profile to files with this prefix
         (:meth:`end_profiling` returns them; ``spark-lsp bench profile``).
         """
         t0 = time.perf_counter()
         if model_dir is None:
             model_dir = models.default_model_dir()
-        folder = model_path(model_dir)
-        config = load_config(folder)
-        tokenizer = Tokenizer.load(folder)
+        source = _open_model(model_dir)
+        folder, config, tokenizer = source.path, source.config, source.tokenizer
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                         or max_context < 2):
             raise ValueError(f"max_context={max_context!r} must be an integer >= 2")
@@ -102,6 +134,12 @@ class Engine:
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
         explicit_linear = linear is not None
         reason = ""
+        quant_kw: dict = {}
+        if source.gguf is not None:
+            if precision == "auto":  # the file's quantisation was the user's choice: keep it
+                precision, reason = default_precision(source.gguf), "the GGUF file's own precision"
+            if precision == "int8" and source.gguf.tensor_types().get("Q8_0"):
+                quant_kw = {"block_size": 32, "symmetric": True}  # Q8_0 blocks requantise exactly
         if linear is None and precision != "fp32":
             if precision == "auto":
                 choice = precision_rule.resolve(folder, config, wafer=wafer, grid=grid, threads=threads,
@@ -111,14 +149,14 @@ class Engine:
             elif precision not in PRECISIONS:
                 raise ValueError(f"precision={precision!r}: expected 'auto' or one of {PRECISIONS}")
             if precision != "fp32":
-                linear = make_linear(precision, wafer=wafer, grid=grid)
+                linear = make_linear(precision, wafer=wafer, grid=grid, **quant_kw)
         linear = linear if linear is not None else float_linear(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}
-        key = graph_cache.graph_key(weights_digest(folder), config, options, linear)
+        key = graph_cache.graph_key(source.digest(), config, options, linear)
 
         def build(data_file: Path):
             log.info("building the decoder graph for %s", folder)
-            with open_weights(folder, config) as weights:
+            with source.open_weights() as weights:
                 return build_decoder(config, weights, linear, max_len=options["rope_len"],
                                      external_data=data_file)
 

@@ -315,7 +315,8 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """Content hash of one file, memoised per (path, size, mtime)."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _DIGESTS:
@@ -338,7 +339,7 @@ def weights_digest(model_dir: str | Path) -> str:
     for p in [folder / "config.json", *weight_files(folder)]:
         if not p.is_file():
             raise ModelError(f"{p}: file not found")
-        h.update(p.name.encode() + b"\0" + _file_digest(p).encode())
+        h.update(p.name.encode() + b"\0" + file_digest(p).encode())
     return h.hexdigest()
 
 

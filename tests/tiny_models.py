@@ -73,8 +73,14 @@ def save_tokenizer(tok, out_dir: Path) -> None:
 
 def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
     """The transformers config of one tiny architecture."""
-    from transformers import (GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-                              Starcoder2Config)
+    from transformers import (
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Starcoder2Config,
+    )
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   max_position_embeddings=CONTEXT, rms_norm_eps=1e-5, initializer_range=0.2,

@@ -1,0 +1,224 @@
+"""GGUF files (engine.gguf): written from the tiny HF models with gguf's writer the way llama.cpp's
+converter lays them out (Q/K permutation for llama, Gemma's norm + 1), then loaded by the engine;
+tokenizers rebuilt from real llama.cpp vocabularies against the original tokenizers' ids."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from engine_helpers import graph_cache_dir, greedy, hf_greedy, hf_logits, random_ids
+from gguf_files import write_gguf
+from onnx import numpy_helper
+
+from engine import Engine, ModelError
+from engine.gguf import GGUFModel, default_precision, is_gguf
+from engine.linears import make_linear
+from engine.tokenizer import Tokenizer
+
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "starcoder2", "gemma")
+STDLIB = ("ast.py", "dataclasses.py", "argparse.py", "inspect.py")  # ~9,000 lines of real Python
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def f32_gguf(request, tiny_models, gguf_dir, tmp_path_factory):
+    arch = request.param
+    path = write_gguf(tiny_models[arch], gguf_dir / f"{arch}-f32.gguf")
+    eng = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), slots=2)
+    return arch, tiny_models[arch], eng
+
+
+def test_f32_logits_and_greedy_match_transformers(f32_gguf):
+    arch, folder, eng = f32_gguf
+    assert eng.config.architecture == ("llama" if arch == "mistral" else arch)
+    ids = random_ids(eng, 40, seed=1)
+    np.testing.assert_allclose(eng.forward_logits(ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
+    assert greedy(eng, ids, 64).tokens == hf_greedy(folder, ids, 64)
+    edited = ids[:30] + random_ids(eng, 4, seed=2)
+    greedy(eng, ids, 4, slot="doc")
+    again = greedy(eng, edited, 64, slot="doc")
+    assert again.stats["reused_tokens"] == 30
+    assert again.tokens == hf_greedy(folder, edited, 64)
+
+
+def test_config_and_tokenizer_match_the_folder(f32_gguf):
+    _, folder, eng = f32_gguf
+    from engine.config import load_config
+
+    ref = load_config(folder)
+    got = eng.config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings", "norm", "mlp_act",
+                  "qk_norm", "attention_bias", "embed_scale"):
+        assert getattr(got, field) == getattr(ref, field), field
+    assert abs(got.rms_norm_eps - ref.rms_norm_eps) < 1e-9
+    hf_tok = Tokenizer.load(folder)
+    text = _stdlib_text()[:20000]
+    assert eng.tokenizer.encode(text) == hf_tok.encode(text)
+    assert eng.tokenizer.decode(eng.tokenizer.encode(text)) == text
+    assert eng.tokenizer.eos_ids == hf_tok.eos_ids
+    assert eng.tokenizer.fim is not None and eng.tokenizer.fim.name == hf_tok.fim.name
+    assert eng.tokenizer.special_tokens == hf_tok.special_tokens
+
+
+@pytest.mark.parametrize("dtype,qtype", [("float16", "F16"), ("bfloat16", "BF16")])
+def test_half_precision_files_equal_the_same_folder(dtype, qtype, tiny_qwen2, gguf_dir, tmp_path, tmp_path_factory):
+    """F16 / BF16 tensors read as the same numbers as a folder saved in that dtype."""
+    from tiny_models import write_variant
+
+    folder = write_variant(tiny_qwen2, tmp_path / dtype, dtype=dtype)
+    path = write_gguf(folder, gguf_dir / f"qwen2-{qtype}.gguf", qtype=qtype)
+    assert GGUFModel(path).tensor_types()[qtype] > 0
+    cache = graph_cache_dir(tmp_path_factory)
+    a = Engine.load(path, wafer=False, cache_dir=cache)
+    b = Engine.load(folder, wafer=False, cache_dir=cache)
+    ids = random_ids(a, 32, seed=4)
+    np.testing.assert_allclose(a.forward_logits(ids), b.forward_logits(ids), atol=1e-5, rtol=0)
+
+
+def _initializers(eng) -> dict[str, np.ndarray]:
+    model = onnx.load(str(eng.graph_path))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def test_q8_0_blocks_become_matmulnbits_codes_exactly(tiny_llama, gguf_dir, tmp_path_factory):
+    """A Q8_0 file runs at int8 with MatMulNBits blocks of 32 whose codes and scales are the file's
+    (q + 128, d): no second rounding.  Logits stay close to fp32 transformers."""
+    import gguf
+
+    path = write_gguf(tiny_llama, gguf_dir / "llama-q8_0.gguf", qtype="Q8_0")
+    model = GGUFModel(path)
+    assert default_precision(model) == "int8"
+    eng = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto")
+    assert eng.precision == "int8"
+    init = _initializers(eng)
+    blocks = model.tensors["blk.0.ffn_down.weight"].data  # [rows = out, blocks * 34 bytes]
+    rows = blocks.shape[0]
+    raw = blocks.reshape(rows, -1, 34)
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = raw[..., 2:].copy().view(np.int8)
+    np.testing.assert_array_equal(init["layers.0.down.q8"], (q.astype(np.int16) + 128).astype(np.uint8))
+    np.testing.assert_array_equal(init["layers.0.down.scales"], d)
+    assert "layers.0.down.zero_points" not in init
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    with model.open_weights(eng.config) as weights:
+        assert np.abs(ref - weights["model.layers.0.mlp.down_proj.weight"]).max() == 0
+    # As accurate as the same quantisation done by us on the fp32 folder (int8 blocks of 32).
+    ours = Engine.load(tiny_llama, cache_dir=graph_cache_dir(tmp_path_factory),
+                       linear=make_linear("int8", wafer=False, block_size=32, symmetric=True))
+    ids = random_ids(eng, 32, seed=5)
+    ref = hf_logits(tiny_llama, ids)
+    err, our_err = np.abs(eng.forward_logits(ids) - ref), np.abs(ours.forward_logits(ids) - ref)
+    assert err.mean() <= 1.2 * our_err.mean(), (err.mean(), our_err.mean())
+
+
+def test_q4_0_file_runs_at_int4(tiny_qwen2, gguf_dir, tmp_path_factory):
+    """Q4_0 weights are dequantised exactly and requantised by our int4 quantiser (block 32)."""
+    import gguf
+
+    path = write_gguf(tiny_qwen2, gguf_dir / "qwen2-q4_0.gguf", qtype="Q4_0")
+    model = GGUFModel(path)
+    assert default_precision(model) == "int4"
+    eng = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory))
+    cfg = eng.config
+    t = model.tensors["blk.1.attn_output.weight"]
+    with model.open_weights(cfg) as weights:
+        np.testing.assert_array_equal(weights["model.layers.1.self_attn.o_proj.weight"],
+                                      gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q4_0))
+    q4 = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto")
+    assert q4.precision == "int4"
+    ids = random_ids(eng, 32, seed=6)
+    dense_q = eng.forward_logits(ids)  # fp32 over the dequantised Q4_0 weights
+    ours = Engine.load(tiny_qwen2, cache_dir=graph_cache_dir(tmp_path_factory),
+                       linear=make_linear("int4", wafer=False))
+    # Requantising the Q4_0 grid costs no more than quantising the fp32 weights to int4 ourselves.
+    requant_err = np.abs(q4.forward_logits(ids) - dense_q).mean()
+    our_err = np.abs(ours.forward_logits(ids) - hf_logits(tiny_qwen2, ids)).mean()
+    assert requant_err <= 1.2 * our_err, (requant_err, our_err)
+
+
+def test_broken_files_fail_with_the_file_named(tiny_llama, gguf_dir, tmp_path):
+    path = write_gguf(tiny_llama, gguf_dir / "llama-broken-src.gguf")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match="cut.gguf.*truncated"):
+        Engine.load(cut, wafer=False)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ModelError, match="bad.gguf: not a readable GGUF file"):
+        Engine.load(bad, wafer=False)
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    assert not is_gguf(other)
+    with pytest.raises(ModelError, match="neither a model folder nor a GGUF file"):
+        Engine.load(other, wafer=False)
+
+
+# -- tokenizers of real vocabularies ---------------------------------------------------------------
+
+def _stdlib_text() -> str:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return "\n".join((lib / f).read_text(encoding="utf-8") for f in STDLIB)
+
+
+class _VocabOnly(GGUFModel):
+    """A llama.cpp vocabulary file (no tensors, so no model to check)."""
+
+    def __init__(self, path: Path) -> None:
+        from engine.gguf import read_gguf
+
+        self.path = path
+        self.fields, self.tensors = read_gguf(path)
+        self.arch = self.fields["general.architecture"]
+
+
+VOCABS = ("qwen2", "llama-bpe", "deepseek-coder", "starcoder", "llama-spm")
+
+
+@pytest.fixture(scope="module", params=VOCABS)
+def vocab(request):
+    import llama_vocab
+
+    path = llama_vocab.vocab_dir() / f"ggml-vocab-{request.param}.gguf"
+    return request.param, path, _VocabOnly(path).tokenizer()
+
+
+def test_tokenizer_ids_equal_the_original_tokenizers(vocab):
+    """llama.cpp's test texts (unicode, whitespace runs, digits, code) with the ids the original
+    Hugging Face tokenizer gave them."""
+    import llama_vocab
+
+    name, _, tok = vocab
+    cases = llama_vocab.cases(name)
+    assert len(cases) > 40
+    bad = [(text, tok.encode(text), ids) for text, ids in cases if tok.encode(text) != ids]
+    assert not bad, f"{name}: {len(bad)} texts differ, first {bad[0]!r}"
+
+
+def test_tokenizer_ids_equal_llama_cpp_on_python_source(vocab):
+    """~9,000 lines of CPython's library: the same ids as llama.cpp's own tokenizer, and a round trip."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, path, tok = vocab
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    text = _stdlib_text()
+    assert text.count("\n") > 8000
+    for chunk in text.split("\n\n\n"):
+        want = ref.tokenize(chunk.encode("utf-8"), add_bos=False, special=False)
+        assert tok.encode(chunk) == want, chunk[:200]
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_fim_tokens_of_real_vocabularies(vocab):
+    name, _, tok = vocab
+    # ggml-vocab-qwen2 is Qwen2's (FIM tokens came with Qwen2.5-Coder); Llama's have none.
+    expected = {"deepseek-coder": "deepseek", "starcoder": "starcoder"}.get(name)
+    assert (tok.fim.name if tok.fim else None) == expected
