@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import postprocess
+from . import edit_checks, postprocess
 from .documents import indentation, split_lines
 
 REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = "rewrite", "complete", "docstring", "test", "instruct"
@@ -26,6 +26,9 @@ TITLES = {
 KINDS = {REWRITE: "refactor.rewrite", COMPLETE: "refactor.rewrite", DOCSTRING: "refactor.rewrite",
          TEST: "refactor.extract", INSTRUCT: "refactor.rewrite"}
 ACTIONS = tuple(TITLES)
+
+#: the second decoding of a result the checks refused: sampled, reproducibly
+RETRY_TEMPERATURE, RETRY_SEED = 0.7, 1
 
 _DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
 
@@ -52,6 +55,15 @@ class EditPlan:
     done: Callable[[str], bool] | None = None                   # early stop on raw output
     draft: str | None = None           # text the output probably repeats (speculative decoding)
     retry_lead: str = ""               # output empty: generate once more, made to begin with this
+    check: Callable[[str], str | None] | None = None  # final region text -> why not to apply it
+
+    def judge(self, raw: str) -> tuple[str, str | None]:
+        """The region's final text for `raw`, and why it must not be applied (None: it may)."""
+        try:
+            region = self.region_text(raw, final=True)
+        except ActionError as exc:
+            return "", str(exc)
+        return region, self.check(region) if self.check is not None else None
 
     def region_text(self, raw: str, final: bool) -> str:
         body = self.finish(raw) if final else self.partial(raw)
@@ -120,8 +132,39 @@ def _ends_newline(s: str) -> str:
 
 def plan(action: str, text: str, start: int, end: int, cursor_line: int,
          max_tokens: int, instruction: str | None = None, count_tokens: Callable[[str], int] | None = None,
-         chat: Any = None) -> EditPlan:
-    """The EditPlan of `action` for the selection [start, end) (a cursor when start == end)."""
+         chat: Any = None, python: bool | None = None) -> EditPlan:
+    """The EditPlan of `action` for the selection [start, end) (a cursor when start == end);
+    `python`: the document is Python (None: guessed from the text). Its result is checked by
+    `edit_checks` before it is applied."""
+    p = _plan(action, text, start, end, cursor_line, max_tokens, instruction, count_tokens, chat)
+    if python is None:
+        python = looks_like_python(text)
+    lines = split_lines(text)
+    block = fn_name = None
+    if action == COMPLETE:
+        b = enclosing_block(lines, text.count("\n", 0, p.start))
+        block = (b.name, len(b.indent)) if b is not None else None
+    if action == TEST:
+        f = enclosing_block(lines, cursor_line, kinds=("def",))
+        fn_name = f.name if f is not None else None
+
+    def check(region: str) -> str | None:
+        return edit_checks.check(edit_checks.Edit(action, text, p.start, p.end, region, python,
+                                                  instruction=instruction, function=fn_name, block=block))
+    p.check = check
+    return p
+
+
+_PY_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\)[ \t]*(?:->.*)?:[ \t]*(?:#.*)?$", re.MULTILINE)
+
+
+def looks_like_python(text: str) -> bool:
+    """A guess when the client did not say: the text parses as Python or has a Python def line."""
+    return edit_checks.parse(text) is not None or bool(_PY_DEF.search(text))
+
+
+def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_tokens: int,
+          instruction: str | None, count_tokens: Callable[[str], int] | None, chat: Any) -> EditPlan:
     lines = split_lines(text)
     line_starts = [0]
     for ln in lines:
@@ -149,6 +192,9 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
 
         def finish(raw: str, keep_nl=keep_nl) -> str:
             out = postprocess.cut_loops(raw).rstrip()
+            if out != raw.rstrip():  # a rewrite cut short by a loop is not the whole rewrite
+                loop = raw[len(out):].strip().split("\n", 1)[0]
+                raise ActionError(f"the model's rewrite went into a loop (repeating {loop[:40]!r})")
             return out + "\n" if keep_nl and out else out
         if action == INSTRUCT and chat is not None:
             from . import chat as chatmod
@@ -176,6 +222,10 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         prv = tuple(ln.rstrip("\r\n") for ln in lines[max(0, cursor_line - 6):cursor_line])
         after = lines[cursor_line][len(ctx_line):].rstrip("\r\n") if cursor_line < len(lines) else ""
         ctx = postprocess.Context(ctx_line, after, nxt, prv, python=True)  # the actions find Python blocks
+        fn = enclosing_block(lines, cursor_line, kinds=("def",))
+        if fn is not None and edit_checks.block_is_complete(text, fn.header_line, fn.body_end_line):
+            raise ActionError(f"function {fn.name!r} is already complete (it ends with a return); "
+                              "there is nothing to add")
 
         def finish(raw: str, ctx=ctx) -> str:
             return postprocess.clean(raw, ctx, multiline=True, max_lines=200)
@@ -256,9 +306,11 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
     # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
     stop = p.stop + tuple(builder.stop_strings)
 
-    def attempt(lead: str):
-        params = params_cls(max_new_tokens=p.max_tokens, temperature=0.0, stop=stop, stop_ids=control_ids(builder),
-                            healed_prefix=healed + lead)  # generated, not emitted: put back below
+    def attempt(lead: str, sampled: bool = False):
+        decoding = {"temperature": RETRY_TEMPERATURE, "top_p": 0.95, "seed": RETRY_SEED} if sampled \
+            else {"temperature": 0.0}
+        params = params_cls(max_new_tokens=p.max_tokens, stop=stop, stop_ids=control_ids(builder),
+                            healed_prefix=healed + lead, **decoding)  # generated, not emitted: put back below
         raw, stats, finish = yield from generate_steps(
             model, job, ids, params, done=(lambda s: generated_is_done(p, lead + s)),
             on_text=(lambda s: on_text(lead + s)) if on_text is not None and lead else on_text,
@@ -268,4 +320,12 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
     raw, stats = yield from attempt("")
     if p.retry_lead and not raw.strip():  # e.g. a docstring closed at once: ask once more
         raw, stats = yield from attempt(p.retry_lead)
-    return p.region_text(raw, final=True), stats
+        region, reason = p.judge(raw)
+    else:
+        region, reason = p.judge(raw)
+        if reason is not None:  # a result that would damage the code: once more, sampled
+            raw, stats = yield from attempt("", sampled=True)
+            region, reason = p.judge(raw)
+    if reason is not None:
+        raise ActionError(f"{TITLES[p.action]} was not applied: {reason}")
+    return region, stats
