@@ -21,6 +21,9 @@ BLOCK_OPENERS = (":", "{", "(", "[", "=>", "->")
 #: the items of the items").  Lists like ``[0, 0, 0, 0]`` or ``# -----`` have one word or none.
 LINE_LOOP_REPEATS = 4
 LOOP_UNIT_TOKENS = 12
+#: ... or a run of 1..LOOP_UNIT_TOKENS tokens that opens a bracket it does not close, NEST_REPEATS
+#: times in a row (``List[List[List[``).
+NEST_REPEATS = 3
 #: A block that loops: a run of 2..LOOP_UNIT_LINES lines (compared stripped, blank lines skipped)
 #: BLOCK_LOOP_REPEATS times in a row, or one line LINE_REPEATS times (tests and tables repeat a
 #: line three times often enough: 57 of the 1,758 stdlib files the model trained on do).
@@ -63,6 +66,31 @@ def choose_multiline(ctx: Context) -> bool:
     return False
 
 
+_OPERAND_END = re.compile(r"[\w)\]}'\"]$")
+_OPERAND_START = re.compile(r"^[\w'\"]")
+#: shortest overlap of letters or digits between a suggestion's end and the text after the cursor
+#: that is taken as the model re-typing that text (punctuation: any length)
+MIN_WORD_OVERLAP = 3
+
+
+def merge_mid_line(text: str, line_after: str) -> str | None:
+    """A mid-line suggestion made to fit the rest of the line: the end it shares with the text
+    after the cursor dropped (suffix overlap over the whole rest of the line); None when it
+    cannot merge with that text (it would run into it: ``items[name]`` before ``items.get(``)."""
+    if not line_after.strip():
+        return text
+    text = _strip_suffix_overlap(text, line_after)
+    lead = line_after.lstrip(" \t")
+    spaced = lead != line_after
+    if not text:
+        return text
+    if text.endswith((" ", "\t")) or spaced:
+        return text
+    if _OPERAND_END.search(text) and _OPERAND_START.match(lead):
+        return None
+    return text
+
+
 def _strip_suffix_overlap(text: str, line_after: str) -> str:
     """Drop the end of a single-line suggestion that repeats what already follows the cursor."""
     after = line_after.strip()
@@ -78,15 +106,43 @@ def _strip_suffix_overlap(text: str, line_after: str) -> str:
     for j in range(k, 0, -1):
         if text.endswith(lead[:j]):
             return text[: len(text) - j]
+    # the model re-typed the start of the rest of the line: keep the part before it
+    for j in range(len(lead), MIN_WORD_OVERLAP - 1, -1):
+        head = lead[:j]
+        if text.endswith(head) and (j == len(lead) or not (_WORD.match(lead[j]) and _WORD.match(head[-1]))):
+            return text[: len(text) - j]
     return text
 
 
+def _nests(unit: list[str]) -> bool:
+    """A unit that opens more brackets than it closes (``List [``): its repeats nest deeper and
+    deeper (``List[List[List[``), which no code does on purpose."""
+    depth = 0
+    for w in unit:
+        depth += (w in OPENERS) - (w in CLOSERS)
+    return depth > 0 and any(_WORD.match(w) for w in unit)
+
+
 def _loop_unit(words: list[str], i: int, p: int) -> bool:
-    """Whether words[i:i+p] repeats LINE_LOOP_REPEATS times from i and holds two different words."""
+    """Whether words[i:i+p] repeats from i: LINE_LOOP_REPEATS times holding two different words,
+    or NEST_REPEATS times opening a bracket it does not close."""
     unit = words[i:i + p]
-    if len({w for w in unit if _WORD.match(w)}) < 2:
+    if _nests(unit):
+        repeats = NEST_REPEATS
+    elif len({w for w in unit if _WORD.match(w)}) >= 2:
+        repeats = LINE_LOOP_REPEATS
+    else:
         return False
-    return all(words[i + k * p:i + (k + 1) * p] == unit for k in range(1, LINE_LOOP_REPEATS))
+    if len(words) < i + repeats * p:
+        return False
+    return all(words[i + k * p:i + (k + 1) * p] == unit for k in range(1, repeats))
+
+
+def nesting_loop(line: str) -> bool:
+    """Whether ``line`` holds a unit that nests itself (``list[List[List[List[``)."""
+    words = _TOKEN.findall(line)
+    return any(_nests(words[i:i + p]) and _loop_unit(words, i, p)
+               for i in range(len(words)) for p in range(1, min(LOOP_UNIT_TOKENS, len(words) - i) + 1))
 
 
 def line_loop_start(line: str) -> int | None:
@@ -96,7 +152,7 @@ def line_loop_start(line: str) -> int | None:
     toks = [(m.start(), m.group()) for m in _TOKEN.finditer(line)]
     words = [t for _, t in toks]
     for i in range(len(words)):
-        for p in range(2, min(LOOP_UNIT_TOKENS, (len(words) - i) // LINE_LOOP_REPEATS) + 1):
+        for p in range(1, min(LOOP_UNIT_TOKENS, (len(words) - i) // NEST_REPEATS) + 1):
             if _loop_unit(words, i, p):
                 return toks[i + p][0]
     return None
@@ -105,8 +161,9 @@ def line_loop_start(line: str) -> int | None:
 def line_loops(line: str) -> bool:
     """Whether ``line`` ends in a looping phrase: the cheap check streaming output runs per token."""
     words = _TOKEN.findall(line)
-    return any(_loop_unit(words, len(words) - LINE_LOOP_REPEATS * p, p)
-               for p in range(2, min(LOOP_UNIT_TOKENS, len(words) // LINE_LOOP_REPEATS) + 1))
+    return any(_loop_unit(words, len(words) - n * p, p)
+               for n in (LINE_LOOP_REPEATS, NEST_REPEATS)
+               for p in range(1, min(LOOP_UNIT_TOKENS, len(words) // n) + 1))
 
 
 def _block_loop(lines: list[str]) -> int:
@@ -300,15 +357,54 @@ def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
     return "\n".join(kept)
 
 
+def indent_unit(lines: tuple[str, ...]) -> int:
+    """The smallest step between the indentations of `lines` (4 when they show none)."""
+    widths = sorted({len(indentation(ln).expandtabs(4)) for ln in lines if ln.strip()})
+    steps = [b - a for a, b in zip(widths, widths[1:])] + [w for w in widths if w]
+    return min(steps) if steps else 4
+
+
+def _strip_stray_indent(text: str, ctx: Context) -> str:
+    """At a cursor after indentation only (the editor indented the new line), whitespace that
+    starts the suggestion and is not a whole indentation step is a stray space (`` def``, a
+    token that carries its own space): dropped."""
+    if not ctx.line_before or ctx.line_before.strip():
+        return text
+    first = text.split("\n", 1)[0]
+    lead = indentation(first)
+    if not lead or not first.strip():
+        return text
+    unit = indent_unit((*ctx.prev_lines, ctx.line_before, *ctx.next_lines))
+    if len(lead.expandtabs(4)) % unit == 0:
+        return text
+    return text[len(lead):]
+
+
+def _repeats_previous_line(text: str, ctx: Context) -> bool:
+    """The suggestion's first line, completed, is the line above the cursor again."""
+    first = (ctx.line_before + text.split("\n", 1)[0] + ctx.line_after).strip()
+    prev = next((p.strip() for p in reversed(ctx.prev_lines) if p.strip()), None)
+    typed = ctx.line_before.strip() + ctx.line_after.strip()
+    return bool(prev) and first == prev and first != typed and bool(_WORD.search(first)) \
+        and len(first) > 3
+
+
 def clean(raw: str, ctx: Context, multiline: bool, max_lines: int = 12) -> str:
     """The suggestion to show for raw model output `raw` inserted at the cursor described by `ctx`;
     "" when nothing useful is left."""
     text = raw.replace("\r\n", "\n").replace("\r", "\n")
+    text = _strip_stray_indent(text, ctx)
+    if nesting_loop(text.split("\n", 1)[0]):
+        return ""  # a line that nests itself was never going to be code
+    if _repeats_previous_line(text, ctx):
+        return ""
     if not multiline:
         text = cut_loops(text.split("\n", 1)[0])
         text = _cut_unbalanced(text, ctx)
-        text = _strip_suffix_overlap(text, ctx.line_after)
-        text = text.rstrip() if not ctx.mid_line else text
+        merged = merge_mid_line(text, ctx.line_after)
+        if merged is None:
+            return ""
+        text = merged.rstrip() if not ctx.mid_line else merged
     else:
         if ctx.line_before.strip() == "" and text.startswith("\n"):
             text = text.lstrip("\n")  # an empty line asked for a body, not a blank line first
