@@ -36,6 +36,16 @@ _DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)"
 class ActionError(ValueError):
     """The action does not apply here (e.g. no function around the cursor)."""
 
+    expected = True  # an answer for the user, not a failure of the server (the scheduler's log)
+
+
+class EditRefused(ActionError):
+    """The action's result would damage the code (`edit_checks`): it is not applied."""
+
+    def __init__(self, title: str, reason: str, stats: dict) -> None:
+        super().__init__(f"{title} was not applied: {reason}")
+        self.reason, self.stats = reason, stats
+
 
 @dataclass
 class EditPlan:
@@ -324,8 +334,8 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
     else:
         region, reason = p.judge(raw)
         if reason is not None:  # a result that would damage the code: once more, sampled
-            raw, stats = yield from attempt("", sampled=True)
+            raw, stats = yield from attempt(p.retry_lead, sampled=True)
             region, reason = p.judge(raw)
     if reason is not None:
-        raise ActionError(f"{TITLES[p.action]} was not applied: {reason}")
+        raise EditRefused(TITLES[p.action], reason, stats)
     return region, stats

@@ -30,6 +30,11 @@ REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = (
 _DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+|\n")
+_CLAUSE_SPLIT = re.compile(r"[.!?,;:]\s+|\n")
+_CONJUNCTIONS = {"and", "or", "but", "so", "then"}
+#: a clause of PHRASE_WORDS words or more said PHRASE_REPEATS times is a loop ("the text is a string,
+#: the text is a string, and the text is a string")
+PHRASE_WORDS, PHRASE_REPEATS = 4, 3
 #: instruction words that ask for a new definition (so a new def/class name is expected)
 _NEW_DEF_WORDS = {
     "function",
@@ -293,6 +298,18 @@ def sentences(text: str) -> Counter:
     return out
 
 
+def phrases(text: str) -> Counter:
+    """Clauses (between punctuation) of PHRASE_WORDS words or more, a leading conjunction dropped."""
+    out: Counter = Counter()
+    for c in _CLAUSE_SPLIT.split(text):
+        words = _WORD_RE.findall(c.lower())
+        if words and words[0] in _CONJUNCTIONS:
+            words = words[1:]
+        if len(words) >= PHRASE_WORDS:
+            out[" ".join(words)] += 1
+    return out
+
+
 def _repetition(edit: Edit) -> str | None:
     old_runs = repeated_runs(_lines(edit.old_text))
     new_runs = repeated_runs(_lines(edit.new_text)) - old_runs
@@ -304,6 +321,10 @@ def _repetition(edit: Edit) -> str | None:
     for s, n in new.items():
         if n > 1 and n > old.get(s, 0):
             return f"the result repeats the sentence {s[:60]!r} {n} times"
+    old = phrases(prose(edit.old_text))
+    for s, n in phrases(prose(edit.new_text)).items():
+        if n >= PHRASE_REPEATS and n > old.get(s, 0):
+            return f"the result repeats the phrase {s[:60]!r} {n} times"
     return None
 
 

@@ -35,6 +35,11 @@ class Target:
     end: int
     line: int  # the range's first line (the cursor's, for action availability)
     enc: str = "utf-16"  # the negotiated position encoding
+    python: bool | None = None  # the document is Python (None: not known, guessed from the text)
+
+
+class Refused(InvalidParams):
+    """The action's result failed the edit checks (after its retry): nothing was applied."""
 
 
 class Edits:
@@ -67,6 +72,7 @@ class Edits:
                 instruction,
                 count_tokens=lambda s: len(builder.tokenizer.encode(s)),
                 chat=st.host.chat if name == actions.INSTRUCT else None,
+                python=t.python,
             )
         except actions.ActionError as exc:
             raise InvalidParams(str(exc)) from None
@@ -115,6 +121,11 @@ class Edits:
             return await run_job(st.sched(), job)
         except Cancelled as exc:
             raise RequestCancelled(f"edit stopped: {exc}") from None
+        except actions.EditRefused as exc:
+            # the result would have damaged the code: the user is told why, nothing is applied
+            st.editor.show_error(str(exc))
+            st.send_status(f"edit:{p.action}", {**exc.stats, "refused": exc.reason})
+            raise Refused(str(exc)) from None
         except actions.ActionError as exc:
             raise InvalidParams(str(exc)) from None
 
@@ -203,6 +214,11 @@ class _Stream:
             region, stats = await task
         except RequestCancelled as exc:
             return "stopped by the user" if session.stopped_by_user else str(exc)
+        except Refused as exc:
+            # what was streamed is taken back: the document is left exactly as it was
+            if not session.stopped:
+                await self._restore()
+            return str(exc)
         outcome = "done"
         # a cancel that came after the generation finished still keeps the final write from
         # happening: what was streamed stays, as when the engine is stopped mid-stream
@@ -217,10 +233,16 @@ class _Stream:
     def _on_text(self, raw: str) -> None:
         self.latest = raw
 
+    async def _restore(self) -> bool:
+        """Put the region's original text back, exactly (no line-ending conversion)."""
+        return await self._send(self.session.edits_to(self.session.original))
+
     async def _flush(self, region: str, final: bool) -> bool:
         """Send the edits that make the region show `region`; False if the client refused them."""
+        return await self._send(self.session.edits_to(self.session.frame(region, final)))
+
+    async def _send(self, edits: list) -> bool:
         session = self.session
-        edits = session.edits_to(session.frame(region, final))
         if not edits:
             return True
         self.state.metrics.live_flushes += 1

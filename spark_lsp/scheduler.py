@@ -176,7 +176,10 @@ class Scheduler:
         except Cancelled as exc:
             self._finish(job, error=exc)
         except BaseException as exc:  # never let a job kill the engine thread
-            log.exception("engine job %s for %s failed", job.kind, job.key)
+            if getattr(exc, "expected", False):  # an answer for the user (e.g. an edit refused)
+                log.info("engine job %s for %s: %s", job.kind, job.key, exc)
+            else:
+                log.exception("engine job %s for %s failed", job.kind, job.key)
             self._finish(job, error=exc)
         return True, None
 

@@ -101,7 +101,9 @@ class SparkServer(SparkLanguageServer):
         start, end = self.offset(doc.source, rng.start), self.offset(doc.source, rng.end)
         if end < start:
             raise InvalidParams("range end is before its start")
-        return Target(uri, doc.source, doc.version, start, end, rng.start.line, self.enc)
+        return Target(
+            uri, doc.source, doc.version, start, end, rng.start.line, self.enc, self.is_python(uri)
+        )
 
     def action_target(self, data: Any) -> tuple[str, Target]:
         """(action name, target) from the `data` of an action this server listed."""

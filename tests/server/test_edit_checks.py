@@ -94,6 +94,10 @@ def test_docstring_with_a_repeated_sentence_or_a_badly_indented_line_is_refused(
         and "repeats the sentence 'return the total price of" in reason
         and "10 times" in reason
     )
+    # a clause said again and again (what the bundled model wrote for `count_words`)
+    looped = "The text is a string, the text is a string, the text is a string,\n        and the text is a string"
+    _, reason = _judge(actions.DOCSTRING, src, at, at, looped + '"""', line=line)
+    assert reason and "repeats the phrase 'the text is a string' 4 times" in reason
     # a short phrase looping is cut to one copy (postprocess.cut_loops): that docstring may stay
     region, reason = _judge(
         actions.DOCSTRING, src, at, at, "The price of the items. " * 10 + '"""', line=line

@@ -244,3 +244,60 @@ async def test_a_live_edit_left_alone_still_writes_its_final_text():
     assert res["outcome"] == "done" and res["complete"], res
     assert sc.text == "def f():\n    a = 10\n    b = 20\n    c = 30\n    return a\n"
     assert sc.cancel_command(URI) == {"cancelled": 0}  # nothing left to cancel
+
+
+# -- refused results --------------------------------------------------------------------------------
+async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
+    """A rewrite whose result fails the edit checks on both tries (the real Edits.job, the model's
+    output scripted): what was streamed is taken back, the document is byte for byte what it was
+    (CRLF and all), and the user is told why."""
+    import threading
+
+    from engine import GenerationParams
+    from spark_lsp import completions
+
+    text = _doc("\r\n")
+    s = Scripted(text, [], editor_eol="\r\n")
+    del s.ls.edits.job  # the real job: plan, generation on the engine thread, checks, retry
+    applied = threading.Event()
+
+    async def on_apply(n):
+        applied.set()
+    s.on_apply = on_apply
+    chunks = ["    a = (\n", "    b = [\n"]  # a rewrite that no longer parses
+    tries = []
+
+    def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None):
+        tries.append(params.temperature)
+        raw = ""
+        for chunk in chunks:
+            raw += chunk
+            applied.clear()
+            on_text(raw)
+            yield
+            applied.wait(5)  # the flush of this chunk has reached the editor
+        return raw, {"new_tokens": len(chunks)}, "stop"
+
+    class Builder:
+        stop_strings = ()
+
+        def build_parts_healed(self, prefix, suffix, budget):
+            return [1, 2, 3], ""
+
+    monkeypatch.setattr(completions, "generate_steps", fake_generate)
+    monkeypatch.setattr(completions, "control_ids", lambda b: frozenset())
+    host = s.ls.state.host
+    host.engine, host.builder, host.params_cls = None, Builder(), GenerationParams
+    shown = []
+    s.ls.state.editor.show_error = shown.append
+    start, end = offset_at(text, 1, 0), offset_at(text, 1 + len(BODY), 0)
+    plan = actions.plan(actions.REWRITE, text, start, end, 1, 64, python=True)
+    try:
+        res = await asyncio.wait_for(s.ls.edits.stream(Target(URI, text, 1, start, end, 1), plan), 10)
+    finally:
+        s.ls.state.shutdown()
+    assert tries == [0.0, actions.RETRY_TEMPERATURE]  # greedy, then once more sampled
+    assert "(" in s.sent and "[" in s.sent               # it was streamed ...
+    assert s.text == text                               # ... and taken back exactly
+    assert res["outcome"].startswith("Spark: Rewrite selection was not applied: the result is not valid Python")
+    assert not res["complete"] and shown == [res["outcome"]] and s.statuses == ["edit:rewrite"]

@@ -329,8 +329,11 @@ async def test_instruction_edit_uses_the_chat_template_of_a_chat_model(tiny_llam
         src = "def f(x):\n    return x\n"
         ed.open(URI, src)
         rng = {"start": {"line": 1, "character": 0}, "end": {"line": 2, "character": 0}}
-        res = await ed.command("spark.editWithInstruction", URI, rng, "double it")
-        assert res["outcome"] == "done" and ed.text(URI).startswith("def f(x):\n")
+        try:
+            res = await ed.command("spark.editWithInstruction", URI, rng, "double it")
+            assert res["outcome"] == "done" and ed.text(URI).startswith("def f(x):\n")
+        except JsonRpcException as exc:  # this random model's reply failed the edit checks
+            assert "was not applied: " in exc.message and ed.text(URI) == src  # noqa: PT017
         for _ in range(50):
             if ed.status:
                 break
