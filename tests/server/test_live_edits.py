@@ -284,10 +284,13 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
         def build_parts_healed(self, prefix, suffix, budget):
             return [1, 2, 3], ""
 
+    class Model:
+        context = None  # the prompt budget is the contextTokens setting
+
     monkeypatch.setattr(completions, "generate_steps", fake_generate)
     monkeypatch.setattr(completions, "control_ids", lambda b: frozenset())
     host = s.ls.state.host
-    host.engine, host.builder, host.params_cls = None, Builder(), GenerationParams
+    host.model, host.builder, host.params_cls = Model(), Builder(), GenerationParams
     shown = []
     s.ls.state.editor.show_error = shown.append
     start, end = offset_at(text, 1, 0), offset_at(text, 1 + len(BODY), 0)
