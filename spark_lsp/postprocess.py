@@ -7,6 +7,7 @@ greedy output can repeat a line or a phrase until the token budget runs out); ea
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -360,7 +361,7 @@ def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
 def indent_unit(lines: tuple[str, ...]) -> int:
     """The smallest step between the indentations of `lines` (4 when they show none)."""
     widths = sorted({len(indentation(ln).expandtabs(4)) for ln in lines if ln.strip()})
-    steps = [b - a for a, b in zip(widths, widths[1:])] + [w for w in widths if w]
+    steps = [b - a for a, b in itertools.pairwise(widths)] + [w for w in widths if w]
     return min(steps) if steps else 4
 
 
