@@ -27,8 +27,9 @@ def float_linear(wafer: bool = True, grid: tuple[int, int] | None = None) -> Any
     return TiledLinear(grid) if wafer else DenseLinear()
 
 
-def make_linear(precision: str = "fp32", wafer: bool = True, grid: tuple[int, int] | None = None,
-                **kw: Any) -> Any:
+def make_linear(
+    precision: str = "fp32", wafer: bool = True, grid: tuple[int, int] | None = None, **kw: Any
+) -> Any:
     """The linear emitter for ``precision`` on the engine's float emitter.
 
     'fp32': the float emitter itself; 'int8' / 'int4': MatMulNBits (block-quantised weights, int8

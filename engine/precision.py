@@ -114,19 +114,39 @@ def static_rule(config: ModelConfig, flags: frozenset[str] | None = None) -> Pre
     n = linear_params(config)
     dot = sorted(flags & INT8_DOT_FLAGS)
     if dot and n >= INT8_MIN_PARAMS:
-        return PrecisionChoice("int8", reason=f"static rule: {n / 1e6:.1f}M linear weights and "
-                                              f"int8 dot products ({', '.join(dot)})")
-    why = (f"{n / 1e6:.1f}M linear weights (< {INT8_MIN_PARAMS / 1e6:.0f}M)" if n < INT8_MIN_PARAMS
-           else "no int8 dot-product instruction on this CPU")
+        return PrecisionChoice(
+            "int8",
+            reason=f"static rule: {n / 1e6:.1f}M linear weights and "
+            f"int8 dot products ({', '.join(dot)})",
+        )
+    why = (
+        f"{n / 1e6:.1f}M linear weights (< {INT8_MIN_PARAMS / 1e6:.0f}M)"
+        if n < INT8_MIN_PARAMS
+        else "no int8 dot-product instruction on this CPU"
+    )
     return PrecisionChoice("fp32", reason=f"static rule: {why}")
 
 
-def decision_key(model_dir: Path, *, wafer: bool = True, grid: tuple[int, int] | None = None,
-                 threads: int | None = None) -> str:
+def decision_key(
+    model_dir: Path,
+    *,
+    wafer: bool = True,
+    grid: tuple[int, int] | None = None,
+    threads: int | None = None,
+) -> str:
     """The key of a decision for this model (its weights) on this machine."""
-    blob = json.dumps({"weights": weights_digest(model_dir), "wafer": bool(wafer),
-                       "grid": list(grid) if grid else None, "threads": threads, "cpu": cpu_id(),
-                       "ort": ort.__version__, "format": FORMAT}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "weights": weights_digest(model_dir),
+            "wafer": bool(wafer),
+            "grid": list(grid) if grid else None,
+            "threads": threads,
+            "cpu": cpu_id(),
+            "ort": ort.__version__,
+            "format": FORMAT,
+        },
+        sort_keys=True,
+    )
     return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
 
 
@@ -160,14 +180,20 @@ def read_decision(key: str, cache_dir: str | Path | None = None) -> PrecisionCho
     return choice
 
 
-def store_decision(key: str, choice: PrecisionChoice, cache_dir: str | Path | None = None,
-                   model: str = "") -> Path:
+def store_decision(
+    key: str, choice: PrecisionChoice, cache_dir: str | Path | None = None, model: str = ""
+) -> Path:
     """Write ``choice`` as the decision ``key`` atomically (temporary file + rename)."""
     if choice.precision not in PRECISIONS:
         raise ValueError(f"precision={choice.precision!r}: expected one of {PRECISIONS}")
     path = decision_path(key, cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": FORMAT, "key": key, "model": model, "choice": {**choice.to_dict(), "cached": False}}
+    data = {
+        "format": FORMAT,
+        "key": key,
+        "model": model,
+        "choice": {**choice.to_dict(), "cached": False},
+    }
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.write_text(json.dumps(data, indent=2))
@@ -177,13 +203,23 @@ def store_decision(key: str, choice: PrecisionChoice, cache_dir: str | Path | No
     return path
 
 
-def resolve(model_dir: Path, config: ModelConfig, *, wafer: bool = True,
-            grid: tuple[int, int] | None = None, threads: int | None = None,
-            cache_dir: str | Path | None = None) -> PrecisionChoice:
+def resolve(
+    model_dir: Path,
+    config: ModelConfig,
+    *,
+    wafer: bool = True,
+    grid: tuple[int, int] | None = None,
+    threads: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> PrecisionChoice:
     """What ``precision="auto"`` means for this model here: the stored decision, else the rule."""
-    stored = read_decision(decision_key(model_dir, wafer=wafer, grid=grid, threads=threads), cache_dir)
+    stored = read_decision(
+        decision_key(model_dir, wafer=wafer, grid=grid, threads=threads), cache_dir
+    )
     if stored is not None:
         return stored
     rule = static_rule(config)
-    rule.reason = f"no stored decision for this model and machine (measure: spark-lsp tune); {rule.reason}"
+    rule.reason = (
+        f"no stored decision for this model and machine (measure: spark-lsp tune); {rule.reason}"
+    )
     return rule

@@ -15,8 +15,9 @@ from __future__ import annotations
 import statistics
 import sysconfig
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,8 +48,9 @@ def load_engine(model_dir: str | Path | None, linear: Any, **kw: Any) -> Engine:
     return Engine.load(model_dir, linear=linear, **kw)
 
 
-def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0,
-                 files: Sequence[Path] | None = None) -> list[list[int]]:
+def eval_prompts(
+    tokenizer, count: int = 8, length: int = 192, seed: int = 0, files: Sequence[Path] | None = None
+) -> list[list[int]]:
     """Token windows of real Python source, fixed by ``seed``: ``files`` (e.g. a model's held-out
     files), else this Python's standard library.  Real code gives a meaningful agreement figure;
     random tokens would not (their logits are nearly flat).
@@ -68,7 +70,7 @@ def eval_prompts(tokenizer, count: int = 8, length: int = 192, seed: int = 0,
         if len(ids) < length + 64:
             continue
         start = int(rng.integers(0, len(ids) - length - 64))
-        prompts.append(ids[start:start + length])
+        prompts.append(ids[start : start + length])
     return prompts
 
 
@@ -83,7 +85,9 @@ def heldout_files(folder: Path, minimum: int = 4) -> list[Path] | None:
     return files if len(files) >= minimum else None
 
 
-def greedy_agreement(ref, test, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64) -> dict[str, Any]:
+def greedy_agreement(
+    ref, test, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64
+) -> dict[str, Any]:
     """How often ``test`` picks the same greedy token as ``ref`` (both engines on the same tokenizer).
 
     ``teacher_forced``: ``ref`` generates greedily; ``test`` reads the same sequence and we count the
@@ -101,7 +105,7 @@ def greedy_agreement(ref, test, prompts: Sequence[Sequence[int]], max_new_tokens
         r.result()
         t = test.generate(p, params)
         t.result()
-        logits = test.forward_logits(p + r.tokens[:-1])[len(p) - 1:]
+        logits = test.forward_logits(p + r.tokens[:-1])[len(p) - 1 :]
         picks = logits[:, :nv].argmax(-1)
         a = int((picks == np.asarray(r.tokens)).sum())
         agree += a
@@ -114,8 +118,13 @@ def greedy_agreement(ref, test, prompts: Sequence[Sequence[int]], max_new_tokens
         same_prefix += k
         gen_total += len(r.tokens)
         per_prompt.append({"tokens": len(r.tokens), "teacher_forced": a, "identical_prefix": k})
-    return {"teacher_forced": agree / max(total, 1), "free_running": same_prefix / max(gen_total, 1),
-            "tokens": total, "prompts": len(prompts), "per_prompt": per_prompt}
+    return {
+        "teacher_forced": agree / max(total, 1),
+        "free_running": same_prefix / max(gen_total, 1),
+        "tokens": total,
+        "prompts": len(prompts),
+        "per_prompt": per_prompt,
+    }
 
 
 def decode_speed(eng, prompt: Sequence[int], new_tokens: int = 64, repeats: int = 3) -> float:
@@ -130,8 +139,13 @@ def decode_speed(eng, prompt: Sequence[int], new_tokens: int = 64, repeats: int 
     return float(statistics.median(rates[1:] or rates))  # the first run warms the session up
 
 
-def compare_decode(engines: dict[str, Any], prompt: Sequence[int], new_tokens: int = 64, rounds: int = 5,
-                   settle_s: float = 0.1) -> dict[str, float]:
+def compare_decode(
+    engines: dict[str, Any],
+    prompt: Sequence[int],
+    new_tokens: int = 64,
+    rounds: int = 5,
+    settle_s: float = 0.1,
+) -> dict[str, float]:
     """Median decode tok/s per engine, measured in alternating rounds (one generation per engine per
     round) so that every engine sees the same machine load; a warm-up round is not counted.  Each
     run starts ``settle_s`` after the last: the spinning threads of the engine before it stay
@@ -146,26 +160,47 @@ def compare_decode(engines: dict[str, Any], prompt: Sequence[int], new_tokens: i
     return {name: float(statistics.median(v)) for name, v in rates.items()}
 
 
-def pick_precision(speeds: dict[str, float], agreement: dict[str, float], min_agreement: float = 0.95,
-                   min_speedup: float = 1.15) -> str:
+def pick_precision(
+    speeds: dict[str, float],
+    agreement: dict[str, float],
+    min_agreement: float = 0.95,
+    min_speedup: float = 1.15,
+) -> str:
     """The rule of :func:`choose_precision` on measured decode tok/s (``speeds``, with "fp32") and
     agreement with fp32 per candidate."""
-    good = [c for c in agreement if agreement[c] >= min_agreement and speeds[c] >= min_speedup * speeds["fp32"]]
+    good = [
+        c
+        for c in agreement
+        if agreement[c] >= min_agreement and speeds[c] >= min_speedup * speeds["fp32"]
+    ]
     if not good:
         return "fp32"
     fastest = max(good, key=lambda c: speeds[c])
-    best = max((c for c in good if speeds[c] >= AGREEMENT_PREFERENCE * speeds[fastest]), key=lambda c: agreement[c])
+    best = max(
+        (c for c in good if speeds[c] >= AGREEMENT_PREFERENCE * speeds[fastest]),
+        key=lambda c: agreement[c],
+    )
     if "int8-rowq" in good and speeds["int8-rowq"] >= ROWQ_PREFERENCE * speeds[best]:
         best = "int8-rowq"  # as fast within noise, and multi-token passes (speculation, prefill) are cheaper
     return best
 
 
-def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] = CANDIDATES,
-                     wafer: bool = True, grid: tuple[int, int] | None = None, threads: int | None = None,
-                     cache_dir: str | Path | None = None, min_agreement: float = 0.95,
-                     min_speedup: float = 1.15, prompts: int = 16, new_tokens: int = 48,
-                     remeasure: bool = False, measure: bool = True,
-                     log_fn: Callable[[str], None] = print) -> PrecisionChoice:
+def choose_precision(
+    model_dir: str | Path | None,
+    *,
+    candidates: Sequence[str] = CANDIDATES,
+    wafer: bool = True,
+    grid: tuple[int, int] | None = None,
+    threads: int | None = None,
+    cache_dir: str | Path | None = None,
+    min_agreement: float = 0.95,
+    min_speedup: float = 1.15,
+    prompts: int = 16,
+    new_tokens: int = 48,
+    remeasure: bool = False,
+    measure: bool = True,
+    log_fn: Callable[[str], None] = print,
+) -> PrecisionChoice:
     """The precision decision for this model and machine: stored, else measured and stored.
 
     A candidate qualifies when its teacher-forced greedy agreement with fp32 is at least
@@ -182,19 +217,37 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     folder = model_path(resolve_model(None) if model_dir is None else model_dir)
     bad = [c for c in candidates if c not in PRECISIONS or c == "fp32"]
     if bad:
-        raise ValueError(f"candidates: {bad[0]!r} is not a quantised precision; expected some of {PRECISIONS[1:]}")
+        raise ValueError(
+            f"candidates: {bad[0]!r} is not a quantised precision; expected some of {PRECISIONS[1:]}"
+        )
     key = store.decision_key(folder, wafer=wafer, grid=grid, threads=threads)
     if not measure:
-        return store.resolve(folder, load_config(folder), wafer=wafer, grid=grid, threads=threads,
-                             cache_dir=cache_dir)
+        return store.resolve(
+            folder,
+            load_config(folder),
+            wafer=wafer,
+            grid=grid,
+            threads=threads,
+            cache_dir=cache_dir,
+        )
     stored = None if remeasure else store.read_decision(key, cache_dir)
     if stored is not None:
         if not (stored.contended and not runtime.cpu_contended()):
             return stored
         log_fn(f"precision decision for {folder.name} was measured under load; measuring again")
-    choice = _measure(folder, candidates, wafer=wafer, grid=grid, threads=threads, cache_dir=cache_dir,
-                      min_agreement=min_agreement, min_speedup=min_speedup, prompts=prompts,
-                      new_tokens=new_tokens, log_fn=log_fn)
+    choice = _measure(
+        folder,
+        candidates,
+        wafer=wafer,
+        grid=grid,
+        threads=threads,
+        cache_dir=cache_dir,
+        min_agreement=min_agreement,
+        min_speedup=min_speedup,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        log_fn=log_fn,
+    )
     try:
         store.store_decision(key, choice, cache_dir, model=folder.name)
     except OSError as e:  # a read-only cache only costs a re-measurement next time
@@ -202,9 +255,16 @@ def choose_precision(model_dir: str | Path | None, *, candidates: Sequence[str] 
     return choice
 
 
-def measure_and_store(model_dir: str | Path | None, *, wafer: bool = True, grid: tuple[int, int] | None = None,
-                      threads: int | None = None, cache_dir: str | Path | None = None, force: bool = False,
-                      log_fn: Callable[[str], None] = print) -> PrecisionChoice:
+def measure_and_store(
+    model_dir: str | Path | None,
+    *,
+    wafer: bool = True,
+    grid: tuple[int, int] | None = None,
+    threads: int | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    log_fn: Callable[[str], None] = print,
+) -> PrecisionChoice:
     """Make sure a trustworthy decision is stored for this model and machine; return it.
 
     Measures (tens of seconds on a small model, loading one engine per candidate) unless a
@@ -212,32 +272,73 @@ def measure_and_store(model_dir: str | Path | None, *, wafer: bool = True, grid:
     ``spark-lsp tune`` and for a low-priority job in a server that is already serving: the
     decision applies from the next ``Engine.load(precision="auto")``.
     """
-    return choose_precision(model_dir, wafer=wafer, grid=grid, threads=threads, cache_dir=cache_dir,
-                            remeasure=force, log_fn=log_fn)
+    return choose_precision(
+        model_dir,
+        wafer=wafer,
+        grid=grid,
+        threads=threads,
+        cache_dir=cache_dir,
+        remeasure=force,
+        log_fn=log_fn,
+    )
 
 
-def _measure(folder: Path, candidates: Sequence[str], *, wafer: bool, grid, threads, cache_dir,
-             min_agreement: float, min_speedup: float, prompts: int, new_tokens: int,
-             log_fn: Callable[[str], None]) -> PrecisionChoice:
+def _measure(
+    folder: Path,
+    candidates: Sequence[str],
+    *,
+    wafer: bool,
+    grid,
+    threads,
+    cache_dir,
+    min_agreement: float,
+    min_speedup: float,
+    prompts: int,
+    new_tokens: int,
+    log_fn: Callable[[str], None],
+) -> PrecisionChoice:
     contended = runtime.cpu_contended()
     # steady thread mode: the automatic one can flip between runs and skew single ratios
-    engines = {c: load_engine(folder, make_linear(c, wafer, grid), threads=threads, cache_dir=cache_dir,
-                              spinning=False)
-               for c in ("fp32", *candidates)}
+    engines = {
+        c: load_engine(
+            folder,
+            make_linear(c, wafer, grid),
+            threads=threads,
+            cache_dir=cache_dir,
+            spinning=False,
+        )
+        for c in ("fp32", *candidates)
+    }
     # agreement on code the model did not train on where the folder names some (its own text
     # would flatter every precision alike), else on this Python's standard library
     ps = eval_prompts(engines["fp32"].tokenizer, count=prompts, files=heldout_files(folder))
     speeds = compare_decode(engines, ps[0], new_tokens)
     agreement, speedup = {}, {}
     for c in candidates:
-        agreement[c] = greedy_agreement(engines["fp32"], engines[c], ps, new_tokens)["teacher_forced"]
+        agreement[c] = greedy_agreement(engines["fp32"], engines[c], ps, new_tokens)[
+            "teacher_forced"
+        ]
         speedup[c] = speeds[c] / speeds["fp32"]
     best = pick_precision(speeds, agreement, min_agreement, min_speedup)
-    why = (f"{best}: {speedup[best]:.2f}x fp32 decode, {agreement[best]:.1%} greedy agreement" if best != "fp32"
-           else "no quantised candidate was both faster (>= %.2fx) and in agreement (>= %.0f%%)"
-           % (min_speedup, 100 * min_agreement))
+    if best != "fp32":
+        why = f"{best}: {speedup[best]:.2f}x fp32 decode, {agreement[best]:.1%} greedy agreement"
+    else:
+        why = (
+            f"no quantised candidate was both faster (>= {min_speedup:.2f}x) and in agreement "
+            f"(>= {min_agreement:.0%})"
+        )
     contended = contended or runtime.cpu_contended()
-    log_fn(f"precision for {folder.name}: {why} (decode tok/s: "
-           + ", ".join(f"{k} {v:.0f}" for k, v in speeds.items()) + ")")
-    return PrecisionChoice(best, speeds, agreement, speedup, f"measured: {why}",
-                           time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), contended=contended)
+    log_fn(
+        f"precision for {folder.name}: {why} (decode tok/s: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in speeds.items())
+        + ")"
+    )
+    return PrecisionChoice(
+        best,
+        speeds,
+        agreement,
+        speedup,
+        f"measured: {why}",
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        contended=contended,
+    )

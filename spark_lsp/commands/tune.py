@@ -17,17 +17,36 @@ from spark_lsp.commands.generate import fail, parse_grid
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tune", help="measure and store the weight precision 'auto' loads for a model",
-                       description=__doc__.splitlines()[0])
-    p.add_argument("--model", metavar="DIR", default=None,
-                   help="Hugging Face model folder (default: the bundled model)")
-    p.add_argument("--grid", type=parse_grid, default=None, metavar="RxC",
-                   help="emulated PE grid, as the engine will be loaded (default: the wafer default)")
+    p = sub.add_parser(
+        "tune",
+        help="measure and store the weight precision 'auto' loads for a model",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="Hugging Face model folder (default: the bundled model)",
+    )
+    p.add_argument(
+        "--grid",
+        type=parse_grid,
+        default=None,
+        metavar="RxC",
+        help="emulated PE grid, as the engine will be loaded (default: the wafer default)",
+    )
     p.add_argument("--no-wafer", action="store_true", help="tune the dense (unpartitioned) engine")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="ONNX Runtime intra-op threads (a decision is stored per thread setting; "
-                        "the server uses the default)")
-    p.add_argument("--force", action="store_true", help="measure again even when a decision is stored")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ONNX Runtime intra-op threads (a decision is stored per thread setting; "
+        "the server uses the default)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="measure again even when a decision is stored"
+    )
     p.add_argument("--json", action="store_true", help="print the decision as one JSON object")
     p.set_defaults(func=run)
 
@@ -38,14 +57,26 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         return fail("tune", f"--threads={args.threads} must be a positive integer")
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    log = (
+        (lambda s: print(s, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda s: print(s, flush=True))
+    )
     try:
-        choice = measure_and_store(args.model, wafer=not args.no_wafer, grid=args.grid, threads=args.threads,
-                                   force=args.force, log_fn=log)
+        choice = measure_and_store(
+            args.model,
+            wafer=not args.no_wafer,
+            grid=args.grid,
+            threads=args.threads,
+            force=args.force,
+            log_fn=log,
+        )
     except (ModelError, ValueError, OSError) as e:
         return fail("tune", str(e))
     if args.json:
         print(json.dumps(choice.to_dict(), indent=2))
     else:
-        print(f"{choice.precision}: {choice.reason}" + (" (stored decision)" if choice.cached else ""))
+        print(
+            f"{choice.precision}: {choice.reason}" + (" (stored decision)" if choice.cached else "")
+        )
     return 0

@@ -11,9 +11,8 @@ import types
 import numpy as np
 import pytest
 
-from engine.lab import bench
-from engine.lab import models as lab_models
 from engine.config import load_config
+from engine.lab import models as lab_models
 from engine.tokenizer import Tokenizer
 from engine.weights import expected_shapes, load_weights
 from spark_lsp.commands import bench as bench_cmd

@@ -13,7 +13,6 @@ import engine.engine
 from engine import Engine, GenerationParams, precision
 from engine.config import load_config
 from engine.lab.precisions import op_profile
-from engine.linears import PRECISIONS
 
 
 def _greedy(eng, n=16):
