@@ -6,7 +6,13 @@ does not load ONNX Runtime.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
+
+#: Marks this package as spark-lsp's engine: the top-level name ``engine`` is generic, and
+#: ``spark_lsp.cli`` checks this before anything else so that another package of the same name
+#: gives one clear error instead of an import failure deep inside a command.
+DISTRIBUTION = "spark-lsp"
 
 __all__ = ["CancelToken", "Cancelled", "Chunk", "Engine", "Generation", "GenerationParams", "ModelError"]
 
@@ -22,8 +28,6 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name in _WHERE:
-        import importlib
-
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
         globals()[name] = value
         return value

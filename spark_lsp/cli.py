@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # Subcommand modules, in the order `--help` lists them.
@@ -23,7 +24,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def foreign_engine() -> str | None:
+    """Why the importable ``engine`` package is not spark-lsp's own (None when it is).
+
+    spark-lsp installs its runtime as the top-level package ``engine``; another distribution
+    with a package of that name, earlier on the path or installed over it, would otherwise fail
+    with an obscure import error inside whichever command runs first.
+    """
+    spec = importlib.util.find_spec("engine")
+    if spec is None:
+        return "the 'engine' package is not installed (reinstall spark-lsp)"
+    engine = importlib.import_module("engine")  # cheap: its public names load lazily
+    if getattr(engine, "DISTRIBUTION", None) != "spark-lsp":
+        where = spec.origin or ", ".join(spec.submodule_search_locations or []) or "?"
+        return (f"the 'engine' package imported from {where} is not spark-lsp's engine "
+                "(another installed package uses the name 'engine'); install spark-lsp in its own "
+                "virtual environment, e.g. `pipx install spark-lsp`, or uninstall the other package")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    problem = foreign_engine()
+    if problem:
+        print(f"spark-lsp: error: {problem}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
