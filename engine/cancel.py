@@ -10,7 +10,7 @@ stops early on its own (its own child token) leaves the job that started it runn
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class Cancelled(Exception):

@@ -48,7 +48,7 @@ class Edits:
 
     @staticmethod
     def available(text: str, start: int, end: int, line: int, only: list[str] | None) -> list[str]:
-        """The actions on offer for the range, limited to the kinds in `only` (and their sub-kinds)."""
+        """The actions on offer for the range, limited to the kinds in `only` (and sub-kinds)."""
         out = []
         for name in actions.available(text, start, end, line):
             kind = actions.KINDS[name]
@@ -102,8 +102,9 @@ class Edits:
         applied = await self.state.editor.apply_edit(t.uri, await self.compute(t, p), None, None)
         return {"outcome": "done" if applied else "rejected", "flushes": 1, "complete": applied}
 
-    async def job(self, uri: str, p: actions.EditPlan, on_text=None,
-                  parent: CancelToken | None = None) -> tuple[str, dict]:
+    async def job(
+        self, uri: str, p: actions.EditPlan, on_text=None, parent: CancelToken | None = None
+    ) -> tuple[str, dict]:
         """Generate the plan's region text on the engine thread; `on_text(raw)` sees the output
         so far (on the event loop); cancelling `parent` (a live edit's token) stops it."""
         st = self.state
@@ -113,10 +114,20 @@ class Edits:
 
         def steps(j: Job):
             feed = (lambda s: j.call_soon(on_text, s)) if on_text else None
-            return actions.run_plan_steps(host.model, host.builder, j, p, host.params_cls, budget,
-                                          on_text=feed, speculative=speculative)
+            return actions.run_plan_steps(
+                host.model,
+                host.builder,
+                j,
+                p,
+                host.params_cls,
+                budget,
+                on_text=feed,
+                speculative=speculative,
+            )
 
-        job = Job(edit_key(uri), steps, asyncio.get_running_loop(), kind="edit", slot=uri, parent=parent)
+        job = Job(
+            edit_key(uri), steps, asyncio.get_running_loop(), kind="edit", slot=uri, parent=parent
+        )
         try:
             return await run_job(st.sched(), job)
         except Cancelled as exc:
@@ -143,7 +154,9 @@ class Edits:
         """Stop the completion and the edit of document `uri`; how many were stopped."""
         n = int(self.state.cancel(uri, reason))
         session = self.state.live.get(uri)
-        if session is not None:  # also when its generation has finished, its final write not yet sent
+        if (
+            session is not None
+        ):  # also when its generation has finished, its final write not yet sent
             return n + self.cancel_session(session, reason)
         return n + self.state.cancel(edit_key(uri), reason)
 

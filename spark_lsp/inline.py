@@ -37,7 +37,8 @@ class InlineCompletions:
         selected: tuple[int, int, str] | None = None,
     ) -> list[str]:
         """Suggestions for the cursor at `offset` (one unless the user invoked them).
-        `selected`: the completion menu's chosen item (start, end, text), see `_complete_selected`."""
+        `selected`: the completion menu's chosen item (start, end, text), see
+        `_complete_selected`."""
         st = self.state
         st.metrics.inline_requests += 1
         if not st.enabled or st.edit_running(uri):

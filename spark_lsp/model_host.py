@@ -1,5 +1,6 @@
 """The seam between the server and the engine: `Model` (what the services need from a loaded
-model), `LocalModel` (the in-process engine behind it) and `ModelHost` (loads one in the background).
+model), `LocalModel` (the in-process engine behind it) and `ModelHost` (loads one in the
+background).
 
 Every service reaches the engine through a `Model` and nothing else, so another backend (a remote
 llama.cpp, Ollama or OpenAI server, the engine service over WebSocket) is one more class with
@@ -59,8 +60,16 @@ class Model(Protocol):
     tokenizer: Any  # engine.tokenizer.Tokenizer
     config: Any  # engine.config.ModelConfig, or None
 
-    def generate(self, ids: list[int], params: Any, slot: str, *, cancel: CancelToken,
-                 speculative: bool = False, draft: str | None = None) -> Stream:
+    def generate(
+        self,
+        ids: list[int],
+        params: Any,
+        slot: str,
+        *,
+        cancel: CancelToken,
+        speculative: bool = False,
+        draft: str | None = None,
+    ) -> Stream:
         """Start a generation of `ids` with `params` (engine.GenerationParams) reusing the KV of
         `slot`; `speculative`: greedy generations may verify drafted tokens (output identical),
         `draft` the text being rewritten. Work happens while the stream is iterated."""
@@ -77,7 +86,9 @@ class LocalModel:
         self.name = str(getattr(engine, "name", None) or "model")
         self.tokenizer = engine.tokenizer
         self.config = getattr(engine, "config", None)
-        n = getattr(engine, "context", None) or getattr(self.config, "max_position_embeddings", None)
+        n = getattr(engine, "context", None) or getattr(
+            self.config, "max_position_embeddings", None
+        )
         self.context = int(n) if isinstance(n, int) else None
         from engine import speculative  # loads with the engine, not with the server
 
@@ -96,10 +107,20 @@ class LocalModel:
         model.warm_up()
         return model
 
-    def generate(self, ids: list[int], params: Any, slot: str, *, cancel: CancelToken,
-                 speculative: bool = False, draft: str | None = None) -> Stream:
+    def generate(
+        self,
+        ids: list[int],
+        params: Any,
+        slot: str,
+        *,
+        cancel: CancelToken,
+        speculative: bool = False,
+        draft: str | None = None,
+    ) -> Stream:
         if speculative and getattr(params, "temperature", 0.0) == 0.0:
-            return self._speculative.generate(self.engine, ids, params, slot, draft=draft, cancel=cancel)
+            return self._speculative.generate(
+                self.engine, ids, params, slot, draft=draft, cancel=cancel
+            )
         return self.engine.generate(ids, params, slot=slot, cancel=cancel)
 
     def warm_up(self) -> None:
@@ -109,12 +130,17 @@ class LocalModel:
 
         ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\n\n" * 8)[:120]
         for prompt in (ids, ids + ids[-1:]):  # a prefill, then a one-token step on top of it
-            for _ in self.engine.generate(prompt, GenerationParams(max_new_tokens=3), slot="__warm_up__"):
+            for _ in self.engine.generate(
+                prompt, GenerationParams(max_new_tokens=3), slot="__warm_up__"
+            ):
                 pass
 
     def status(self) -> dict:
-        return {"name": self.name, "context": self.context,
-                "precision": getattr(self.engine, "precision", None)}
+        return {
+            "name": self.name,
+            "context": self.context,
+            "precision": getattr(self.engine, "precision", None),
+        }
 
 
 class ModelHost:
@@ -151,8 +177,13 @@ class ModelHost:
             self._event = asyncio.Event()
         self._loading = True
 
-    def start(self, loop: asyncio.AbstractEventLoop, model_dir: str | None,
-              on_done: Callable[[bool, str], None] | None = None, precision: str = "auto") -> None:
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        model_dir: str | None,
+        on_done: Callable[[bool, str], None] | None = None,
+        precision: str = "auto",
+    ) -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread.
 
         `precision` 'auto' loads the decision `spark-lsp tune` stored for this model and machine,
@@ -171,8 +202,11 @@ class ModelHost:
 
                 model = LocalModel.load(model_dir, precision)
                 builder = PromptBuilder(model.tokenizer)
-                chat = load_chat_template(getattr(model.engine, "model_dir", model_dir), model.name,
-                                          builder.fim is not None)
+                chat = load_chat_template(
+                    getattr(model.engine, "model_dir", model_dir),
+                    model.name,
+                    builder.fim is not None,
+                )
                 ok, msg = True, ""
             except BaseException as exc:  # report, never crash the server
                 log.exception("model load failed")
@@ -205,11 +239,14 @@ class ModelHost:
         if self.model is not None and not self._loading:
             return
         if self._event is None:
-            raise ModelNotReady("the model is not loaded (the client has not sent 'initialized' yet)")
+            raise ModelNotReady(
+                "the model is not loaded (the client has not sent 'initialized' yet)"
+            )
         try:
             await asyncio.wait_for(asyncio.shield(self._event.wait()), timeout)
         except asyncio.TimeoutError:
-            raise ModelNotReady(f"the model is still loading after {timeout:g} s "
-                                "(raise the 'loadTimeoutS' setting)") from None
+            raise ModelNotReady(
+                f"the model is still loading after {timeout:g} s (raise the 'loadTimeoutS' setting)"
+            ) from None
         if self.error:
             raise ModelNotReady(self.error)

@@ -93,7 +93,7 @@ class SparkProtocol(LanguageServerProtocol):
 
     @_workspace.setter
     def _workspace(self, ws) -> None:
-        # 1. pygls builds its Workspace inside `initialize`; make it one that creates LspTextDocuments
+        # 1. pygls builds its Workspace inside `initialize`: make it create LspTextDocuments
         if type(ws) is Workspace:
             ws.__class__ = LspWorkspace
         self.__dict__["_spark_workspace"] = ws
@@ -258,7 +258,7 @@ class SparkLanguageServer(LanguageServer):
 
 
 def _read_messages(inp, stop: threading.Event):
-    """The bodies of the Content-Length framed messages on `inp`, until it closes or `stop` is set."""
+    """The bodies of the Content-Length framed messages on `inp`, until it closes or `stop`."""
     # os.read on the descriptor, not the buffered stdin object: a daemon thread blocked inside a
     # BufferedReader aborts the interpreter at exit
     try:

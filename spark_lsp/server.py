@@ -72,7 +72,7 @@ class SparkServer(SparkLanguageServer):
         return None if doc is None else doc.source
 
     def is_python(self, uri: str) -> bool:
-        """The client says the document is Python (or, saying nothing, its name ends in .py/.pyi)."""
+        """The client says the document is Python (or, saying nothing, it is named *.py/*.pyi)."""
         lang = getattr(self.workspace.text_documents.get(uri), "language_id", None)
         return lang == "python" or (not lang and uri.endswith((".py", ".pyi")))
 

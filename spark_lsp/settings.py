@@ -1,161 +1,307 @@
-"""Server settings from `initializationOptions` and `workspace/didChangeConfiguration`.
+"""Server settings, declared once: each field of `Settings` carries its editor-facing declaration.
 
-Editors send camelCase JSON, sometimes nested under a "spark" section; every value is validated
-here so a typo becomes a message naming the setting instead of a crash deep in a handler.
+From the one declaration come the validation of what editors send (`update`: camelCase or
+snake_case keys, optionally under a "spark" section, every bad value named), the JSON schema of
+`initializationOptions`, the VS Code `contributes.configuration` entries and the keys its client
+forwards, and the Neovim plugin's table of server settings. `python -m spark_lsp.editor_settings
+--write` regenerates those files; a test fails when they disagree with this module, so adding a
+setting is one field here plus that command.
+
+attrs rather than dataclasses: pygls already depends on it, and `attrs.fields` with field metadata
+and `attrs.evolve` give the declaration and the frozen value in one class. The checks are our own
+(a few lines per kind) rather than cattrs', whose structuring errors do not name the camelCase
+setting the user typed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
+
+import attrs
 
 
 class SettingsError(ValueError):
     """One or more settings are invalid; the message names each one."""
 
 
-@dataclass(frozen=True)
+def _precisions() -> tuple[str, ...]:
+    """'auto' and the precisions the engine loads (named once, in engine.linears)."""
+    from engine.linears import PRECISIONS  # ONNX is imported only when a precision is checked
+
+    return ("auto", *PRECISIONS)
+
+
+@attrs.frozen
+class Spec:
+    """How a setting looks to editors; `kind`: integer|number|boolean|string|choice|grid."""
+
+    kind: str
+    doc: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: Callable[[], tuple[str, ...]] | None = None
+    renamed_from: str | None = None  # an older JSON name still accepted, with a warning
+
+
+def setting(default: Any, kind: str, doc: str, **spec: Any) -> Any:
+    return attrs.field(default=default, metadata={"spark": Spec(kind, doc, **spec)})
+
+
+@attrs.frozen
 class Settings:
-    model: str | None = None           # model folder; None -> the bundled default model
-    max_tokens: int = 64               # new tokens for an inline completion
-    max_edit_tokens: int = 384         # new tokens for a code-action edit
-    temperature: float = 0.0           # 0 = greedy for the first item (extra Invoked items sample)
-    context_tokens: int = 1024         # prompt budget for prefix + suffix
-    debounce_ms: int = 0               # wait before starting an Automatic completion
-    live_edits: bool = True            # stream code-action edits with workspace/applyEdit
-    live_edit_hz: float = 20.0         # how often a streamed edit is flushed
-    multiline: bool = True             # allow multi-line completions at block openers / empty lines
-    speculative: bool = True           # greedy generations use the engine's speculative decoding
-    max_lines: int = 12                # cap on lines of a multi-line completion
-    load_timeout_s: float = 120.0      # requests wait this long for the model to load
-    wafer_chip: str | None = None      # chip name for the projected wafer speed in spark/status
-    wafer_grid: tuple[int, int] | None = None  # (rows, cols) of the emulated mesh
-    precision: str = "auto"            # weights: auto (stored `spark-lsp tune` decision, else a rule) | fp32 | int8 | int4 | int8-rowq
+    model: str | None = setting(
+        None,
+        "string",
+        "Model folder (a Hugging Face style folder on disk). Empty: the bundled default model.",
+    )
+    max_tokens: int = setting(
+        64, "integer", "New tokens for an inline suggestion.", minimum=1, maximum=4096
+    )
+    max_edit_tokens: int = setting(
+        384, "integer", "New tokens for a code-action edit.", minimum=1, maximum=8192
+    )
+    temperature: float = setting(
+        0.0, "number", "Sampling temperature (0 = greedy).", minimum=0.0, maximum=5.0
+    )
+    context_tokens: int = setting(
+        1024,
+        "integer",
+        "Prompt budget (tokens of text before + after the cursor).",
+        minimum=16,
+        maximum=131072,
+    )
+    debounce_ms: int = setting(
+        0,
+        "integer",
+        "Server-side wait before an automatic suggestion starts.",
+        minimum=0,
+        maximum=10000,
+    )
+    live_edits: bool = setting(
+        True,
+        "boolean",
+        "Stream code-action edits into the document as they are generated (typing stops them).",
+    )
+    live_edit_hz: float = setting(
+        20.0,
+        "number",
+        "How often a live edit is flushed into the document (per second).",
+        minimum=0.5,
+        maximum=200.0,
+    )
+    multiline: bool = setting(
+        True, "boolean", "Allow multi-line suggestions at block openers and empty lines."
+    )
+    speculative: bool = setting(
+        True,
+        "boolean",
+        "Greedy generations use the engine's speculative decoding (same output, faster).",
+    )
+    max_lines: int = setting(
+        12, "integer", "Maximum lines of a multi-line suggestion.", minimum=1, maximum=200
+    )
+    load_timeout_s: float = setting(
+        120.0,
+        "number",
+        "How long requests wait for the model to load (seconds).",
+        minimum=0.0,
+        maximum=3600.0,
+    )
+    wafer_chip: str | None = setting(
+        None, "string", "Chip of the projected wafer speed in the status bar (empty: wse3)."
+    )
+    wafer_region: tuple[int, int] | None = setting(
+        None,
+        "grid",
+        'Region of PEs per layer for the projected wafer speed, e.g. "4x4" (empty: the fastest).',
+        renamed_from="waferGrid",
+    )
+    precision: str = setting(
+        "auto",
+        "choice",
+        "Weight precision; auto: the decision `spark-lsp tune` stored, else the engine's rule.",
+        choices=_precisions,
+    )
 
-    def replace(self, **kw: Any) -> "Settings":
-        return dataclasses.replace(self, **kw)
+    def replace(self, **kw: Any) -> Settings:
+        return attrs.evolve(self, **kw)
 
 
-# JSON name -> (field, validator)
-def _int(lo: int, hi: int):
-    def check(name: str, v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-            raise SettingsError(f"setting {name!r} must be an integer, got {v!r}")
-        if not lo <= v <= hi:
-            raise SettingsError(f"setting {name!r} must be between {lo} and {hi}, got {v!r}")
-        return int(v)
-    return check
+def json_name(field_name: str) -> str:
+    """The camelCase name editors use: max_tokens -> maxTokens, load_timeout_s -> loadTimeoutS."""
+    head, *rest = field_name.split("_")
+    return head + "".join(p.capitalize() for p in rest)
 
 
-def _float(lo: float, hi: float):
-    def check(name: str, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise SettingsError(f"setting {name!r} must be a number, got {v!r}")
-        if not lo <= v <= hi:
-            raise SettingsError(f"setting {name!r} must be between {lo} and {hi}, got {v!r}")
-        return float(v)
-    return check
+def declarations() -> list[tuple[str, str, Any, Spec]]:
+    """(JSON name, field name, default, Spec) of every setting, in declaration order."""
+    return [
+        (json_name(f.name), f.name, f.default, f.metadata["spark"]) for f in attrs.fields(Settings)
+    ]
 
 
-def _bool(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise SettingsError(f"setting {name!r} must be true or false, got {v!r}")
-    return v
-
-
-def _opt_str(name: str, v: Any) -> str | None:
-    if v is None or v == "":
-        return None
-    if not isinstance(v, str):
-        raise SettingsError(f"setting {name!r} must be a string, got {v!r}")
-    return v
+# -- validation ----------------------------------------------------------------------------------
+def _number(name: str, v: Any, spec: Spec, integer: bool) -> int | float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and int(v) != v):
+        raise SettingsError(
+            f"setting {name!r} must be {'an integer' if integer else 'a number'}, got {v!r}"
+        )
+    if not spec.minimum <= v <= spec.maximum:
+        lo, hi = (int(spec.minimum), int(spec.maximum)) if integer else (spec.minimum, spec.maximum)
+        raise SettingsError(f"setting {name!r} must be between {lo} and {hi}, got {v!r}")
+    return int(v) if integer else float(v)
 
 
 def _grid(name: str, v: Any) -> tuple[int, int] | None:
     if v is None or v == "":
         return None
     if isinstance(v, str):
-        parts = v.lower().replace(" ", "").split("x")
         try:
-            v = [int(p) for p in parts]
+            v = [int(p) for p in v.lower().replace(" ", "").split("x")]
         except ValueError:
-            raise SettingsError(f"setting {name!r} must look like '4x4' or [4, 4], got {v!r}") from None
-    if (not isinstance(v, (list, tuple)) or len(v) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 4096 for x in v)):
-        raise SettingsError(f"setting {name!r} must be two positive integers like [4, 4], got {v!r}")
+            raise SettingsError(
+                f"setting {name!r} must look like '4x4' or [4, 4], got {v!r}"
+            ) from None
+    if (
+        not isinstance(v, (list, tuple))
+        or len(v) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 4096 for x in v)
+    ):
+        raise SettingsError(
+            f"setting {name!r} must be two positive integers like [4, 4], got {v!r}"
+        )
     return (int(v[0]), int(v[1]))
 
 
-def _choice(*options: str):
-    def check(name: str, v: Any) -> str:
+def check(name: str, v: Any, spec: Spec) -> Any:
+    """The value of setting `name` (its JSON name) from what an editor sent, or SettingsError."""
+    if spec.kind in ("integer", "number"):
+        return _number(name, v, spec, spec.kind == "integer")
+    if spec.kind == "boolean":
+        if not isinstance(v, bool):
+            raise SettingsError(f"setting {name!r} must be true or false, got {v!r}")
+        return v
+    if spec.kind == "string":
+        if v is None or v == "":
+            return None
+        if not isinstance(v, str):
+            raise SettingsError(f"setting {name!r} must be a string, got {v!r}")
+        return v
+    if spec.kind == "choice":
+        options = spec.choices()
         if v not in options:
             raise SettingsError(f"setting {name!r} must be one of {', '.join(options)}, got {v!r}")
         return v
-    return check
+    return _grid(name, v)
 
 
-_FIELDS = {
-    "model": ("model", _opt_str),
-    "maxTokens": ("max_tokens", _int(1, 4096)),
-    "maxEditTokens": ("max_edit_tokens", _int(1, 8192)),
-    "temperature": ("temperature", _float(0.0, 5.0)),
-    "contextTokens": ("context_tokens", _int(16, 131072)),
-    "debounceMs": ("debounce_ms", _int(0, 10000)),
-    "liveEdits": ("live_edits", _bool),
-    "liveEditHz": ("live_edit_hz", _float(0.5, 200.0)),
-    "multiline": ("multiline", _bool),
-    "speculative": ("speculative", _bool),
-    "maxLines": ("max_lines", _int(1, 200)),
-    "loadTimeoutS": ("load_timeout_s", _float(0.0, 3600.0)),
-    "waferChip": ("wafer_chip", _opt_str),
-    "waferGrid": ("wafer_grid", _grid),
-    "precision": ("precision", _choice("auto", "fp32", "int8", "int4", "int8-rowq")),
-}
-_SNAKE = {f: (js, check) for js, (f, check) in _FIELDS.items()}
+def _lookup() -> dict[str, tuple[str, str, Spec]]:
+    """Every accepted key -> (JSON name, field name, Spec): camelCase, snake_case, former names."""
+    out = {}
+    for js, fname, _, spec in declarations():
+        out[js] = out[fname] = (js, fname, spec)
+        if spec.renamed_from:
+            out[spec.renamed_from] = (js, fname, spec)
+    return out
 
 
 def update(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
-    """(settings with the values in `raw` applied, warnings about unknown keys); raises SettingsError
-    listing every bad value and leaves `current` untouched. Accepts camelCase or snake_case keys,
-    optionally under a "spark" section (then other sections, e.g. an editor's, are ignored)."""
+    """(settings with the values in `raw` applied, warnings about unknown or renamed keys); raises
+    SettingsError listing every bad value and leaves `current` untouched. Accepts camelCase or
+    snake_case keys, optionally under a "spark" section (then other sections are ignored)."""
     if raw is None:
         return current, []
     if not isinstance(raw, dict):
         raise SettingsError(f"settings must be a JSON object, got {type(raw).__name__}")
     if "spark" in raw:
         if not isinstance(raw["spark"], dict):
-            raise SettingsError(f"settings section 'spark' must be a JSON object, got {raw['spark']!r}")
+            raise SettingsError(
+                f"settings section 'spark' must be a JSON object, got {raw['spark']!r}"
+            )
         raw = raw["spark"]
+    known = _lookup()
     changes: dict[str, Any] = {}
     errors: list[str] = []
+    warnings: list[str] = []
     unknown: list[str] = []
     for key, value in raw.items():
-        if key in _FIELDS:
-            fname, check = _FIELDS[key]
-            name = key
-        elif key in _SNAKE:
-            fname, (name, check) = key, _SNAKE[key]
-        else:
+        if key not in known:
             unknown.append(key)
             continue
+        js, fname, spec = known[key]
+        if key == spec.renamed_from:
+            warnings.append(f"setting {key!r} is now called {js!r}")
         try:
-            changes[fname] = check(name, value)
+            changes[fname] = check(key if key == spec.renamed_from else js, value, spec)
         except SettingsError as exc:
             errors.append(str(exc))
     if errors:
         raise SettingsError("; ".join(errors))
-    warnings = []
     if unknown:
-        warnings.append(f"ignored unknown setting(s) {', '.join(map(repr, unknown))}; "
-                        f"known: {', '.join(_FIELDS)}")
+        names = ", ".join(js for js, *_ in declarations())
+        warnings.append(
+            f"ignored unknown setting(s) {', '.join(map(repr, unknown))}; known: {names}"
+        )
     return current.replace(**changes), warnings
 
 
 def to_json(s: Settings) -> dict[str, Any]:
     """The settings as the camelCase JSON an editor would send."""
     out = {}
-    for js, (f, _) in _FIELDS.items():
-        v = getattr(s, f)
+    for js, fname, _, _ in declarations():
+        v = getattr(s, fname)
         out[js] = list(v) if isinstance(v, tuple) else v
     return out
+
+
+# -- what editors are told -----------------------------------------------------------------------
+def json_schema_of(spec: Spec, default: Any) -> dict[str, Any]:
+    """The JSON schema of one setting's value."""
+    if spec.kind in ("integer", "number"):
+        out = {
+            "type": spec.kind,
+            "default": default,
+            "minimum": spec.minimum,
+            "maximum": spec.maximum,
+        }
+        return (
+            out
+            if spec.kind == "number"
+            else {**out, "minimum": int(spec.minimum), "maximum": int(spec.maximum)}
+        )
+    if spec.kind == "boolean":
+        return {"type": "boolean", "default": default}
+    if spec.kind == "choice":
+        return {"type": "string", "enum": list(spec.choices()), "default": default}
+    if spec.kind == "grid":
+        pair = {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 1, "maximum": 4096},
+            "minItems": 2,
+            "maxItems": 2,
+        }
+        return {
+            "oneOf": [
+                {"type": "string", "pattern": r"^\s*\d+\s*[xX]\s*\d+\s*$"},
+                pair,
+                {"type": "null"},
+            ],
+            "default": None,
+        }
+    return {"type": ["string", "null"], "default": default}
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of `initializationOptions` (and of workspace/didChangeConfiguration)."""
+    props = {
+        js: {**json_schema_of(spec, default), "description": spec.doc}
+        for js, _, default, spec in declarations()
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "spark-lsp settings",
+        "type": "object",
+        "description": 'Also accepted: snake_case names, and the same object under a "spark" key.',
+        "properties": {**props, "spark": {"$ref": "#"}},
+    }

@@ -46,7 +46,7 @@ class WaferProjector:
         """The projection for `model` (a model_host.Model whose `config` is known), else None."""
         if getattr(model, "config", None) is None:
             return None
-        key = (id(model), settings.wafer_chip, settings.wafer_grid)
+        key = (id(model), settings.wafer_chip, settings.wafer_region)
         with self._lock:
             if key in self._cache:
                 return self._cache[key]
@@ -63,7 +63,7 @@ class WaferProjector:
             pass
         try:
             out = project_model(model.config, chip=settings.wafer_chip or "wse3",
-                                grid=settings.wafer_grid, name=model.name)
+                                grid=settings.wafer_region, name=model.name)
         except Exception as exc:  # a projection must never break a completion
             log.warning("wafer projection failed: %s", exc)
             out = {"error": str(exc)}

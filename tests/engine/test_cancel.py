@@ -39,7 +39,9 @@ def test_a_child_stops_with_its_parent_never_the_other_way():
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_the_callers_token_stops_a_generation_and_its_own_cancel_leaves_the_caller(eng, speculative):
+def test_the_callers_token_stops_a_generation_and_its_own_cancel_leaves_the_caller(
+    eng, speculative
+):
     ids = random_ids(eng, 16, seed=31)
     params = GenerationParams(max_new_tokens=200, ignore_eos=True)
 

@@ -54,8 +54,10 @@ def test_minimal_edits_touch_only_changed_lines():
 
 # -- settings -------------------------------------------------------------------------------------
 def test_settings_validate_and_name_the_field():
-    s, warnings = update(Settings(), {"spark": {"maxTokens": 32, "liveEdits": False, "waferGrid": "4x8"}})
-    assert (s.max_tokens, s.live_edits, s.wafer_grid) == (32, False, (4, 8))
+    s, warnings = update(Settings(), {"spark": {"maxTokens": 32, "liveEdits": False, "waferRegion": "4x8"}})
+    assert (s.max_tokens, s.live_edits, s.wafer_region) == (32, False, (4, 8)) and not warnings
+    renamed, warnings = update(s, {"waferGrid": [2, 3]})  # its former name still works, with a warning
+    assert renamed.wafer_region == (2, 3) and "'waferGrid' is now called 'waferRegion'" in warnings[0]
     assert update(s, {"max_tokens": 7})[0].max_tokens == 7
     assert Settings().precision == "auto" and update(s, {"precision": "int8"})[0].precision == "int8"
     assert "ignored unknown setting" in update(s, {"colour": 1})[1][0]

@@ -7,9 +7,11 @@
 import * as vscode from 'vscode';
 
 /** Settings the server reads from initializationOptions / workspace/didChangeConfiguration. */
+// Generated from spark_lsp/settings.py by `python -m spark_lsp.editor_settings --write`.
 const SERVER_KEYS = [
-  'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs',
-  'liveEdits', 'liveEditHz', 'multiline', 'maxLines', 'waferChip', 'waferGrid',
+  'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs', 'liveEdits',
+  'liveEditHz', 'multiline', 'speculative', 'maxLines', 'loadTimeoutS', 'waferChip', 'waferRegion',
+  'precision',
 ] as const;
 
 export type ServerSettings = Record<string, unknown>;

@@ -29,12 +29,33 @@ M.defaults = {
     next = '<M-]>',
     prev = '<M-[>',
   },
-  -- Server settings (camelCase, see the server's README): maxTokens, maxEditTokens, temperature,
-  -- contextTokens, debounceMs, liveEdits, liveEditHz, multiline, maxLines, waferChip, waferGrid…
+  -- Server settings (camelCase): see M.server_settings_spec below and docs/settings.md.
   settings = {},
   -- Called with each `spark/status` payload (e.g. to refresh a statusline).
   on_status = nil,
 }
+
+-- BEGIN server settings
+-- Generated from spark_lsp/settings.py by `python -m spark_lsp.editor_settings --write`; do not edit.
+-- The server's settings (`settings` above), their types and server-side defaults.
+M.server_settings_spec = {
+  { name = 'model', type = 'string' },
+  { name = 'maxTokens', type = 'number', default = 64 },
+  { name = 'maxEditTokens', type = 'number', default = 384 },
+  { name = 'temperature', type = 'number', default = 0 },
+  { name = 'contextTokens', type = 'number', default = 1024 },
+  { name = 'debounceMs', type = 'number', default = 0 },
+  { name = 'liveEdits', type = 'boolean', default = true },
+  { name = 'liveEditHz', type = 'number', default = 20 },
+  { name = 'multiline', type = 'boolean', default = true },
+  { name = 'speculative', type = 'boolean', default = true },
+  { name = 'maxLines', type = 'number', default = 12 },
+  { name = 'loadTimeoutS', type = 'number', default = 120 },
+  { name = 'waferChip', type = 'string' },
+  { name = 'waferRegion', type = { 'string', 'table' } },
+  { name = 'precision', type = 'string', default = 'auto' },
+}
+-- END server settings
 
 local function check(name, value, types, optional)
   if value == nil and optional then
@@ -62,6 +83,9 @@ function M.resolve(opts)
   check('debounce_text_changes', o.debounce_text_changes, 'number')
   check('keys', o.keys, 'table')
   check('settings', o.settings, 'table')
+  for _, s in ipairs(M.server_settings_spec) do
+    check('settings.' .. s.name, o.settings[s.name], s.type, true)
+  end
   check('on_status', o.on_status, 'function', true)
   if not vim.tbl_contains({ 'auto', 'native', 'extmark', false }, o.inline) then
     error(string.format("spark.setup: option 'inline' must be 'auto', 'native', 'extmark' or false, got %s",
