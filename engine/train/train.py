@@ -12,6 +12,7 @@ sequences and elapsed training time; re-running the same command resumes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -19,6 +20,9 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from .data import EditConfig, FimConfig, packed_sequences, shuffle_buffer
+from .tokenizer import EOS, PAD, read_file_list
 
 
 def build_config(args, vocab_size: int, eos_id: int, pad_id: int):
@@ -137,14 +141,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    import itertools
-
     import torch
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
-
-    from .data import EditConfig, FimConfig, packed_sequences, shuffle_buffer
-    from .tokenizer import EOS, PAD, read_file_list
 
     args = parse_args(argv)
     run = args.run_dir
