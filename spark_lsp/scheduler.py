@@ -19,7 +19,8 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from engine.cancel import Cancelled, CancelToken
 
@@ -34,7 +35,7 @@ class Job:
     `parent`: a token whose cancel cancels the job too (a live edit's session); the job's own
     token is passed to the engine, which stops within one decode step."""
 
-    def __init__(self, key: str, fn: Callable[["Job"], Any], loop: asyncio.AbstractEventLoop,
+    def __init__(self, key: str, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop,
                  kind: str = "completion", slot: str | None = None, parent: CancelToken | None = None):
         self.key = key
         self.slot = slot if slot is not None else key   # engine prefix-cache slot

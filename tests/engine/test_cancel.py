@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from engine import CancelToken, Cancelled, GenerationParams
-from engine.speculative import generate as speculative_generate
 from engine_helpers import load_engine, random_ids
+
+from engine import Cancelled, CancelToken, GenerationParams
+from engine.speculative import generate as speculative_generate
 
 
 @pytest.fixture(scope="module")
