@@ -14,8 +14,8 @@ The graph is built for ONNX Runtime on CPU with batch size 1:
 * outputs ``logits`` float32 [1, S - logits_from, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
 
 Only positions from ``logits_from`` go on after the last layer's attention (its O-proj, MLP, the
-final norm and the LM head): a prefill that wants one row of logits skips ~1/L of its matmuls,
-~10% of a 2,000-token prefill here, while every position's KV is still written.
+final norm and the LM head): a prefill that wants one row of logits skips about 1/L of its
+matmuls, while every position's KV is still written.
 
 ``head_dim`` in the KV buffers is the model's head size rounded up to a multiple of 16 (the op's
 requirement); the padding is zero rows in the q/k/v/o weights, so the results are unchanged.

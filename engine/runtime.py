@@ -62,7 +62,7 @@ def _runner(session: ort.InferenceSession):
     """``run(binding, run_options)`` for ``session``.
 
     The public run_with_iobinding wrapper probes a run-config entry per call (WebGPU graph
-    capture), which costs a C++ exception (~0.1 ms) per decode step: call the binding directly.
+    capture), which costs a C++ exception per decode step: call the binding directly.
     """
     inner = getattr(session, "_sess", None)
     if inner is not None and hasattr(inner, "run_with_iobinding"):
@@ -158,14 +158,15 @@ SMALL_RUN_TOKENS = 16
 class Runtime:
     """ORT sessions over a decoder graph built by :func:`engine.graph.build_decoder`, sharing KV buffers.
 
-    Spinning intra-op threads make a decode step of a small model ~1.8x faster on an idle
-    machine (measured: 2.9k vs 1.6k tok/s on the 8M model, 2 threads) but halve it when other
-    processes compete for the cores (the spinning thread holds a core the working thread needs).
+    Spinning intra-op threads make a decode step of a small model markedly faster on an idle
+    machine (a step is shorter than the time a sleeping thread takes to wake) but slow it down
+    when other processes compete for the cores (the spinning thread holds a core the working
+    thread needs).
     ``spinning=None`` (auto) therefore keeps two sessions for small models: a spinning one for
     decode steps and short runs while the CPU is calm, and a non-spinning one for long prefills
     and for decoding while it is contended (:func:`cpu_contended`, checked by :meth:`refresh_mode`
     at the start of each generation).  ``True``/``False`` force one behaviour (one session).
-    Spinning threads stop ~40 ms after a generation, so an idle editor keeps its CPU.
+    Spinning threads stop shortly after a generation, so an idle editor keeps its CPU.
     """
 
     def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,

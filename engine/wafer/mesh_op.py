@@ -11,7 +11,7 @@ never load half a file; each process checks the library on one small linear befo
 Where it cannot be built (no compiler, an ONNX Runtime older than the op needs, or
 ``SPARK_LSP_MESH_OP=0``), :func:`library` returns ``None`` with the reason in :func:`why_not`,
 and ``TiledLinear`` emits the same partitioning as standard ONNX ops instead (slower on small
-models; see README "wafer").
+models; see docs/wafer.md).
 """
 
 from __future__ import annotations

@@ -24,18 +24,14 @@ line p-1 — an explicit chain (systolic) reduction along the mesh axis.
 * ``op`` (the default where it builds): one ``spark.wafer::MeshLinear`` node per linear over the
   lines' tile initializers (``mesh_op.c``, compiled on first use, see :mod:`.mesh_op`).  Each
   line computes its partial products in registers and reduces them into the output in line
-  order.  A decode step has as many nodes as the dense graph, so partitioning costs nothing
-  measurable.
+  order.  A decode step has as many nodes as the dense graph.
 * ``graph`` (standard ONNX ops, the fallback without a C compiler): the input is ``Split`` over
   the reduction axis, line 0 runs ``MatMul`` and every next line ``Gemm(x_p, W_p, C=partial)``.
-  On a hidden-256 model this costs ~20-30% of decode speed with two threads.  The cost is not the
-  arithmetic: it is the graph's ~2x nodes (a ``Split`` and a second GEMV per linear, reshapes
-  around attention), each paying the executor, allocation and thread-pool hand-off (``perf``,
-  session 7).  With one thread, MLAS's packed GEMV is also slower on K/R < 256 rows.  Models
-  from hidden size 512 up pay nothing in either form.
+  Same numbers, but about twice the nodes (a ``Split`` and a second GEMV per linear, reshapes
+  around attention), each paying the executor, allocation and thread-pool hand-off: a small
+  model loses part of its decode speed to them, a model from hidden size 512 up nothing.
 
-README "wafer" lists the other forms measured (batched ``MatMul`` over 3-D tiles + ``ReduceSum``,
-per-PE nodes, masked lines, grouped ``Conv``, ...) and why each was not kept.
+docs/wafer.md describes both forms and the fallback.
 """
 
 from __future__ import annotations
