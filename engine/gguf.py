@@ -113,34 +113,47 @@ class TensorInfo:
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
-    data: np.ndarray
+    data: np.ndarray | None  # None for a header read without the data
 
     @property
     def n_elements(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
-    """Metadata (key -> value, arrays as lists) and tensors of a GGUF file, memory-mapped.
+class HeaderIncomplete(ValueError):
+    """The bytes given end inside the GGUF header (read more of the file)."""
+
+
+def parse_header(buf, *, complete: bool = True) -> tuple[dict[str, Any], list[tuple], int]:
+    """Metadata (key -> value, arrays as lists), tensor infos ``(name, type, numpy shape, offset)``
+    and the data section's start, from the first bytes of a GGUF file (or all of it).
 
     Parsed here rather than with ``gguf.GGUFReader``, which builds a numpy array per string and
-    takes seconds on a 150k-token vocabulary; ``gguf`` still supplies the block sizes and the
-    dequantisers."""
+    takes seconds on a 150k-token vocabulary, and needs the whole file; ``gguf`` still supplies
+    the types, block sizes and dequantisers.  ``complete=False``: running out of bytes raises
+    :class:`HeaderIncomplete` (the caller fetches more)."""
     import gguf
 
-    mm = np.memmap(path, mode="r")
-    buf = memoryview(mm)
+    buf = memoryview(buf)
     pos = 0
+
+    def need(n: int) -> None:
+        if pos + n > len(buf):
+            raise HeaderIncomplete("GGUF header ends past the bytes read") if not complete else ValueError(
+                "file ends inside the GGUF header (truncated?)")
 
     def take(fmt: str) -> Any:
         nonlocal pos
+        size = struct.calcsize("<" + fmt)
+        need(size)
         v = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
+        pos += size
         return v[0]
 
     def string() -> str:
         nonlocal pos
         n = take("Q")
+        need(n)
         s = bytes(buf[pos:pos + n]).decode("utf-8", errors="replace")
         pos += n
         return s
@@ -156,37 +169,46 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
             if sub == _STRING:
                 return [string() for _ in range(n)]
             if sub in _SCALARS:
-                fmt = "<" + _SCALARS[sub]
-                arr = np.frombuffer(buf, dtype=np.dtype(fmt), count=n, offset=pos)
+                dt = np.dtype("<" + _SCALARS[sub])
+                need(dt.itemsize * n)
+                arr = np.frombuffer(buf, dtype=dt, count=n, offset=pos)
                 pos += arr.nbytes
                 return arr.tolist()
             return [value(sub) for _ in range(n)]
         raise ValueError(f"unknown metadata value type {kind}")
 
+    need(4)
+    if bytes(buf[:4]) != MAGIC:
+        raise ValueError("no GGUF magic")
+    pos = 4
+    version = take("I")
+    if version not in (2, 3):
+        raise ValueError(f"version {version} is not supported (2 and 3 are)")
+    n_tensors, n_kv = take("Q"), take("Q")
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        fields[key] = value(take("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("Q") for _ in range(take("I"))]
+        infos.append((name, gguf.GGMLQuantizationType(take("I")), tuple(reversed(dims)), take("Q")))
+    align = int(fields.get("general.alignment", 32))
+    return fields, infos, -(-pos // align) * align
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Metadata and tensors of a GGUF file, the tensor data memory-mapped (nothing copied)."""
+    import gguf
+
     try:
-        if bytes(buf[:4]) != MAGIC:
-            raise ValueError("no GGUF magic")
-        pos = 4
-        version = take("I")
-        if version not in (2, 3):
-            raise ValueError(f"version {version} is not supported (2 and 3 are)")
-        n_tensors, n_kv = take("Q"), take("Q")
-        fields: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            fields[key] = value(take("I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take("Q") for _ in range(take("I"))]
-            infos.append((name, gguf.GGMLQuantizationType(take("I")), dims, take("Q")))
-        align = int(fields.get("general.alignment", 32))
-        start = -(-pos // align) * align
+        mm = np.memmap(path, mode="r")
+        fields, infos, start = parse_header(mm)
         tensors: dict[str, TensorInfo] = {}
-        for name, kind, dims, offset in infos:
-            shape = tuple(reversed(dims))
+        for name, kind, shape, offset in infos:
             block, size = gguf.GGML_QUANT_SIZES[kind]
-            n_bytes = int(np.prod(dims, dtype=np.int64)) * size // block
+            n_bytes = int(np.prod(shape, dtype=np.int64)) * size // block
             if start + offset + n_bytes > len(mm):
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
             raw = mm[start + offset:start + offset + n_bytes]
@@ -207,6 +229,19 @@ class GGUFModel:
         if not self.path.is_file():
             raise ModelError(f"{self.path}: GGUF file not found")
         self.fields, self.tensors = read_gguf(self.path)
+        self._check_arch()
+
+    @classmethod
+    def from_header(cls, path: Path, fields: dict[str, Any], infos: list[tuple]) -> GGUFModel:
+        """A model known from its header alone (metadata and tensor shapes, no data): enough for
+        ``config()``, ``tokenizer()`` and ``tensor_types()``, e.g. of a file not downloaded yet."""
+        self = cls.__new__(cls)
+        self.path, self.fields = Path(path), fields
+        self.tensors = {n: TensorInfo(n, kind, shape, None) for n, kind, shape, _ in infos}
+        self._check_arch()
+        return self
+
+    def _check_arch(self) -> None:
         self.arch = self.value("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ModelError(f"{self.path.name}: general.architecture={self.arch!r} is not supported; "

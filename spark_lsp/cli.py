@@ -12,7 +12,7 @@ import importlib.util
 import sys
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "engine", "generate", "eval", "tune", "wafer", "bench", "demo")
+COMMANDS = ("serve", "engine", "generate", "eval", "models", "tune", "wafer", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
