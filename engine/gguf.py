@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, ModelError, parse_config
+from .tokenizer import Tokenizer
+from .weights import expected_shapes
 
 MAGIC = b"GGUF"
 
@@ -339,8 +341,6 @@ class GGUFModel:
     def open_weights(self, config: ModelConfig) -> GGUFWeights:
         """Every tensor the decoder reads, under Hugging Face names, dequantised on access (one
         tensor in RAM at a time); names and shapes are checked here, like a folder's."""
-        from .weights import expected_shapes
-
         shapes = expected_shapes(config)
         names: dict[str, str] = {}
         for name, t in self.tensors.items():
@@ -370,8 +370,6 @@ class GGUFModel:
     # -- tokenizer -----------------------------------------------------------------------------
     def tokenizer(self):
         """The file's tokenizer as the engine's :class:`~engine.tokenizer.Tokenizer`."""
-        from .tokenizer import Tokenizer
-
         tok = build_tokenizer(self)
         eos = [self.value(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in self.fields]

@@ -18,6 +18,7 @@ fetched.
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
 import os
@@ -31,7 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig, ModelError, parse_config
+from .config import ModelConfig, ModelError, load_config, parse_config
+from .gguf import GGUFModel, HeaderIncomplete, default_precision, is_gguf, parse_header
+from .graph import padded_head_dim
+from .weights import expected_shapes
 
 #: Files of a model folder the engine reads (everything else in a repository is skipped).
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -97,6 +101,11 @@ class HubSpec:
 
 
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def wanted(name: str) -> bool:
+    """Whether a repository file is one the engine reads (FOLDER_FILES)."""
+    return any(fnmatch.fnmatch(name, p) for p in FOLDER_FILES)
 
 
 def parse_spec(spec: str) -> HubSpec | None:
@@ -168,9 +177,19 @@ def _progress_class(progress: Progress | None, what: str):
     return Reporting
 
 
+def _not_downloaded(spec: HubSpec) -> ModelError:
+    why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
+    return ModelError(f"{spec}: not downloaded yet and {why}; run `spark-lsp models pull {spec}` with a "
+                      "connection")
+
+
 def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     if isinstance(e, GatedRepoError):
         return ModelError(f"{spec}: the repository is gated; accept its licence on the Hub and set HF_TOKEN")
@@ -179,9 +198,7 @@ def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
     if isinstance(e, RevisionNotFoundError):
         return ModelError(f"{spec}: revision {spec.revision!r} not found")
     if isinstance(e, LocalEntryNotFoundError):
-        why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
-        return ModelError(f"{spec}: not downloaded yet and {why}; run `spark-lsp models pull {spec}` with a "
-                          "connection")
+        return _not_downloaded(spec)
     return ModelError(f"{spec}: download failed: {e}")
 
 
@@ -283,7 +300,7 @@ def _cached_snapshot_files(hub: HubSpec) -> list[Path]:
     root = cache_dir() / ("models--" + hub.repo.replace("/", "--")) / "snapshots"
     snaps = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     if not snaps:
-        raise ModelError(f"{hub}: not downloaded yet")
+        raise _not_downloaded(hub)
     return [p.relative_to(snaps[-1]) for p in snaps[-1].rglob("*") if p.is_file()]
 
 
@@ -322,8 +339,6 @@ def list_models() -> list[LocalModel]:
 
 
 def _describe(m: LocalModel) -> None:
-    from .gguf import GGUFModel, default_precision
-
     try:
         ggufs = sorted(m.path.glob("*.gguf"))
         if ggufs:
@@ -380,9 +395,6 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
 
     The token embedding stays float32 (a Gather reads one row per token); every linear, the LM
     head included, is stored at the precision; norms and biases are float32."""
-    from .graph import padded_head_dim
-    from .weights import expected_shapes
-
     shapes = expected_shapes(config)
     embed = config.vocab_size * config.hidden_size
     linear = small = 0
@@ -404,16 +416,12 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
 
 def model_info(spec: str, *, progress: Progress | None = None) -> ModelInfo:
     """A model's size and memory needs, reading only its config.json or its GGUF header."""
-    from .gguf import GGUFModel, default_precision, is_gguf
-
     hub = parse_spec(spec)
     if hub is None:
         path = Path(spec).expanduser()
         if is_gguf(path):
             g = GGUFModel(path)
             return _info(path.name, g.config(), path.stat().st_size, default_precision(g))
-        from .config import load_config
-
         return _info(path.name, load_config(path), None, None)
     kw = _hub_kw()
     try:
@@ -454,8 +462,6 @@ def _remote_gguf_info(hub: HubSpec, file: str) -> ModelInfo:
     """Read a remote GGUF's header with HTTP range requests (doubling until it parses)."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session
-
-    from .gguf import GGUFModel, HeaderIncomplete, default_precision, parse_header
 
     kw = _hub_kw()
     url = hf_hub_url(hub.repo, file, revision=hub.revision, endpoint=kw.get("endpoint"))

@@ -19,6 +19,9 @@ class Progress(Protocol):
 
     def end(self, message: str) -> None: ...
 
+    def report(self, message: str, percentage: int | None = None) -> None:
+        """Update the indicator's message (and percentage) while the job runs."""
+
 
 class Editor(Protocol):
     def log(self, message: str, level: str = "info") -> None:

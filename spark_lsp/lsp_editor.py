@@ -29,6 +29,14 @@ class _LspProgress:
     def __init__(self, ls: LanguageServer, token: str) -> None:
         self.ls, self.token = ls, token
 
+    def report(self, message: str, percentage: int | None = None) -> None:
+        try:
+            self.ls.work_done_progress.report(
+                self.token, T.WorkDoneProgressReport(message=message, percentage=percentage)
+            )
+        except Exception:
+            pass
+
     def end(self, message: str) -> None:
         try:
             self.ls.work_done_progress.end(self.token, T.WorkDoneProgressEnd(message=message))

@@ -95,11 +95,14 @@ class LocalModel:
         self._speculative = speculative
 
     @classmethod
-    def load(cls, model_dir: str | None, precision: str = "auto") -> LocalModel:
-        """Load `model_dir` (None: the bundled default) and warm it up."""
+    def load(cls, model_dir: str | None, precision: str = "auto", progress: Any = None) -> LocalModel:
+        """Load `model_dir` (None: the bundled default; a folder, a .gguf file, a catalogue name
+        or hf:ORG/REPO[:FILE], downloaded on first use with `progress` reports) and warm it up."""
         from engine import Engine
+        from engine.hub import resolve_model
 
-        eng = Engine.load(model_dir=model_dir, slots=4, precision=precision)
+        path = resolve_model(model_dir, progress=progress)
+        eng = Engine.load(model_dir=path, slots=4, precision=precision)
         if isinstance(getattr(eng, "prefill_chunk", None), int):
             # a cancel waits for the prefill run in flight: keep runs short
             eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
@@ -183,6 +186,7 @@ class ModelHost:
         model_dir: str | None,
         on_done: Callable[[bool, str], None] | None = None,
         precision: str = "auto",
+        progress: Callable[[int, int | None, str], None] | None = None,
     ) -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread.
 
@@ -200,7 +204,7 @@ class ModelHost:
             try:
                 from engine import GenerationParams
 
-                model = LocalModel.load(model_dir, precision)
+                model = LocalModel.load(model_dir, precision, progress)
                 builder = PromptBuilder(model.tokenizer)
                 chat = load_chat_template(
                     getattr(model.engine, "model_dir", model_dir),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .editor import Editor
@@ -102,7 +103,8 @@ class ServerState:
                 self.editor.log(msg, "error")
                 self.editor.show_error(msg)
 
-        self.host.start(loop, self.settings.model, done, precision=self.settings.precision)
+        self.host.start(loop, self.settings.model, done, precision=self.settings.precision,
+                        progress=_download_reporter(loop, progress))
 
     # -- status and metrics ----------------------------------------------------------------------
     def send_status(self, kind: str, stats: dict) -> None:
@@ -131,6 +133,25 @@ class ServerState:
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.shutdown()
+
+
+def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[int, int | None, str], None]:
+    """A download progress callback (engine.hub.Progress, called from the loading thread) that
+    reports to the editor's indicator on the event loop, once per percent."""
+    last: list[int | None] = [-1]
+
+    def report(done: int, total: int | None, what: str) -> None:
+        pct = min(100, done * 100 // total) if total else None
+        if progress is None or not hasattr(progress, "report") or pct == last[0]:
+            return
+        last[0] = pct
+        msg = f"downloading {what}: {done / 1e6:.1f}" + (f" of {total / 1e6:.1f} MB" if total else " MB")
+        try:
+            loop.call_soon_threadsafe(progress.report, msg, pct)
+        except RuntimeError:
+            pass  # the loop closed while downloading
+
+    return report
 
 
 __all__ = ["EDIT_SUFFIX", "ServerState", "SettingsError", "edit_key"]

@@ -19,7 +19,7 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="line-completion quality and bits per byte on files",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--model", metavar="DIR", default=None,
+    p.add_argument("--model", metavar="MODEL", default=None,
                    help="Hugging Face model folder (default: the bundled model)")
     p.add_argument("--files", action="append", required=True, metavar="GLOB",
                    help="files to evaluate on: a glob (** allowed) or @LIST (one path per line); repeatable")
@@ -53,6 +53,7 @@ def served(pos, raw: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from engine import Engine, ModelError
+    from engine.hub import resolve_model
     from engine.lab.evaluate import evaluate, resolve_files
 
     def fail(msg: str) -> int:
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
         files = resolve_files(args.files)
-        eng = Engine.load(args.model, threads=args.threads)
+        eng = Engine.load(resolve_model(args.model), threads=args.threads)
         spm = None if args.order == "auto" else args.order == "spm"
         res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
                        bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,

@@ -25,7 +25,7 @@ def parse_grid(text: str) -> tuple[int, int]:
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_help: str) -> None:
     """Options shared by the commands that load an engine (generate, bench engine)."""
-    p.add_argument("--model", metavar="DIR", default=None, help=model_help)
+    p.add_argument("--model", metavar="MODEL", default=None, help=model_help)
     p.add_argument("--grid", type=parse_grid, default=None, metavar="RxC",
                    help="emulated PE grid each weight matmul is partitioned over (default: the wafer default)")
     p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned wafer emitter")
@@ -38,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt with a model folder",
                        description=__doc__.splitlines()[0])
-    add_engine_args(p, model_help="Hugging Face model folder (default: the bundled model)")
+    add_engine_args(p, model_help="model folder, .gguf file, catalogue name or hf:ORG/REPO[:FILE] "
+                                  "(default: the bundled model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-' for stdin)")
@@ -76,6 +77,7 @@ def fail(command: str, message: str, code: int = 2) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from engine import Engine, GenerationParams, ModelError
+    from engine.hub import resolve_model
 
     gen = None
     try:
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                                   stop=tuple(args.stop), max_time_s=args.max_time)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be a positive integer")
-        eng = Engine.load(args.model, grid=args.grid, wafer=not args.no_wafer, threads=args.threads,
+        eng = Engine.load(resolve_model(args.model), grid=args.grid, wafer=not args.no_wafer, threads=args.threads,
                           precision=args.precision)
         gen = eng.generate(prompt, params)
         out = sys.stdout

@@ -29,7 +29,9 @@ def register(subparsers) -> None:
     g.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (default)")
     g.add_argument("--tcp", metavar="HOST:PORT", type=_host_port, help="listen for one TCP client")
     g.add_argument("--ws", metavar="HOST:PORT", type=_host_port, help="listen for WebSocket clients")
-    p.add_argument("--model", metavar="DIR", help="model folder (default: the bundled model)")
+    p.add_argument("--model", metavar="MODEL",
+                   help="model folder, .gguf file, catalogue name (spark-lsp models list) or "
+                        "hf:ORG/REPO[:FILE.gguf], downloaded on first use (default: the bundled model)")
     p.add_argument("--log-file", metavar="FILE", help="write the server's debug log here")
     p.add_argument("--log-level", default=os.environ.get("SPARK_LSP_LOG", "WARNING"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (stderr or --log-file)")
@@ -37,9 +39,21 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    if args.model and not os.path.isdir(args.model):
-        print(f"spark-lsp serve: --model {args.model}: not a directory", file=sys.stderr)
-        return 2
+    model = args.model
+    if model and os.path.exists(os.path.expanduser(model)):
+        model = os.path.abspath(os.path.expanduser(model))
+    elif model:
+        from engine.config import ModelError
+        from engine.hub import parse_spec
+
+        try:
+            hub = parse_spec(model)
+        except ModelError as e:
+            hub, model = None, f"{e}"
+        if hub is None:
+            print(f"spark-lsp serve: --model {args.model}: not found (expected a model folder, a .gguf "
+                  "file, a catalogue name or hf:ORG/REPO)", file=sys.stderr)
+            return 2
     handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root = logging.getLogger()
@@ -55,7 +69,7 @@ def run(args) -> int:
 
     from spark_lsp.server import create_server
 
-    server = create_server(os.path.abspath(args.model) if args.model else None)
+    server = create_server(model or None)
     if args.tcp:
         server.start_tcp(*args.tcp)
     elif args.ws:
