@@ -137,14 +137,15 @@ class ServerState:
 
 def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[int, int | None, str], None]:
     """A download progress callback (engine.hub.Progress, called from the loading thread) that
-    reports to the editor's indicator on the event loop, once per percent."""
-    last: list[int | None] = [-1]
+    reports to the editor's indicator on the event loop, once per percent, never going back
+    (parallel file downloads each report their own bar)."""
+    last = [-1]
 
     def report(done: int, total: int | None, what: str) -> None:
         pct = min(100, done * 100 // total) if total else None
-        if progress is None or not hasattr(progress, "report") or pct == last[0]:
+        if progress is None or not hasattr(progress, "report") or (pct is not None and pct <= last[0]):
             return
-        last[0] = pct
+        last[0] = pct if pct is not None else last[0]
         msg = f"downloading {what}: {done / 1e6:.1f}" + (f" of {total / 1e6:.1f} MB" if total else " MB")
         try:
             loop.call_soon_threadsafe(progress.report, msg, pct)
