@@ -170,7 +170,7 @@ def run(args, plot=None) -> int:
                 break
         keys = keys[:cut + 1]
     text = source[:start] + source[end:]
-    options = {"liveEdits": False}
+    options = {"liveEdits": False, "tunePrecision": False}  # no background measuring skews the run
     if args.context_tokens:
         options["contextTokens"] = args.context_tokens
     if args.max_tokens:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from engine.cancel import CancelToken
 
 from .chat import load_chat_template
+from .precision_job import decision_stored
 from .prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class LocalModel:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.model_dir = getattr(engine, "model_dir", None)
+        self.needs_tuning = False  # loaded by the static precision rule (see precision_job)
         self.name = str(getattr(engine, "name", None) or "model")
         self.tokenizer = engine.tokenizer
         self.config = getattr(engine, "config", None)
@@ -108,6 +111,8 @@ class LocalModel:
             eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         model = cls(eng)
         model.warm_up()
+        # "auto" without a stored decision ran the static rule: the server measures one later
+        model.needs_tuning = precision == "auto" and not decision_stored(eng.model_dir)
         return model
 
     def generate(
@@ -143,6 +148,7 @@ class LocalModel:
             "name": self.name,
             "context": self.context,
             "precision": getattr(self.engine, "precision", None),
+            "precisionReason": getattr(self.engine, "precision_reason", ""),
         }
 
 

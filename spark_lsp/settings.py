@@ -123,6 +123,12 @@ class Settings:
         "Weight precision; auto: the decision `spark-lsp tune` stored, else the engine's rule.",
         choices=_precisions,
     )
+    tune_precision: bool = setting(
+        True,
+        "boolean",
+        "With precision auto and no stored decision, measure one after loading in a low-priority"
+        " background process (spark-lsp tune); it applies from the next load.",
+    )
 
     def replace(self, **kw: Any) -> Settings:
         return attrs.evolve(self, **kw)

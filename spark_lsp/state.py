@@ -13,6 +13,7 @@ from .editor import Editor
 from .errors import ServerError
 from .live_edits import LiveEdit
 from .model_host import ModelHost, ModelNotReady
+from .precision_job import PrecisionJob
 from .scheduler import Scheduler
 from .settings import Settings, SettingsError, to_json, update
 from .status import Metrics, WaferProjector, status_payload
@@ -39,6 +40,8 @@ class ServerState:
         self.wafer = WaferProjector()
         self.enabled = True  # inline completions on (spark.toggle)
         self.live: dict[str, LiveEdit] = {}  # documents with an edit streaming into them
+        self.tuner = PrecisionJob(self._report_from_thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def sched(self) -> Scheduler:
         """The engine thread, started on first use."""
@@ -85,7 +88,7 @@ class ServerState:
     # -- model -----------------------------------------------------------------------------------
     def start_loading(self) -> None:
         """Load the model in the background, with a progress indicator; requests wait for it."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.host.expect()  # requests arriving while the progress is being created wait too
         asyncio.ensure_future(self._load(loop))
 
@@ -99,12 +102,26 @@ class ServerState:
             if ok:
                 self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
                 self.wafer.get(self.host.model, self.settings)  # start the projection early
+                self._maybe_tune()
             else:
                 self.editor.log(msg, "error")
                 self.editor.show_error(msg)
 
         self.host.start(loop, self.settings.model, done, precision=self.settings.precision,
                         progress=_download_reporter(loop, progress))
+
+    def _maybe_tune(self) -> None:
+        """Measure the precision decision in the background if the model ran the static rule."""
+        model = self.host.model
+        if getattr(model, "needs_tuning", False) and self.settings.tune_precision:
+            self.tuner.start(model.model_dir, model.name)
+
+    def _report_from_thread(self, message: str, level: str) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.editor.log, message, level)
+            except RuntimeError:  # the loop closed: the server is gone
+                pass
 
     # -- status and metrics ----------------------------------------------------------------------
     def send_status(self, kind: str, stats: dict) -> None:
@@ -124,6 +141,7 @@ class ServerState:
             "model": host.name if host.loaded else None,
             "loaded": host.loaded,
             "loadError": host.error,
+            "engine": host.model.status() if host.model is not None else None,
             "enabled": self.enabled,
             "chatModel": host.chat is not None,
             "settings": to_json(self.settings),
@@ -131,6 +149,7 @@ class ServerState:
         }
 
     def shutdown(self) -> None:
+        self.tuner.stop()
         if self.scheduler is not None:
             self.scheduler.shutdown()
 

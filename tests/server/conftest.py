@@ -19,7 +19,9 @@ from spark_lsp.documents import Edit, apply_edits, offset_at, position_at
 
 SERVER = [sys.executable, "-m", "spark_lsp.commands.serve", "--stdio"]
 # tiny models have a 512-token context
-OPTIONS = {"contextTokens": 192, "maxTokens": 24, "maxEditTokens": 96, "liveEdits": False}
+# tunePrecision: the one test of the background precision job turns it on (test_precision_job.py)
+OPTIONS = {"contextTokens": 192, "maxTokens": 24, "maxEditTokens": 96, "liveEdits": False,
+           "tunePrecision": False}
 
 SAMPLE = '''import os
 

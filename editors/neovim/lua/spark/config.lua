@@ -54,6 +54,7 @@ M.server_settings_spec = {
   { name = 'waferChip', type = 'string' },
   { name = 'waferRegion', type = { 'string', 'table' } },
   { name = 'precision', type = 'string', default = 'auto' },
+  { name = 'tunePrecision', type = 'boolean', default = true },
 }
 -- END server settings
 
