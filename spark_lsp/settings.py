@@ -15,6 +15,7 @@ setting the user typed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -212,10 +213,12 @@ def _lookup() -> dict[str, tuple[str, str, Spec]]:
     return out
 
 
-def update(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
+def update(current: Settings, raw: Any, trusted: bool = True) -> tuple[Settings, list[str]]:
     """(settings with the values in `raw` applied, warnings about unknown or renamed keys); raises
     SettingsError listing every bad value and leaves `current` untouched. Accepts camelCase or
-    snake_case keys, optionally under a "spark" section (then other sections are ignored)."""
+    snake_case keys, optionally under a "spark" section (then other sections are ignored).
+    An untrusted client (a network session, not the editor that started the server) may not
+    change the model folder or name a chip spec file: either would make the server read files."""
     if raw is None:
         return current, []
     if not isinstance(raw, dict):
@@ -242,6 +245,8 @@ def update(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
             changes[fname] = check(key if key == spec.renamed_from else js, value, spec)
         except SettingsError as exc:
             errors.append(str(exc))
+    if not trusted:
+        errors.extend(_untrusted(current, changes))
     if errors:
         raise SettingsError("; ".join(errors))
     if unknown:
@@ -250,6 +255,23 @@ def update(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
             f"ignored unknown setting(s) {', '.join(map(repr, unknown))}; known: {names}"
         )
     return current.replace(**changes), warnings
+
+
+def _untrusted(current: Settings, changes: dict[str, Any]) -> list[str]:
+    """What a network client may not change: the model folder, and chip specs read from files."""
+    errors = []
+    if "model" in changes and changes["model"] != current.model:
+        errors.append(
+            "setting 'model' cannot be changed over a network connection "
+            "(start the server with --model)"
+        )
+    chip = changes.get("wafer_chip")
+    if chip is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", chip):
+        errors.append(
+            "setting 'waferChip' must name a built-in chip over a network connection, "
+            f"got {chip!r}"
+        )
+    return errors
 
 
 def to_json(s: Settings) -> dict[str, Any]:

@@ -42,6 +42,8 @@ class ServerState:
         self.live: dict[str, LiveEdit] = {}  # documents with an edit streaming into them
         self.tuner = PrecisionJob(self._report_from_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # False for a network session: it may not point the server at files (settings.update)
+        self.trusted = True
 
     def sched(self) -> Scheduler:
         """The engine thread, started on first use."""
@@ -70,7 +72,7 @@ class ServerState:
     def apply_settings(self, raw: Any, source: str) -> None:
         """Validate and apply settings (SettingsError names each bad one); reloads the model when
         the model or its precision changed after the first load began."""
-        new, warnings = update(self.settings, raw)
+        new, warnings = update(self.settings, raw, trusted=self.trusted)
         if new.wafer_chip and new.wafer_chip != self.settings.wafer_chip:
             self.wafer.check_chip(new.wafer_chip)
         for w in warnings:

@@ -27,8 +27,20 @@ def register(subparsers) -> None:
                                           "TCP and WebSocket bind 127.0.0.1 unless HOST is given.")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (default)")
-    g.add_argument("--tcp", metavar="HOST:PORT", type=_host_port, help="listen for one TCP client")
-    g.add_argument("--ws", metavar="HOST:PORT", type=_host_port, help="listen for WebSocket clients")
+    g.add_argument("--tcp", metavar="HOST:PORT", type=_host_port,
+                   help="listen for TCP clients (each connection its own session)")
+    g.add_argument("--ws", metavar="HOST:PORT", type=_host_port,
+                   help="listen for WebSocket clients (each its own session; they need the token)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="let --tcp/--ws listen on a non-loopback address (reachable from other machines)")
+    p.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
+                   help="a browser Origin (e.g. https://my.editor.example) allowed to open a WebSocket; "
+                        "browser origins are refused otherwise (repeatable)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="the WebSocket token file (default $XDG_RUNTIME_DIR/spark-lsp/token, else "
+                        "~/.cache/spark-lsp/token; created 0600 on first use)")
+    p.add_argument("--max-sessions", metavar="N", type=int, default=4,
+                   help="network sessions at once (each loads its own model; default 4)")
     p.add_argument("--model", metavar="MODEL",
                    help="model folder, .gguf file, catalogue name (spark-lsp models list) or "
                         "hf:ORG/REPO[:FILE.gguf], downloaded on first use (default: the bundled model)")
@@ -69,13 +81,52 @@ def run(args) -> int:
 
     from spark_lsp.server import create_server
 
-    server = create_server(model or None)
-    if args.tcp:
-        server.start_tcp(*args.tcp)
-    elif args.ws:
-        server.start_ws(*args.ws)
+    model = model or None
+    if not (args.tcp or args.ws):
+        create_server(model).start_io()
+        return 0
+    return _serve_network(args, lambda: create_server(model))
+
+
+def _serve_network(args, factory) -> int:
+    import asyncio
+
+    from spark_lsp import transports
+
+    host, port = args.tcp or args.ws
+    try:
+        warning = transports.check_bind(host, args.allow_remote)
+    except transports.BindError as exc:
+        print(f"spark-lsp serve: {exc}", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"spark-lsp serve: {warning}", file=sys.stderr)
+
+    def ready(addrs) -> None:
+        where = ", ".join(f"{a[0]}:{a[1]}" for a in addrs)
+        print(f"spark-lsp serve: listening on {where} ({'WebSocket' if args.ws else 'TCP'})",
+              file=sys.stderr, flush=True)
+
+    if args.ws:
+        path = args.token_file or transports.token_path()
+        try:
+            token = transports.load_token(path)
+        except (OSError, transports.TokenError) as exc:
+            print(f"spark-lsp serve: token file {path}: {exc}", file=sys.stderr)
+            return 2
+        print(f"spark-lsp serve: WebSocket clients pass the token in {path} as "
+              "ws://HOST:PORT/?token=… or 'Authorization: Bearer …'", file=sys.stderr)
+        main = transports.serve_ws(factory, host, port, token=token, allowed_origins=args.allow_origin,
+                                   max_sessions=args.max_sessions, ready=ready)
     else:
-        server.start_io()
+        main = transports.serve_tcp(factory, host, port, max_sessions=args.max_sessions, ready=ready)
+    try:
+        asyncio.run(main)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"spark-lsp serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

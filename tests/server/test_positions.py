@@ -9,11 +9,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spark_lsp.documents import Pos, PositionError, apply_change, in_document, offset_at, position_at
+from spark_lsp.documents import (
+    Pos,
+    PositionError,
+    apply_change,
+    in_document,
+    offset_at,
+    position_at,
+)
 
 MAXCOL = 2147483647  # Neovim's v:maxcol, sent as the end of a visual-line selection
 
-METHOD = "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n"
+METHOD = (
+    "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n"
+)
 
 
 def test_character_past_the_line_end_means_the_line_end():
@@ -28,14 +37,21 @@ def test_character_past_the_line_end_means_the_line_end():
 def test_a_line_past_the_last_line_means_the_end_of_the_document():
     last = METHOD.count("\n")
     assert offset_at(METHOD, last, 0) == len(METHOD)
-    assert offset_at(METHOD, last + 1, 0) == len(METHOD)   # VS Code: a range ending after the last line
+    assert offset_at(METHOD, last + 1, 0) == len(
+        METHOD
+    )  # VS Code: a range ending after the last line
     assert offset_at(METHOD, 10**9, MAXCOL) == len(METHOD)
     crlf = METHOD.replace("\n", "\r\n")
-    assert offset_at(crlf, 99, 3) == len(crlf) and offset_at(crlf, 2, MAXCOL) == crlf.index("1\r") + 1
+    assert (
+        offset_at(crlf, 99, 3) == len(crlf)
+        and offset_at(crlf, 2, MAXCOL) == crlf.index("1\r") + 1
+    )
 
 
-@pytest.mark.parametrize("line, character", [(-1, 0), (0, -1), (0.5, 0), (0, 2.0), (None, 0),
-                                              ("3", 0), (0, True), ([1], 0)])
+@pytest.mark.parametrize(
+    "line, character",
+    [(-1, 0), (0, -1), (0.5, 0), (0, 2.0), (None, 0), ("3", 0), (0, True), ([1], 0)],
+)
 def test_negative_or_non_integer_positions_are_invalid(line, character):
     with pytest.raises(PositionError):
         offset_at(METHOD, line, character)
@@ -47,7 +63,10 @@ def test_lenient_changes_are_reported():
     assert apply_change("ab\ncd", Pos(0, 1), Pos(0, 2), "X") == ("aX\ncd", False)
     assert apply_change("ab\ncd", Pos(0, 9), Pos(0, 9), "X") == ("abX\ncd", True)
     assert apply_change("ab\ncd", Pos(7, 0), Pos(9, 9), "!") == ("ab\ncd!", True)
-    assert apply_change("ab\ncd", Pos(1, 1), Pos(0, 1), "") == ("ad", True)  # end before start: swapped
+    assert apply_change("ab\ncd", Pos(1, 1), Pos(0, 1), "") == (
+        "ad",
+        True,
+    )  # end before start: swapped
 
 
 # -- a reference model of a document, written independently of spark_lsp.documents ---------------
@@ -58,7 +77,7 @@ def _ref_lines(text: str) -> list[tuple[int, str]]:
     """(start offset, content without the line break) of every line, breaking at \\r\\n, \\r, \\n."""
     out, start = [], 0
     for m in re.finditer(r"\r\n|\r|\n", text):
-        out.append((start, text[start:m.start()]))
+        out.append((start, text[start : m.start()]))
         start = m.end()
     out.append((start, text[start:]))
     return out
@@ -81,15 +100,34 @@ def _ref_position(text: str, offset: int, enc: str) -> Pos:
     lines = _ref_lines(text)
     for i in range(len(lines) - 1, -1, -1):
         if lines[i][0] <= offset:
-            return Pos(i, len(text[lines[i][0]:offset].encode(codec)) // width)
+            return Pos(i, len(text[lines[i][0] : offset].encode(codec)) // width)
     raise AssertionError
 
 
 # Characters editors put in documents that make position arithmetic hard: line breaks of every
 # kind, astral characters (two UTF-16 units, four UTF-8 bytes), combining marks, NUL, and
 # characters str.splitlines breaks at but LSP does not.
-ALPHABET = st.sampled_from(["a", "b", " ", "\t", "\n", "\r\n", "\r", "é", "€", "😀", "𝔸", "e\u0301",
-                            "\u0000", "\u2028", "\x0c", "\u0085", "中"])
+ALPHABET = st.sampled_from(
+    [
+        "a",
+        "b",
+        " ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\r",
+        "é",
+        "€",
+        "😀",
+        "𝔸",
+        "e\u0301",
+        "\u0000",
+        "\u2028",
+        "\x0c",
+        "\u0085",
+        "中",
+    ]
+)
 TEXT = st.lists(ALPHABET, max_size=40).map("".join)
 ENC = st.sampled_from(["utf-16", "utf-8", "utf-32"])
 
@@ -104,7 +142,10 @@ def _edit(draw, text: str, enc: str):
         line = draw(st.integers(0, len(lines) + 1))
         codec, width = _UNIT[enc]
         n = len(lines[line][1].encode(codec)) // width if line < len(lines) else 0
-        return Pos(line, draw(st.one_of(st.integers(0, n), st.integers(0, n + 3), st.just(MAXCOL))))
+        return Pos(
+            line,
+            draw(st.one_of(st.integers(0, n), st.integers(0, n + 3), st.just(MAXCOL))),
+        )
 
     a, b = pos(), pos()
     new = draw(st.one_of(TEXT, st.integers(1, 3).map(lambda n: "x" * (5000 * n))))
@@ -115,7 +156,10 @@ def _edit(draw, text: str, enc: str):
 def test_random_incremental_edits_match_a_reference_document(data, text, enc):
     for _ in range(data.draw(st.integers(1, 8))):
         a, b, new = data.draw(_edit(text, enc))
-        s, e = _ref_offset(text, a.line, a.character, enc), _ref_offset(text, b.line, b.character, enc)
+        s, e = (
+            _ref_offset(text, a.line, a.character, enc),
+            _ref_offset(text, b.line, b.character, enc),
+        )
         s, e = min(s, e), max(s, e)
         expected = text[:s] + new + text[e:]
         got, _ = apply_change(text, a, b, new, enc)
@@ -149,15 +193,23 @@ async def test_code_actions_for_the_ranges_neovim_and_vscode_send(editor, sample
     editor.open(uri, sample)
     lines = sample.split("\n")
     scale = lines.index("def scale(values, factor):")
-    blank = lines.index("", scale)   # the empty line after the function
+    blank = lines.index("", scale)  # the empty line after the function
     ranges = {
         "visual selection ending on an empty line": _rng(scale, 0, blank, 1),
         "visual-line mode (v:maxcol)": _rng(scale, 0, blank - 1, MAXCOL),
         "a range ending after the last line": _rng(scale, 0, len(lines) + 3, 0),
     }
     for name, rng in ranges.items():
-        res = await editor.client.text_document_code_action_async(T.CodeActionParams(
-            text_document=T.TextDocumentIdentifier(uri), range=rng, context=T.CodeActionContext(diagnostics=[])))
+        res = await editor.client.text_document_code_action_async(
+            T.CodeActionParams(
+                text_document=T.TextDocumentIdentifier(uri),
+                range=rng,
+                context=T.CodeActionContext(diagnostics=[]),
+            )
+        )
         assert res, f"{name}: no code actions"
         titles = {a.title for a in res}
-        assert any("ewrite" in t or "docstring" in t.lower() for t in titles), (name, titles)
+        assert any("ewrite" in t or "docstring" in t.lower() for t in titles), (
+            name,
+            titles,
+        )

@@ -52,14 +52,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _round_trip(tiny_llama, flag: str, connect):
-    """Serve on a free port and make one full session through it. The server takes its client as
-    the first connection, so the client retries until the listener is up instead of probing."""
+async def _round_trip(tiny_llama, flag: str, connect, env=None):
+    """Serve on a free port and make one full session through it. Each connection is a session of
+    its own, so the client retries until the listener is up instead of probing."""
     from conftest import start_editor
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "spark_lsp.commands.serve", flag, f"127.0.0.1:{port}",
-                             "--model", str(tiny_llama)])
+                             "--model", str(tiny_llama)], env=env)
 
     async def transport(cl):
         for _ in range(300):
@@ -81,8 +81,26 @@ async def _round_trip(tiny_llama, flag: str, connect):
         proc.wait()
 
 
-async def test_websocket_round_trip(tiny_llama):
-    await _round_trip(tiny_llama, "--ws", lambda cl, port: cl.start_ws("127.0.0.1", port))
+async def test_websocket_round_trip(tiny_llama, tmp_path):
+    """A WebSocket client passes the user's token (the file the server creates) in the URL."""
+    import logging
+    import os
+
+    from pygls.io_ import run_websocket
+    from websockets.asyncio.client import connect as ws_connect
+
+    token_file = tmp_path / "token"
+
+    async def connect(cl, port):
+        if not token_file.exists():
+            raise OSError("the server has not written its token yet")
+        ws = await ws_connect(f"ws://127.0.0.1:{port}/?token={token_file.read_text().strip()}")
+        cl._async_tasks.append(asyncio.create_task(run_websocket(
+            stop_event=cl._stop_event, websocket=ws, protocol=cl.protocol,
+            logger=logging.getLogger("test"), error_handler=cl.report_server_error)))
+        await asyncio.sleep(0)  # the task sets the protocol's writer when it starts
+
+    await _round_trip(tiny_llama, "--ws", connect, env=dict(os.environ, SPARK_LSP_TOKEN_FILE=str(token_file)))
 
 
 async def test_tcp_round_trip(tiny_llama):

@@ -1,0 +1,428 @@
+"""Network transports (TCP and WebSocket): one LSP session per connection, and the checks that keep
+a localhost port from becoming everybody's language server.
+
+Every connection gets its own server object (its own documents, settings, model and responses),
+so nothing one connection sends or receives reaches another. A network session is not trusted the
+way the editor that started the server over stdio is: it cannot point the server at another model
+folder or make it read a file (`ServerState.trusted`). The WebSocket transport refuses browser
+`Origin`s unless allowed, and asks for a per-user token kept in a file only the user can read;
+any web page can open `ws://127.0.0.1:PORT`, and any local user can connect to a loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+log = logging.getLogger("spark_lsp.transports")
+
+MAX_BODY = (
+    128 * 1024 * 1024
+)  # bytes in one message: a 10 MB file JSON-escaped fits many times over
+MAX_HEADER = 64 * 1024  # bytes in one header block
+MAX_SESSIONS = 4  # network sessions at once (each may hold a model in memory)
+TOKEN_ENV = "SPARK_LSP_TOKEN_FILE"
+
+_HTTP_REQUEST = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/\d", re.MULTILINE)
+
+
+# -- framing -------------------------------------------------------------------------------------
+class FramingError(ValueError):
+    """The byte stream is not LSP at all (e.g. an HTTP request): the connection must be closed."""
+
+
+class Framer:
+    """Splits a byte stream into message bodies by their `Content-Length` headers.
+
+    A header block without a usable length is skipped and a body longer than `max_body` is
+    discarded (each reported as a problem string); the stream resynchronises at the next header
+    block, so a clumsy client loses one message, not the connection. With `strict` (network
+    connections), a stream that starts like an HTTP request raises FramingError: a web page can
+    POST to a TCP port, and such a request must not be read as LSP."""
+
+    def __init__(self, max_body: int = MAX_BODY, strict: bool = False) -> None:
+        self.max_body = max_body
+        self.strict = strict
+        self._buf = bytearray()
+        self._skip = 0
+        self._started = False
+
+    def feed(self, data: bytes) -> list[bytes | str]:
+        """Bodies complete so far (bytes) and problems (str), in stream order."""
+        out: list[bytes | str] = []
+        self._buf += data
+        while True:
+            if self._skip:
+                n = min(self._skip, len(self._buf))
+                del self._buf[:n]
+                self._skip -= n
+                if self._skip:
+                    return out
+            head_end = self._buf.find(b"\r\n\r\n")
+            if head_end < 0:
+                if (
+                    self.strict
+                    and not self._started
+                    and _HTTP_REQUEST.match(bytes(self._buf[:64]))
+                ):
+                    raise FramingError("an HTTP request, not LSP")
+                if len(self._buf) > MAX_HEADER:
+                    if self.strict:
+                        raise FramingError(
+                            f"a header block longer than {MAX_HEADER} bytes"
+                        )
+                    out.append(
+                        f"dropped {len(self._buf) - 3} bytes with no header block end"
+                    )
+                    del self._buf[:-3]
+                return out
+            head = bytes(self._buf[:head_end])
+            if self.strict and _HTTP_REQUEST.search(head):
+                raise FramingError("an HTTP request, not LSP")
+            length = _content_length(head)
+            if isinstance(length, str):
+                out.append(length)
+                del self._buf[: head_end + 4]
+                continue
+            if length > self.max_body:
+                out.append(
+                    f"message of {length} bytes skipped (at most {self.max_body})"
+                )
+                del self._buf[: head_end + 4]
+                self._skip = length
+                continue
+            end = head_end + 4 + length
+            if len(self._buf) < end:
+                return out
+            out.append(bytes(self._buf[head_end + 4 : end]))
+            del self._buf[:end]
+            self._started = True
+
+
+def _content_length(head: bytes) -> int | str:
+    """The Content-Length of a header block, or a problem string."""
+    length: int | str = "header block without Content-Length skipped"
+    for line in head.split(b"\r\n"):
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == b"content-length":
+            v = value.strip()
+            if not v.isdigit():
+                return f"header block with an invalid Content-Length {v[:40]!r} skipped"
+            length = int(v)
+    return length
+
+
+def not_a_message(message: Any) -> str | None:
+    """Why a parsed JSON value is not a single JSON-RPC message, or None when it is one. LSP has no
+    batches: an array is refused whole."""
+    if isinstance(message, list):
+        return "a batch (JSON array); LSP takes one message at a time"
+    if isinstance(message, dict):
+        if not ("method" in message or "id" in message):
+            return "a JSON object without 'method' or 'id'"
+        return None
+    if message is None or isinstance(message, (str, int, float, bool)):
+        return f"a JSON {type(message).__name__}, not an object"
+    return None
+
+
+# -- sessions ------------------------------------------------------------------------------------
+class Session:
+    """One connection's language server: messages in, its own protocol's responses out."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        writer: Any,
+        include_headers: bool,
+        trusted: bool = False,
+    ) -> None:
+        self.ls = factory()
+        if not trusted:
+            self.ls.state.trusted = False
+        self.ls.protocol.set_writer(writer, include_headers=include_headers)
+        self.exited = False
+
+    def deliver(self, body: bytes) -> None:
+        """Hand one message body to the session's protocol; `exit` ends only this session."""
+        protocol = self.ls.protocol
+        try:
+            message = json.loads(body, object_hook=protocol.structure_message)
+        except Exception as exc:  # noqa: BLE001 (any bad input becomes an error response)
+            self.ls._report_server_error(exc, ValueError)
+            return
+        problem = not_a_message(message)
+        if problem is not None:
+            log.warning("invalid request: %s", problem)
+            protocol._send_data(
+                {
+                    "jsonrpc": "2.0",
+                    "id": None,
+                    "error": {"code": -32600, "message": f"Invalid Request: {problem}"},
+                }
+            )
+            return
+        if getattr(message, "method", None) == "exit":
+            self.exited = True
+            return
+        try:
+            protocol.handle_message(message)
+        except Exception as exc:
+            log.exception("unable to handle message")
+            self.ls._report_server_error(exc, ValueError)
+
+    def problem(self, text: str) -> None:
+        log.warning("client sent a malformed message: %s", text)
+
+    def close(self) -> None:
+        """Stop the session's work: its requests, generations and thread pool."""
+        for fut in list(getattr(self.ls.protocol, "_request_futures", {}).values()):
+            fut.cancel()
+        self.ls.state.shutdown()
+        try:
+            self.ls.shutdown()
+        except Exception as exc:  # noqa: BLE001 (a failed cleanup must not stop the listener)
+            log.debug("session shutdown: %s", exc)
+
+
+class SessionLimit:
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+
+    def take(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def give(self) -> None:
+        self.active -= 1
+
+
+# -- binding -------------------------------------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos
+    )
+
+
+class BindError(ValueError):
+    """A non-loopback address asked for without --allow-remote."""
+
+
+def check_bind(host: str, allow_remote: bool) -> str | None:
+    """None for a loopback host; a warning for another host when allowed; raises BindError if not."""
+    if is_loopback(host):
+        return None
+    if not allow_remote:
+        raise BindError(
+            f"{host!r} is not a loopback address: anyone who can reach it could use the "
+            "server; pass --allow-remote to listen there anyway"
+        )
+    return (
+        f"warning: listening on {host!r}, reachable from other machines; WebSocket clients need "
+        "the token, TCP clients need nothing: prefer a WebSocket or an SSH tunnel"
+    )
+
+
+# -- the per-user token --------------------------------------------------------------------------
+def token_path() -> Path:
+    """$SPARK_LSP_TOKEN_FILE, else $XDG_RUNTIME_DIR/spark-lsp/token, else ~/.cache/spark-lsp/token."""
+    if os.environ.get(TOKEN_ENV):
+        return Path(os.environ[TOKEN_ENV])
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = (
+        Path(runtime) if runtime and os.path.isdir(runtime) else Path.home() / ".cache"
+    )
+    return base / "spark-lsp" / "token"
+
+
+class TokenError(RuntimeError):
+    """The token file cannot be made private to the user."""
+
+
+def load_token(path: Path | None = None) -> str:
+    """The user's token, created (random, 0600, in a 0700 folder) on first use. A token file that
+    other users could read or that belongs to someone else is replaced (or refused)."""
+    path = Path(path or token_path())
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if st.st_uid != os.getuid():
+            raise TokenError(
+                f"{path} belongs to another user; remove it or set {TOKEN_ENV}"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            log.warning("%s was readable by other users; replacing the token", path)
+            path.unlink()
+        else:
+            token = path.read_text(encoding="ascii", errors="replace").strip()
+            if len(token) >= 32:
+                return token
+            path.unlink()
+    token = secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, token.encode("ascii") + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
+
+
+def request_token(path: str, headers: Any) -> str | None:
+    """The token a WebSocket handshake carries: `Authorization: Bearer T` or `?token=T`."""
+    auth = headers.get("Authorization") or ""
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    values = parse_qs(urlsplit(path).query).get("token")
+    return values[0] if values else None
+
+
+# -- servers -------------------------------------------------------------------------------------
+async def serve_tcp(
+    factory: Callable[[], Any],
+    host: str,
+    port: int,
+    *,
+    max_sessions: int = MAX_SESSIONS,
+    ready: Callable[[list], None] | None = None,
+) -> None:
+    """Serve LSP over TCP until cancelled: each connection is its own session."""
+    limit = SessionLimit(max_sessions)
+
+    async def connection(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peer = writer.get_extra_info("peername")
+        if not limit.take():
+            log.warning("refused %s: already %d sessions", peer, limit.limit)
+            writer.close()
+            return
+        session = Session(factory, writer, include_headers=True)
+        framer = Framer(strict=True)
+        log.info("session opened for %s", peer)
+        try:
+            while not session.exited:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                for item in framer.feed(data):
+                    if isinstance(item, str):
+                        session.problem(item)
+                    else:
+                        session.deliver(item)
+                        if session.exited:
+                            break
+        except FramingError as exc:
+            log.warning("closed %s: %s", peer, exc)
+        except (ConnectionError, OSError) as exc:
+            log.info("connection from %s lost: %s", peer, exc)
+        finally:
+            session.close()
+            limit.give()
+            writer.close()
+            log.info("session closed for %s", peer)
+
+    server = await asyncio.start_server(connection, host, port, limit=MAX_HEADER)
+    if ready is not None:
+        ready([s.getsockname() for s in server.sockets])
+    async with server:
+        await server.serve_forever()
+
+
+async def serve_ws(
+    factory: Callable[[], Any],
+    host: str,
+    port: int,
+    *,
+    token: str | None,
+    allowed_origins: Sequence[str] = (),
+    max_sessions: int = MAX_SESSIONS,
+    ready: Callable[[list], None] | None = None,
+) -> None:
+    """Serve LSP over WebSocket until cancelled: each connection is its own session. A handshake
+    with a browser `Origin` not in `allowed_origins`, or without `token`, is refused with 403."""
+    from http import HTTPStatus
+
+    from websockets.asyncio.server import serve
+    from websockets.exceptions import ConnectionClosed
+
+    limit = SessionLimit(max_sessions)
+    origins = {o.rstrip("/") for o in allowed_origins}
+
+    def check(connection, request):
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.rstrip("/") not in origins:
+            log.warning("refused a WebSocket from origin %r", origin)
+            return connection.respond(
+                HTTPStatus.FORBIDDEN,
+                "spark-lsp: browser origins are refused "
+                "(start the server with --allow-origin)\n",
+            )
+        if token is not None:
+            given = request_token(request.path, request.headers)
+            if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+                log.warning("refused a WebSocket without the right token")
+                return connection.respond(
+                    HTTPStatus.FORBIDDEN,
+                    f"spark-lsp: missing or wrong token (see {token_path()})\n",
+                )
+        return None
+
+    async def connection(ws) -> None:
+        if not limit.take():
+            await ws.close(1013, f"spark-lsp: already {limit.limit} sessions")
+            return
+        from pygls.io_ import WebSocketWriter
+
+        session = Session(factory, WebSocketWriter(ws), include_headers=False)
+        try:
+            while not session.exited:
+                try:
+                    data = await ws.recv(decode=False)
+                except ConnectionClosed:
+                    break
+                session.deliver(data)
+        finally:
+            session.close()
+            limit.give()
+            await ws.close()
+
+    async with serve(
+        connection,
+        host,
+        port,
+        process_request=check,
+        max_size=MAX_BODY,
+        compression=None,
+    ) as server:
+        if ready is not None:
+            ready([s.getsockname() for s in server.sockets])
+        await server.serve_forever()
