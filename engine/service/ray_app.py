@@ -1,0 +1,442 @@
+"""The engine service on Ray Serve: engine replicas behind one WebSocket ingress.
+
+(No ``from __future__ import annotations`` here: FastAPI must see the real ``WebSocket`` class in
+the ingress signature to recognise its parameter.)
+
+``spark-lsp engine serve --ray [--replicas N]`` joins the Ray cluster found by
+``ray.init(address="auto")`` (or starts a local one) and deploys two deployments:
+
+- ``EngineShard0`` … ``EngineShard{N-1}``: N one-replica deployments of ``EngineReplica``, each
+  loading the model; ``generate`` streams one generation.  Serve health-checks and restarts them.
+- ``EngineIngress`` (FastAPI ingress): the same WebSocket protocol as the daemon
+  (``engine.service.connection``), with token and origin checks; each ``generate`` is sent to a
+  shard through its ``DeploymentHandle``.
+
+Routing by slot key: the ingress ranks the shards by rendezvous hashing of the slot key (a
+document), so every request for a document goes to the same replica, which holds its KV prefix;
+a shard that failed is ranked last for a few seconds, and only its documents move.  Both of
+Serve's own mechanisms were tried first, on one deployment with N replicas: model multiplexing
+(slot key as the multiplexed model id) broke affinity, because its id-to-replica map reaches the
+routers asynchronously, so a document's concurrent or closely following requests landed on
+different replicas; a custom ``RequestRouter`` (alpha API) ranking replicas by the same hash
+stalled under concurrent requests (Serve's router hands the replica it found to whichever pending
+request is first, then backs off for ~10 s).  One deployment per shard keeps Serve's replica
+management, health checks and restarts, and makes placement deterministic.
+
+A replica that dies mid-generation: the ingress starts the generation again on another replica
+from the prompt plus the tokens already delivered (greedy decoding continues identically), so the
+client loses nothing but the cache; after ``RETRIES`` failures the generation ends with
+``finish_reason`` ``error`` (code ``unavailable``).
+"""
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import ray
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from ..config import ModelError
+from ..generate import GenerationParams
+from ..tokenizer import Tokenizer
+from . import protocol as P
+from . import rundir
+from .connection import Connection
+from .daemon import DaemonError, read_token_file, resolve_models
+from .local import describe
+from .server import is_loopback
+
+log = logging.getLogger(__name__)
+
+#: KV slots per replica (documents whose prefix each replica keeps warm).
+SLOTS = 16
+#: Times a generation is restarted on another replica before it fails.
+RETRIES = 3
+#: Seconds a shard that failed is tried last.
+DOWN_S = 5.0
+APP_NAME = "spark-lsp-engine"
+
+
+def rank_shards(key: str | None, n: int, down: set[int] = frozenset()) -> list[int]:
+    """Shard indices in the order a slot key tries them: rendezvous hashing (the highest
+    hash of key and shard first), shards known to be down last.  No key: a random order."""
+    if not key:
+        order = random.sample(range(n), n)
+    else:
+        order = sorted(
+            range(n),
+            key=lambda i: hashlib.blake2b(f"{key}\0{i}".encode(), digest_size=8).digest(),
+            reverse=True,
+        )
+    return [i for i in order if i not in down] + [i for i in order if i in down]
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=2, health_check_timeout_s=10)
+class EngineReplica:
+    """One copy of the engine; every generation it runs streams from a worker thread."""
+
+    def __init__(self, model_dir: str, threads: int | None = None) -> None:
+        from ..engine import Engine  # ONNX Runtime loads in the replica process only
+
+        self.engine = Engine.load(model_dir, slots=SLOTS, threads=threads)
+        self.where = f"{os.uname().nodename}:{os.getpid()}"
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="spark-replica-gen")
+
+    def describe(self) -> dict[str, Any]:
+        return {**describe(self.engine), "replica": self.where}
+
+    async def generate(self, request: dict[str, Any]):
+        params = P.params_from_json(request.get("params"))
+        try:
+            gen = self.engine.generate(request["prompt"], params, slot=request.get("slot"))
+        except (ValueError, ModelError) as e:
+            yield {"done": "error", "stats": {}, "error": {"code": P.BAD_PROMPT, "message": str(e)}}
+            return
+        it = iter(gen)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                chunk = await loop.run_in_executor(self.pool, next, it, None)
+                if chunk is None:
+                    break
+                yield {"id": int(chunk.token_id), "text": chunk.text}
+        except BaseException:  # the caller cancelled (or went away): stop within one step
+            gen.cancel()
+            raise
+        yield {
+            "done": gen.finish_reason or "cancelled",
+            "stats": dict(gen.stats),
+            "replica": self.where,
+        }
+
+
+class RayModels:
+    """The models backend of a Connection in the ingress: generations run on engine replicas."""
+
+    def __init__(self, shards: "Shards", tokenizer: Tokenizer, info: dict[str, Any]) -> None:
+        self.shards = shards
+        self.tok = tokenizer
+        self.info = {k: v for k, v in info.items() if k != "replica"}
+        self.name = info["name"]
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [self.info]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [
+            {**self.info, "shards": len(self.shards.handles), "down": sorted(self.shards.down())}
+        ]
+
+    def tokenizer(self, name: str | None) -> Tokenizer:
+        self._check(name)
+        return self.tok
+
+    def _check(self, name: str | None) -> None:
+        if name not in (None, self.name):
+            raise KeyError(name)
+
+    def encode(self, name: str | None, prompt: str | list[int]) -> list[int]:
+        self._check(name)
+        ids = self.tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.info["vocab_size"]]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{self.info['vocab_size'] - 1})"
+            )
+        if not ids:
+            if self.info.get("bos_id") is None:
+                raise ValueError("prompt is empty and the model has no bos_token_id to start from")
+            ids = [self.info["bos_id"]]
+        if len(ids) >= self.info["context"]:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context is {self.info['context']} tokens"
+            )
+        return ids
+
+    def start(
+        self, name: str | None, ids: list[int], params: GenerationParams, slot: str | None, sink
+    ) -> "RayRun":
+        run = RayRun(self.shards, ids, params, slot, sink)
+        run.task = asyncio.ensure_future(run.work())
+        return run
+
+    def close(self) -> None:
+        pass
+
+
+class RayRun:
+    """One generation on the replicas, restarted on another replica if its replica dies."""
+
+    def __init__(
+        self, shards: "Shards", ids: list[int], params: GenerationParams, slot: str | None, sink
+    ) -> None:
+        self.shards = shards
+        self.ids = ids
+        self.params = params
+        self.slot = slot
+        self.sink = sink
+        self.task: asyncio.Future | None = None
+        self.response = None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.response is not None:
+            self.response.cancel()
+        if self.task is not None:
+            self.task.cancel()
+
+    async def work(self) -> None:
+        delivered: list[int] = []
+        t0 = time.perf_counter()
+        first_ms = None
+        failures = 0
+        last_error = ""
+        while True:
+            params = self.params
+            if delivered:  # restarted after a replica died: continue after what was delivered
+                if len(delivered) >= params.max_new_tokens:
+                    self.sink.finish(
+                        "length",
+                        {
+                            "prompt_tokens": len(self.ids),
+                            "new_tokens": len(delivered),
+                            "restarts": failures,
+                        },
+                        None,
+                    )
+                    return
+                params = replace(
+                    params, max_new_tokens=params.max_new_tokens - len(delivered), healed_prefix=""
+                )
+            req = {
+                "prompt": [*self.ids, *delivered],
+                "params": P.params_to_json(params),
+                "slot": self.slot,
+            }
+            shard = rank_shards(self.slot, len(self.shards.handles), self.shards.down())[0]
+            try:
+                self.response = self.shards.handles[shard].options(stream=True).generate.remote(req)
+                async for item in self.response:
+                    if "done" in item:
+                        stats = dict(item.get("stats", {}))
+                        if (
+                            failures
+                        ):  # restarted: the stats of the whole generation as the client saw it
+                            stats["prompt_tokens"] = len(self.ids)
+                            stats["new_tokens"] = len(delivered)
+                            stats["ttft_ms"] = first_ms or stats.get("ttft_ms", 0.0)
+                            stats["total_ms"] = (time.perf_counter() - t0) * 1e3
+                            stats["restarts"] = failures
+                        stats["replica"] = item.get("replica", "")
+                        err = item.get("error")
+                        self.sink.finish(
+                            item["done"], stats, (err["code"], err["message"]) if err else None
+                        )
+                        return
+                    await self.sink.acredit()
+                    if first_ms is None:
+                        first_ms = (time.perf_counter() - t0) * 1e3
+                    delivered.append(item["id"])
+                    self.sink.chunk(item["id"], item["text"])
+                raise RuntimeError("the replica's stream ended without a result")
+            except asyncio.CancelledError:
+                self.sink.finish("cancelled", {"new_tokens": len(delivered)}, None)
+                return
+            except Exception as e:  # a replica died or is unreachable: try another
+                if self.cancelled:
+                    self.sink.finish("cancelled", {"new_tokens": len(delivered)}, None)
+                    return
+                failures += 1
+                self.shards.mark_down(shard)
+                last_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning(
+                    "engine replica failed (%s); attempt %d of %d", last_error, failures, RETRIES
+                )
+                if failures > RETRIES:
+                    self.sink.finish(
+                        "error",
+                        {"new_tokens": len(delivered)},
+                        (
+                            P.UNAVAILABLE,
+                            f"no engine replica could finish the generation: {last_error}",
+                        ),
+                    )
+                    return
+                await asyncio.sleep(0.2 * failures)
+
+
+class Shards:
+    """The engine shards' handles and which of them failed recently."""
+
+    def __init__(self, handles: list[DeploymentHandle]) -> None:
+        self.handles = handles
+        self._down_until: dict[int, float] = {}
+
+    def mark_down(self, i: int) -> None:
+        self._down_until[i] = time.monotonic() + DOWN_S
+
+    def down(self) -> set[int]:
+        now = time.monotonic()
+        return {i for i, t in self._down_until.items() if t > now}
+
+
+app = FastAPI()
+
+
+@serve.deployment(max_ongoing_requests=1000)
+@serve.ingress(app)
+class EngineIngress:
+    """The WebSocket endpoint: the engine protocol, generations sent to EngineReplica."""
+
+    def __init__(
+        self, shards: list[DeploymentHandle], model_dir: str, token: str, origins: list[str]
+    ) -> None:
+        self.shards = Shards(list(shards))
+        self.tokenizer = Tokenizer.load(model_dir)
+        self.token = token
+        self.origins = set(origins)
+        self.info: dict[str, Any] | None = None
+
+    @app.websocket("/")
+    async def connect(self, ws: WebSocket) -> None:
+        auth = ws.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), self.token.encode()
+        ):
+            return await self._deny(ws, "a valid engine token is required")
+        origin = ws.headers.get("origin")
+        if origin is not None and origin not in self.origins:
+            return await self._deny(ws, f"origin {origin!r} is not allowed")
+        if self.info is None:
+            self.info = await self.shards.handles[0].describe.remote()
+        await ws.accept()
+        conn = Connection(
+            RayModels(self.shards, self.tokenizer, self.info),
+            ws.send_text,
+            peer=f"{ws.client.host}:{ws.client.port}" if ws.client else "?",
+        )
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                raw = msg.get("text") if msg.get("text") is not None else msg.get("bytes", b"")
+                await conn.handle(raw)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await conn.close(drain_s=1.0)
+
+    @staticmethod
+    async def _deny(ws: WebSocket, why: str) -> None:
+        """Refuse before accepting (Serve's proxy answers the upgrade with HTTP 403)."""
+        log.warning("engine ingress: refused a connection: %s", why)
+        await ws.close(code=1008)
+
+
+def build_app(
+    model_dir: str,
+    *,
+    replicas: int,
+    token: str,
+    origins: list[str],
+    num_cpus: float = 0.5,
+    threads: int | None = 1,
+):
+    shards = [
+        EngineReplica.options(
+            name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
+        ).bind(model_dir, threads)
+        for i in range(replicas)
+    ]
+    return EngineIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(
+        shards, model_dir, token, origins
+    )
+
+
+def deploy(
+    model_dir: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    replicas: int = 2,
+    token: str,
+    origins: list[str] = (),
+    num_cpus: float = 0.5,
+) -> str:
+    """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(
+        build_app(
+            model_dir, replicas=replicas, token=token, origins=list(origins), num_cpus=num_cpus
+        ),
+        name=APP_NAME,
+        route_prefix="/",
+        blocking=False,
+    )
+    return f"ws://{host}:{port}/"
+
+
+def main_args(args) -> int:
+    """``spark-lsp engine serve --ray``: deploy, write the record, wait for SIGTERM, shut down."""
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    host, port = args.ws
+    try:
+        if not is_loopback(host) and not args.allow_remote:
+            raise DaemonError(f"--ws {host}:{port} is not a loopback address: pass --allow-remote")
+        if len(args.model) > 1:
+            raise DaemonError("--ray serves one model per application; start one per model")
+        token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
+        folders = resolve_models(args.model)
+    except (DaemonError, OSError, ValueError) as e:
+        print(f"spark-lsp engine serve --ray: {e}", file=sys.stderr)
+        return 2
+    try:
+        ray.init(address="auto")
+        log.info("joined the Ray cluster")
+    except (ConnectionError, RuntimeError, ValueError):
+        ray.init(num_cpus=max(2, os.cpu_count() or 2))
+        log.info("no Ray cluster found: started a local one")
+    url = deploy(
+        str(folders[0]),
+        host=host,
+        port=port or 8000,
+        replicas=args.replicas,
+        token=token,
+        origins=args.allow_origin,
+        num_cpus=getattr(args, "replica_cpus", 0.5),
+    )
+    key = rundir.model_key(folders)
+    path = rundir.write_record(key, url, token, [str(f) for f in folders], ray=True)
+    print(
+        f"engine service (Ray Serve, {args.replicas} replicas) on {url} (token in {path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        rundir.remove_record(key, os.getpid())
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,110 @@
+"""The engine service on a real local Ray cluster with 2 engine replicas (Ray Serve)."""
+
+import asyncio
+import os
+import signal
+import socket
+
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="the Ray test needs the 'ray' extra (part of the test extra)"
+)
+
+from engine import GenerationParams
+from engine.models import default_model_dir
+from engine.service import ray_app
+from engine.service.client import EngineClient, EngineUnavailable
+
+pytestmark = pytest.mark.slow
+TOKEN = "ray-test-token-" + "x" * 20
+PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.fixture(scope="module")
+def url():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        yield ray_app.deploy(
+            str(default_model_dir()), port=port, replicas=2, token=TOKEN, num_cpus=0.5
+        )
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_wrong_token_is_refused(url):
+    with pytest.raises(EngineUnavailable, match="HTTP 403"):
+        run(EngineClient.connect(url, "wrong-wrong-wrong-wrong"))
+
+
+def test_slot_affinity_keeps_each_document_on_one_replica(url):
+    async def scenario():
+        c = await EngineClient.connect(url, TOKEN)
+        try:
+            seen: dict[str, set[str]] = {}
+            reused = []
+            for round_ in range(3):
+                gens = [
+                    await c.generate(
+                        f"# doc {d}\n{PROMPT}" + "    x = 1\n" * round_,
+                        GenerationParams(max_new_tokens=4),
+                        slot=f"doc{d}",
+                    )
+                    for d in range(12)
+                ]
+                for d, g in enumerate(gens):
+                    await g.wait()
+                    assert g.finish_reason in ("length", "eos"), g.error
+                    seen.setdefault(f"doc{d}", set()).add(g.stats["replica"])
+                    if round_:
+                        reused.append(g.stats["reused_tokens"] / g.stats["prompt_tokens"])
+            return seen, reused
+        finally:
+            await c.close()
+
+    seen, reused = run(scenario())
+    assert all(len(replicas) == 1 for replicas in seen.values()), seen  # each document stays put
+    assert len(set().union(*seen.values())) == 2  # and both replicas get documents
+    assert min(reused) > 0.5  # the KV prefix of the earlier round was there
+
+
+def test_a_killed_replica_loses_nothing_but_the_cache(url):
+    async def scenario():
+        c = await EngineClient.connect(url, TOKEN)
+        try:
+            params = GenerationParams(max_new_tokens=300, ignore_eos=True)
+            ref = await (await c.generate(PROMPT, params, slot="victim")).wait()
+            victim = int(ref.stats["replica"].rsplit(":", 1)[1])
+            gen = await c.generate(PROMPT, params, slot="victim")
+            others = [
+                await c.generate(PROMPT, GenerationParams(max_new_tokens=40), slot=f"o{i}")
+                for i in range(4)
+            ]
+            n = 0
+            async for _piece in gen:
+                n += 1
+                if n == 3:
+                    os.kill(victim, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*(g.wait() for g in others)), 120)
+            after = await (
+                await c.generate(PROMPT, GenerationParams(max_new_tokens=8), slot="victim")
+            ).wait()
+            return ref, gen, others, after, victim
+        finally:
+            await c.close()
+
+    ref, gen, others, after, victim = run(scenario())
+    assert gen.finish_reason == "length" and gen.text == ref.text  # continued on the other replica
+    assert gen.stats.get("restarts", 0) >= 1 and not gen.stats["replica"].endswith(f":{victim}")
+    assert all(g.finish_reason in ("length", "eos") for g in others)  # none lost or hung
+    assert after.finish_reason in ("length", "eos")
