@@ -1,12 +1,19 @@
 """Fill-in-the-middle prompt layouts of the code models we can drive.
 
-``FimFormat.detect(tokenizer)`` recognises a tokenizer's FIM special tokens:
+``FimFormat.detect(tokenizer)`` recognises a tokenizer's FIM special tokens (``STYLES``):
 
-* ``spark`` / StarCoder style: ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``
-  (the bundled model; stops at ``<|endoftext|>`` and ``<file_sep>``),
-* Qwen2.5-Coder: ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``,
-* CodeLlama: ``▁<PRE>``/``<PRE>``, ``▁<SUF>``, ``▁<MID>``, ends with ``▁<EOT>``,
-* DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>`` (PSM).
+* ``starcoder``: StarCoder / StarCoder2 (and the bundled model): ``<fim_prefix>``,
+  ``<fim_suffix>``, ``<fim_middle>``; repository level ``<repo_name>``, ``<file_sep>``;
+* ``codegemma``: ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>`` with
+  ``<|file_separator|>`` between files;
+* ``qwen``: Qwen2.5-Coder: the same three tokens, repository level ``<|repo_name|>``,
+  ``<|file_sep|>``;
+* ``codellama``: ``▁<PRE>``/``<PRE>``, ``▁<SUF>``, ``▁<MID>``, ends with ``▁<EOT>``;
+* ``deepseek``: DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>`` (PSM);
+* ``codestral``: ``[SUFFIX]`` suffix ``[PREFIX]`` prefix, the middle follows (suffix first only).
+
+Each family is also a text template (``FimStyle.render``), for backends that take a prompt
+string rather than token ids.
 
 This is the one FIM table of the project: the engine's ``Tokenizer.fim``, ``spark-lsp eval``
 and the server's prompt builder all use it.
@@ -54,17 +61,88 @@ class _Tok(Protocol):
     def encode(self, text: str): ...
 
 
-# name, (prefix, suffix, middle) alternatives, extra stop tokens, supports SPM
-_STYLES = (
-    ("starcoder", (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),),
-     ("<|endoftext|>", "<file_sep>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"), True),
-    ("qwen", (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),),
-     ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>", "<|fim_prefix|>"), False),
-    ("codellama", (("▁<PRE>", "▁<SUF>", "▁<MID>"), ("<PRE>", "<SUF>", "<MID>")),
-     ("▁<EOT>", "<EOT>", "</s>"), False),
-    ("deepseek", (("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),),
-     ("<｜end▁of▁sentence｜>", "<|EOT|>"), False),
-)
+@dataclass(frozen=True)
+class FimStyle:
+    """One model family's FIM layout as text: its special tokens, the order of the parts, the
+    tokens that end a middle and its repository-level tokens.
+
+    :meth:`render` writes a prompt as a string (what a remote completion server such as
+    llama.cpp's ``/completion`` takes); :class:`FimFormat` is the same layout in token ids.
+    ``middle`` None: the middle follows the last part directly (Codestral).  ``spm_only``: the
+    family was trained suffix-first only.  ``requires``: tokens that tell the family apart from
+    another with the same three FIM tokens (CodeGemma's ``<|file_separator|>``).
+    """
+
+    name: str
+    prefix: str
+    suffix: str
+    middle: str | None
+    stops: tuple[str, ...]
+    supports_spm: bool = False
+    spm_only: bool = False
+    repo_name: str | None = None
+    file_sep: str | None = None  # before each file's path (Qwen2.5-Coder, StarCoder2)
+    file_end: str | None = None  # after each file's content (CodeGemma)
+    alternatives: tuple[tuple[str, str, str | None], ...] = ()
+    requires: tuple[str, ...] = ()
+
+    def spellings(self) -> tuple[tuple[str, str, str | None], ...]:
+        return ((self.prefix, self.suffix, self.middle), *self.alternatives)
+
+    def context_text(self, files=(), repo: str | None = None, path: str | None = None) -> tuple[str, str]:
+        """(text before the FIM part, text to put at the start of the prefix) for other files.
+
+        Families with repository tokens get them (``<|repo_name|>`` / ``<|file_sep|>``,
+        ``<|file_separator|>``); the others get each file as a ``#path`` line and its content at
+        the start of the prefix, as DeepSeek-Coder's repository-level examples do."""
+        files = [(str(p), str(c)) for p, c in files]
+        if self.file_sep is not None:
+            out = f"{self.repo_name}{repo or 'repo'}\n" if self.repo_name and (repo or files) else ""
+            if self.name == "starcoder":  # <repo_name>name<file_sep>path\ncode (no line breaks between)
+                out = f"{self.repo_name}{repo or 'repo'}" if self.repo_name and (repo or files) else ""
+                out += "".join(f"{self.file_sep}{p}\n{c}" for p, c in files)
+                return out + (f"{self.file_sep}{path}\n" if path and out else ""), ""
+            out += "".join(f"{self.file_sep}{p}\n{c}\n" for p, c in files)
+            return out + (f"{self.file_sep}{path}\n" if path and out else ""), ""
+        if self.file_end is not None:
+            return "".join(f"{p}\n{c}\n{self.file_end}" for p, c in files), ""
+        return "", "".join(f"#{p}\n{c}\n" for p, c in files)
+
+    def render(self, prefix: str, suffix: str, *, files=(), repo: str | None = None, path: str | None = None,
+               spm: bool | None = None) -> str:
+        """The prompt as text: ``files`` ((path, content) pairs) of the same repository first, in
+        the family's repository format, then the FIM part; the model's answer follows."""
+        head, lead = self.context_text(files, repo, path)
+        prefix = lead + prefix
+        spm = self.spm_only if spm is None else spm
+        if spm and not self.supports_spm:
+            raise ValueError(f"the {self.name} FIM format was not trained in SPM order; use spm=False")
+        if self.spm_only and not spm:
+            raise ValueError(f"the {self.name} FIM format is suffix-first only; use spm=True")
+        middle = self.middle or ""
+        if spm:
+            return f"{head}{self.suffix}{suffix}{self.prefix}{prefix}{middle}"
+        return f"{head}{self.prefix}{prefix}{self.suffix}{suffix}{middle}"
+
+
+#: The FIM families, in detection order (a family that needs an extra token comes before one
+#: with the same three FIM tokens).
+STYLES: dict[str, FimStyle] = {s.name: s for s in (
+    FimStyle("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
+             ("<|endoftext|>", "<file_sep>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+             supports_spm=True, repo_name="<repo_name>", file_sep="<file_sep>"),
+    FimStyle("codegemma", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+             ("<|file_separator|>", "<eos>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+             file_end="<|file_separator|>", requires=("<|file_separator|>",)),
+    FimStyle("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+             ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>", "<|fim_prefix|>"),
+             repo_name="<|repo_name|>", file_sep="<|file_sep|>"),
+    FimStyle("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", ("▁<EOT>", "<EOT>", "</s>"),
+             alternatives=(("<PRE>", "<SUF>", "<MID>"),)),
+    FimStyle("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ("<｜end▁of▁sentence｜>", "<|EOT|>")),
+    FimStyle("codestral", "[PREFIX]", "[SUFFIX]", None, ("</s>", "[PREFIX]", "[SUFFIX]"),
+             supports_spm=True, spm_only=True),
+)}
 
 
 @dataclass(frozen=True)
@@ -74,22 +152,31 @@ class FimFormat:
     name: str
     prefix_id: int
     suffix_id: int
-    middle_id: int
+    middle_id: int | None
     stop_ids: frozenset[int]
     supports_spm: bool
     _tok: _Tok = field(repr=False, compare=False, default=None)
+    style: FimStyle | None = field(repr=False, compare=False, default=None)
 
     @classmethod
-    def detect(cls, tokenizer: _Tok) -> "FimFormat | None":
-        """The format whose three FIM tokens are all in the vocabulary, or None."""
-        for name, alternatives, stops, spm in _STYLES:
-            for tokens in alternatives:
-                ids = [tokenizer.token_to_id(t) for t in tokens]
-                if None in ids:
+    def detect(cls, tokenizer: _Tok, name: str | None = None) -> FimFormat | None:
+        """The first family whose FIM tokens are all in the vocabulary, or None.
+
+        ``name`` forces a family (overriding detection); ValueError when its tokens are missing."""
+        if name is not None and name not in STYLES:
+            raise ValueError(f"unknown FIM format {name!r}; known: {', '.join(STYLES)}")
+        for style in ([STYLES[name]] if name else STYLES.values()):
+            if any(tokenizer.token_to_id(t) is None for t in style.requires):
+                continue
+            for tokens in style.spellings():
+                ids = [tokenizer.token_to_id(t) if t is not None else None for t in tokens]
+                if None in ids[:2] or (tokens[2] is not None and ids[2] is None):
                     continue
-                stop = {i for t in stops if (i := tokenizer.token_to_id(t)) is not None}
+                stop = {i for t in style.stops if (i := tokenizer.token_to_id(t)) is not None}
                 stop |= set(getattr(tokenizer, "eos_ids", ()) or ())
-                return cls(name, ids[0], ids[1], ids[2], frozenset(stop), spm, tokenizer)
+                return cls(style.name, ids[0], ids[1], ids[2], frozenset(stop), style.supports_spm, tokenizer, style)
+        if name is not None:
+            raise ValueError(f"the tokenizer has no {name} FIM tokens ({', '.join(t for t in STYLES[name].spellings()[0] if t)})")
         return None
 
     def _encode(self, text: str) -> list[int]:
@@ -119,13 +206,14 @@ class FimFormat:
 
     def layout(self, p: list[int], s: list[int], spm: bool = False) -> list[int]:
         """Prompt ids from already encoded prefix ``p`` and suffix ``s`` (SPM or PSM order)."""
-        if spm:
-            return [self.suffix_id, *s, self.prefix_id, *p, self.middle_id]
-        return [self.prefix_id, *p, self.suffix_id, *s, self.middle_id]
+        middle = [self.middle_id] if self.middle_id is not None else []
+        if spm or (self.style is not None and self.style.spm_only):
+            return [self.suffix_id, *s, self.prefix_id, *p, *middle]
+        return [self.prefix_id, *p, self.suffix_id, *s, *middle]
 
 
 def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: int = HEAL_MAX_TOKENS,
-         keep: int = 0, run: "re.Pattern[str] | None" = HEAL_RUN, newline: bool = False) -> tuple[list[int], str]:
+         keep: int = 0, run: re.Pattern[str] | None = HEAL_RUN, newline: bool = False) -> tuple[list[int], str]:
     """Back the partial word at the end of ``prefix`` off its token ids.
 
     Returns (the ids without the backed-off tokens, their text): every trailing token that

@@ -30,6 +30,9 @@ class Editor(Protocol):
     def show_error(self, message: str) -> None:
         """A message the user sees (`window/showMessage`)."""
 
+    def show_warning(self, message: str) -> None:
+        """A warning the user sees (`window/showMessage`, type Warning)."""
+
     def notify_status(self, payload: dict) -> None:
         """The `spark/status` notification for status bars."""
 

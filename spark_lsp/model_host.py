@@ -193,6 +193,7 @@ class ModelHost:
         on_done: Callable[[bool, str], None] | None = None,
         precision: str = "auto",
         progress: Callable[[int, int | None, str], None] | None = None,
+        fim_format: str = "auto",
     ) -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread.
 
@@ -209,9 +210,11 @@ class ModelHost:
             t0 = time.perf_counter()
             try:
                 from engine import GenerationParams
+                from engine.fim import FimFormat
 
                 model = LocalModel.load(model_dir, precision, progress)
-                builder = PromptBuilder(model.tokenizer)
+                fim = FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None
+                builder = PromptBuilder(model.tokenizer, fim=fim)
                 chat = load_chat_template(
                     getattr(model.engine, "model_dir", model_dir),
                     model.name,

@@ -33,6 +33,13 @@ def _precisions() -> tuple[str, ...]:
     return ("auto", *PRECISIONS)
 
 
+def _fim_formats() -> tuple[str, ...]:
+    """'auto' and the FIM families the engine knows (named once, in engine.fim)."""
+    from engine.fim import STYLES
+
+    return ("auto", *STYLES)
+
+
 @attrs.frozen
 class Spec:
     """How a setting looks to editors; `kind`: integer|number|boolean|string|choice|grid."""
@@ -54,7 +61,8 @@ class Settings:
     model: str | None = setting(
         None,
         "string",
-        "Model folder (a Hugging Face style folder on disk). Empty: the bundled default model.",
+        "Model: a folder, a .gguf file, a catalogue name (`spark-lsp models list`) or "
+        "hf:ORG/REPO[:FILE.gguf], downloaded on first use. Empty: the bundled default model.",
     )
     max_tokens: int = setting(
         64, "integer", "New tokens for an inline suggestion.", minimum=1, maximum=4096
@@ -129,6 +137,13 @@ class Settings:
         "boolean",
         "With precision auto and no stored decision, measure one after loading in a low-priority"
         " background process (spark-lsp tune); it applies from the next load.",
+    )
+
+    fim_format: str = setting(
+        "auto",
+        "choice",
+        "Fill-in-the-middle prompt format; auto: detected from the model's tokenizer.",
+        choices=_fim_formats,
     )
 
     def replace(self, **kw: Any) -> Settings:

@@ -78,7 +78,8 @@ class ServerState:
         for w in warnings:
             self.editor.log(f"{source}: {w}", "warning")
         old, self.settings = self.settings, new
-        if (new.model, new.precision) != (old.model, old.precision) and self.host.started:
+        if (new.model, new.precision, new.fim_format) != (old.model, old.precision, old.fim_format) \
+                and self.host.started:
             self.editor.log(
                 f"model changed to {new.model or '(bundled default)'} ({new.precision}); reloading"
             )
@@ -103,6 +104,8 @@ class ServerState:
                 progress.end("ready" if ok else "failed")
             if ok:
                 self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
+                if self.host.builder is not None and self.host.builder.fim is None:
+                    self.editor.show_warning(NO_FIM_MESSAGE.format(name=self.host.name))
                 self.wafer.get(self.host.model, self.settings)  # start the projection early
                 self._maybe_tune()
             else:
@@ -110,7 +113,8 @@ class ServerState:
                 self.editor.show_error(msg)
 
         self.host.start(loop, self.settings.model, done, precision=self.settings.precision,
-                        progress=_download_reporter(loop, progress))
+                        progress=_download_reporter(loop, progress),
+                        fim_format=self.settings.fim_format)
 
     def _maybe_tune(self) -> None:
         """Measure the precision decision in the background if the model ran the static rule."""
@@ -154,6 +158,12 @@ class ServerState:
         self.tuner.stop()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+
+
+#: Shown when the loaded model has no fill-in-the-middle tokens (engine.fim finds no family).
+NO_FIM_MESSAGE = ("spark-lsp: model {name} has no fill-in-the-middle tokens, so inline completions "
+                  "only see the text before the cursor; use a FIM model for them (e.g. "
+                  "qwen2.5-coder-0.5b, see `spark-lsp models list`). Code actions still work.")
 
 
 def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[int, int | None, str], None]:

@@ -14,6 +14,9 @@ STYLES = {
     "qwen": ["<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>"],
     "codellama": ["</s>", "▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"],
     "codellama_plain": ["</s>", "<PRE>", "<SUF>", "<MID>", "<EOT>"],
+    "deepseek": ["<｜end▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<|EOT|>"],
+    "codegemma": ["<eos>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_separator|>"],
+    "codestral": ["</s>", "[PREFIX]", "[SUFFIX]", "[INST]"],
     "none": ["<|endoftext|>", "<pad>"],
 }
 
@@ -38,12 +41,67 @@ def enc(tok: Tokenizer, s: str) -> list[int]:
 
 
 @pytest.mark.parametrize("style,name", [("starcoder", "starcoder"), ("qwen", "qwen"),
-                                        ("codellama", "codellama"), ("codellama_plain", "codellama")])
+                                        ("codellama", "codellama"), ("codellama_plain", "codellama"),
+                                        ("deepseek", "deepseek"), ("codegemma", "codegemma")])
 def test_detect(toks, style, name):
     tok = toks[style]
     fim = FimFormat.detect(tok)
     assert fim is not None and fim.name == name
     assert [fim.prefix_id, fim.suffix_id, fim.middle_id] == [tok.token_to_id(t) for t in STYLES[style][1:4]]
+
+
+def test_codestral_is_suffix_first_with_no_middle_token(toks):
+    tok = toks["codestral"]
+    fim = FimFormat.detect(tok)
+    assert fim.name == "codestral" and fim.middle_id is None
+    p, s = "def f(x):\n    return ", "\n\nprint(f(2))\n"
+    want = [tok.token_to_id("[SUFFIX]"), *enc(tok, s), tok.token_to_id("[PREFIX]"), *enc(tok, p)]
+    assert fim.build(p, s) == want and fim.build(p, s, spm=True) == want
+    assert tok.token_to_id("</s>") in fim.stop_ids
+
+
+def test_codegemma_stops_at_its_file_separator(toks):
+    fim = FimFormat.detect(toks["codegemma"])
+    assert toks["codegemma"].token_to_id("<|file_separator|>") in fim.stop_ids
+
+
+def test_override_forces_a_family_or_says_why_not(toks):
+    # a Qwen-style vocabulary read as CodeGemma's is refused (no <|file_separator|>) ...
+    with pytest.raises(ValueError, match="no codegemma FIM tokens"):
+        FimFormat.detect(toks["qwen"], "codegemma")
+    with pytest.raises(ValueError, match="unknown FIM format 'gpt'"):
+        FimFormat.detect(toks["qwen"], "gpt")
+    # ... while CodeGemma's vocabulary can be driven as plain Qwen-style FIM
+    assert FimFormat.detect(toks["codegemma"], "qwen").name == "qwen"
+
+
+@pytest.mark.parametrize("style", [k for k in STYLES if k not in ("none", "codellama_plain")])
+def test_text_template_tokenizes_to_the_token_layout(toks, style):
+    """A prompt rendered as text (for remote backends) encodes to the ids build() lays out."""
+    tok = toks[style]
+    fim = FimFormat.detect(tok)
+    p, s = "class Foo:\n    def bar(self):\n        ", "\n\nfoo = Foo()\n"
+    text = fim.style.render(p, s)
+    assert enc(tok, text) == fim.build(p, s)
+
+
+def test_repository_level_text():
+    from engine.fim import STYLES as FS
+
+    files = [("pkg/util.py", "def helper():\n    return 1\n")]
+    qwen = FS["qwen"].render("x = ", "\n", files=files, repo="myrepo", path="pkg/main.py")
+    assert qwen == ("<|repo_name|>myrepo\n<|file_sep|>pkg/util.py\ndef helper():\n    return 1\n\n"
+                    "<|file_sep|>pkg/main.py\n<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>")
+    sc = FS["starcoder"].render("x = ", "\n", files=files, repo="myrepo", path="pkg/main.py")
+    assert sc.startswith("<repo_name>myrepo<file_sep>pkg/util.py\ndef helper()") and \
+        sc.endswith("<file_sep>pkg/main.py\n<fim_prefix>x = <fim_suffix>\n<fim_middle>")
+    gemma = FS["codegemma"].render("x = ", "\n", files=files)
+    assert gemma.startswith("pkg/util.py\ndef helper():\n    return 1\n\n<|file_separator|><|fim_prefix|>x = ")
+    ds = FS["deepseek"].render("x = ", "\n", files=files)
+    assert ds.startswith("<｜fim▁begin｜>#pkg/util.py\ndef helper():\n    return 1\n\nx = <｜fim▁hole｜>")
+    assert FS["codestral"].render("x = ", "\n") == "[SUFFIX]\n[PREFIX]x = "
+    with pytest.raises(ValueError, match="suffix-first only"):
+        FS["codestral"].render("x = ", "\n", spm=False)
 
 
 def test_detect_none(toks):

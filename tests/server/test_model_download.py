@@ -4,6 +4,8 @@ counts and percentages); a missing repository is a clear error in the editor, no
 
 from __future__ import annotations
 
+import asyncio
+
 from conftest import start_editor
 from fake_hub import FakeHub
 from lsprotocol import types as T
@@ -28,3 +30,30 @@ async def test_hf_model_is_downloaded_with_progress_reports(tiny_llama, tmp_path
         finally:
             await client.shutdown_session()
             await client.stop()
+
+
+async def test_model_without_fim_tokens_is_told_to_the_user(tiny_llama, tmp_path):
+    """A model whose tokenizer has no FIM tokens loads; the editor is told inline completions need
+    a FIM model (code actions still work)."""
+    from tiny_models import copy_model
+
+    folder = copy_model(tiny_llama, tmp_path / "no_fim")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            for i, tok in enumerate(("<fim_prefix>", "<fim_suffix>", "<fim_middle>")):
+                text = text.replace(tok, f"<unused_{i}>")
+            path.write_text(text, encoding="utf-8")
+    client, ed = await start_editor(folder)
+    try:
+        for _ in range(50):
+            if client.messages:
+                break
+            await asyncio.sleep(0.1)
+        warnings = [m for m in client.messages if m.type == T.MessageType.Warning]
+        assert len(warnings) == 1 and "no fill-in-the-middle tokens" in warnings[0].message
+        assert "Code actions still work" in warnings[0].message
+    finally:
+        await client.shutdown_session()
+        await client.stop()
