@@ -181,10 +181,9 @@ def create_server(model_dir: str | None = None) -> SparkServer:
 
     @ls.feature(T.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: SparkServer, params: T.DidChangeTextDocumentParams):
-        uri, text = params.text_document.uri, ls.text(params.text_document.uri)
-        if not ls.edits.on_change(
-            uri, text, params.text_document.version
-        ):  # not our own edit's echo
+        uri, version = params.text_document.uri, params.text_document.version
+        text = ls.text(uri)
+        if not ls.edits.on_change(uri, text, version):  # not our own live edit coming back
             ls.inline.on_change(uri, text)
 
     @ls.feature(T.TEXT_DOCUMENT_DID_CLOSE)
@@ -250,9 +249,8 @@ def create_server(model_dir: str | None = None) -> SparkServer:
             action.command = T.Command(title=action.title, command=CMD_APPLY, arguments=[data])
             return action
         name, t = ls.action_target(data)
-        action.edit = T.WorkspaceEdit(
-            changes={t.uri: _text_edits(await ls.edits.compute(t, await ls.edits.plan(name, t)))}
-        )
+        edits = await ls.edits.compute(t, await ls.edits.plan(name, t))
+        action.edit = T.WorkspaceEdit(changes={t.uri: _text_edits(edits)})
         return action
 
     @ls.command(CMD_APPLY)
