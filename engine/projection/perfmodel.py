@@ -135,8 +135,8 @@ def layer_phases(shape, R: int, C: int, context: int, chip: Chip, k: Constants) 
         {"name": "o", "compute": gemv_cycles(q_c * d_r, chip, k.eta), "axis": "rows", "n": C,
          "words": words(d_r, chip)},
         {"name": "norm2", "compute": vec(d_r), "axis": "cols", "n": R, "words": 1},
-        {"name": "gate_up", "compute": gemv_cycles(d_r * math.ceil(2 * f / C), chip, k.eta),
-         "axis": "cols", "n": R, "words": words(math.ceil(2 * f / C), chip)},
+        {"name": "gate_up", "compute": gemv_cycles(d_r * math.ceil(shape.up_out / C), chip, k.eta),
+         "axis": "cols", "n": R, "words": words(math.ceil(shape.up_out / C), chip)},
         {"name": "down", "compute": gemv_cycles(math.ceil(f / C) * d_r, chip, k.eta), "axis": "rows",
          "n": C, "words": words(d_r, chip)},
     ]

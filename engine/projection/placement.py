@@ -50,6 +50,7 @@ class ModelShape:
     vocab: int
     tied: bool = False
     max_context: int = 8192
+    gated: bool = True  # gate and up projections (SwiGLU / GeGLU); False: one up projection (Starcoder2)
 
     @classmethod
     def from_config(cls, config, name: str = "model") -> "ModelShape":
@@ -57,7 +58,13 @@ class ModelShape:
                    layers=config.num_hidden_layers, heads=config.num_attention_heads,
                    kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                    vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
-                   max_context=config.max_position_embeddings)
+                   max_context=config.max_position_embeddings,
+                   gated=bool(getattr(config, "mlp_gated", True)))
+
+    @property
+    def up_out(self) -> int:
+        """Outputs of the MLP's first linear: gate and up side by side, or up alone."""
+        return 2 * self.ffn if self.gated else self.ffn
 
     @property
     def q_dim(self) -> int:
@@ -71,7 +78,7 @@ class ModelShape:
         """name -> (K, N, reduction axis) of one layer's weights, in MeshGEMV layout."""
         d, f = self.hidden, self.ffn
         return {"qkv": (d, self.qkv_out, "rows"), "o": (self.q_dim, d, "cols"),
-                "gate_up": (d, 2 * f, "rows"), "down": (f, d, "cols")}
+                "gate_up": (d, self.up_out, "rows"), "down": (f, d, "cols")}
 
     @property
     def layer_params(self) -> int:
@@ -150,7 +157,7 @@ def layer_fill(shape: ModelShape, R: int, C: int, context: int, per_pe: bool = F
         rb[name] = K * N * BYTES_FP16
     # Norm weights, residual and activation buffers: slices of d (along rows) and of the
     # qkv / gate_up outputs (along columns), double-buffered.
-    d_r, q_c, f_c = math.ceil(shape.hidden / R), math.ceil(shape.qkv_out / C), math.ceil(2 * shape.ffn / C)
+    d_r, q_c, f_c = math.ceil(shape.hidden / R), math.ceil(shape.qkv_out / C), math.ceil(shape.up_out / C)
     vec = (2 * d_r + 2 * (2 * d_r + q_c + f_c)) * BYTES_FP16
     # Shift-based KV cache: K and V for `context` tokens, balanced over the region.
     kv_total = 2 * context * shape.kv_heads * shape.head_dim * BYTES_FP16

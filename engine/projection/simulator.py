@@ -145,7 +145,7 @@ def _pe_compute(phase: str, shape: ModelShape, R: int, C: int, context: int, chi
     if phase == "o":
         return np.outer(d_r, q_c) * gemv
     if phase == "gate_up":
-        return np.outer(d_r, _blocks(2 * shape.ffn, C)) * gemv
+        return np.outer(d_r, _blocks(shape.up_out, C)) * gemv
     if phase == "down":
         return np.outer(d_r, _blocks(shape.ffn, C)) * gemv
     raise ValueError(f"unknown phase {phase!r}")

@@ -77,6 +77,21 @@ def test_shape_from_config_file(llama8b, llama70b):
     assert 7.9e9 < llama8b.params < 8.1e9 and 70e9 < llama70b.params < 71e9
 
 
+def test_shape_counts_every_architectures_linear_weights(tiny_models):
+    """The projection's weight count is the engine's: gated MLPs (gate + up) and Starcoder2's single
+    up projection alike."""
+    from engine.config import load_config
+    from engine.weights import expected_shapes
+
+    for arch, folder in tiny_models.items():
+        cfg = load_config(folder)
+        shape = ModelShape.from_config(cfg)
+        linears = sum(int(np.prod(s)) for n, s in expected_shapes(cfg).items()
+                      if len(s) == 2 and n.startswith("model.layers."))
+        assert shape.layers * shape.layer_params == linears, arch
+    assert not ModelShape.from_config(load_config(tiny_models["starcoder2"])).gated
+
+
 def test_layer_regions_tiles_and_kv(llama8b):
     pl = place(llama8b, WSE2, (420, 420), context=8192)
     layers = pl.layer_regions()
