@@ -97,7 +97,7 @@ def require() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'spark-lsp[plot]'") from None
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def plotter(name: str) -> Callable[[dict[str, Any], str | Path], Path]:

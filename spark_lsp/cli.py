@@ -10,13 +10,35 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from importlib import metadata
+
+from . import __version__
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "engine", "generate", "eval", "models", "tune", "wafer", "bench", "demo")
+COMMANDS = ("serve", "demo", "editor", "models", "engine", "generate", "eval", "tune", "wafer", "bench")
+
+
+DESCRIPTION = "AI inline completions and code-action edits for VS Code and Neovim, from a local model."
+EPILOG = """first steps:
+  spark-lsp demo                 see it work in the terminal (bundled demo model)
+  spark-lsp editor vscode        install the VS Code extension
+  spark-lsp editor neovim        print the Neovim setup for this installation
+  spark-lsp serve --model DIR    the server an editor starts, on a model of your own
+  spark-lsp COMMAND --help       the options of one command"""
+
+
+def version() -> str:
+    """This installation's version (the package metadata, else the source tree's)."""
+    try:
+        return metadata.version("spark-lsp")
+    except metadata.PackageNotFoundError:
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spark-lsp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="spark-lsp", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"spark-lsp {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:

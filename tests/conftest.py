@@ -35,6 +35,7 @@ def tiny_models(tiny_models_dir) -> dict[str, Path]:
     paths = {a: tiny_models_dir / f"tiny_{a}" for a in _tm.ARCHS}
     if all((p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file() for p in paths.values()):
         return paths
+    _tm.require_reference()
     return _tm.build_all(tiny_models_dir)
 
 

@@ -30,11 +30,23 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<pad>", "<file_sep>"]
 TOKENIZER_VOCAB = 640
 CONTEXT = 512
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _STDLIB_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py", "string.py", "json/encoder.py")
+
+REFERENCE = ("needs the reference extra (transformers on torch, which also builds the tiny test models): "
+             "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e '.[ref]'")
+
+
+def require_reference() -> None:
+    """Skip the calling test, saying how to install them, when torch or transformers is missing."""
+    pytest.importorskip("torch", reason=REFERENCE)
+    pytest.importorskip("transformers", reason=REFERENCE)
+
 
 ARCHS = ("llama", "qwen2", "mistral", "qwen3", "starcoder2", "gemma")
 

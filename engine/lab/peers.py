@@ -55,7 +55,7 @@ class TransformersPeer:
             import torch
             import transformers
         except ImportError as e:
-            raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install 'spark-lsp[peers]'") from None
+            raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install torch --index-url https://download.pytorch.org/whl/cpu transformers") from None
         torch.set_num_threads(threads)
         transformers.utils.logging.disable_progress_bar()
         self._torch = torch
@@ -113,7 +113,7 @@ class GenaiPeer:
         try:
             import onnxruntime_genai as og
         except ImportError as e:
-            raise PeerUnavailable(f"onnxruntime-genai not installed ({e.name}); pip install 'spark-lsp[peers]'") from None
+            raise PeerUnavailable(f"onnxruntime-genai not installed ({e.name}); pip install onnxruntime-genai onnx-ir") from None
         try:
             import onnx_ir  # noqa: F401  (the builder needs it)
         except ImportError:

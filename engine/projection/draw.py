@@ -29,7 +29,7 @@ def draw(placement: Placement, out: str | Path, *, title: str | None = None) -> 
         import matplotlib.pyplot as plt
         from matplotlib import patches
     except ImportError:
-        raise MissingMatplotlib("drawing the wafer needs matplotlib: pip install 'spark-lsp[plot]'") from None
+        raise MissingMatplotlib("drawing the wafer needs matplotlib: pip install matplotlib") from None
     p, chip = placement, placement.chip
     n = min(p.wafers, MAX_PANELS)
     cols = min(n, 3)

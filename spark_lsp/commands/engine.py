@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     s.add_argument(
         "--ray",
         action="store_true",
-        help="deploy on Ray Serve instead (pip install 'spark-lsp[ray]')",
+        help="deploy on Ray Serve instead (needs Ray: pip install 'ray[serve]')",
     )
     s.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
     s.set_defaults(func=run)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from editor_helpers import ROOT, editor_model, server_cmd
+from editor_helpers import editor_model, server_cmd
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
@@ -70,12 +70,22 @@ def scenario(request, tiny_llama, tmp_path_factory):
     (tmp / "sample.py").write_text(SAMPLE)
     out = tmp / "result.json"
     log = tmp / "server.log"
-    env = dict(os.environ)
+    # the user's setup: what `spark-lsp editor neovim` prints for this installation
+    snippet = tmp / "spark_setup.lua"
+    printed = subprocess.run([*server_cmd()[:-2], "editor", "neovim"], capture_output=True, text=True,
+                             timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    snippet.write_text(printed.stdout)
+    # Neovim started outside the virtual environment: the printed command must not need it
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and Path(p).resolve() != Path(venv_bin).resolve()) or "/usr/bin:/bin"
     for d in ("state", "data", "cache", "config"):
         env[f"XDG_{d.upper()}_HOME"] = str(tmp / d)
     env.update({
-        "SPARK_PLUGIN_DIR": str(ROOT / "editors" / "neovim"),
-        "SPARK_TEST_CMD": json.dumps(server_cmd(log)),
+        "SPARK_SETUP_SNIPPET": str(snippet),
+        "SPARK_TEST_CMD_EXTRA": json.dumps(["--log-file", str(log), "--log-level", "INFO"]),
         "SPARK_TEST_MODEL": editor_model(tiny_llama),
         "SPARK_TEST_INLINE": inline,
         "SPARK_TEST_EXPECT_MODE": expect,

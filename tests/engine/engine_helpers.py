@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tiny_models import require_reference
 from engine import Engine, GenerationParams
 
 
@@ -23,6 +24,7 @@ def load_engine(model_dir: Path, tmp_path_factory, **kw) -> Engine:
 
 @functools.lru_cache(maxsize=None)
 def hf_model(model_dir: Path):
+    require_reference()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -31,6 +33,7 @@ def hf_model(model_dir: Path):
 
 
 def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    require_reference()
     import torch
 
     with torch.no_grad():
@@ -39,6 +42,7 @@ def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
     """n greedy tokens from transformers (eos ignored), incremental with its KV cache."""
+    require_reference()
     import torch
 
     model = hf_model(model_dir)

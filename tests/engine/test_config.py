@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.config import ModelError, load_config
+from tiny_models import require_reference
 
 
 def write_config(tmp_path, **over):
@@ -116,6 +117,7 @@ def test_llama_attention_bias_includes_o_proj(tmp_path):
 
 
 def test_rope_inv_freq_matches_transformers(tmp_path):
+    require_reference()
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -9,6 +9,7 @@ import pytest
 from engine.config import ModelError
 from engine.tokenizer import StreamDecoder, Tokenizer
 from tiny_models import copy_model
+from tiny_models import require_reference
 
 TEXTS = [
     "def foo(x):\n    return x + 1\n",
@@ -25,6 +26,7 @@ def tok(tiny_llama):
 
 
 def test_matches_transformers(tiny_llama, tok):
+    require_reference()
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(str(tiny_llama))

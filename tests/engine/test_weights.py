@@ -13,6 +13,7 @@ from engine.config import ModelError, load_config
 from engine.weights import (expected_shapes, load_weights, read_header, save_safetensors, weight_files,
                             weights_digest)
 from tiny_models import copy_model, write_variant
+from tiny_models import require_reference
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,7 @@ def test_fp32_matches_file_exactly(tiny_models, arch):
 
 
 def test_fp16_and_bf16_sharded(tiny_qwen2, variants):
+    require_reference()
     import torch
 
     cfg = load_config(tiny_qwen2)
@@ -71,6 +73,7 @@ def test_sharded_tied(tiny_llama, variants):
 
 
 def test_writer_roundtrip(tmp_path):
+    require_reference()
     import torch
     from safetensors.torch import load_file as torch_load
 

@@ -100,7 +100,7 @@ async function startClient(ctx: vscode.ExtensionContext): Promise<void> {
     status.setState('error');
     output.info(`[client] the server failed to start: ${err}`);
     void vscode.window.showErrorMessage(
-      `Spark LSP: could not start "${server.command}". Install it (pip install spark-lsp) or set spark.server.path.`,
+      `Spark LSP: could not start "${server.command}". Install it (pip install -e . in the spark-lsp clone, or pip install the wheel), or set spark.server.path.`,
       'Open Settings', 'Show Log',
     ).then((pick) => {
       if (pick === 'Open Settings') void vscode.commands.executeCommand('workbench.action.openSettings', 'spark.server');

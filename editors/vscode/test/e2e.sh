@@ -85,6 +85,8 @@ if [ -z "$SERVER" ]; then
   [ -x "$SERVER" ] || SERVER="$(command -v spark-lsp || true)"
 fi
 [ -x "$SERVER" ] || { echo "e2e: spark-lsp not found (pip install -e . or pass --server)" >&2; exit 1; }
+# the extension the package ships is the one these sources build (package.json and the bundled JS)
+"$SERVER" editor check-vsix "$VSIX" || exit 1
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/spark-vscode-e2e.XXXXXX")"
 cleanup() {
   [ -n "${CS_PID:-}" ] && kill "$CS_PID" 2>/dev/null || true
@@ -125,7 +127,9 @@ json.dump({
 }, open(path, "w"), indent=2)
 PY
 T_INST0=$(now)
-"$CODE_SERVER" --user-data-dir "$WORK/ud" --extensions-dir "$WORK/ext" --install-extension "$VSIX" >"$OUT/install-extension.log" 2>&1
+# installed as a user would: `spark-lsp editor vscode` with the code-server it is given
+"$SERVER" editor vscode --code "$CODE_SERVER" -- --user-data-dir "$WORK/ud" --extensions-dir "$WORK/ext" \
+  >"$OUT/install-extension.log" 2>&1 || { cat "$OUT/install-extension.log" >&2; exit 1; }
 T_INST=$(elapsed "$T_INST0")
 
 PORT="${E2E_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"

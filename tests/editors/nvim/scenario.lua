@@ -25,6 +25,22 @@ local function finish()
   vim.cmd('qall!')
 end
 
+-- what the server tells the user (window/showMessage reaches vim.notify): an edit whose result
+-- failed the server's edit checks is refused with a message, and the buffer is left as it was
+local refusals = {}
+local notify = vim.notify
+vim.notify = function(msg, ...)
+  if type(msg) == 'string' and msg:find('was not applied', 1, true) then
+    table.insert(refusals, msg)
+  end
+  return notify(msg, ...)
+end
+
+--- Whether an edit was refused since `count` refusals, leaving the buffer at `before`.
+local function refused_cleanly(count, before)
+  return #refusals > count and table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n') == before
+end
+
 local co
 local function sleep(ms)
   vim.defer_fn(function()
@@ -322,6 +338,7 @@ local function scenario()
   vim.api.nvim_win_set_cursor(0, { 4, 4 }) -- inside `def add`
   local titles = {}
   local before_ca = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  local refused_before = #refusals
   vim.lsp.buf.code_action({
     filter = function(a)
       table.insert(titles, a.title)
@@ -330,13 +347,16 @@ local function scenario()
     apply = true,
   })
   local changed = wait_for(function()
-    return #vim.api.nvim_buf_get_lines(0, 0, -1, false) ~= #before_ca
+    return #vim.api.nvim_buf_get_lines(0, 0, -1, false) ~= #before_ca or #refusals > refused_before
   end, 15000)
   wait_for(function() return next(require('spark.status').progress) == nil end, 15000)
   sleep(200)
   local lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
-  record('code_action_edits', changed ~= nil and lines[4]:match('^def add') ~= nil
-    and (lines[5] or ''):match('^%s+"""') ~= nil, { titles = titles, lines = { unpack(lines, 3, 8) } })
+  local documented = lines[4]:match('^def add') ~= nil and (lines[5] or ''):match('^%s+"""') ~= nil
+  -- or the model's docstring failed the checks: refused with a message, the buffer untouched
+  local refused = refused_cleanly(refused_before, table.concat(before_ca, '\n'))
+  record('code_action_edits', changed ~= nil and (documented or refused),
+    { titles = titles, lines = { unpack(lines, 3, 8) }, refusals = refusals })
 
   -- 5. A live edit stops when the user types -----------------------------------------------------
   -- The user types (on line 1, outside the region being written) once the first streamed edit is
@@ -403,15 +423,20 @@ local function scenario()
   end
   vim.api.nvim_win_set_cursor(0, { 5, 4 })
   local before_instr = buf_text()
+  local refused_before_instr = #refusals
   vim.lsp.buf.code_action({
     filter = function(a) return a.title == 'Spark: Edit selection with instruction…' end,
     apply = true,
   })
-  local instr_changed = wait_for(function() return buf_text() ~= before_instr end, 15000)
+  local instr_changed = wait_for(function()
+    return buf_text() ~= before_instr or #refusals > refused_before_instr
+  end, 15000)
   wait_for(function() return next(require('spark.status').progress) == nil end, 15000)
+  sleep(200)
   vim.ui.input = orig_input
-  record('instruction_code_action', asked_prompt ~= nil and instr_changed ~= nil,
-    { prompt = asked_prompt, lines = vim.api.nvim_buf_get_lines(0, 2, 7, false) })
+  local instr_done = buf_text() ~= before_instr or refused_cleanly(refused_before_instr, before_instr)
+  record('instruction_code_action', asked_prompt ~= nil and instr_changed ~= nil and instr_done,
+    { prompt = asked_prompt, lines = vim.api.nvim_buf_get_lines(0, 2, 7, false), refusals = refusals })
 
   -- 5d. Code actions for a visual selection that ends on an empty line: Neovim sends the range end
   -- as {line = N, character = 1} on a line of length 0 (past its end), which the LSP specification

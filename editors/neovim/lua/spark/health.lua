@@ -32,12 +32,14 @@ function M.check()
       if vim.v.shell_error == 0 then
         h.ok('spark_lsp ' .. vim.trim(out) .. ' importable by ' .. cmd[1])
       else
-        h.error('spark_lsp is not importable by ' .. cmd[1], { 'pip install spark-lsp (or pip install -e .)' })
+        h.error('spark_lsp is not importable by ' .. cmd[1], { 'install it into that Python: pip install -e . in the spark-lsp clone (or pip install the wheel),',
+          'or use the cmd that `spark-lsp editor neovim` prints' })
       end
     end
   else
     h.error('server command not found: ' .. cmd[1],
-      { 'pip install spark-lsp, or set cmd = { "/path/to/spark-lsp", "serve", "--stdio" } in setup()' })
+      { 'run `spark-lsp editor neovim` where spark-lsp is installed (pip install -e . in the clone) and',
+        'copy the setup{} it prints: its cmd is that installation\'s absolute command' })
   end
   local model = spark.opts.model
   if model and model ~= '' then

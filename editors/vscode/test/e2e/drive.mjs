@@ -31,6 +31,12 @@ const TEXT_HELPER = `window.__sparkText = () => {
   }).join('\\n');
 };`;
 
+/** The texts of the notifications saying an edit was refused by the server's edit checks. */
+async function refusals(page) {
+  return page.evaluate(() => [...document.querySelectorAll('.notification-toast')]
+    .map((e) => e.textContent || '').filter((t) => /was not applied/.test(t)));
+}
+
 async function editorText(page) {
   return page.evaluate(() => window.__sparkText());
 }
@@ -147,13 +153,20 @@ async function main() {
       check('code_action_listed', true);
       const changed = await page.waitForFunction((b) => {
         const t = window.__sparkText();
-        return t !== b && /"""/.test(t) ? t : null;
+        const refusedToast = [...document.querySelectorAll('.notification-toast')]
+          .some((e) => /was not applied/.test(e.textContent || ''));
+        return (t !== b && /"""/.test(t)) || refusedToast ? t : null;
       }, beforeCa, { timeout: 30000 }).then((h) => h.jsonValue()).catch(() => null);
       await page.waitForTimeout(1500); // let the live edit finish streaming
       const text = await editorText(page);
       const lines = text.split('\n');
       const i = lines.findIndex((l) => l.startsWith('def add'));
-      check('code_action_edits', changed && i >= 0 && /^\s+"""/.test(lines[i + 1] || ''), lines.slice(Math.max(0, i - 1), i + 4));
+      const documented = i >= 0 && /^\s+"""/.test(lines[i + 1] || '');
+      // or the model's docstring failed the server's edit checks: refused with a message, and
+      // the document left exactly as it was (what was streamed taken back)
+      const refused = (await refusals(page)).length > 0 && text === beforeCa;
+      check('code_action_edits', changed !== null && (documented || refused),
+        { lines: lines.slice(Math.max(0, i - 1), i + 4), refusals: await refusals(page) });
       await page.screenshot({ path: join(out, 'vscode-code-action.png') });
     }
     mark('code_action');
@@ -193,11 +206,17 @@ async function main() {
       await page.keyboard.type('add type hints', { delay: 10 });
       await page.keyboard.press('Enter');
     }
-    const edited = await page.waitForFunction((b) => {
-      return window.__sparkText() !== b;
-    }, beforeEdit, { timeout: 30000 }).then(() => true).catch(() => false);
+    const refusedBefore = (await refusals(page)).length;
+    const edited = await page.waitForFunction(([b, n]) => {
+      const toasts = [...document.querySelectorAll('.notification-toast')]
+        .filter((e) => /was not applied/.test(e.textContent || '')).length;
+      return window.__sparkText() !== b || toasts > n;
+    }, [beforeEdit, refusedBefore], { timeout: 30000 }).then(() => true).catch(() => false);
     await page.waitForTimeout(1500);
-    check('instruction_edit', asked && edited, { asked, edited, lines: (await editorText(page)).split('\n').slice(2, 8) });
+    const afterEdit = await editorText(page);
+    const instrDone = afterEdit !== beforeEdit || ((await refusals(page)).length > refusedBefore && afterEdit === beforeEdit);
+    check('instruction_edit', asked && edited && instrDone,
+      { asked, edited, lines: afterEdit.split('\n').slice(2, 8), refusals: await refusals(page) });
     mark('instruction_edit');
 
     // A settings change made in the Settings editor reaches the server
