@@ -27,7 +27,7 @@ from .cancel import Cancelled, CancelToken
 from .config import ModelError
 from .prefix_cache import Slot
 from .runtime import Runtime
-from .sampling import Healing, Sampler
+from .sampling import Healing, Sampler, token_logprob
 from .tokenizer import Tokenizer
 
 
@@ -64,6 +64,8 @@ class GenerationParams:
     ``healed_prefix``: text the output must begin with (token healing: the prompt's last tokens
     were backed off, see ``engine.fim.heal``); it is generated but not emitted, so ``text`` and
     the chunks start right after it.  Its tokens count in ``tokens`` and ``max_new_tokens``.
+    ``logprobs``: each chunk carries its token's log-probability under the model (and
+    ``Generation.logprobs`` lists them): what a caller scores its confidence in the text by.
     """
 
     max_new_tokens: int = 64
@@ -76,6 +78,7 @@ class GenerationParams:
     ignore_eos: bool = False
     stop_ids: frozenset[int] = frozenset()
     healed_prefix: str = ""
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.healed_prefix is None:
@@ -105,10 +108,12 @@ class GenerationParams:
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One generated token and the text it completed ("" while a UTF-8 character or a possible
-    stop string is incomplete).  A final chunk carrying an eos id may flush held-back text."""
+    stop string is incomplete).  A final chunk carrying an eos id may flush held-back text.
+    ``logprob``: the model's log-probability of the token, when ``GenerationParams.logprobs``."""
 
     token_id: int
     text: str
+    logprob: float | None = None
 
 
 def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
@@ -155,8 +160,9 @@ class _Emitter:
         self.skip = self.skip[k:] if k == len(text) else ""
         return text[k:]
 
-    def emit(self, token: int, now: float) -> tuple["Chunk | None", bool]:
-        """(the chunk to yield, or None; whether the generation has finished)."""
+    def emit(self, token: int, now: float, logprob: float | None = None) -> tuple["Chunk | None", bool]:
+        """(the chunk to yield, or None; whether the generation has finished); ``logprob``: the
+        token's log-probability, when the generation records them."""
         g = self.gen
         if token in self.ends:
             g.finish_reason = "eos" if token in self.eos else "stop"
@@ -166,6 +172,8 @@ class _Emitter:
                 return Chunk(token, rest), True
             return None, True
         g.tokens.append(token)
+        if logprob is not None:
+            g.logprobs.append(logprob)
         buf = self.held + self._cut(self.stream.push(token))
         last = len(g.tokens) >= g.params.max_new_tokens
         timed_out = self.deadline is not None and now >= self.deadline
@@ -174,7 +182,7 @@ class _Emitter:
             if cut >= 0:
                 g.text += buf[:cut]
                 g.finish_reason = "stop"
-                return Chunk(token, buf[:cut]), True
+                return Chunk(token, buf[:cut], logprob), True
             if last or timed_out:
                 buf += self._cut(self.stream.flush())
                 k = 0
@@ -186,7 +194,7 @@ class _Emitter:
         g.text += out
         if last or timed_out:
             g.finish_reason = "length" if last else "time"
-        return Chunk(token, out), last or timed_out
+        return Chunk(token, out, logprob), last or timed_out
 
 
 class Generation:
@@ -199,6 +207,7 @@ class Generation:
         self.params = params
         self.slot_key = slot
         self.tokens: list[int] = []
+        self.logprobs: list[float] = []  # per token in `tokens`, when params.logprobs
         self.text = ""
         self.finish_reason: str | None = None
         self.stats: dict[str, float | int] = {
@@ -296,12 +305,13 @@ class Generation:
             pos = len(slot.tokens)
             while True:
                 token = self._pick(logits[:nv])
+                lp = token_logprob(logits[:nv], token) if self.params.logprobs else None
                 now = time.perf_counter()
                 if t_first is None:
                     t_first = now
                     self.stats["ttft_ms"] = (now - self._t0) * 1e3
                 t_last = now
-                chunk, done = emitter.emit(token, now)
+                chunk, done = emitter.emit(token, now, lp)
                 if chunk is not None:
                     yield chunk
                 if done:

@@ -8,6 +8,14 @@ from typing import Callable
 import numpy as np
 
 
+def token_logprob(logits: np.ndarray, token: int) -> float:
+    """The model's log-probability of ``token`` under a logits row (log-softmax at temperature 1,
+    before any sampling filter): one pass over the row, in float32."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = float(x.max())
+    return float(x[token]) - m - float(np.log(np.exp(x - m).sum()))
+
+
 class Sampler:
     """Stateful sampler; one per generation so a seed reproduces the whole sequence.
 

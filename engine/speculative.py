@@ -39,6 +39,7 @@ import numpy as np
 
 from .cancel import Cancelled, CancelToken
 from .generate import Chunk, Generation, GenerationParams, Model, _Emitter
+from .sampling import token_logprob
 
 #: Relative top-2 logit margin below which a batched verification's argmax is re-decided by a
 #: single decode step (fp32: float summation-order noise is ~1e-7 of the logits).  Linear
@@ -479,6 +480,8 @@ class SpeculativeGeneration(Generation):
             context = _Tokens(self.prompt)
             self.drafter.start(context)
             decided = [self._pick(logits[:nv], _argmax)]  # tokens chosen but not yet emitted
+            want_lp = p.logprobs
+            lps = [token_logprob(logits[:nv], decided[0])] if want_lp else []  # theirs, when asked
             from_draft = 0  # how many leading `decided` tokens came from the draft
             while True:
                 # Emit the decided tokens one by one, exactly as the plain loop would.
@@ -486,9 +489,9 @@ class SpeculativeGeneration(Generation):
                 if t_first is None:
                     t_first = now
                     self.stats["ttft_ms"] = (now - self._t0) * 1e3
-                for token in decided:
+                for i, token in enumerate(decided):
                     t_last = now
-                    chunk, done = emitter.emit(token, time.perf_counter())
+                    chunk, done = emitter.emit(token, time.perf_counter(), lps[i] if want_lp else None)
                     if chunk is not None:
                         yield chunk
                     if done:
@@ -526,6 +529,7 @@ class SpeculativeGeneration(Generation):
                     # a single step forced by a near-tie is charged to drafting
                     self.policy.emitted("draft" if was_recheck else "plain", 1, dt_run)
                     decided, recheck, from_draft = [pick], False, 0
+                    lps = [token_logprob(row, pick)] if want_lp else []
                     continue
                 with eng.lock:
                     self._check(slot)
@@ -558,6 +562,8 @@ class SpeculativeGeneration(Generation):
                         decided = draft[:a]
                         recheck = True
                         rechecks += 1
+                if want_lp:  # row i of the pass is the distribution of decided[i]
+                    lps = [token_logprob(rows[i], t) for i, t in enumerate(decided)]
                 runs += 1
                 drafted += len(draft)
                 accepted_total += a

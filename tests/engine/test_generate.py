@@ -235,3 +235,27 @@ def test_held_text_is_flushed_at_eos(eng):
     assert gen.finish_reason == "eos" and gen.tokens == first[:3]
     assert "".join(c.text for c in chunks) == gen.text == text3
     assert chunks[-1].token_id == first[3] and chunks[-1].text.endswith(text3[-1])
+
+
+def test_chunks_carry_the_models_logprobs_when_asked(eng):
+    """`logprobs=True`: each chunk's logprob is the log-softmax of its token under the model, the
+    same in plain and speculative decoding; without it no chunk carries one."""
+    import numpy as np
+
+    from engine import speculative
+
+    prompt = eng.tokenizer.encode("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return")
+    params = GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=True)
+    gen = eng.generate(prompt, params)
+    lps = [c.logprob for c in gen]
+    assert len(lps) == len(gen.tokens) == len(gen.logprobs) == 20 and lps == gen.logprobs
+    logits = eng.forward_logits(prompt + gen.tokens[:-1]).astype(np.float64)[len(prompt) - 1:]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = ref[np.arange(20), gen.tokens]
+    assert np.allclose(lps, want, atol=1e-3) and all(lp <= 0 for lp in lps)
+    spec = speculative.generate(eng, prompt, params)
+    assert [c.token_id for c in spec] == gen.tokens[:len(spec.tokens)] and spec.tokens == gen.tokens
+    assert np.allclose(spec.logprobs, gen.logprobs, atol=1e-3)
+    plain = eng.generate(prompt, GenerationParams(max_new_tokens=5, ignore_eos=True))
+    assert all(c.logprob is None for c in plain) and plain.logprobs == []
