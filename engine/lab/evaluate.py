@@ -9,8 +9,16 @@ indented line instead (the prediction is the whole line, indentation included: w
 asks for on a line whose indentation is not typed yet).  Prompts are token-healed by default,
 as the server's are (``engine.fim.heal``: the partial word at the cursor, or the line break
 before a column-0 cursor, is generated, not prompted, and not counted in the prediction);
-``heal=False`` measures the raw prompt.  TTFT and decode speed come from the engine's own stats,
-measured cold (prefix cache cleared) for every sample.
+``heal=False`` measures the raw prompt.  ``mid_line=True`` keeps the rest of the line after a
+hidden span: the cursor is inside the line, the suffix starts with the line's remaining text,
+and the prediction is the hidden span (what an editor asks for when the user edits the middle
+of a line).  TTFT and decode speed come from the engine's own stats, measured cold (prefix cache
+cleared) for every sample.
+
+Confidence: every sample records the mean log-probability the model gave its own tokens; the
+``gate`` table gives, for each threshold on ``exp(mean log-probability)``, the share of cursors
+that would get a suggestion (non-empty and at least that confident) and the exact match and
+edit similarity of those shown: the trade-off a confidence gate chooses from.
 
 Bits per byte: the files' total negative log-likelihood (each file starting after an
 end-of-text token, as in training) divided by their UTF-8 size, over windows of at most
@@ -22,6 +30,7 @@ from __future__ import annotations
 import glob
 import math
 import random
+import re
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -80,10 +89,15 @@ class Position:
     target: str      # the real rest of the line after the cursor
 
 
-def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: bool = False) -> list[Position]:
+def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: bool = False,
+                     mid_line: bool = False) -> list[Position]:
     """``n`` cursors drawn uniformly over all non-blank lines of the files, then uniformly
     inside the line after its indentation (leaving at least one character to complete); with
-    ``line_start`` over the indented lines only, each at column 0."""
+    ``line_start`` over the indented lines only, each at column 0; with ``mid_line`` over lines
+    of two tokens or more, the span from one token's start to a later one's hidden, the rest of
+    the line kept after the cursor."""
+    if mid_line:
+        return _mid_line_positions(texts, n, seed)
     lines = []
     for path, text in texts.items():
         start = 0
@@ -112,6 +126,66 @@ def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: b
             suffix = suffix[:cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
         out.append(Position(str(path), i, prefix, suffix, text[cursor:end]))
     return out
+
+
+_TOKEN_START = re.compile(r"\w+|[^\w\s]")  # spans run from a token's start to a later one's
+
+
+def _mid_line_positions(texts: dict[Path, str], n: int, seed: int) -> list[Position]:
+    cands = []
+    for path, text in texts.items():
+        start = 0
+        for i, line in enumerate(text.split("\n")):
+            body = line.rstrip()
+            indent = len(line) - len(line.lstrip())
+            marks = [m.start() for m in _TOKEN_START.finditer(body) if m.start() >= indent]
+            if len(marks) >= 2:
+                cands.append((path, i, start, line, marks))
+            start += len(line) + 1
+    if not cands:
+        raise ValueError("the files have no lines of two words (or marks) or more")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        path, i, start, line, marks = cands[rng.randrange(len(cands))]
+        a = rng.randrange(len(marks) - 1)
+        b = rng.randrange(a + 1, len(marks))
+        cursor, span_end = start + marks[a], start + marks[b]
+        text = texts[path]
+        prefix, suffix = _clip_prefix(text[:cursor]), _clip_suffix(text[span_end:])
+        out.append(Position(str(path), i, prefix, suffix, text[cursor:span_end]))
+    return out
+
+
+def _clip_prefix(prefix: str) -> str:
+    if len(prefix) > PREFIX_CHARS:
+        cut = prefix.find("\n", len(prefix) - PREFIX_CHARS)
+        prefix = prefix[cut + 1:] if cut != -1 else prefix[-PREFIX_CHARS:]
+    return prefix
+
+
+def _clip_suffix(suffix: str) -> str:
+    if len(suffix) > SUFFIX_CHARS:
+        cut = suffix.rfind("\n", 0, SUFFIX_CHARS)
+        suffix = suffix[:cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
+    return suffix
+
+
+#: thresholds on exp(mean token log-probability) that the gate table reports
+GATE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def gate_table(samples: list[dict], thresholds=GATE_THRESHOLDS) -> list[dict]:
+    """For each threshold: coverage (share of samples with a non-empty prediction at least that
+    confident), and exact match / edit similarity of those (None when none is shown)."""
+    rows = []
+    for t in thresholds:
+        shown = [s for s in samples if s["prediction"] and s["confidence"] >= t]
+        k = len(shown)
+        rows.append({"threshold": t, "coverage": k / len(samples) if samples else 0.0, "shown": k,
+                     "exact_match": sum(s["exact"] for s in shown) / k if k else None,
+                     "edit_similarity": sum(s["edit_similarity"] for s in shown) / k if k else None})
+    return rows
 
 
 def edit_similarity(a: str, b: str) -> float:
@@ -150,7 +224,7 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
     if fim is None:
         raise ValueError(f"{engine.name}: the tokenizer has no fill-in-the-middle tokens")
     spm = fim.supports_spm if spm is None else spm
-    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",))
+    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",), logprobs=True)
     samples, ttft, speed = [], [], []
     for pos in positions:
         engine.reset()  # cold prefill: TTFT without prefix reuse
@@ -161,9 +235,11 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
             pass
         pred = (finish(pos, gen.text) if finish is not None else gen.text).split("\n", 1)[0].rstrip()
         target = pos.target.rstrip()
+        mean_lp = sum(gen.logprobs) / len(gen.logprobs) if gen.logprobs else float("-inf")
         samples.append({"file": pos.file, "line": pos.line + 1, "target": target, "prediction": pred,
                         "healed": healed, "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
-                        "ttft_ms": gen.stats["ttft_ms"], "new_tokens": gen.stats["new_tokens"]})
+                        "confidence": math.exp(mean_lp), "ttft_ms": gen.stats["ttft_ms"],
+                        "new_tokens": gen.stats["new_tokens"]})
         ttft.append(gen.stats["ttft_ms"])
         if gen.stats["new_tokens"] >= 4:
             speed.append(gen.stats["decode_tok_s"])
@@ -208,19 +284,20 @@ def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
 
 def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
              max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
-             heal: bool = True, line_start: bool = False,
+             heal: bool = True, line_start: bool = False, mid_line: bool = False,
              finish: Callable[[Position, str], str] | None = None) -> dict:
     """Both measures on ``files``; a JSON-ready dict (``finish``: see :func:`complete_lines`)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
-    comp = complete_lines(engine, sample_positions(texts, n, seed, line_start=line_start), spm=spm,
+    positions = sample_positions(texts, n, seed, line_start=line_start, mid_line=mid_line)
+    comp = complete_lines(engine, positions, spm=spm,
                           max_new_tokens=max_new_tokens, heal=heal, finish=finish)
     order = sorted(texts)  # deterministic subset when capped
     random.Random(seed).shuffle(order)
     bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)
     out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, "line_start": line_start,
-           **asdict(comp),
+           "mid_line": mid_line, **asdict(comp), "gate": gate_table(comp.samples),
            "bits_per_byte": bpb, "bpb_bytes": scored, "bpb_window": window}
     out["samples"] = out.pop("samples")
     return out

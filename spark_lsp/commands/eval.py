@@ -29,8 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="FIM prompt order (auto: SPM where the model was trained on it)")
     p.add_argument("--no-heal", dest="heal", action="store_false",
                    help="no token healing: the prompt ends with the partial word's own tokens")
-    p.add_argument("--line-start", action="store_true",
-                   help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--line-start", action="store_true",
+                       help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
+    where.add_argument("--mid-line", action="store_true",
+                       help="cursors inside a line with its rest kept after a hidden span (the model fills the span)")
     p.add_argument("--served", action="store_true",
                    help="score the suggestion after the server's post-processing, not the raw line")
     p.add_argument("--max-new-tokens", type=int, default=48, metavar="N")
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         spm = None if args.order == "auto" else args.order == "spm"
         res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
                        bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,
-                       line_start=args.line_start, finish=served if args.served else None)
+                       line_start=args.line_start, mid_line=args.mid_line,
+                       finish=served if args.served else None)
     except (ModelError, ValueError, OSError) as e:
         return fail(str(e))
     if args.json:
@@ -78,11 +82,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     dec = res["decode_tok_s_median"]
     print(f"model {res['model']}: {res['files']} files, {res['n']} positions (seed {res['seed']}"
-          f"{', at line starts' if res['line_start'] else ''}{'' if res['heal'] else ', no token healing'}"
+          f"{', at line starts' if res['line_start'] else ''}{', mid-line' if res['mid_line'] else ''}"
+          f"{'' if res['heal'] else ', no token healing'}"
           f"{', as served' if args.served else ''})")
     print(f"  exact match      {res['exact_match']:.1%}")
     print(f"  edit similarity  {res['edit_similarity']:.3f}")
     print(f"  TTFT median      {res['ttft_ms_median']:.1f} ms")
     print(f"  decode median    {dec:.0f} tok/s" if dec else "  decode median    n/a (completions too short)")
     print(f"  bits per byte    {res['bits_per_byte']:.3f}  ({res['bpb_bytes']} bytes, window {res['bpb_window']})")
+    print("  confidence gate  (shown: a non-empty suggestion whose exp(mean token log-probability) >= threshold)")
+    print("    threshold  coverage  exact match  edit similarity")
+    for row in res["gate"]:
+        em = "-" if row["exact_match"] is None else f"{row['exact_match']:.1%}"
+        es = "-" if row["edit_similarity"] is None else f"{row['edit_similarity']:.3f}"
+        print(f"    {row['threshold']:9.2f}  {row['coverage']:8.1%}  {em:>11}  {es:>15}")
     return 0

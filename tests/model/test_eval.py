@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.lab.evaluate import edit_similarity, resolve_files, sample_positions
+from engine.lab.evaluate import edit_similarity, gate_table, resolve_files, sample_positions
 
 SRC = "import os\n\n\ndef f(x):\n    if x:\n        return os.path.join(x, 'a')\n    return None\n"
 
@@ -39,6 +39,28 @@ def test_line_start_positions_are_indented_lines_at_column_0():
         assert pos.prefix + pos.target + pos.suffix == SRC
     with pytest.raises(ValueError, match="no indented lines"):
         sample_positions({Path("b.py"): "x = 1\ny = 2\n"}, 3, seed=0, line_start=True)
+
+
+def test_mid_line_positions_hide_a_span_and_keep_the_rest_of_the_line():
+    texts = {Path("a.py"): SRC}
+    for pos in sample_positions(texts, 40, seed=0, mid_line=True):
+        assert pos.prefix + pos.target + pos.suffix == SRC
+        rest = pos.suffix.split("\n", 1)[0]
+        assert pos.target.strip() and "\n" not in pos.target and rest.strip()  # text after the span
+        assert pos.prefix.rsplit("\n", 1)[-1].strip() or pos.target[0] not in " \t"  # after the indent
+    with pytest.raises(ValueError, match="two words"):
+        sample_positions({Path("b.py"): "x\n"}, 3, seed=0, mid_line=True)
+
+
+def test_gate_table_counts_what_each_threshold_would_show():
+    samples = [{"prediction": "a", "confidence": 0.9, "exact": True, "edit_similarity": 1.0},
+               {"prediction": "b", "confidence": 0.4, "exact": False, "edit_similarity": 0.5},
+               {"prediction": "", "confidence": 0.95, "exact": False, "edit_similarity": 0.0}]
+    rows = {r["threshold"]: r for r in gate_table(samples, (0.0, 0.5, 0.99))}
+    assert rows[0.0]["coverage"] == pytest.approx(2 / 3) and rows[0.0]["exact_match"] == 0.5
+    assert rows[0.5]["shown"] == 1 and rows[0.5]["exact_match"] == 1.0 and rows[0.5]["edit_similarity"] == 1.0
+    assert rows[0.99] == {"threshold": 0.99, "coverage": 0.0, "shown": 0, "exact_match": None,
+                          "edit_similarity": None}
 
 
 def test_resolve_files(tmp_path):

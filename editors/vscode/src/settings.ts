@@ -10,8 +10,8 @@ import * as vscode from 'vscode';
 // Generated from spark_lsp/settings.py by `python -m spark_lsp.editor_settings --write`.
 const SERVER_KEYS = [
   'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs', 'liveEdits',
-  'liveEditHz', 'multiline', 'speculative', 'maxLines', 'loadTimeoutS', 'waferChip', 'waferRegion',
-  'precision', 'tunePrecision', 'fimFormat',
+  'liveEditHz', 'multiline', 'speculative', 'maxLines', 'minConfidence', 'loadTimeoutS',
+  'waferChip', 'waferRegion', 'precision', 'tunePrecision', 'fimFormat',
 ] as const;
 
 export type ServerSettings = Record<string, unknown>;
