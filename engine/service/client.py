@@ -335,6 +335,7 @@ class SyncGeneration:
         self._remote = remote
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = False
+        self._ended = False
         self._successor: SyncGeneration | None = None
         owner._submit(self._pump())
 
@@ -348,8 +349,23 @@ class SyncGeneration:
         while True:
             item = self._queue.get()
             if item is None:
+                self._ended = True
                 return
             yield item
+
+    def poll(self, timeout: float) -> _Chunk | None:
+        """The next chunk, or None when none arrived within ``timeout`` s; StopIteration at the end
+        (for a consumer that serves other work between chunks)."""
+        if self._ended:
+            raise StopIteration
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is None:
+            self._ended = True
+            raise StopIteration
+        return item
 
     def result(self) -> str:
         for _ in self:

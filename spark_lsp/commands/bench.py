@@ -28,6 +28,7 @@ MODULES = {
     "engine": "engine.lab.bench",
     "edits": "engine.lab.bench_edits",
     "lsp": "spark_lsp.bench_lsp",
+    "service": "spark_lsp.bench_service",
     "wafer": "engine.lab.bench_wafer",
 }
 #: Diagnoses: run like the benchmarks, but not by ``all``.
@@ -36,20 +37,21 @@ HELP = {
     "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
     "edits": "streamed code-action edits (speculative edits vs plain decoding)",
     "lsp": "end-to-end language-server latency (keystroke to completion)",
+    "service": "the engine in-process vs over the persistent WebSocket vs HTTP+SSE; K editors on Ray replicas",
     "wafer": "partitioned-weight emitter and the wafer performance model",
     "profile": "a decode step's time per ONNX operator: ours (dense, partitioned) and onnxruntime-genai",
 }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure speed (engine, edits, lsp, wafer, all; profile)",
+    p = sub.add_parser("bench", help="measure speed (engine, edits, lsp, service, wafer, all; profile)",
                        description=__doc__.splitlines()[0])
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
     eng = bsub.add_parser("engine", help=HELP["engine"], description=HELP["engine"])
     _add_engine_arguments(eng)
     eng.set_defaults(func=_run_engine)
-    for name in ("edits", "lsp", "wafer", "profile"):
+    for name in ("edits", "lsp", "service", "wafer", "profile"):
         # Options belong to the module (imported lazily): pass every argument through untouched.
         q = bsub.add_parser(name, help=HELP[name], add_help=False, prefix_chars="\0")
         q.add_argument("argv", nargs="*")

@@ -11,10 +11,10 @@ ray = pytest.importorskip(
     "ray", reason="the Ray test needs the 'ray' extra (part of the test extra)"
 )
 
-from engine import GenerationParams
-from engine.models import default_model_dir
-from engine.service import ray_app
-from engine.service.client import EngineClient, EngineUnavailable
+from engine import GenerationParams  # noqa: E402
+from engine.models import default_model_dir  # noqa: E402
+from engine.service import ray_app  # noqa: E402
+from engine.service.client import EngineClient, EngineUnavailable  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "ray-test-token-" + "x" * 20

@@ -1,0 +1,115 @@
+"""A plain HTTP endpoint, one request per generation with the tokens as Server-Sent Events.
+
+The baseline that ``spark-lsp bench service`` compares the persistent WebSocket with: what a
+request-per-keystroke HTTP client of an inference server pays (a TCP connection, an HTTP request
+and its parsing per generation).  Standard library only (``http.server``), one thread per request.
+
+``POST /generate`` with the JSON body ``{"prompt": text or ids, "params": {...}, "slot": key}``
+answers ``text/event-stream``: ``data: {"text": ..., "ids": [...]}`` per chunk, then
+``event: done`` with ``{"finish_reason": ..., "stats": {...}}``.  Closing the connection
+cancels the generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from ..config import ModelError
+from . import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    engine: Any = None
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
+        log.debug(format, *args)
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+        if self.path != "/generate":
+            return self._reply(404, {"error": "POST /generate"})
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+            if not 0 <= n <= P.MAX_MESSAGE_BYTES:
+                return self._reply(413, {"error": "request too large"})
+            req = json.loads(self.rfile.read(n))
+            params = P.params_from_json(req.get("params"))
+            slot = req.get("slot")
+            gen = self.engine.generate(
+                req["prompt"], params, slot=("sse", slot) if slot is not None else None
+            )
+        except P.ProtocolError as e:
+            return self._reply(400, {"error": e.message, "code": e.code})
+        except (ValueError, KeyError, TypeError, ModelError) as e:
+            return self._reply(400, {"error": str(e)})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            for chunk in gen:
+                self.wfile.write(
+                    f"data: {json.dumps({'text': chunk.text, 'ids': [chunk.token_id]})}\n\n".encode()
+                )
+                self.wfile.flush()
+            done = {"finish_reason": gen.finish_reason, "stats": gen.stats}
+            self.wfile.write(f"event: done\ndata: {json.dumps(done)}\n\n".encode())
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            gen.cancel()  # the client went away: stop generating
+
+
+def serve(engine: Any, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """Start the endpoint in a background thread; ``server_address`` has the bound port."""
+    handler = type("Handler", (_Handler,), {"engine": engine})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="spark-sse", daemon=True).start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.service.sse [--model DIR] [--port N]``: prints the URL, serves until SIGTERM."""
+    from ..engine import Engine  # ONNX Runtime loads only when the endpoint really starts
+
+    p = argparse.ArgumentParser(
+        prog="python -m engine.service.sse", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--slots", type=int, default=8)
+    args = p.parse_args(argv)
+    engine = Engine.load(args.model, slots=args.slots)
+    server = serve(engine, port=args.port)
+    print(f"http://127.0.0.1:{server.server_address[1]}/generate", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""`spark-lsp bench service`: the engine in-process, over the persistent WebSocket, over HTTP+SSE.
+
+The typing trace is `bench lsp`'s (a function body of a real file typed back keystroke by
+keystroke); every keystroke builds the inline-completion prompt the server would (same prompt
+builder, the document as slot) and asks for a greedy suggestion of `--max-tokens` tokens:
+
+- `inproc`: `engine.Engine` in this process (what `spark-lsp serve` does today);
+- `ws`: the engine daemon (`engine.service`) over one persistent WebSocket;
+- `sse`: the same engine behind a plain HTTP endpoint, one request (and TCP connection) per
+  generation with Server-Sent Events (`engine.service.sse`), the request-per-call baseline.
+
+Per keystroke: first byte (request sent -> first text), the engine's own TTFT (from the `done`
+stats), the per-request overhead (first byte - engine TTFT) and keystroke-to-suggestion (request
+-> the whole suggestion).  The transports run one after another, each server in its own process.
+`--ray`: then K simulated editors (K = 1, 4, 16), each typing its own copy of the trace at once,
+against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse rate
+(reused prompt tokens / prompt tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from engine import Engine, GenerationParams
+from engine.service import rundir
+from engine.service.client import EngineClient
+
+from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
+from .prompt import PromptBuilder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="model folder (default: the bundled model)")
+    p.add_argument(
+        "--file", metavar="PY", help=f"Python file to type into (default: stdlib {DEFAULT_FILE})"
+    )
+    p.add_argument("--function", metavar="NAME", help="function whose body is typed")
+    p.add_argument(
+        "--max-chars", type=int, default=80, help="characters of the body typed (default 80)"
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per suggestion (default 16)")
+    p.add_argument(
+        "--context-tokens", type=int, default=1024, help="prompt budget in tokens (default 1024)"
+    )
+    p.add_argument(
+        "--transports", default="inproc,ws,sse", help="which of inproc,ws,sse (default: all)"
+    )
+    p.add_argument(
+        "--ray", action="store_true", help="also K editors against 1 and 2 Ray Serve replicas"
+    )
+    p.add_argument("--editors", default="1,4,16", help="K values for --ray (default 1,4,16)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def main(argv: list[str] | None = None, plot=None) -> int:
+    p = argparse.ArgumentParser(prog="spark-lsp bench service", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+# -- the trace --------------------------------------------------------------------------------
+def prompts(args, tokenizer) -> tuple[str, list[list[int]]]:
+    """(the document URI, the prompt ids at every keystroke of the trace)."""
+    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    source = path.read_text(encoding="utf-8")
+    start, end, _ = pick_function(source, args.function)
+    keys = keystrokes(source[start:end])
+    text = source[:start] + source[end:]
+    builder = PromptBuilder(tokenizer)
+    out, typed = [], ""
+    for k in keys:
+        typed += k
+        if len(typed) > args.max_chars:
+            break
+        doc = text[:start] + typed + text[start:]
+        out.append(builder.build(doc, start + len(typed), args.context_tokens).ids)
+    return path.resolve().as_uri(), out
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def summary(rows: list[dict]) -> dict[str, Any]:
+    def col(k):
+        return [r[k] for r in rows if r.get(k) is not None]
+
+    out: dict[str, Any] = {"keystrokes": len(rows)}
+    for k in ("first_byte_ms", "ttft_ms", "overhead_ms", "suggestion_ms"):
+        xs = col(k)
+        out[k] = {
+            "p50": pct(xs, 0.5),
+            "p95": pct(xs, 0.95),
+            "mean": statistics.fmean(xs) if xs else None,
+        }
+    pt = sum(r.get("prompt_tokens", 0) for r in rows)
+    out["prefix_reuse"] = sum(r.get("reused_tokens", 0) for r in rows) / pt if pt else None
+    return out
+
+
+def _row(t0: float, t_first: float | None, t_end: float, stats: dict) -> dict:
+    first = (t_first - t0) * 1e3 if t_first is not None else None
+    ttft = float(stats.get("ttft_ms", 0.0))
+    return {
+        "first_byte_ms": first,
+        "ttft_ms": ttft,
+        "overhead_ms": first - ttft if first is not None else None,
+        "suggestion_ms": (t_end - t0) * 1e3,
+        "prompt_tokens": stats.get("prompt_tokens", 0),
+        "reused_tokens": stats.get("reused_tokens", 0),
+    }
+
+
+# -- the transports ---------------------------------------------------------------------------
+def run_inproc(
+    engine: Engine, uri: str, trace: list[list[int]], params: GenerationParams
+) -> list[dict]:
+    rows = []
+    for ids in trace:
+        t0 = time.perf_counter()
+        t_first = None
+        gen = engine.generate(ids, params, slot=uri)
+        for chunk in gen:
+            if t_first is None and chunk.text:
+                t_first = time.perf_counter()
+        rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), gen.stats))
+    return rows
+
+
+async def _ws_editor(
+    url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams
+) -> list[dict]:
+    client = await EngineClient.connect(url, token, client="bench")
+    rows = []
+    try:
+        for ids in trace:
+            t0 = time.perf_counter()
+            t_first = None
+            gen = await client.generate(ids, params, slot=uri)
+            async for piece in gen:
+                if t_first is None and piece.text:
+                    t_first = time.perf_counter()
+            rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), gen.stats))
+    finally:
+        await client.close()
+    return rows
+
+
+def run_ws(
+    url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams
+) -> list[dict]:
+    return asyncio.run(_ws_editor(url, token, uri, trace, params))
+
+
+def run_editors(
+    url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams, k: int
+) -> list[dict]:
+    """K editors typing at once, each on its own document (its own slot) over its own socket."""
+
+    async def all_editors():
+        parts = await asyncio.gather(
+            *(_ws_editor(url, token, f"{uri}#editor{i}", trace, params) for i in range(k))
+        )
+        return [r for part in parts for r in part]
+
+    return asyncio.run(all_editors())
+
+
+def run_sse(url: str, uri: str, trace: list[list[int]], params: GenerationParams) -> list[dict]:
+    from engine.service import protocol as P
+
+    host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
+    rows = []
+    for ids in trace:
+        body = json.dumps({"prompt": ids, "params": P.params_to_json(params), "slot": uri})
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection(host, int(port))  # a new connection per request
+        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        t_first, stats, event = None, {}, "message"
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if event == "done":
+                    stats = data["stats"]
+                elif t_first is None and data.get("text"):
+                    t_first = time.perf_counter()
+            elif not line:
+                event = "message"
+        conn.close()
+        rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), stats))
+    return rows
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start_daemon(model: str | None, run_dir: str) -> tuple[subprocess.Popen, dict]:
+    env = _env()
+    env[rundir.ENV_DIR] = run_dir
+    cmd = [sys.executable, "-m", "engine.service.daemon", "--log-level", "WARNING"]
+    if model:
+        cmd += ["--model", model]
+    proc = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for path in Path(run_dir).glob("engine-*.json"):
+            rec = json.loads(path.read_text())
+            if rec.get("pid") == proc.pid:
+                return proc, rec
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine daemon exited with {proc.returncode}")
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the engine daemon did not start")
+
+
+def start_sse(model: str | None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "engine.service.sse"] + (["--model", model] if model else [])
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    url = proc.stdout.readline().strip()
+    if not url:
+        raise RuntimeError("the SSE endpoint did not start")
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_ray(
+    args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
+) -> dict:
+    """K editors against 1 and 2 replicas of a local Ray Serve deployment."""
+    import ray
+    from ray import serve
+
+    from engine.models import default_model_dir
+    from engine.service import ray_app
+
+    out: dict[str, Any] = {}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for replicas in (1, 2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            token = rundir.new_token()
+            url = ray_app.deploy(
+                str(args.model or default_model_dir()),
+                port=port,
+                replicas=replicas,
+                token=token,
+                num_cpus=0.5,
+            )
+            run_editors(url, token, uri, trace[:2], params, 1)  # warm up every shard's first run
+            for k in ks:
+                rows = run_editors(url, token, f"{uri}?r{replicas}", trace, params, k)
+                out[f"replicas={replicas},editors={k}"] = summary(rows)
+            serve.delete(ray_app.APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return out
+
+
+def run(args) -> int:
+    wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bad = set(wanted) - {"inproc", "ws", "sse"}
+    if bad:
+        print(f"spark-lsp bench service: unknown transport(s) {sorted(bad)}", file=sys.stderr)
+        return 2
+    engine = Engine.load(args.model, slots=8)
+    uri, trace = prompts(args, engine.tokenizer)
+    params = GenerationParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    results: dict[str, Any] = {
+        "keystrokes": len(trace),
+        "max_tokens": args.max_tokens,
+        "transports": {},
+    }
+    # each transport starts with a cold slot and the same warm-up (ONNX Runtime's first runs)
+    if "inproc" in wanted:
+        run_inproc(engine, "warm-up", trace[:2], params)
+        results["transports"]["inproc"] = summary(run_inproc(engine, uri, trace, params))
+    del engine
+    if "ws" in wanted:
+        with tempfile.TemporaryDirectory() as run_dir:
+            proc, rec = start_daemon(args.model, run_dir)
+            try:
+                run_ws(rec["url"], rec["token"], "warm-up", trace[:2], params)
+                results["transports"]["ws"] = summary(
+                    run_ws(rec["url"], rec["token"], uri, trace, params)
+                )
+            finally:
+                _stop(proc)
+    if "sse" in wanted:
+        proc, url = start_sse(args.model)
+        try:
+            run_sse(url, "warm-up", trace[:2], params)
+            results["transports"]["sse"] = summary(run_sse(url, uri, trace, params))
+        finally:
+            _stop(proc)
+    t = results["transports"]
+    if "ws" in t and "sse" in t:
+        ws, sse = t["ws"], t["sse"]
+        results["ws_vs_sse"] = {
+            "overhead_p50_ratio": _ratio(ws["overhead_ms"]["p50"], sse["overhead_ms"]["p50"]),
+            "first_byte_p50_ratio": _ratio(ws["first_byte_ms"]["p50"], sse["first_byte_ms"]["p50"]),
+        }
+    if "ws" in t and "inproc" in t:
+        results["ws_minus_inproc_suggestion_p50_ms"] = (
+            t["ws"]["suggestion_ms"]["p50"] - t["inproc"]["suggestion_ms"]["p50"]
+        )
+    if args.ray:
+        ks = [int(k) for k in args.editors.split(",") if k.strip()]
+        results["ray"] = run_ray(args, uri, trace, params, ks)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print_table(results)
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def print_table(r: dict) -> None:
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    print(f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion")
+    print(
+        f"{'transport':10} {'1st byte p50':>12} {'TTFT p50':>9} {'overhead p50':>12} {'p95':>7} "
+        f"{'suggest p50':>11} {'p95':>7} {'reuse':>6}"
+    )
+    for name, s in r["transports"].items():
+        print(
+            f"{name:10} {f(s['first_byte_ms']['p50']):>12} {f(s['ttft_ms']['p50']):>9} "
+            f"{f(s['overhead_ms']['p50']):>12} {f(s['overhead_ms']['p95']):>7} {f(s['suggestion_ms']['p50']):>11} "
+            f"{f(s['suggestion_ms']['p95']):>7} {f(s['prefix_reuse']):>6}"
+        )
+    if "ws_vs_sse" in r:
+        v = r["ws_vs_sse"]
+        print(
+            f"ws / sse: per-request overhead p50 x{f(v['overhead_p50_ratio'])}, "
+            f"first byte p50 x{f(v['first_byte_p50_ratio'])}"
+        )
+    if "ws_minus_inproc_suggestion_p50_ms" in r:
+        print(
+            f"ws - inproc keystroke-to-suggestion p50: {r['ws_minus_inproc_suggestion_p50_ms']:+.2f} ms"
+        )
+    for name, s in r.get("ray", {}).items():
+        print(
+            f"ray {name:24} suggest p50 {f(s['suggestion_ms']['p50'])} p95 {f(s['suggestion_ms']['p95'])} "
+            f"reuse {f(s['prefix_reuse'])}"
+        )
