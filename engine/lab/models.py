@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import hub
 from ..models import default_model_dir
 from ..weights import save_safetensors
 
@@ -140,9 +141,10 @@ def synthetic_model(name: str = "synthetic-8m", root: Path | None = None, seed: 
 
 
 def resolve_model(spec: str | None) -> Path:
-    """A model argument: a synthetic model name, a folder, or None for the bundled model."""
+    """A model argument: a synthetic model name, None for the bundled model, or anything
+    ``engine.hub.resolve_model`` takes (a folder, a catalogue name, ``hf:ORG/REPO``)."""
     if spec in SYNTHETIC:
         return synthetic_model(spec)
     if spec is None:
         return default_model_dir()
-    return Path(spec)
+    return hub.resolve_model(spec)
