@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -413,10 +414,14 @@ def main_args(args) -> int:
     except (ConnectionError, RuntimeError, ValueError):
         ray.init(num_cpus=max(2, os.cpu_count() or 2))
         log.info("no Ray cluster found: started a local one")
+    if not port:  # Serve's proxy needs a port number: take a free one
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
     url = deploy(
         str(folders[0]),
         host=host,
-        port=port or 8000,
+        port=port,
         replicas=args.replicas,
         token=token,
         origins=args.allow_origin,
