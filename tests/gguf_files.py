@@ -3,7 +3,7 @@
 ``write_gguf(folder, path, qtype="F32")`` uses ``gguf.GGUFWriter``: the metadata keys, tensor
 names, the Q/K row permutation of ``llama`` files and the +1 on Gemma's norm weights are the ones
 ``convert_hf_to_gguf.py`` writes, and the tokenizer goes in as ``tokenizer.ggml.*`` (byte-level
-BPE, pre-tokenizer ``gpt2`` for the tiny models' GPT-2-style split).  2-D weights are stored in
+BPE, pre-tokenizer ``gpt-2`` for the tiny models' GPT-2-style split).  2-D weights are stored in
 ``qtype`` (F32, F16, BF16, Q8_0 or Q4_0, quantised by ``gguf.quants``); norms, biases and, for the
 block types, the token embeddings stay F32 (as llama.cpp's ``--token-embedding-type f32``).
 """
@@ -52,7 +52,7 @@ def tokenizer_metadata(folder: Path) -> dict:
     return {"tokens": tokens, "types": types, "merges": merges}
 
 
-def write_gguf(folder: Path, path: Path, qtype: str = "F32", pre: str = "gpt2") -> Path:
+def write_gguf(folder: Path, path: Path, qtype: str = "F32", pre: str = "gpt-2") -> Path:
     import gguf
 
     folder, path = Path(folder), Path(path)

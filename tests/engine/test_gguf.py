@@ -222,3 +222,91 @@ def test_fim_tokens_of_real_vocabularies(vocab):
     # ggml-vocab-qwen2 is Qwen2's (FIM tokens came with Qwen2.5-Coder); Llama's have none.
     expected = {"deepseek-coder": "deepseek", "starcoder": "starcoder"}.get(name)
     assert (tok.fim.name if tok.fim else None) == expected
+
+
+# -- llama.cpp as the second reader --------------------------------------------------------------
+
+_LLAMA_CPP_LOGITS = """
+import sys, numpy as np, llama_cpp
+path, out, ids = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
+m = llama_cpp.Llama(model_path=path, logits_all=True, verbose=False, n_ctx=128, n_threads=1)
+m.eval(ids)
+np.save(out, np.array(m.scores[:len(ids)]))
+"""
+
+_LLAMA_CPP_QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+params.nthread = 1
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def _run(script: str, *args: str) -> None:
+    import subprocess
+    import sys
+
+    # llama.cpp runs in its own process: it and ONNX Runtime do not share one safely
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_reads_the_written_files_as_transformers_computes(arch, tiny_models, gguf_dir, tmp_path):
+    """The test files are laid out as llama.cpp expects (tensor names, Q/K permutation, Gemma's
+    norm + 1, metadata, tokenizer): llama.cpp's own logits from them match transformers'."""
+    pytest.importorskip("llama_cpp")
+    path = write_gguf(tiny_models[arch], gguf_dir / f"{arch}-for-llama-cpp.gguf")
+    ids = list(range(10, 40))
+    _run(_LLAMA_CPP_LOGITS, str(path), str(tmp_path / "ref.npy"), ",".join(map(str, ids)))
+    ref = hf_logits(tiny_models[arch], ids)
+    got = np.load(tmp_path / "ref.npy")
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def k_quant_files(tmp_path_factory):
+    """A Llama with rows of 256 (K-quant super-blocks), written in F32 and quantised by llama.cpp."""
+    pytest.importorskip("llama_cpp")
+    import tiny_models as tm
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    d = tmp_path_factory.mktemp("kquant")
+    tok = tm.build_tokenizer()
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      eos_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d / "hf")
+    tm.save_tokenizer(tok, d / "hf")
+    f32 = write_gguf(d / "hf", d / "f32.gguf")
+    out = {"F32": f32}
+    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+        out[ftype] = d / f"{ftype}.gguf"
+        _run(_LLAMA_CPP_QUANTIZE, str(f32), str(out[ftype]), ftype)
+    return out
+
+
+@pytest.mark.parametrize("ftype,kind,tolerance", [("Q4_K_M", "Q4_K", 0.12), ("Q5_K_M", "Q5_K", 0.06),
+                                                  ("Q6_K", "Q6_K", 0.03)])
+def test_k_quant_files_from_llama_cpp(k_quant_files, ftype, kind, tolerance, tmp_path_factory):
+    """Files llama.cpp quantised itself: every K-quant tensor reads back as the float weights it was
+    made from, up to that type's rounding (a wrong block layout would be noise, not a small error),
+    and the model runs at int4 by default."""
+    ref, model = GGUFModel(k_quant_files["F32"]), GGUFModel(k_quant_files[ftype])
+    assert model.tensor_types()[kind] > 0
+    cfg = model.config()
+    with ref.open_weights(cfg) as exact, model.open_weights(cfg) as quant:
+        for name in exact:
+            a, b = exact[name], quant[name]
+            err = np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(a**2))
+            assert err < tolerance, (name, err)
+    cache = graph_cache_dir(tmp_path_factory)
+    eng = Engine.load(k_quant_files[ftype], wafer=False, cache_dir=cache, precision="auto")
+    assert eng.precision == "int4"
+    dense = Engine.load(k_quant_files["F32"], wafer=False, cache_dir=cache)
+    ids = random_ids(eng, 32, seed=7)
+    assert (eng.forward_logits(ids).argmax(-1) == dense.forward_logits(ids).argmax(-1)).mean() > 0.5
