@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from engine.cancel import CancelToken
 
+from . import preparation
 from .chat import load_chat_template
 from .precision_job import decision_stored
 from .prompt import PromptBuilder
@@ -194,11 +195,13 @@ class ModelHost:
         precision: str = "auto",
         progress: Callable[[int, int | None, str], None] | None = None,
         fim_format: str = "auto",
+        steps: Callable[[str], None] | None = None,
     ) -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread.
 
         `precision` 'auto' loads the decision `spark-lsp tune` stored for this model and machine,
-        else the engine's static rule (engine.precision); loading never measures."""
+        else the engine's static rule (engine.precision); loading never measures. `steps(line)`
+        hears what the load does (building the graph, compiling the native op), as it happens."""
         self._generation += 1
         gen = self._generation
         self.expect()
@@ -212,7 +215,8 @@ class ModelHost:
                 from engine import GenerationParams
                 from engine.fim import FimFormat
 
-                model = LocalModel.load(model_dir, precision, progress)
+                with preparation.reporting(steps):  # graph build, op compile, precision
+                    model = LocalModel.load(model_dir, precision, progress)
                 fim = FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None
                 builder = PromptBuilder(model.tokenizer, fim=fim)
                 chat = load_chat_template(

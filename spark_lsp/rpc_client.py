@@ -174,10 +174,19 @@ class LspClient:
         self.notify("initialized", {})
         return res
 
-    def wait_ready(self, timeout: float = 300.0) -> dict:
-        """Poll spark/metrics until the model has loaded (raises on a load error or timeout)."""
+    def wait_ready(self, timeout: float = 300.0, on_progress: Any = None) -> dict:
+        """Poll spark/metrics until the model has loaded (raises on a load error or timeout);
+        `on_progress(message)` hears the server's progress reports meanwhile (what the load does)."""
         end = time.time() + timeout
+        seen = 0
         while time.time() < end:
+            if on_progress is not None:
+                with self._cond:
+                    new, seen = self.notifications[seen:], len(self.notifications)
+                for _, method, params in new:
+                    value = (params or {}).get("value") or {} if method == "$/progress" else {}
+                    if value.get("kind") == "report" and value.get("message"):
+                        on_progress(value["message"])
             m = self.call("spark/metrics", {})
             if m.get("loaded"):
                 return m

@@ -114,7 +114,8 @@ class ServerState:
 
         self.host.start(loop, self.settings.model, done, precision=self.settings.precision,
                         progress=_download_reporter(loop, progress),
-                        fim_format=self.settings.fim_format)
+                        fim_format=self.settings.fim_format,
+                        steps=_step_reporter(loop, progress, self.editor))
 
     def _maybe_tune(self) -> None:
         """Measure the precision decision in the background if the model ran the static rule."""
@@ -164,6 +165,23 @@ class ServerState:
 NO_FIM_MESSAGE = ("spark-lsp: model {name} has no fill-in-the-middle tokens, so inline completions "
                   "only see the text before the cursor; use a FIM model for them (e.g. "
                   "qwen2.5-coder-0.5b, see `spark-lsp models list`). Code actions still work.")
+
+
+def _step_reporter(loop: asyncio.AbstractEventLoop, progress, editor: Editor) -> Callable[[str], None]:
+    """What the model load does (from the loading thread), in the editor's progress indicator and
+    its log: the first load of a model builds its graph and may compile the native op."""
+
+    def report(line: str) -> None:
+        def show() -> None:
+            editor.log(f"loading: {line.strip()}")
+            if progress is not None and hasattr(progress, "report"):
+                progress.report(line.strip())
+        try:
+            loop.call_soon_threadsafe(show)
+        except RuntimeError:
+            pass  # the loop closed while loading
+
+    return report
 
 
 def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[int, int | None, str], None]:

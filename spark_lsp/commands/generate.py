@@ -87,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
                                   stop=tuple(args.stop), max_time_s=args.max_time)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be a positive integer")
-        eng = Engine.load(resolve_model(args.model), grid=args.grid, wafer=not args.no_wafer, threads=args.threads,
-                          precision=args.precision)
+        from spark_lsp.preparation import print_steps, reporting
+
+        with reporting(print_steps("spark-lsp generate")):  # a first load builds the graph: say so
+            eng = Engine.load(resolve_model(args.model), grid=args.grid, wafer=not args.no_wafer,
+                              threads=args.threads, precision=args.precision)
         gen = eng.generate(prompt, params)
         out = sys.stdout
         for chunk in gen:
