@@ -153,6 +153,13 @@ class Scheduler:
                 job.cancel("shutdown")
             self._cond.notify_all()
 
+    def join(self, timeout: float) -> bool:
+        """Wait (after `shutdown`) for the engine thread to leave the model; False if it did not
+        within `timeout`. A process must not exit while the thread is inside ONNX Runtime: its
+        thread pool's destructor then aborts the process."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _finish(self, job: Job, result: Any = None, error: BaseException | None = None) -> None:
         # record before resolving, so whoever awaits the job sees its cancel latency
         if job.cancelled and job.t_cancel is not None:

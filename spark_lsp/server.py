@@ -17,7 +17,7 @@ from pygls.protocol import default_converter
 
 from . import __version__ as _pkg_version
 from . import actions
-from .documents import PositionError, offset_at
+from .documents import PositionError, offset_at, position_at
 from .edits import Edits, Target
 from .errors import ContentModified, InvalidParams
 from .inline import InlineCompletions
@@ -54,6 +54,13 @@ class SparkServer(SparkLanguageServer):
 
     def request_cancelled_before_start(self) -> None:
         self.state.metrics.cancelled += 1
+
+    def stop_work(self, reason: str) -> None:
+        super().stop_work(reason)
+        self.state.shutdown()  # generations in flight stop within a decode step
+
+    def wait_stopped(self, timeout: float) -> None:
+        self.state.wait_stopped(timeout)
 
     # -- conversions between LSP and the services -------------------------------------------------
     def document(self, uri: str):
@@ -109,11 +116,20 @@ class SparkServer(SparkLanguageServer):
         """(action name, target) from the `data` of an action this server listed."""
         try:
             name, uri, rng = data["action"], data["uri"], data["range"]
-            start = T.Position(int(rng["start"]["line"]), int(rng["start"]["character"]))
-            end = T.Position(int(rng["end"]["line"]), int(rng["end"]["character"]))
+            start = T.Position(*_position_json(rng["start"]))
+            end = T.Position(*_position_json(rng["end"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidParams(f"action data needs 'action', 'uri' and 'range': {exc}") from None
         return name, self.target(uri, T.Range(start, end), data.get("version"))
+
+
+def _position_json(p: Any) -> tuple[int, int]:
+    """(line, character) of a position in an action's JSON data: non-negative integers only."""
+    line, character = p["line"], p["character"]
+    for v in (line, character):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"position {p!r} needs non-negative integers")
+    return line, character
 
 
 def _inline_items(items: list[str], pos: T.Position) -> T.InlineCompletionList:
@@ -211,7 +227,9 @@ def create_server(model_dir: str | None = None) -> SparkServer:
         trigger = int(ctx.trigger_kind) if ctx else T.InlineCompletionTriggerKind.Automatic.value
         sel = ctx.selected_completion_info if ctx else None
         if sel is None:
-            return _inline_items(await ls.inline.complete(uri, text, offset, trigger), pos)
+            # a position past the line's or document's end is answered at where it lands
+            at = lsp_position(position_at(text, offset, ls.enc))
+            return _inline_items(await ls.inline.complete(uri, text, offset, trigger), at)
         s, e = ls.offset(text, sel.range.start), ls.offset(text, sel.range.end)
         if sel.range.start.line != sel.range.end.line:
             raise InvalidParams(
@@ -254,10 +272,10 @@ def create_server(model_dir: str | None = None) -> SparkServer:
         return action
 
     @ls.command(CMD_APPLY)
-    async def apply_action(ls: SparkServer, data: Any):
-        if not isinstance(data, dict):
+    async def apply_action(ls: SparkServer, *args: Any):
+        if len(args) != 1 or not isinstance(args[0], dict):
             raise InvalidParams(f"{CMD_APPLY} takes the action's data object")
-        name, t = ls.action_target(data)
+        name, t = ls.action_target(args[0])
         return await ls.edits.apply(name, t)
 
     @ls.command(CMD_INSTRUCT)

@@ -160,6 +160,11 @@ class ServerState:
         if self.scheduler is not None:
             self.scheduler.shutdown()
 
+    def wait_stopped(self, timeout: float) -> None:
+        """After `shutdown`: wait for the engine thread to leave the model (see Scheduler.join)."""
+        if self.scheduler is not None and not self.scheduler.join(timeout):
+            log.warning("the engine did not stop within %.0f s", timeout)
+
 
 #: Shown when the loaded model has no fill-in-the-middle tokens (engine.fim finds no family).
 NO_FIM_MESSAGE = ("spark-lsp: model {name} has no fill-in-the-middle tokens, so inline completions "

@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import json
 import logging
 import os
-import re
 import secrets
 import socket
 import stat
@@ -26,116 +24,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .framing import MAX_BODY, MAX_HEADER, Framer, FramingError
+
 log = logging.getLogger("spark_lsp.transports")
 
-MAX_BODY = (
-    128 * 1024 * 1024
-)  # bytes in one message: a 10 MB file JSON-escaped fits many times over
-MAX_HEADER = 64 * 1024  # bytes in one header block
 MAX_SESSIONS = 4  # network sessions at once (each may hold a model in memory)
 TOKEN_ENV = "SPARK_LSP_TOKEN_FILE"
-
-_HTTP_REQUEST = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/\d", re.MULTILINE)
-
-
-# -- framing -------------------------------------------------------------------------------------
-class FramingError(ValueError):
-    """The byte stream is not LSP at all (e.g. an HTTP request): the connection must be closed."""
-
-
-class Framer:
-    """Splits a byte stream into message bodies by their `Content-Length` headers.
-
-    A header block without a usable length is skipped and a body longer than `max_body` is
-    discarded (each reported as a problem string); the stream resynchronises at the next header
-    block, so a clumsy client loses one message, not the connection. With `strict` (network
-    connections), a stream that starts like an HTTP request raises FramingError: a web page can
-    POST to a TCP port, and such a request must not be read as LSP."""
-
-    def __init__(self, max_body: int = MAX_BODY, strict: bool = False) -> None:
-        self.max_body = max_body
-        self.strict = strict
-        self._buf = bytearray()
-        self._skip = 0
-        self._started = False
-
-    def feed(self, data: bytes) -> list[bytes | str]:
-        """Bodies complete so far (bytes) and problems (str), in stream order."""
-        out: list[bytes | str] = []
-        self._buf += data
-        while True:
-            if self._skip:
-                n = min(self._skip, len(self._buf))
-                del self._buf[:n]
-                self._skip -= n
-                if self._skip:
-                    return out
-            head_end = self._buf.find(b"\r\n\r\n")
-            if head_end < 0:
-                if (
-                    self.strict
-                    and not self._started
-                    and _HTTP_REQUEST.match(bytes(self._buf[:64]))
-                ):
-                    raise FramingError("an HTTP request, not LSP")
-                if len(self._buf) > MAX_HEADER:
-                    if self.strict:
-                        raise FramingError(
-                            f"a header block longer than {MAX_HEADER} bytes"
-                        )
-                    out.append(
-                        f"dropped {len(self._buf) - 3} bytes with no header block end"
-                    )
-                    del self._buf[:-3]
-                return out
-            head = bytes(self._buf[:head_end])
-            if self.strict and _HTTP_REQUEST.search(head):
-                raise FramingError("an HTTP request, not LSP")
-            length = _content_length(head)
-            if isinstance(length, str):
-                out.append(length)
-                del self._buf[: head_end + 4]
-                continue
-            if length > self.max_body:
-                out.append(
-                    f"message of {length} bytes skipped (at most {self.max_body})"
-                )
-                del self._buf[: head_end + 4]
-                self._skip = length
-                continue
-            end = head_end + 4 + length
-            if len(self._buf) < end:
-                return out
-            out.append(bytes(self._buf[head_end + 4 : end]))
-            del self._buf[:end]
-            self._started = True
-
-
-def _content_length(head: bytes) -> int | str:
-    """The Content-Length of a header block, or a problem string."""
-    length: int | str = "header block without Content-Length skipped"
-    for line in head.split(b"\r\n"):
-        key, sep, value = line.partition(b":")
-        if sep and key.strip().lower() == b"content-length":
-            v = value.strip()
-            if not v.isdigit():
-                return f"header block with an invalid Content-Length {v[:40]!r} skipped"
-            length = int(v)
-    return length
-
-
-def not_a_message(message: Any) -> str | None:
-    """Why a parsed JSON value is not a single JSON-RPC message, or None when it is one. LSP has no
-    batches: an array is refused whole."""
-    if isinstance(message, list):
-        return "a batch (JSON array); LSP takes one message at a time"
-    if isinstance(message, dict):
-        if not ("method" in message or "id" in message):
-            return "a JSON object without 'method' or 'id'"
-        return None
-    if message is None or isinstance(message, (str, int, float, bool)):
-        return f"a JSON {type(message).__name__}, not an object"
-    return None
 
 
 # -- sessions ------------------------------------------------------------------------------------
@@ -154,43 +48,21 @@ class Session:
             self.ls.state.trusted = False
         self.ls.protocol.set_writer(writer, include_headers=include_headers)
         self.exited = False
+        self.ls.on_exit = self._exit
+
+    def _exit(self, code: int) -> None:  # `exit` ends this session only
+        self.exited = True
 
     def deliver(self, body: bytes) -> None:
-        """Hand one message body to the session's protocol; `exit` ends only this session."""
-        protocol = self.ls.protocol
-        try:
-            message = json.loads(body, object_hook=protocol.structure_message)
-        except Exception as exc:  # noqa: BLE001 (any bad input becomes an error response)
-            self.ls._report_server_error(exc, ValueError)
-            return
-        problem = not_a_message(message)
-        if problem is not None:
-            log.warning("invalid request: %s", problem)
-            protocol._send_data(
-                {
-                    "jsonrpc": "2.0",
-                    "id": None,
-                    "error": {"code": -32600, "message": f"Invalid Request: {problem}"},
-                }
-            )
-            return
-        if getattr(message, "method", None) == "exit":
-            self.exited = True
-            return
-        try:
-            protocol.handle_message(message)
-        except Exception as exc:
-            log.exception("unable to handle message")
-            self.ls._report_server_error(exc, ValueError)
+        """Hand one message body to the session's server (errors become error responses)."""
+        self.ls._feed(body)
 
     def problem(self, text: str) -> None:
         log.warning("client sent a malformed message: %s", text)
 
     def close(self) -> None:
         """Stop the session's work: its requests, generations and thread pool."""
-        for fut in list(getattr(self.ls.protocol, "_request_futures", {}).values()):
-            fut.cancel()
-        self.ls.state.shutdown()
+        self.ls.stop_work("connection closed")
         try:
             self.ls.shutdown()
         except Exception as exc:  # noqa: BLE001 (a failed cleanup must not stop the listener)
@@ -252,9 +124,7 @@ def token_path() -> Path:
     if os.environ.get(TOKEN_ENV):
         return Path(os.environ[TOKEN_ENV])
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = (
-        Path(runtime) if runtime and os.path.isdir(runtime) else Path.home() / ".cache"
-    )
+    base = Path(runtime) if runtime and os.path.isdir(runtime) else Path.home() / ".cache"
     return base / "spark-lsp" / "token"
 
 
@@ -273,9 +143,7 @@ def load_token(path: Path | None = None) -> str:
         st = None
     if st is not None:
         if st.st_uid != os.getuid():
-            raise TokenError(
-                f"{path} belongs to another user; remove it or set {TOKEN_ENV}"
-            )
+            raise TokenError(f"{path} belongs to another user; remove it or set {TOKEN_ENV}")
         if stat.S_IMODE(st.st_mode) & 0o077:
             log.warning("%s was readable by other users; replacing the token", path)
             path.unlink()
@@ -317,9 +185,7 @@ async def serve_tcp(
     """Serve LSP over TCP until cancelled: each connection is its own session."""
     limit = SessionLimit(max_sessions)
 
-    async def connection(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         if not limit.take():
             log.warning("refused %s: already %d sessions", peer, limit.limit)
@@ -383,8 +249,7 @@ async def serve_ws(
             log.warning("refused a WebSocket from origin %r", origin)
             return connection.respond(
                 HTTPStatus.FORBIDDEN,
-                "spark-lsp: browser origins are refused "
-                "(start the server with --allow-origin)\n",
+                "spark-lsp: browser origins are refused (start the server with --allow-origin)\n",
             )
         if token is not None:
             given = request_token(request.path, request.headers)

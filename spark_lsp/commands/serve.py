@@ -83,8 +83,7 @@ def run(args) -> int:
 
     model = model or None
     if not (args.tcp or args.ws):
-        create_server(model).start_io()
-        return 0
+        return create_server(model).start_io()
     return _serve_network(args, lambda: create_server(model))
 
 

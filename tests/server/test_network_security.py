@@ -15,10 +15,12 @@ import time
 
 import pytest
 
-from spark_lsp import transports
+from spark_lsp import framing, transports
 from spark_lsp.settings import Settings, SettingsError, update
 
-SECRET = "API_KEY = 'sk-very-secret-4242'\n\n\ndef add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
+SECRET = (
+    "API_KEY = 'sk-very-secret-4242'\n\n\ndef add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
+)
 URI = "file:///home/user/secret.py"
 OPTIONS = {"contextTokens": 128, "maxTokens": 8, "liveEdits": False}
 
@@ -43,9 +45,7 @@ class _Conn:
 
     def call(self, method: str, params, timeout: float = 120.0) -> dict:
         mid = self.request(method, params)
-        return self.wait(
-            lambda m: m.get("id") == mid and ("result" in m or "error" in m), timeout
-        )
+        return self.wait(lambda m: m.get("id") == mid and ("result" in m or "error" in m), timeout)
 
     def wait(self, pred, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -102,7 +102,7 @@ class TcpConn(_Conn):
     def __init__(self, port: int) -> None:
         super().__init__()
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.framer = transports.Framer()
+        self.framer = framing.Framer()
 
     def _send(self, msg: dict) -> None:
         body = json.dumps(msg).encode()
@@ -142,9 +142,7 @@ class WsConn(_Conn):
                 url += f"?token={token}"
         if origin is not None:
             headers["Origin"] = origin
-        self._cm = connect(
-            url, additional_headers=headers, open_timeout=10, max_size=None
-        )
+        self._cm = connect(url, additional_headers=headers, open_timeout=10, max_size=None)
         self.ws = self._cm.__enter__()
 
     def _send(self, msg: dict) -> None:
@@ -189,9 +187,7 @@ def _serve(tiny_llama, flag: str, tmp_path, *extra: str):
             break
     else:
         raise RuntimeError(f"server exited: {proc.wait()}")
-    threading.Thread(
-        target=proc.stderr.read, daemon=True
-    ).start()  # keep its log pipe from filling
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its log pipe from filling
     return proc, port
 
 
@@ -279,10 +275,7 @@ def _isolated_sessions(a: _Conn, b: _Conn) -> None:
         {"textDocument": {"uri": URI}, "position": pos, "context": {"triggerKind": 2}},
     )
     assert "result" in done, done
-    assert (
-        a.call("spark/metrics", {})["result"]["settings"]["maxTokens"]
-        == OPTIONS["maxTokens"]
-    )
+    assert a.call("spark/metrics", {})["result"]["settings"]["maxTokens"] == OPTIONS["maxTokens"]
     b.drain(0.5)
     assert not _leaks(b), _leaks(b)
     assert not _leaks(a), _leaks(a)
@@ -365,17 +358,13 @@ def test_websocket_refuses_browser_origins_and_missing_tokens(tiny_llama, tmp_pa
 
 
 def test_websocket_sessions_are_isolated(tiny_llama, tmp_path):
-    proc, port = _serve(
-        tiny_llama, "--ws", tmp_path, "--allow-origin", "https://ok.example"
-    )
+    proc, port = _serve(tiny_llama, "--ws", tmp_path, "--allow-origin", "https://ok.example")
     conns = []
     try:
         token = (tmp_path / "rt" / "token").read_text().strip()
         a = WsConn(port, token)
         conns.append(a)
-        b = WsConn(
-            port, token, origin="https://ok.example"
-        )  # an allowed origin, with the token
+        b = WsConn(port, token, origin="https://ok.example")  # an allowed origin, with the token
         conns.append(b)
         _isolated_sessions(a, b)
     finally:
@@ -400,9 +389,7 @@ def test_an_http_request_to_the_tcp_port_is_not_read_as_lsp(tiny_llama, tmp_path
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(
                 b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n"
-                b"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n"
-                % len(body)
-                + body
+                b"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body) + body
             )
             got = b""
             while True:
@@ -471,33 +458,31 @@ def test_network_settings_cannot_reach_files():
 
 
 def test_framer_splits_resynchronises_and_refuses_http():
-    f = transports.Framer()
+    f = framing.Framer()
     msg = b'{"a": 1}'
     frame = b"Content-Length: %d\r\n\r\n" % len(msg) + msg
     out = []
     for i in range(0, len(frame) * 2, 3):  # byte by byte-ish across two frames
         out += f.feed((frame * 2)[i : i + 3])
     assert out == [msg, msg]
-    assert transports.Framer().feed(b"X-Junk: 1\r\n\r\n" + frame) == [
+    assert framing.Framer().feed(b"X-Junk: 1\r\n\r\n" + frame) == [
         "header block without Content-Length skipped",
         msg,
     ]
-    assert transports.Framer().feed(b"Content-Length: -3\r\n\r\n" + frame)[1:] == [msg]
-    small = transports.Framer(max_body=4)
+    assert framing.Framer().feed(b"Content-Length: -3\r\n\r\n" + frame)[1:] == [msg]
+    small = framing.Framer(max_body=4)
     assert (
         small.feed(frame + b"Content-Length: 2\r\n\r\n{}")[0].startswith("message of")
         and small.feed(b"") == []
     )
-    with pytest.raises(transports.FramingError):
-        transports.Framer(strict=True).feed(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    with pytest.raises(transports.FramingError):
-        transports.Framer(strict=True).feed(
-            b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
-        )
-    assert transports.Framer(strict=True).feed(frame) == [msg]
+    with pytest.raises(framing.FramingError):
+        framing.Framer(strict=True).feed(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(framing.FramingError):
+        framing.Framer(strict=True).feed(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+    assert framing.Framer(strict=True).feed(frame) == [msg]
     assert (
-        transports.not_a_message([{"id": 1}])
-        and transports.not_a_message(3)
-        and transports.not_a_message({})
+        framing.not_a_message([{"id": 1}])
+        and framing.not_a_message(3)
+        and framing.not_a_message({})
     )
-    assert transports.not_a_message({"id": 1, "result": None}) is None
+    assert framing.not_a_message({"id": 1, "result": None}) is None
