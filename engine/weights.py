@@ -14,7 +14,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -343,31 +343,46 @@ def weights_digest(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
+def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
+    a = np.ascontiguousarray(arr, dtype=np.float32)
+    if dtype == "F16":
+        return a.astype(np.float16)
+    if dtype == "BF16":  # round to nearest even
+        u = a.view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return a
+
+
+def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "F32",
                      metadata: dict[str, str] | None = None) -> None:
     """Write tensors to a safetensors file in F32, F16 or BF16 (round-to-nearest-even), with numpy."""
+    write_safetensors(path, {k: tuple(np.shape(v)) for k, v in tensors.items()}, tensors.__getitem__,
+                      dtype, metadata)
+
+
+def write_safetensors(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
+                      tensor: Callable[[str], np.ndarray], dtype: str = "F32",
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file one tensor at a time: ``tensor(name)`` makes each in turn (a model
+    larger than RAM can be written).  Written to a temporary name and renamed into place."""
     if dtype not in ("F32", "F16", "BF16"):
         raise ValueError(f"dtype={dtype!r}: expected F32, F16 or BF16")
+    size = _ITEMSIZE[dtype]
     header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    blobs, offset = [], 0
-    for name, arr in tensors.items():
-        a = np.ascontiguousarray(arr, dtype=np.float32)
-        if dtype == "F16":
-            data = a.astype(np.float16).tobytes()
-        elif dtype == "BF16":
-            u = a.view(np.uint32).astype(np.uint64)
-            data = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
-        else:
-            data = a.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+    offset = 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape, dtype=np.int64)) * size
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
     tmp = Path(str(path) + ".tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
-        for b in blobs:
-            f.write(b)
+        for name, shape in shapes.items():
+            data = _encode(tensor(name), dtype)
+            if data.shape != tuple(shape):
+                raise ValueError(f"tensor {name}: shape {data.shape}, declared {tuple(shape)}")
+            f.write(data.data)
     os.replace(tmp, path)

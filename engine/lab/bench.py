@@ -41,8 +41,15 @@ from ..linears import PRECISIONS
 from ..runtime import physical_cores
 from ..weights import expected_shapes, weights_digest
 from . import peers as peer_mod
+from .bandwidth import gguf_bytes_per_token, graph_bytes_per_token, read_bandwidth
+from .llama_cpp import GGUF_TYPES, LlamaCppPeer
 from .models import bench_root, resolve_model
 from .tune import choose_precision
+
+
+
+#: Peers by name, in the order they take their turns.
+PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
 
 
 @dataclass
@@ -58,6 +65,29 @@ class BenchOptions:
     spinning: bool | None = None  # None: the engine's auto mode (spin while the CPU is calm)
     seed: int = 0
     precisions: tuple[str, ...] = ("fp32",)  # see parse_precisions; fp32 is always first
+    peer_names: tuple[str, ...] = PEERS  # which peers run (when ``peers``)
+    gguf: tuple[str, ...] = tuple(GGUF_TYPES)  # llama.cpp's files, one runner each
+
+
+
+def parse_list(spec: str, known, what: str) -> tuple[str, ...]:
+    """``"a,b"`` -> ('a', 'b'), each checked against ``known`` (case as given in ``known``)."""
+    by_lower = {k.lower(): k for k in known}
+    names = [x.strip() for x in str(spec).split(",") if x.strip()]
+    if not names:
+        raise ValueError(f"{what}: expected a comma-separated list of {', '.join(known)}")
+    for x in names:
+        if x.lower() not in by_lower:
+            raise ValueError(f"{what}: unknown {x!r}; known: {', '.join(known)}")
+    return tuple(dict.fromkeys(by_lower[x.lower()] for x in names))
+
+
+def _rss() -> int:
+    """Resident bytes of this process now (Linux; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def parse_precisions(spec: str) -> tuple[str, ...]:
@@ -225,9 +255,19 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         auto = choose_precision(folder, wafer=opts.wafer, grid=opts.grid, threads=threads, log_fn=log)
         log(f"auto precision: {auto.precision} ({auto.reason})")
         precisions = list(dict.fromkeys(auto.precision if x == "auto" else x for x in precisions))
-    eng = Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning)
-    variants = {x: Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning,
-                               precision=x) for x in precisions[1:]}
+    bandwidth = read_bandwidth(threads)
+    log(f"DRAM read bandwidth ({threads} threads): {bandwidth / 1e9:.1f} GB/s")
+    rss: dict[str, int] = {}
+
+    def load(x: str):
+        before = _rss()
+        e = Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning,
+                        precision=x)
+        rss[x] = _rss() - before
+        return e
+
+    eng = load("fp32")
+    variants = {x: load(x) for x in precisions[1:]}
     n_new = opts.new_tokens
     plen = opts.prompt_tokens
     if plen + n_new + 1 > eng.context:
@@ -248,6 +288,7 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         "prompt_tokens": plen, "new_tokens": n_new, "repeats": opts.repeats, "threads": threads,
         "emitter": emitter_key(eng.linear), "spinning": opts.spinning,
         "load_average_start": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "bandwidth_gb_s": bandwidth / 1e9,
     }
     log(f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
         f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads"
@@ -255,19 +296,30 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
 
     ours = _Ours(eng)
     runners: list = [ours, *(_Ours(e, f"spark-lsp {x}") for x, e in variants.items())]
+    n_ours_all = len(runners)
     peers: dict[str, Any] = {}
     if opts.peers:
         factories = {
             "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
             "onnxruntime-genai": lambda: peer_mod.GenaiPeer(folder, threads, weights_digest(folder), bench_root(), log),
         }
+        for t in opts.gguf:
+            factories[f"llama.cpp {t}"] = (lambda t=t: LlamaCppPeer(
+                folder, threads, weights_digest(folder), bench_root(), t, cfg.architecture, plen + n_new + 16, log))
         for name, make in factories.items():
+            if name.split(" ")[0] not in opts.peer_names:
+                continue
+            before = _rss()
             try:
-                runners.append(make())
+                runner = make()
+                runner.timed(prompts[0], 8)  # warm-up (and every page it touches, in its RSS)
             except peer_mod.PeerUnavailable as e:
                 log(f"{name}: skipped: {e}")
                 peers[name] = {"skipped": str(e)}
-    for runner in runners:
+                continue
+            rss[runner.name] = _rss() - before
+            runners.append(runner)
+    for runner in runners[:n_ours_all]:
         runner.timed(prompts[0], 8)  # warm-up
     ours.stats.clear()
     rates = _rates(runners, prompts, n_new)
@@ -278,13 +330,24 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     for runner, pr in zip(runners[n_ours:], rates[n_ours:]):
         peers[runner.name] = {"version": runner.version, "prefill_tok_s": pr["prefill_tok_s"],
                               "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
-                              "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}"}
+                              "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}",
+                              "rss_mb": rss.get(runner.name, 0) / 1e6, "bits": getattr(runner, "bits", 32)}
+        if isinstance(runner, LlamaCppPeer):
+            peers[runner.name].update(_bandwidth_share(pr["decode_tok_s"], gguf_bytes_per_token(runner.path),
+                                                       bandwidth))
+            runner.close()
         log(f"{runner.name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s")
     del runners
     precision_rows = None
     if variants or auto is not None:
         measured = {n: p for n, p in peers.items() if "skipped" not in p}
         precision_rows = _precision_rows({"fp32": eng, **variants}, variant_rates, prompts, measured, log)
+    for x, e in {"fp32": eng, **variants}.items():
+        row = {"prefill_tok_s": variant_rates[x]["prefill_tok_s"], "decode_tok_s": variant_rates[x]["decode_tok_s"],
+               "ttft_ms": variant_rates[x]["ttft_ms"], "rss_mb": rss[x] / 1e6,
+               "bits": {"fp32": 32, "int8": 8, "int8-rowq": 8, "int4": 4}.get(x, 32),
+               **_bandwidth_share(variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth)}
+        result.setdefault("ours", {})[x] = row
     del variants
 
     # TTFT cold vs. the same prompt with the last token changed (prefix reused).
@@ -322,6 +385,13 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         if auto is not None:
             result["precision_auto"] = auto.to_dict()
     return result
+
+
+def _bandwidth_share(decode_tok_s: float, bytes_per_token: int, bandwidth: float) -> dict[str, float]:
+    """Weight MB read per token, the decode bound that sets (bandwidth / bytes), and the share of it."""
+    limit = bandwidth / max(bytes_per_token, 1)
+    return {"weight_mb_per_token": bytes_per_token / 1e6, "bandwidth_limit_tok_s": limit,
+            "bandwidth_pct": 100.0 * decode_tok_s / limit}
 
 
 def _precision_rows(engines: dict[str, Any], rates: dict[str, dict], prompts: list[list[int]],
@@ -379,6 +449,29 @@ def format_precisions(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_classes(res: dict[str, Any]) -> list[str]:
+    """Every runner by precision class (32-, 8-, 4-bit weights): rates, resident memory, and decode
+    against the DRAM bound (measured bandwidth / weight bytes read per token)."""
+    rows = [(f"spark-lsp {x}", r) for x, r in res.get("ours", {}).items()]
+    rows += [(n, p) for n, p in res["peers"].items() if "skipped" not in p]
+    if not rows:
+        return []
+    lines = ["", f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s measured at start; "
+                 "RSS: resident memory the runner added)",
+             f"{'bits':<6}{'runner':<26}{'prefill tok/s':>14}{'decode tok/s':>13}{'TTFT ms':>10}{'RSS MB':>9}"
+             f"{'MB/token':>10}{'% of bound':>11}{'decode vs llama.cpp':>21}"]
+    for bits in (32, 16, 8, 4):
+        group = [(n, r) for n, r in rows if r.get("bits", 32) == bits]
+        llama = [r["decode_tok_s"] for n, r in group if n.startswith("llama.cpp")]
+        for n, r in group:
+            pct = f"{r['bandwidth_pct']:.0f}%" if "bandwidth_pct" in r else "-"
+            mb = f"{r['weight_mb_per_token']:.0f}" if "weight_mb_per_token" in r else "-"
+            vs = f"{r['decode_tok_s'] / max(llama):.2f}x" if llama and n.startswith("spark-lsp") else ""
+            lines.append(f"{bits:<6}{n:<26}{r['prefill_tok_s']:>14.0f}{r['decode_tok_s']:>13.1f}{r['ttft_ms']:>10.0f}"
+                         f"{r.get('rss_mb', 0):>9.0f}{mb:>10}{pct:>11}{vs:>21}")
+    return lines
+
+
 def format_table(res: dict[str, Any]) -> str:
     """The benchmark as a table for people."""
     e = res["engine"]
@@ -413,6 +506,7 @@ def format_table(res: dict[str, Any]) -> str:
                          f"({c['cancelled']}/{c['n']} cancelled)")
     if res["ratios"]:
         lines.append("ours/peer: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
+    lines += format_classes(res)
     lines += format_precisions(res)
     return "\n".join(lines)
 
@@ -427,7 +521,8 @@ def main(argv: list[str] | None = None, plot: Callable[[dict, str], Any] | None 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder, or 'synthetic-8m' (default: the bundled model)")
+                   help="model folder, or a synthetic model: synthetic-8m, synthetic-qwen2.5-coder-0.5b, "
+                        "synthetic-qwen2.5-coder-1.5b, synthetic-qwen2.5-coder-3b (default: the bundled model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--prompt-tokens", type=int, default=1000, metavar="N")
     p.add_argument("--new-tokens", type=int, default=128, metavar="N")
@@ -440,7 +535,11 @@ def add_arguments(p) -> None:
                         "(the peers' weights, the agreement reference; default: fp32)")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
-    p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
+    p.add_argument("--no-peers", action="store_true", help="skip every peer")
+    p.add_argument("--peers", default=",".join(PEERS), metavar="LIST",
+                   help=f"peers to run, comma-separated (default: {','.join(PEERS)}); a missing one is skipped")
+    p.add_argument("--gguf", default=",".join(GGUF_TYPES), metavar="LIST",
+                   help=f"llama.cpp's GGUF types, one runner each (default: {','.join(GGUF_TYPES)})")
     p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter")
     p.add_argument("--grid", default=None, metavar="RxC", help="emulated PE grid (default: the wafer default)")
     spin = p.add_mutually_exclusive_group()
@@ -474,7 +573,9 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
         opts = BenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                             cancels=args.cancels, threads=args.threads, peers=not args.no_peers,
                             wafer=not args.no_wafer, grid=grid, spinning=args.spinning,
-                            precisions=parse_precisions(getattr(args, "precision", "fp32")))
+                            precisions=parse_precisions(getattr(args, "precision", "fp32")),
+                            peer_names=parse_list(getattr(args, "peers", ",".join(PEERS)), PEERS, "--peers"),
+                            gguf=parse_list(getattr(args, "gguf", ",".join(GGUF_TYPES)), GGUF_TYPES, "--gguf"))
         log = (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))
         res = bench_engine(args.model, opts, log=log)
     except (ModelError, ValueError, OSError) as e:

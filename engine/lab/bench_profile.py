@@ -82,8 +82,9 @@ class _Ours:
     """Our engine with the profiler on; ``round()`` decodes once, ``end()`` returns the files."""
 
     def __init__(self, model: Path, wafer: bool, prefix: str, prompt: list[int], tokens: int,
-                 threads: int | None) -> None:
-        self.eng = Engine.load(model, wafer=wafer, threads=threads, spinning=True, profile=prefix)
+                 threads: int | None, precision: str = "fp32") -> None:
+        self.eng = Engine.load(model, wafer=wafer, threads=threads, spinning=True, profile=prefix,
+                               precision=precision)
         self.prompt, self.params = prompt, GenerationParams(max_new_tokens=tokens, ignore_eos=True)
 
     def round(self) -> float:
@@ -124,8 +125,8 @@ def bench_profile(args, log: Callable[[str], None] = print) -> dict[str, Any]:
                            "rounds": args.rounds, "runners": {}}
     with tempfile.TemporaryDirectory(prefix="spark-profile-") as tmp:
         makers: dict[str, Callable[[str], Any]] = {
-            "ours, dense": lambda p: _Ours(model, False, p, prompt, args.tokens, threads),
-            "ours, partitioned": lambda p: _Ours(model, True, p, prompt, args.tokens, threads),
+            "ours, dense": lambda p: _Ours(model, False, p, prompt, args.tokens, threads, args.precision),
+            "ours, partitioned": lambda p: _Ours(model, True, p, prompt, args.tokens, threads, args.precision),
         }
         if not args.no_peers:
             makers["onnxruntime-genai"] = lambda p: _Genai(model, p, prompt, args.tokens, threads, log)
@@ -176,11 +177,14 @@ def format_result(res: dict[str, Any]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder, or 'synthetic-8m' (default: the bundled model)")
+                   help="model folder or a synthetic model name, e.g. synthetic-qwen2.5-coder-0.5b "
+                        "(default: the bundled model)")
     p.add_argument("--tokens", type=int, default=96, metavar="N", help="new tokens per round (default 96)")
     p.add_argument("--rounds", type=int, default=4, metavar="N", help="generations per runner (default 4)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op threads (default: cores)")
     p.add_argument("--no-peers", action="store_true", help="profile our engine only")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int8-rowq", "int4"),
+                   help="our engine's weights (default fp32; the peer runs fp32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -94,7 +94,8 @@ def test_engine_bench_table_and_errors(tiny_llama, capsys):
 def test_engine_bench_with_peers(tiny_llama, capsys):
     """Both peers run on the same weights and agree with our greedy tokens."""
     rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--prompt-tokens", "100",
-                        "--new-tokens", "16", "--repeats", "1", "--cancels", "0", "--no-wafer"], capsys)
+                        "--new-tokens", "16", "--repeats", "1", "--cancels", "0", "--no-wafer",
+                        "--peers", "transformers,onnxruntime-genai"], capsys)
     assert rc == 0, err
     res = json.loads(out)
     for name in ("transformers", "onnxruntime-genai"):
@@ -107,12 +108,14 @@ def test_engine_bench_with_peers(tiny_llama, capsys):
 def test_peer_unavailable_is_reported(tiny_llama, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
     rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--prompt-tokens", "32",
                         "--new-tokens", "4", "--repeats", "1", "--cancels", "0"], capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert "not installed" in res["peers"]["transformers"]["skipped"]
     assert "not installed" in res["peers"]["onnxruntime-genai"]["skipped"]
+    assert all("not installed" in res["peers"][f"llama.cpp {t}"]["skipped"] for t in ("F32", "Q8_0", "Q4_0"))
     assert "skipped" in err
 
 

@@ -77,7 +77,7 @@ def test_precision_table_with_a_peer(tiny_llama, capsys, monkeypatch):
 
     monkeypatch.setattr(peers, "TransformersPeer", fake_transformers)
     monkeypatch.setattr(peers, "GenaiPeer", no_genai)
-    argv = [a for a in SMALL if a != "--no-peers"]
+    argv = [a for a in SMALL if a != "--no-peers"] + ["--peers", "transformers,onnxruntime-genai"]
     rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--precision", "int4", *argv], capsys)
     assert rc == 0, err
     res = json.loads(out)

@@ -1,0 +1,60 @@
+"""DRAM read bandwidth, measured, and what it allows a decoder that streams its weights.
+
+A decode step of a model much larger than the caches reads every weight it multiplies once, so
+``bandwidth / weight bytes read per token`` bounds its tokens per second; a runner's decode as a
+share of that bound says how close to the memory it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+#: Bytes read per measurement: far past the last-level cache (32 MB here), so it measures DRAM.
+READ_BYTES = 512 << 20
+
+
+def read_bandwidth(threads: int = 1, repeats: int = 5, nbytes: int = READ_BYTES) -> float:
+    """Best-of-``repeats`` read bandwidth in bytes/s of ``threads`` threads summing one buffer
+    (numpy releases the GIL in reductions, so the threads read concurrently)."""
+    n = max(1, nbytes // 8 // threads) * threads
+    buf = np.ones(n, np.float64)
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))  # touch every page before timing
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, buf.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def graph_bytes_per_token(graph_path: str | Path) -> int:
+    """Weight bytes one decode step of a built graph reads: every external initializer except the
+    embedding table (one row is gathered) and the rotary tables (one row per position)."""
+    import onnx
+
+    model = onnx.load(str(graph_path), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        if t.name in ("embed_tokens", "rope.cos", "rope.sin"):
+            continue
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            total += int(next(e.value for e in t.external_data if e.key == "length"))
+        else:
+            total += len(t.raw_data)
+    return total
+
+
+def gguf_bytes_per_token(path: str | Path) -> int:
+    """Weight bytes one llama.cpp decode step reads from a GGUF: every tensor except the token
+    embedding, which counts when it is also the output layer (tied: no ``output.weight``)."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
