@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ray", action="store_true", help="also K editors against 1 and 2 Ray Serve replicas"
     )
     p.add_argument("--editors", default="1,4,16", help="K values for --ray (default 1,4,16)")
+    p.add_argument(
+        "--cancels", type=int, default=30, help="cancels timed per transport (default 30)"
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also: resident memory of 4 language servers sharing one daemon vs one in-process server",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -143,6 +151,43 @@ def run_inproc(
                 t_first = time.perf_counter()
         rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), gen.stats))
     return rows
+
+
+def cancel_inproc(engine: Engine, ids: list[int], n: int) -> list[float]:
+    """Cancel `n` running generations after their third token: ms from cancel() to the end."""
+    out = []
+    params = GenerationParams(max_new_tokens=500, ignore_eos=True)
+    for _ in range(n):
+        gen = engine.generate(ids, params, slot="cancel")
+        t0 = None
+        for i, _chunk in enumerate(gen):
+            if i == 2:
+                t0 = time.perf_counter()
+                gen.cancel()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+async def _ws_cancels(url: str, token: str, ids: list[int], n: int) -> list[float]:
+    """The same over the WebSocket: ms from sending `cancel` to receiving `done`."""
+    client = await EngineClient.connect(url, token, client="bench")
+    out = []
+    try:
+        params = GenerationParams(max_new_tokens=500, ignore_eos=True)
+        for _ in range(n):
+            gen = await client.generate(ids, params, slot="cancel")
+            seen = 0
+            async for piece in gen:
+                seen += len(piece.ids)
+                if seen >= 3:
+                    break
+            t0 = time.perf_counter()
+            await gen.cancel()
+            await gen.wait()
+            out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        await client.close()
+    return out
 
 
 async def _ws_editor(
@@ -279,10 +324,10 @@ def run_ray(
     out: dict[str, Any] = {}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        with socket.socket() as s:  # Serve's proxy keeps its first port: one for both runs
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         for replicas in (1, 2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             token = rundir.new_token()
             url = ray_app.deploy(
                 str(args.model or default_model_dir()),
@@ -300,6 +345,70 @@ def run_ray(
         serve.shutdown()
         ray.shutdown()
     return out
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (VmRSS), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _server(model: str | None, options: dict, uri: str, text: str):
+    from .rpc_client import LspClient, server_cmd
+
+    client = LspClient(server_cmd(model))
+    client.initialize({"tunePrecision": False, "liveEdits": False, **options})
+    client.wait_ready()
+    client.open(uri, text)
+    client.inline(uri, len(text)).result(120)  # one suggestion: the KV slot and the runs are made
+    return client
+
+
+def run_memory(args, sessions: int = 4) -> dict:
+    """RSS of one in-process server vs `sessions` servers and the daemon they share (engine auto)."""
+    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    text = path.read_text(encoding="utf-8")[:4000]
+    local = _server(args.model, {}, "file:///bench/local.py", text)
+    try:
+        one = rss_mb(local.proc.pid)
+    finally:
+        local.shutdown()
+    with tempfile.TemporaryDirectory() as run_dir:
+        old = os.environ.get(rundir.ENV_DIR)
+        os.environ[rundir.ENV_DIR] = run_dir
+        clients, recs = [], []
+        try:
+            for i in range(sessions):
+                clients.append(
+                    _server(args.model, {"engine": "auto"}, f"file:///bench/s{i}.py", text)
+                )
+            servers = [rss_mb(c.proc.pid) for c in clients]
+            recs = [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
+            daemon_mb = sum(rss_mb(r["pid"]) for r in recs)
+        finally:
+            for c in clients:
+                c.shutdown()
+            for r in recs:
+                try:
+                    os.kill(r["pid"], 15)
+                except ProcessLookupError:
+                    pass
+            if old is None:
+                os.environ.pop(rundir.ENV_DIR, None)
+            else:
+                os.environ[rundir.ENV_DIR] = old
+    total = sum(servers) + daemon_mb
+    return {
+        "one_inproc_server_mb": one,
+        "sessions": sessions,
+        "session_servers_mb": servers,
+        "daemon_mb": daemon_mb,
+        "shared_total_mb": total,
+        "ratio": total / one if one else None,
+        "daemons": len(recs),
+    }
 
 
 def run(args) -> int:
@@ -320,6 +429,9 @@ def run(args) -> int:
     if "inproc" in wanted:
         run_inproc(engine, "warm-up", trace[:2], params)
         results["transports"]["inproc"] = summary(run_inproc(engine, uri, trace, params))
+        results["transports"]["inproc"]["cancel_ms"] = _p(
+            cancel_inproc(engine, trace[-1], args.cancels)
+        )
     del engine
     if "ws" in wanted:
         with tempfile.TemporaryDirectory() as run_dir:
@@ -329,6 +441,10 @@ def run(args) -> int:
                 results["transports"]["ws"] = summary(
                     run_ws(rec["url"], rec["token"], uri, trace, params)
                 )
+                cancels = asyncio.run(
+                    _ws_cancels(rec["url"], rec["token"], trace[-1], args.cancels)
+                )
+                results["transports"]["ws"]["cancel_ms"] = _p(cancels)
             finally:
                 _stop(proc)
     if "sse" in wanted:
@@ -352,11 +468,17 @@ def run(args) -> int:
     if args.ray:
         ks = [int(k) for k in args.editors.split(",") if k.strip()]
         results["ray"] = run_ray(args, uri, trace, params, ks)
+    if args.memory:
+        results["memory"] = run_memory(args)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
         print_table(results)
     return 0
+
+
+def _p(xs: list[float]) -> dict:
+    return {"p50": pct(xs, 0.5), "p95": pct(xs, 0.95), "n": len(xs)}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -378,6 +500,11 @@ def print_table(r: dict) -> None:
             f"{f(s['overhead_ms']['p50']):>12} {f(s['overhead_ms']['p95']):>7} {f(s['suggestion_ms']['p50']):>11} "
             f"{f(s['suggestion_ms']['p95']):>7} {f(s['prefix_reuse']):>6}"
         )
+    for name, s in r["transports"].items():
+        if "cancel_ms" in s:
+            print(
+                f"{name}: cancel -> stopped p50 {f(s['cancel_ms']['p50'])} ms, p95 {f(s['cancel_ms']['p95'])} ms"
+            )
     if "ws_vs_sse" in r:
         v = r["ws_vs_sse"]
         print(
@@ -387,6 +514,12 @@ def print_table(r: dict) -> None:
     if "ws_minus_inproc_suggestion_p50_ms" in r:
         print(
             f"ws - inproc keystroke-to-suggestion p50: {r['ws_minus_inproc_suggestion_p50_ms']:+.2f} ms"
+        )
+    if "memory" in r:
+        m = r["memory"]
+        print(
+            f"memory: one in-process server {m['one_inproc_server_mb']:.0f} MB; {m['sessions']} servers sharing "
+            f"one daemon {m['shared_total_mb']:.0f} MB (daemon {m['daemon_mb']:.0f} MB), x{f(m['ratio'])}"
         )
     for name, s in r.get("ray", {}).items():
         print(
