@@ -12,11 +12,17 @@ what speculative verification needs.
 Composition with the wafer partitioning (``engine.wafer.partition.TiledLinear``, the engine's
 default): with ``inner=TiledLinear(...)`` the weight is quantised **per PE tile** — every
 quantisation block lies inside one tile (the block size divides the tile's K extent), so each PE
-holds its own int codes and scales, exactly as it would on the mesh.  Two ONNX forms:
+holds its own int codes and scales, exactly as it would on the mesh.  Three ONNX forms:
 
-* ``form="fused"`` (default): one MatMulNBits over the whole weight.  Because blocks never cross a
+* ``form="fused"`` (the default off a grid): one MatMulNBits over the whole weight.  Because blocks never cross a
   tile boundary, this computes the same per-tile products and sums them over the mesh axis inside
   the kernel's K loop — the mesh reduction is fused into the op.
+* ``form="op"`` (the default on a grid where the op builds): one ``spark.wafer::MeshLinearQ``
+  node per linear (engine/wafer/mesh_op.c): each mesh line's int8/int4 tiles with their per-block
+  scales, int8 dot products per line and the chain reduction of the lines' partial products in
+  line order — the partition executed, as ``MeshLinear`` does for float weights.  Same weights and
+  activation quantisation as the fused form, so the same greedy tokens; every row is computed on
+  its own, so a multi-token pass gives exactly the single steps' results (speculation works).
 * ``form="mesh"``: the input is split along the reduction axis, one MatMulNBits per mesh line
   and an explicit ``Sum`` (the reduction as a separate op, like TiledLinear's ReduceSum).  Same
   numbers, slower on CPU; kept for inspection and tests.
@@ -32,6 +38,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .graph import DenseLinear
+from .wafer import mesh_op
 from .wafer.partition import block_sizes, reduce_axis
 
 MS_DOMAIN = "com.microsoft"
@@ -131,6 +138,27 @@ def _quantize_columns(w: np.ndarray, bits: int, block_size: int, nb: int,
     return q, scale.astype(np.float32), zp.astype(np.uint8)
 
 
+def unpack_codes(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """One code per byte: (codes uint8 [N, n_blocks * block_size], zero points uint8 [N, n_blocks])."""
+    N, nb, _ = qw.packed.shape
+    if qw.bits == 4:
+        codes = np.empty((N, nb, qw.block_size), np.uint8)
+        codes[..., 0::2] = qw.packed & 0x0F
+        codes[..., 1::2] = qw.packed >> 4
+    else:
+        codes = qw.packed
+    if qw.zero_points is None:
+        zp = np.full((N, nb), 1 << (qw.bits - 1), np.uint8)
+    elif qw.bits == 4:
+        zp = np.empty((N, qw.zero_points.shape[1] * 2), np.uint8)
+        zp[:, 0::2] = qw.zero_points & 0x0F
+        zp[:, 1::2] = qw.zero_points >> 4
+        zp = zp[:, :nb]
+    else:
+        zp = qw.zero_points
+    return codes.reshape(N, nb * qw.block_size), np.ascontiguousarray(zp)
+
+
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The float32 ``W[K, N]`` a :class:`QuantizedWeight` represents (reference for tests)."""
     N, nb, _ = qw.packed.shape
@@ -163,17 +191,23 @@ def _block_for(k_extent: int, preferred: int) -> int | None:
     return None
 
 
+#: ONNX forms of a quantised linear on a grid (see the module docstring).
+FORMS = ("fused", "op", "mesh")
+
+
 class QuantLinear:
-    """Linear emitter with ``bits``-bit weights (MatMulNBits, int8 compute).
+    """Linear emitter with ``bits``-bit weights (MatMulNBits or MeshLinearQ, int8 compute).
 
     ``inner``: the float emitter this one stands in for.  A ``TiledLinear`` (anything with a
     ``grid``) makes the quantisation per PE tile, and its ``layout`` report
     is filled in as if it had emitted the weights; ``None``/``DenseLinear`` quantises the whole
     matrix.  ``block_size``: weights per scale along K (default :data:`DEFAULT_BLOCK`; lowered to
     divide the tile size).  ``roles``: which linears to quantise (others go to ``inner``).
+    ``form``: one of :data:`FORMS`; ``None`` picks ``op`` on a grid where MeshLinearQ builds,
+    else ``fused``.
     """
 
-    def __init__(self, bits: int = 8, inner: Any = None, *, block_size: int | None = None, form: str = "fused",
+    def __init__(self, bits: int = 8, inner: Any = None, *, block_size: int | None = None, form: str | None = None,
                  accuracy_level: int = 4, symmetric: bool = False, roles: Iterable[str] | None = None,
                  op: str = "nbits") -> None:
         if bits not in (4, 8):
@@ -182,8 +216,18 @@ class QuantLinear:
             raise ValueError(f"op={op!r}: expected 'nbits' (MatMulNBits) or 'rowq' (per-row int8 MatMulInteger)")
         if op == "rowq" and bits != 8:
             raise ValueError("op='rowq' is int8 only (bits=8)")
-        if form not in ("fused", "mesh"):
-            raise ValueError(f"form={form!r}: expected 'fused' or 'mesh'")
+        on_grid = getattr(inner, "grid", None) is not None
+        if form is None:  # the partition executed where the op builds, else fused MatMulNBits
+            form = "op" if on_grid and op == "nbits" and mesh_op.quantized() else "fused"
+        if form not in FORMS:
+            raise ValueError(f"form={form!r}: expected one of {', '.join(FORMS)}")
+        if form == "op":
+            if op != "nbits":
+                raise ValueError("form='op' runs the nbits weights (op='nbits')")
+            if not on_grid:
+                raise ValueError("form='op' executes a wafer grid: inner must be a TiledLinear")
+            if not mesh_op.quantized():
+                raise ValueError(f"form='op': the MeshLinearQ op is unavailable ({mesh_op.why_not_quantized()})")
         block_size = DEFAULT_BLOCK[bits] if block_size is None else int(block_size)
         if block_size not in _VALID_BLOCKS:
             raise ValueError(f"block_size={block_size!r} must be one of {_VALID_BLOCKS}")
@@ -228,12 +272,16 @@ class QuantLinear:
         multi-token pass costs several single steps: speculation would be neither exact nor fast.
         int8-rowq quantises each row itself and verifies cheaply.
         """
-        return None if self.op == "rowq" else 1
+        return None if self.op == "rowq" or self.form == "op" else 1
 
     @property
     def custom_op_libraries(self) -> tuple[str, ...]:
-        """The float emitter's op libraries: linears outside ``roles`` are emitted by it."""
-        return tuple(getattr(self.inner, "custom_op_libraries", ())) if self.roles is not None else ()
+        """The MeshLinearQ library (form ``op``), and the float emitter's op libraries when linears
+        outside ``roles`` are emitted by it."""
+        libs = tuple(getattr(self.inner, "custom_op_libraries", ())) if self.roles is not None else ()
+        if self.form == "op" and mesh_op.library() not in libs:
+            libs += (mesh_op.library(),)
+        return libs
 
     def cache_key(self) -> str:
         inner = getattr(self.inner, "cache_key", None)
@@ -241,7 +289,8 @@ class QuantLinear:
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
-        return (f"q{self.bits}-b{self.block_size}-{self.form}-acc{self.accuracy_level}"
+        form = "meshq-v1" if self.form == "op" else self.form
+        return (f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
                 f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}")
 
     # The K extents each quantisation must respect: one per mesh line along the reduction axis.
@@ -260,6 +309,22 @@ class QuantLinear:
         return gb.node("MatMulNBits", ins, domain=MS_DOMAIN, name=f"{name}/matmul_nbits", K=qw.K, N=qw.N,
                        bits=self.bits, block_size=block, accuracy_level=self.accuracy_level or None)
 
+    def _mesh_q(self, gb, x: str, w: np.ndarray, parts: list[int], name: str, block: int) -> str:
+        """One MeshLinearQ node: each mesh line's tiles quantised on their own (blocks never cross
+        a line), stored in the op's layout."""
+        offs = np.cumsum([0] + parts)
+        ins = [x, None]
+        N = w.shape[1]
+        for p in range(len(parts)):
+            qw = quantize_blockwise(w[offs[p]:offs[p + 1]], self.bits, block, symmetric=self.symmetric)
+            codes, zps = unpack_codes(qw)
+            c, s, z = mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)
+            ins += [gb.initializer(f"{name}.line{p}.q{self.bits}", c), gb.initializer(f"{name}.line{p}.scales", s),
+                    gb.initializer(f"{name}.line{p}.zero_points", z)]
+        ins[1] = gb.initializer(f"{name}.mesh_shape", np.array([N, *parts], np.int64))
+        return gb.node(mesh_op.QOP, ins, domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear_q", bits=self.bits,
+                       block_size=block)
+
     def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str, bias: np.ndarray | None = None) -> str:
         if self.roles is not None and role not in self.roles:
             inner = self.inner
@@ -275,8 +340,11 @@ class QuantLinear:
         if self.op == "rowq":
             return self._emit_rowq(gb, x, w, parts, name, role, bias)
         block = _block_for(kb, self.block_size) if len(parts) > 1 else self.block_size
-        form = self.form if block is not None else "mesh"  # no block fits the tiles: explicit mesh lines
-        if form == "fused":
+        form = self.form if block is not None or self.form == "op" else "mesh"  # no block fits: mesh lines
+        if form == "op":
+            block = block or self.block_size
+            y = self._mesh_q(gb, x, w, parts, name, block)
+        elif form == "fused":
             y = self._nbits(gb, x, w, name, block)
         else:
             offs = np.cumsum([0] + parts)

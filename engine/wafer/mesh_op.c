@@ -416,6 +416,403 @@ static const OrtCustomOp mesh_linear = {
     .KernelComputeV2 = compute,
 };
 
+/* ---- spark.wafer::MeshLinearQ: the same partitioned linear with int8 / int4 weights ----
+ *
+ *   y[..., N] = MeshLinearQ(x[..., K], shape, codes_0, scales_0, zero_points_0, ..., codes_{L-1}, ...)
+ *   attributes: bits (8 or 4), block_size (weights per scale along K, a multiple of 16)
+ *
+ * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent.
+ * Line p's weights are block-quantised along K like MatMulNBits' (one scale and zero point per
+ * block of block_size weights and column; the last block of a line zero-padded), and stored in
+ * the layout the kernel reads, so the initializers are used in place (no packed copy at load):
+ *   codes        uint8 [panels, nb_p * block_size * bits / 32, 256]: panel q holds columns
+ *                [64q, 64q + 64); int8: each 256 bytes are 4 consecutive k of 64 columns, column
+ *                c's 4 codes in bytes 4c..4c+3; int4: 8 consecutive k, column c's k 0..3 in the
+ *                low nibbles and k 4..7 in the high nibbles of bytes 4c..4c+3
+ *   scales       float [panels, nb_p, 64]
+ *   zero_points  uint8 [panels, nb_p, 64]   (w = (code - zero_point) * scale)
+ * (engine/wafer/mesh_op.py: pack_quantized writes this layout.)
+ *
+ * Activations are quantised per row and per block to int8 (symmetric, scale = max|x| / 127,
+ * round to nearest even), as MatMulNBits does with accuracy_level=4, so the products are int8
+ * dot products (VNNI where the CPU has it).  Each row is quantised and computed on its own:
+ * a row's result does not depend on the other rows of the batch.  Each mesh line's partial
+ * products are reduced into the output in line order, the chain reduction of MeshLinear.
+ */
+
+#define SLOT_KernelInfoGetAttribute_int64 86
+typedef OrtStatus* (*GetAttrInt64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
+enum { ELEM_UINT8 = 2, ELEM_INT64 = 7 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+#define QMAXR 3 /* token rows per pass over the weights */
+
+typedef struct {
+  int bits;
+  size_t bs, lines, K, N, panels, Kq, blocks; /* Kq: quantised activations per row (lines padded to whole blocks) */
+  size_t k[MAX_LINES], nb[MAX_LINES];
+  const uint8_t* codes[MAX_LINES];
+  const float* scales[MAX_LINES];
+  const uint8_t* zp[MAX_LINES];
+} QTiles;
+
+typedef struct {
+  const QTiles* t;
+  const int8_t* xq;    /* [M, Kq] */
+  const float* xs;     /* [M, blocks] activation scales */
+  const int32_t* xsum; /* [M, blocks] sums of the quantised activations (for the zero points) */
+  float* y;            /* [M, N] */
+  size_t M, panels_per_task;
+} QJob;
+
+/* Round to nearest even for |v| < 2^22 (the FPU's default mode), without libm. */
+static inline float round_even(float v) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23 */
+  return v >= 0 ? (v + magic) - magic : -((-v + magic) - magic);
+}
+
+static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq, float* xs, int32_t* xsum) {
+  for (size_t m = 0; m < M; m++) {
+    const float* xr = x + m * t->K;
+    int8_t* qr = xq + m * t->Kq;
+    size_t kx = 0, blk = 0;
+    for (size_t p = 0; p < t->lines; p++) {
+      for (size_t b = 0; b < t->nb[p]; b++, blk++) {
+        const size_t k0 = b * t->bs, len = t->k[p] - k0 < t->bs ? t->k[p] - k0 : t->bs;
+        const float* v = xr + kx + k0;
+        int8_t* q = qr + k0;
+        float amax = 0.0f;
+        for (size_t i = 0; i < len; i++) {
+          const float a = v[i] < 0 ? -v[i] : v[i];
+          amax = a > amax ? a : amax;
+        }
+        const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (size_t i = 0; i < len; i++) {
+          const int32_t c = (int32_t)round_even(v[i] * inv);
+          q[i] = (int8_t)c;
+          sum += c;
+        }
+        memset(q + len, 0, t->bs - len);
+        xs[m * t->blocks + blk] = amax / 127.0f;
+        xsum[m * t->blocks + blk] = sum;
+      }
+      kx += t->k[p];
+      qr += t->nb[p] * t->bs;
+    }
+  }
+}
+
+/* Rows [m, m + MR) of panel q: every line's int dot products per block, scaled into float
+   partial products, reduced into y in line order. */
+static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m, size_t q, const int MR) {
+  const QTiles* t = j->t;
+  const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR, bs = t->bs;
+  size_t kq = 0, blk = 0;
+  for (size_t p = 0; p < t->lines; p++) {
+    const size_t nb = t->nb[p];
+    const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
+    const float* sc = t->scales[p] + q * nb * NR;
+    const uint8_t* zp = t->zp[p] + q * nb * NR;
+#if HAVE_VNNI
+    __m512 part[QMAXR][4];
+    for (int r = 0; r < MR; r++)
+      for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++, blk++) {
+      __m512i acc[QMAXR][4], odd[4];
+      for (int c = 0; c < 4; c++) {
+        const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + b * NR + 16 * c)));
+        for (int r = 0; r < MR; r++)
+          acc[r][c] = _mm512_mullo_epi32(z, _mm512_set1_epi32(-j->xsum[(m + r) * t->blocks + blk]));
+        odd[c] = _mm512_setzero_si512();
+      }
+      const int8_t* a = j->xq + m * t->Kq + kq + b * bs;
+      if (t->bits == 8) {
+        size_t k = 0;
+        if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
+          for (; k + 8 <= bs; k += 8, w += 512) {
+            int32_t a0, a1;
+            memcpy(&a0, a + k, 4);
+            memcpy(&a1, a + k + 4, 4);
+            const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
+            for (int c = 0; c < 4; c++) {
+              acc[0][c] = _mm512_dpbusd_epi32(acc[0][c], _mm512_loadu_si512(w + 64 * c), x0);
+              odd[c] = _mm512_dpbusd_epi32(odd[c], _mm512_loadu_si512(w + 256 + 64 * c), x1);
+            }
+          }
+        for (; k < bs; k += 4, w += 256) {
+          __m512i wv[4];
+          for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + 64 * c);
+          for (int r = 0; r < MR; r++) {
+            int32_t ar;
+            memcpy(&ar, a + r * t->Kq + k, 4);
+            const __m512i xv = _mm512_set1_epi32(ar);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+          }
+        }
+      } else {
+        const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+        for (size_t k = 0; k < bs; k += 8, w += 256) {
+          __m512i lo[4], hi[4];
+          for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(w + 64 * c);
+            lo[c] = _mm512_and_si512(v, lo_mask);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+          }
+          for (int r = 0; r < MR; r++) {
+            int32_t a0, a1;
+            memcpy(&a0, a + r * t->Kq + k, 4);
+            memcpy(&a1, a + r * t->Kq + k + 4, 4);
+            const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
+            for (int c = 0; c < 4; c++) {
+              acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], x0);
+              if (MR == 1) odd[c] = _mm512_dpbusd_epi32(odd[c], hi[c], x1);
+              else acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], x1);
+            }
+          }
+        }
+      }
+      if (MR == 1)
+        for (int c = 0; c < 4; c++) acc[0][c] = _mm512_add_epi32(acc[0][c], odd[c]);
+      for (int r = 0; r < MR; r++) {
+        const __m512 s = _mm512_set1_ps(j->xs[(m + r) * t->blocks + blk]);
+        for (int c = 0; c < 4; c++)
+          part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
+                                       _mm512_mul_ps(_mm512_loadu_ps(sc + b * NR + 16 * c), s), part[r][c]);
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      float tmp[NR];
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, part[r][c]);
+      float* yr = j->y + (m + r) * t->N + n0;
+      for (size_t c = 0; c < nc; c++) yr[c] = p == 0 ? tmp[c] : yr[c] + tmp[c];
+    }
+#else /* portable: the same arithmetic, one column at a time */
+    for (int r = 0; r < MR; r++) {
+      float part[NR];
+      const uint8_t* wr = w;
+      for (size_t c = 0; c < NR; c++) part[c] = 0.0f;
+      for (size_t b = 0; b < nb; b++) {
+        const int8_t* a = j->xq + (m + r) * t->Kq + kq + b * bs;
+        int32_t acc[NR];
+        const int32_t s = j->xsum[(m + r) * t->blocks + blk + b];
+        for (size_t c = 0; c < NR; c++) acc[c] = -(int32_t)zp[b * NR + c] * s;
+        const size_t group = t->bits == 8 ? 4 : 8;
+        for (size_t k = 0; k < bs; k += group, wr += 256)
+          for (size_t c = 0; c < NR; c++)
+            for (size_t i = 0; i < 4; i++) {
+              const uint8_t v = wr[4 * c + i];
+              if (t->bits == 8) {
+                acc[c] += (int32_t)v * a[k + i];
+              } else {
+                acc[c] += (int32_t)(v & 15) * a[k + i] + (int32_t)(v >> 4) * a[k + 4 + i];
+              }
+            }
+        const float xsb = j->xs[(m + r) * t->blocks + blk + b];
+        for (size_t c = 0; c < NR; c++) part[c] = __builtin_fmaf((float)acc[c], sc[b * NR + c] * xsb, part[c]);
+      }
+      float* yr = j->y + (m + r) * t->N + n0;
+      for (size_t c = 0; c < nc; c++) yr[c] = p == 0 ? part[c] : yr[c] + part[c];
+    }
+    blk += nb;
+#endif
+    kq += nb * bs;
+  }
+}
+
+static void qtask(void* data, size_t i) {
+  const QJob* j = (const QJob*)data;
+  const size_t q0 = i * j->panels_per_task;
+  const size_t q1 = q0 + j->panels_per_task < j->t->panels ? q0 + j->panels_per_task : j->t->panels;
+  for (size_t q = q0; q < q1; q++) {
+    size_t m = 0;
+    for (; m + QMAXR <= j->M; m += QMAXR) qpanel(j, m, q, QMAXR);
+    for (; m < j->M; m++) qpanel(j, m, q, 1);
+  }
+}
+
+/* Check shape, codes, scales and zero points (vals[0..3L]) and point t at their data. */
+static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int bits, size_t bs, QTiles* t) {
+  int type = 0;
+  size_t rank = 0;
+  int64_t d[8];
+  memset(t, 0, sizeof *t);
+  t->bits = bits;
+  t->bs = bs;
+  if (n_vals < 4 || (n_vals - 1) % 3 || (n_vals - 1) / 3 > MAX_LINES)
+    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
+                 MAX_LINES, n_vals + 1);
+  t->lines = (n_vals - 1) / 3;
+  TRY(shape_of(vals[0], &type, &rank, d));
+  if (type != ELEM_INT64 || rank != 1 || (size_t)d[0] != t->lines + 1)
+    return error("MeshLinearQ: shape must be an int64 tensor [%zu] (N and each line's K extent)", t->lines + 1);
+  const int64_t* dims = NULL;
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[0], (void**)&dims));
+  if (dims[0] < 1) return error("MeshLinearQ: N must be positive, got %lld", (long long)dims[0]);
+  t->N = (size_t)dims[0];
+  t->panels = (t->N + NR - 1) / NR;
+  for (size_t p = 0; p < t->lines; p++) {
+    if (dims[p + 1] < 1) return error("MeshLinearQ: line %zu's K extent must be positive, got %lld", p, (long long)dims[p + 1]);
+    const size_t k = (size_t)dims[p + 1], nb = (k + bs - 1) / bs;
+    const size_t want[3][3] = {{t->panels, nb * bs * (size_t)bits / 32, 256}, {t->panels, nb, NR}, {t->panels, nb, NR}};
+    const int want_type[3] = {ELEM_UINT8, ELEM_FLOAT, ELEM_UINT8};
+    static const char* what[3] = {"codes", "scales", "zero_points"};
+    void* data[3];
+    for (int i = 0; i < 3; i++) {
+      TRY(shape_of(vals[1 + 3 * p + i], &type, &rank, d));
+      if (type != want_type[i] || rank != 3 || (size_t)d[0] != want[i][0] || (size_t)d[1] != want[i][1] ||
+          (size_t)d[2] != want[i][2])
+        return error("MeshLinearQ: line %zu's %s must be a %s tensor [%zu, %zu, %zu] (N=%zu, K extent %zu, block %zu, "
+                     "%d bits)", p, what[i], i == 1 ? "float" : "uint8", want[i][0], want[i][1], want[i][2], t->N, k,
+                     bs, bits);
+      TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[1 + 3 * p + i], &data[i]));
+    }
+    t->codes[p] = data[0];
+    t->scales[p] = data[1];
+    t->zp[p] = data[2];
+    t->k[p] = k;
+    t->nb[p] = nb;
+    t->K += k;
+    t->Kq += nb * bs;
+    t->blocks += nb;
+  }
+  return NULL;
+}
+
+typedef struct {
+  int bits;
+  size_t bs;
+  QTiles tiles; /* resolved at load time when every weight input is a constant initializer */
+} QKernel;
+
+static OrtStatus* qrun(const QTiles* t, OrtKernelContext* ctx, const OrtValue* xv) {
+  int type = 0;
+  size_t rank = 0;
+  int64_t dims[8];
+  QJob j = {.t = t};
+  const float* x = NULL;
+  TRY(shape_of(xv, &type, &rank, dims));
+  if (type != ELEM_FLOAT || rank < 1) return error("MeshLinearQ: x must be a float tensor of rank >= 1");
+  if ((size_t)dims[rank - 1] != t->K)
+    return error("MeshLinearQ: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&x));
+  j.M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
+  dims[rank - 1] = (int64_t)t->N;
+  OrtValue* out = NULL;
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
+  if (j.M == 0) return NULL;
+  /* one allocation: quantised activations (64-byte aligned rows of Kq), then scales and sums */
+  const size_t qbytes = (j.M * t->Kq + 63) & ~(size_t)63;
+  char* buf = NULL;
+  if (posix_memalign((void**)&buf, 64, qbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
+    return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
+  j.xq = (const int8_t*)buf;
+  j.xs = (const float*)(buf + qbytes);
+  j.xsum = (const int32_t*)(buf + qbytes + j.M * t->blocks * sizeof(float));
+  quantize_rows(t, x, j.M, (int8_t*)j.xq, (float*)j.xs, (int32_t*)j.xsum);
+  /* Tasks of >= ~64K multiply-adds, in whole panels (as MeshLinear). */
+  size_t tasks = (size_t)((double)j.M * (double)t->N * (double)t->K / 65536.0);
+  if (tasks < 1) tasks = 1;
+  if (tasks > t->panels) tasks = t->panels;
+  j.panels_per_task = (t->panels + tasks - 1) / tasks;
+  tasks = (t->panels + j.panels_per_task - 1) / j.panels_per_task;
+  OrtStatus* s = NULL;
+  if (tasks == 1)
+    qtask(&j, 0);
+  else
+    s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, qtask, tasks, 0, &j);
+  free(buf);
+  return s;
+}
+
+static OrtStatus* qcompute(void* kernel, OrtKernelContext* ctx) {
+  QKernel* k = (QKernel*)kernel;
+  size_t n_in = 0;
+  const OrtValue* x = NULL;
+  TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
+  TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
+  if (k->tiles.lines) return qrun(&k->tiles, ctx, x);
+  /* weights fed at run time (not initializers): check and resolve them for this call */
+  const OrtValue* vals[1 + 3 * MAX_LINES];
+  if (n_in < 2 || n_in - 1 > 1 + 3 * MAX_LINES)
+    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
+                 MAX_LINES, n_in);
+  for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
+  QTiles t;
+  TRY(resolve_qtiles(vals, n_in - 1, k->bits, k->bs, &t));
+  return qrun(&t, ctx, x);
+}
+
+static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
+  (void)op; (void)a;
+  size_t n_in = 0;
+  int64_t bits = 0, bs = 0;
+  TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
+  if (n_in < 5 || (n_in - 2) % 3 || (n_in - 2) / 3 > MAX_LINES)
+    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
+                 MAX_LINES, n_in);
+  TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "bits", &bits));
+  TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "block_size", &bs));
+  if (bits != 8 && bits != 4) return error("MeshLinearQ: bits must be 8 or 4, got %lld", (long long)bits);
+  if (bs < 16 || bs > 4096 || bs % 16) return error("MeshLinearQ: block_size must be a multiple of 16 (16..4096), got %lld", (long long)bs);
+  QKernel* k = calloc(1, sizeof *k);
+  if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
+  k->bits = (int)bits;
+  k->bs = (size_t)bs;
+  const OrtValue* vals[1 + 3 * MAX_LINES];
+  int all_constant = 1;
+  for (size_t i = 1; i < n_in && all_constant; i++) {
+    int is_const = 0;
+    OrtStatus* s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - 1]);
+    if (s) {
+      free(k);
+      return s;
+    }
+    all_constant = is_const && vals[i - 1];
+  }
+  if (all_constant) {
+    OrtStatus* s = resolve_qtiles(vals, n_in - 1, k->bits, k->bs, &k->tiles);
+    if (s) {
+      free(k);
+      return s;
+    }
+  }
+  *out = k;
+  return NULL;
+}
+
+static void qdestroy_kernel(void* kernel) { free(kernel); }
+static const char* qop_name(const OrtCustomOp* op) { (void)op; return "MeshLinearQ"; }
+static int qinput_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : 0 /* any */; }
+static int heterogeneous(const OrtCustomOp* op) { (void)op; return 0; }
+
+static const OrtCustomOp mesh_linear_q = {
+    .version = API_VERSION,
+    .GetName = qop_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = qinput_type,
+    .GetInputTypeCount = two,
+    .GetOutputType = float_type,
+    .GetOutputTypeCount = one,
+    .KernelDestroy = qdestroy_kernel,
+    .GetInputCharacteristic = input_char,
+    .GetOutputCharacteristic = output_char,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = min_arity,
+    .GetVariadicInputHomogeneity = heterogeneous,
+    .GetVariadicOutputMinArity = min_arity,
+    .GetVariadicOutputHomogeneity = homogeneous,
+    .CreateKernelV2 = qcreate_kernel,
+    .KernelComputeV2 = qcompute,
+};
+
 /* One domain for the process (it must outlive every session that uses it), made once even when
    sessions are created on several threads. */
 static OrtCustomOpDomain* domain;
@@ -428,6 +825,7 @@ static void make_domain(void) {
   if (!api) return;
   domain_error = CALL(CreateCustomOpDomain, CreateCustomOpDomainFn)("spark.wafer", &domain);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear);
+  if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear_q);
 }
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,

@@ -1,4 +1,5 @@
-"""Build and locate ``spark.wafer::MeshLinear``, the ONNX Runtime op that runs a partitioned linear.
+"""Build and locate ``spark.wafer::MeshLinear`` and ``MeshLinearQ``, the ONNX Runtime ops that run a
+partitioned linear (float weights, and int8 / int4 weights).
 
 ``mesh_op.c`` (next to this file) computes a whole tiled linear — every mesh line's partial
 products and their chain reduction — in one kernel launch.  It is compiled on first use with the
@@ -11,7 +12,13 @@ never load half a file; each process checks the library on one small linear befo
 Where it cannot be built (no compiler, an ONNX Runtime older than the op needs, or
 ``SPARK_LSP_MESH_OP=0``), :func:`library` returns ``None`` with the reason in :func:`why_not`,
 and ``TiledLinear`` emits the same partitioning as standard ONNX ops instead (slower on small
-models; see docs/wafer.md).
+models; see docs/wafer.md).  The quantised op is self-tested on its own: where only it fails,
+:func:`quantized` is ``False`` (reason in :func:`why_not_quantized`) and quantised engines use
+the fused ``MatMulNBits`` form.
+
+:func:`pack_quantized` writes block-quantised weights in the layout ``MeshLinearQ`` reads in
+place (described at the top of its kernel in ``mesh_op.c``); :func:`reference_quantized` is the
+same arithmetic in numpy (the op's self-test and unit tests compare against it).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("mesh_op.c")
 DOMAIN = "spark.wafer"
 OP = "MeshLinear"
+QOP = "MeshLinearQ"
+#: Output columns per panel of MeshLinearQ's weight layout (NR in mesh_op.c).
+PANEL = 64
 #: The C API table version the op is compiled against (its slots exist from this release on).
 MIN_ORT = (1, 20)
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-std=gnu11")
@@ -116,6 +126,117 @@ def _self_test(path: str) -> None:
         raise RuntimeError(f"self-test: max error {err:g} against numpy")
 
 
+def pack_quantized(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+                   bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One mesh line's block-quantised weights in ``MeshLinearQ``'s layout.
+
+    ``codes`` uint8 [N, nb * block] (one code per byte, column-major like MatMulNBits, the line's
+    K extent zero-padded to whole blocks), ``scales`` float [N, nb], ``zero_points`` uint8
+    [N, nb].  Returns (codes [panels, nb*block*bits/32, 256], scales [panels, nb, 64],
+    zero points [panels, nb, 64]), columns padded to whole 64-column panels.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r}: MeshLinearQ takes 8 or 4")
+    codes = np.asarray(codes, np.uint8)
+    N, kpad = codes.shape
+    nb = scales.shape[1]
+    if scales.shape != (N, nb) or zero_points.shape != (N, nb) or kpad % nb or (kpad // nb) % 16:
+        raise ValueError(f"codes {codes.shape}, scales {scales.shape}, zero points {zero_points.shape}: "
+                         "expected [N, nb*block], [N, nb], [N, nb] with block a multiple of 16")
+    panels = -(-N // PANEL)
+    pad = panels * PANEL - N
+    c = np.pad(codes, ((0, pad), (0, 0))).reshape(panels, PANEL, kpad)
+    if bits == 8:  # [panel, k/4, column, 4 consecutive k]
+        out = c.reshape(panels, PANEL, kpad // 4, 4).transpose(0, 2, 1, 3)
+    else:  # [panel, k/8, column, 4]: k 0..3 in the low nibbles, k 4..7 in the high ones
+        g = c.reshape(panels, PANEL, kpad // 8, 2, 4).transpose(0, 2, 1, 4, 3)
+        out = (g[..., 0] & 0x0F) | ((g[..., 1] & 0x0F) << 4)
+    out = np.ascontiguousarray(out, np.uint8).reshape(panels, -1, 4 * PANEL)
+
+    def per_panel(a, dtype):
+        a = np.pad(np.asarray(a, dtype), ((0, pad), (0, 0)))
+        return np.ascontiguousarray(a.reshape(panels, PANEL, nb).transpose(0, 2, 1))
+
+    return out, per_panel(scales, np.float32), per_panel(zero_points, np.uint8)
+
+
+def quantize_activations(x: np.ndarray, k: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """One line's activations ``x[M, k]`` as MeshLinearQ quantises them: int codes [M, nb*block]
+    (zero-padded) and scales [M, nb] (per row and block: max|x| / 127, round to nearest even)."""
+    M = x.shape[0]
+    nb = -(-k // block)
+    xp = np.zeros((M, nb * block), np.float32)
+    xp[:, :k] = x
+    xb = xp.reshape(M, nb, block)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    q = np.round(xb * inv[..., None]).astype(np.int64)  # float32 product, half-even: as the kernel
+    return q.reshape(M, nb * block), (amax / np.float32(127.0)).astype(np.float32)
+
+
+def reference_quantized(x: np.ndarray, lines: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
+                        block: int) -> np.ndarray:
+    """numpy MeshLinearQ: ``lines`` of (codes [N, nb*block], scales [N, nb], zero points [N, nb],
+    K extent), in the natural layout :func:`pack_quantized` takes; ``x`` [M, sum of extents]."""
+    y, k0 = 0.0, 0
+    for codes, scales, zps, k in lines:
+        q, xs = quantize_activations(x[:, k0:k0 + k], k, block)
+        M, nb = xs.shape
+        w = codes.astype(np.int64).reshape(-1, nb, block) - zps.astype(np.int64)[..., None]  # [N, nb, block]
+        dots = np.einsum("mbk,nbk->mnb", q.reshape(M, nb, block), w).astype(np.float64)
+        y = y + (dots * scales.astype(np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(-1)
+        k0 += k
+    return np.asarray(y, np.float32)
+
+
+def quantized_node_inputs(lines, bits: int):
+    """``(shape, [(codes, scales, zero points) per line])`` arrays for a MeshLinearQ node, from
+    ``lines`` as :func:`reference_quantized` takes them."""
+    N = lines[0][0].shape[0]
+    shape = np.array([N, *(k for *_, k in lines)], np.int64)
+    return shape, [pack_quantized(c, s, z, bits) for c, s, z, _ in lines]
+
+
+def _self_test_quantized(path: str) -> None:
+    """MeshLinearQ at 8 and 4 bits on two uneven lines and several rows against numpy."""
+    rng = np.random.default_rng(1)
+    for bits in (8, 4):
+        lines = []
+        for k in (40, 37):
+            nb = -(-k // 16)
+            codes = rng.integers(0, 1 << bits, (70, nb * 16)).astype(np.uint8)
+            codes[:, k:] = 0
+            lines.append((codes, rng.random((70, nb), np.float32) * 0.1,
+                          rng.integers(0, 1 << bits, (70, nb)).astype(np.uint8), k))
+        x = rng.standard_normal((5, 77)).astype(np.float32)
+        y = _run_quantized(path, x, lines, bits, 16)
+        want = reference_quantized(x, lines, 16)
+        err = float(np.abs(y - want).max() / max(1e-6, float(np.abs(want).max())))
+        if not err < 1e-5:
+            raise RuntimeError(f"self-test ({bits} bits): relative error {err:g} against numpy")
+
+
+def _run_quantized(path: str, x: np.ndarray, lines, bits: int, block: int) -> np.ndarray:
+    shape, packed = quantized_node_inputs(lines, bits)
+    inits = [numpy_helper.from_array(shape, "shape")]
+    names = ["x", "shape"]
+    for p, arrays in enumerate(packed):
+        for what, a in zip(("codes", "scales", "zp"), arrays):
+            inits.append(numpy_helper.from_array(a, f"{what}{p}"))
+            names.append(f"{what}{p}")
+    node = helper.make_node(QOP, names, ["y"], domain=DOMAIN, bits=bits, block_size=block)
+    graph = helper.make_graph([node], "self_test_q",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.register_custom_ops_library(path)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
 def library() -> str | None:
     """Path of the compiled op library (built on first call), or ``None`` (see :func:`why_not`)."""
     with _lock:
@@ -146,7 +267,14 @@ def library() -> str | None:
             reason = f"build failed: {e}"
         if reason:
             log.warning("MeshLinear op unavailable (%s); partitioned linears use standard ONNX ops", reason)
-        _state["path"], _state["reason"] = path, reason
+        q_reason = reason
+        if path is not None:
+            try:
+                _self_test_quantized(path)
+            except Exception as e:  # only the quantised op is broken: fused MatMulNBits instead
+                q_reason = f"quantised self-test failed: {e}"
+                log.warning("MeshLinearQ op unavailable (%s); quantised linears use fused MatMulNBits", q_reason)
+        _state["path"], _state["reason"], _state["q_reason"] = path, reason, q_reason
         return path
 
 
@@ -154,6 +282,17 @@ def why_not() -> str | None:
     """Why :func:`library` returned ``None`` (``None`` if it has not failed)."""
     library()
     return _state.get("reason")  # type: ignore[return-value]
+
+
+def quantized() -> bool:
+    """Whether ``MeshLinearQ`` (in the :func:`library`) is usable."""
+    return library() is not None and _state.get("q_reason") is None
+
+
+def why_not_quantized() -> str | None:
+    """Why :func:`quantized` is ``False`` (``None`` if it is not)."""
+    library()
+    return _state.get("q_reason")  # type: ignore[return-value]
 
 
 def reset() -> None:
