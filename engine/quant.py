@@ -253,8 +253,11 @@ class QuantLinear:
         pass's argmax with a single step.  A batched pass can quantise an activation one code
         differently from a single step (float noise upstream crossing a rounding boundary; for
         MatMulNBits also its own per-batch kernel).  The margins sit above how far rows move
-        (``python -m engine.lab.precisions --consistency 9`` shows it for a model)."""
-        return 6e-3 if self.op == "rowq" else 2e-2  # (MatMulNBits does not speculate: max_verify_tokens)
+        (``python -m engine.lab.precisions --consistency 9`` shows it for a model).  MeshLinearQ
+        quantises each row on its own like int8-rowq, so only upstream float noise moves a row."""
+        if self.op == "rowq" or self.form == "op":
+            return 6e-3
+        return 2e-2  # (MatMulNBits does not speculate: max_verify_tokens)
 
     @property
     def accepts_3d(self) -> bool:
@@ -270,7 +273,7 @@ class QuantLinear:
         MatMulNBits: 1, i.e. no speculation.  Its batched kernels quantise activations differently
         from its single-row one, so a verified token could differ from plain greedy decoding, and a
         multi-token pass costs several single steps: speculation would be neither exact nor fast.
-        int8-rowq quantises each row itself and verifies cheaply.
+        int8-rowq and MeshLinearQ (form ``op``) quantise each row themselves and verify cheaply.
         """
         return None if self.op == "rowq" or self.form == "op" else 1
 

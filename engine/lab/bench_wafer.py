@@ -9,6 +9,10 @@ of tokens per CPU-second of the process (robust to other processes stealing the 
 with ``--threads 1``).  Every timed run starts ``engine.lab.bench.SETTLE_S`` after the last, so
 threads the other engine left spinning are not counted against it.  Then it plans the model on a
 chip with the performance model.
+
+``--precision int8|int4`` compares the quantised engines instead: the partition executed
+(``MeshLinearQ``, or the standard-op mesh form with ``--form graph``) against the fused
+``MatMulNBits`` form over the same per-tile weights.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..graph import ROLES
 from ..projection.chips import ChipError, load_chip
 from ..projection.perfmodel import plan, summary
 from ..projection.placement import ModelShape, PlacementError
+from ..quant import QuantLinear
 from ..wafer.partition import DEFAULT_GRID, TiledLinear, parse_grid
 from . import bench
 from .models import resolve_model
@@ -53,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--form", default=None, choices=("op", "graph"),
                    help="ONNX form of the partitioned linears: op (the MeshLinear op, the default where it "
                         "builds) or graph (standard ops: Split + chained Gemm per mesh line)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int4"),
+                   help="fp32: partitioned vs dense (default); int8/int4: the partitioned quantised linears "
+                        "(MeshLinearQ) vs the fused MatMulNBits form, same per-tile weights")
     p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -77,12 +85,27 @@ def bench_wafer(args, log=print) -> dict:
     model = _resolve(args.model)
     t0 = time.perf_counter()
     spinning = getattr(args, "spinning", None)
-    dense = Engine.load(model, wafer=False, threads=args.threads, spinning=spinning)
     tile = getattr(args, "tile", None)
     roles = [r.strip() for r in tile.split(",") if r.strip()] if tile else None
-    tiled = Engine.load(model, linear=TiledLinear(grid, roles=roles, form=getattr(args, "form", None)),
-                        threads=args.threads, spinning=spinning)
-    log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s (dense, and tiled over {grid[0]}x{grid[1]})")
+    precision = getattr(args, "precision", "fp32") or "fp32"
+    form = getattr(args, "form", None)
+    if precision == "fp32":
+        base_name = "dense"
+        dense = Engine.load(model, wafer=False, threads=args.threads, spinning=spinning)
+        tiled = Engine.load(model, linear=TiledLinear(grid, roles=roles, form=form),
+                            threads=args.threads, spinning=spinning)
+    else:  # the same per-tile quantised weights, fused into MatMulNBits vs the partition executed
+        if roles is not None:
+            raise ValueError("--tile is for --precision fp32 (quantised linears are all tiled or all fused)")
+        base_name = "fused"
+        bits = int(precision[3:])
+        qform = {"op": "op", "graph": "mesh", None: "op"}[form]
+        dense = Engine.load(model, linear=QuantLinear(bits, inner=TiledLinear(grid), form="fused"),
+                            threads=args.threads, spinning=spinning)
+        tiled = Engine.load(model, linear=QuantLinear(bits, inner=TiledLinear(grid), form=qform),
+                            threads=args.threads, spinning=spinning)
+    log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s ({base_name}, and tiled over {grid[0]}x{grid[1]}, "
+        f"{precision})")
     vocab = dense.sample_vocab
     prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]
     params = GenerationParams(max_new_tokens=args.tokens, ignore_eos=True)
@@ -109,16 +132,19 @@ def bench_wafer(args, log=print) -> dict:
             rates[name].append(rnd[name])
             cpu_rates[name].append(cpu_rate)
         ratios.append(rnd["partitioned"] / rnd["dense"])
-        log(f"round {r + 1}: dense {rnd['dense']:.0f} tok/s, partitioned {rnd['partitioned']:.0f} tok/s")
+        log(f"round {r + 1}: {base_name} {rnd['dense']:.0f} tok/s, partitioned {rnd['partitioned']:.0f} tok/s")
     med = {k: statistics.median(v) for k, v in rates.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
     shape = ModelShape.from_config(dense.config, name=dense.name)
     placement, proj = plan(shape, chip, context=min(4096, shape.max_context))
+    tiled_roles = tiled.linear.roles if precision == "fp32" else ROLES
     return {
         "model": str(model),
+        "precision": precision,
+        "baseline": base_name,
         "grid": f"{grid[0]}x{grid[1]}",
         "form": tiled.linear.form,
-        "tiled_roles": list(tiled.linear.roles),
+        "tiled_roles": sorted(tiled_roles),
         "threads": dense.runtime.threads,
         "tokens_per_round": args.tokens,
         "rounds": args.rounds,
@@ -145,11 +171,13 @@ def _loadavg() -> str:
 def format_result(res: dict) -> str:
     p = res["projection"]
     partial = set(res["tiled_roles"]) != set(ROLES)
+    base = res.get("baseline", "dense")
     return "\n".join([
         f"partitioned execution ({res['grid']} emulated grid, {res.get('form', 'graph')} form"
-        f"{', tiled: ' + ','.join(res['tiled_roles']) if partial else ''}) vs dense, {res['model']}, "
+        f"{', tiled: ' + ','.join(res['tiled_roles']) if partial else ''}, {res.get('precision', 'fp32')}) "
+        f"vs {base}, {res['model']}, "
         f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
-        f"  {'':24}{'dense':>12}{'partitioned':>14}{'ratio':>8}",
+        f"  {'':24}{base:>12}{'partitioned':>14}{'ratio':>8}",
         f"  {'decode tok/s (median)':24}{res['dense_decode_tok_s']:>12,.1f}{res['partitioned_decode_tok_s']:>14,.1f}"
         f"{res['ratio_of_medians']:>8.3f}",
         f"  {'decode tok/s (best)':24}{res['best_dense_tok_s']:>12,.1f}{res['best_partitioned_tok_s']:>14,.1f}"

@@ -25,6 +25,8 @@ def _run_linear(emitter, w: np.ndarray, x: np.ndarray, role: str = "qkv") -> np.
     gb.output(y, "y", TensorProto.FLOAT, ["s", w.shape[1]])
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    for lib in getattr(emitter, "custom_op_libraries", ()):
+        so.register_custom_ops_library(lib)
     sess = ort.InferenceSession(gb.to_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
 
@@ -48,17 +50,21 @@ def test_packing_matches_matmulnbits(bits, block, symmetric, shape):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("role", ["qkv", "down", "lm_head"])
 def test_tiled_fused_equals_mesh_form(bits, role):
-    """Per-tile quantisation: one fused MatMulNBits == explicit per-mesh-line ops + Sum."""
+    """Per-tile quantisation: one fused MatMulNBits == explicit per-mesh-line ops + Sum == the
+    MeshLinearQ op (the partition executed; the default on a grid)."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 160)).astype(np.float32) * 0.1
     x = rng.standard_normal((4, 256)).astype(np.float32)
-    fused = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32)
+    fused = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32, form="fused")
     mesh = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32, form="mesh")
-    a, b = _run_linear(fused, w, x, role), _run_linear(mesh, w, x, role)
+    op = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32)
+    a, b, c = _run_linear(fused, w, x, role), _run_linear(mesh, w, x, role), _run_linear(op, w, x, role)
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(a, c, atol=1e-4, rtol=1e-4)
     assert fused.layout["lin"]["form"] == "fused" and mesh.layout["lin"]["form"] == "mesh"
+    assert op.layout["lin"]["form"] == "op" and op.custom_op_libraries
     assert len(fused.layout["lin"]["k_tiles"]) == 4
-    assert fused.cache_key() != mesh.cache_key() != QuantLinear(bits).cache_key()
+    assert len({fused.cache_key(), mesh.cache_key(), op.cache_key(), QuantLinear(bits).cache_key()}) == 4
     # close to the float product (activations are int8-quantised per block: accuracy_level 4)
     ref = x @ w
     assert np.abs(a - ref).max() <= (0.15 if bits == 4 else 0.05) * np.abs(ref).max()
@@ -69,7 +75,7 @@ def test_uneven_tiles_fall_back_to_mesh_lines():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((200, 64)).astype(np.float32) * 0.1
     x = rng.standard_normal((2, 200)).astype(np.float32)
-    q = QuantLinear(8, inner=partition.TiledLinear((4, 4)))
+    q = QuantLinear(8, inner=partition.TiledLinear((4, 4)), form="fused")
     out = _run_linear(q, w, x)
     assert q.layout["lin"]["form"] == "mesh"
     assert np.abs(out - x @ w).max() <= 0.05 * np.abs(x @ w).max()
@@ -103,7 +109,8 @@ def test_quantised_engine_logits_close(engines):
         err = np.abs(got - ref).mean() / np.abs(ref).max()
         assert err < tol, f"{p}: mean logit error {err:.3f} of the largest logit"
         assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > corr
-        assert "MatMulNBits" in engines[p].graph_path.read_bytes().decode("latin-1")
+        # the partition executed: MeshLinearQ on the (default) grid
+        assert "MeshLinearQ" in engines[p].graph_path.read_bytes().decode("latin-1")
 
 
 def test_int8_greedy_agreement_high(engines):

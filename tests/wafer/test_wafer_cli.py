@@ -155,6 +155,25 @@ def test_bench_wafer_standard_op_form(tiny_qwen2, capsys):
     assert o["form"] == "graph" and o["greedy_tokens_identical"] is True
 
 
+@pytest.mark.parametrize("precision,form,want", [("int8", None, "op"), ("int4", None, "op"), ("int8", "graph", "mesh")])
+def test_bench_wafer_quantised(tiny_qwen2, capsys, precision, form, want):
+    """--precision int8/int4: the partitioned quantised linears against the fused MatMulNBits form."""
+    from engine.lab import bench_wafer as bench
+
+    argv = ["--model", str(tiny_qwen2), "--tokens", "3", "--rounds", "2", "--prompt-tokens", "8", "--threads", "1",
+            "--precision", precision] + (["--form", form] if form else [])
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{precision}) vs fused" in out and "fused   partitioned" in out and "load average" in out
+    assert bench.main(argv + ["--json"]) == 0
+    o = json.loads(capsys.readouterr().out)
+    assert o["precision"] == precision and o["baseline"] == "fused" and o["form"] == want
+    assert o["dense_decode_tok_s"] > 0 and o["partitioned_decode_tok_s"] > 0
+    assert isinstance(o["greedy_tokens_identical"], bool)
+    assert bench.main(argv + ["--tile", "qkv"]) == 2
+    assert "--tile is for --precision fp32" in capsys.readouterr().err
+
+
 def test_bench_wafer_tiles_only_what_it_is_told(tiny_qwen2, capsys):
     from engine.lab import bench_wafer as bench
 
