@@ -137,14 +137,14 @@ def bench_wafer(args, log=print) -> dict:
     cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
     shape = ModelShape.from_config(dense.config, name=dense.name)
     placement, proj = plan(shape, chip, context=min(4096, shape.max_context))
-    tiled_roles = tiled.linear.roles if precision == "fp32" else ROLES
+    tiled_roles = list(tiled.linear.roles if precision == "fp32" else ROLES)
     return {
         "model": str(model),
         "precision": precision,
         "baseline": base_name,
         "grid": f"{grid[0]}x{grid[1]}",
         "form": tiled.linear.form,
-        "tiled_roles": sorted(tiled_roles),
+        "tiled_roles": tiled_roles,
         "threads": dense.runtime.threads,
         "tokens_per_round": args.tokens,
         "rounds": args.rounds,
