@@ -632,6 +632,7 @@ static void qtask(void* data, size_t i) {
   for (size_t q = q0; q < q1; q++) {
     size_t m = 0;
     for (; m + QMAXR <= j->M; m += QMAXR) qpanel(j, m, q, QMAXR);
+    for (; m + 2 <= j->M; m += 2) qpanel(j, m, q, 2);
     for (; m < j->M; m++) qpanel(j, m, q, 1);
   }
 }
