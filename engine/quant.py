@@ -32,8 +32,9 @@ The emitter for a precision name is made by :func:`engine.linears.make_linear`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 

@@ -25,31 +25,58 @@ def _lines(k_sizes, N, bits, block, rng):
         nb = -(-k // block)
         codes = rng.integers(0, 1 << bits, (N, nb * block)).astype(np.uint8)
         codes[:, k:] = 0  # a line's padding past its K extent
-        lines.append((codes, (rng.random((N, nb)) * 0.02 + 1e-3).astype(np.float32),
-                      rng.integers(0, 1 << bits, (N, nb)).astype(np.uint8), k))
+        lines.append(
+            (
+                codes,
+                (rng.random((N, nb)) * 0.02 + 1e-3).astype(np.float32),
+                rng.integers(0, 1 << bits, (N, nb)).astype(np.uint8),
+                k,
+            )
+        )
     return lines
 
 
 def _session(lines, bits, block, *, rank=2, const=True, threads=1):
     shape, packed = mesh_op.quantized_node_inputs(lines, bits)
-    K = int(shape[1:].sum()) if const else "K"  # run-time weights: shapes left open, so the op checks them
+    K = (
+        int(shape[1:].sum()) if const else "K"
+    )  # run-time weights: shapes left open, so the op checks them
     names, inits = ["x", "shape"], []
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", K] if rank == 2 else [1, "T", K])]
-    arrays = [("shape", shape)] + [(f"{w}{p}", a) for p, line in enumerate(packed)
-                                   for w, a in zip(("codes", "scales", "zp"), line)]
+    inputs = [
+        helper.make_tensor_value_info(
+            "x", TensorProto.FLOAT, ["T", K] if rank == 2 else [1, "T", K]
+        )
+    ]
+    arrays = [("shape", shape)] + [
+        (f"{w}{p}", a)
+        for p, line in enumerate(packed)
+        for w, a in zip(("codes", "scales", "zp"), line)
+    ]
     for name, a in arrays[1:] if not const else []:
-        inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), [None] * a.ndim))
+        inputs.append(
+            helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(a.dtype), [None] * a.ndim
+            )
+        )
     for name, a in arrays:
         if const or name == "shape":
             inits.append(numpy_helper.from_array(a, name))
     names += [n for n, _ in arrays[1:]]
-    node = helper.make_node(mesh_op.QOP, names, ["y"], domain=mesh_op.DOMAIN, bits=bits, block_size=block)
-    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(mesh_op.DOMAIN, 1)])
+    node = helper.make_node(
+        mesh_op.QOP, names, ["y"], domain=mesh_op.DOMAIN, bits=bits, block_size=block
+    )
+    graph = helper.make_graph(
+        [node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(mesh_op.DOMAIN, 1)]
+    )
     model.ir_version = 8
     so = session_options(threads, custom_ops=(mesh_op.library(),))
     feeds = {} if const else dict(arrays[1:])
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), feeds
+    return ort.InferenceSession(
+        model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+    ), feeds
 
 
 def _close(y, want):
@@ -65,8 +92,17 @@ def _op_built():
 
 @pytest.mark.parametrize("bits,block", [(8, 128), (8, 32), (4, 32), (4, 16)])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 70])
-@pytest.mark.parametrize("k_sizes,N", [([128, 128], 512), ([13, 13, 11], 29), ([64], 64), ([40, 40, 40, 39], 65),
-                                       ([100, 100], 130), ([1, 1], 1)])
+@pytest.mark.parametrize(
+    "k_sizes,N",
+    [
+        ([128, 128], 512),
+        ([13, 13, 11], 29),
+        ([64], 64),
+        ([40, 40, 40, 39], 65),
+        ([100, 100], 130),
+        ([1, 1], 1),
+    ],
+)
 def test_matches_numpy(bits, block, T, k_sizes, N):
     rng = np.random.default_rng(T + N)
     lines = _lines(k_sizes, N, bits, block, rng)
@@ -105,9 +141,11 @@ def test_rows_do_not_depend_on_the_batch(bits):
     rng = np.random.default_rng(2)
     lines = _lines([96, 96, 80], 200, bits, 32, rng)
     sess, _ = _session(lines, bits, 32)
-    x = rng.standard_normal((11, 272)).astype(np.float32) * rng.uniform(0.1, 10, (11, 1)).astype(np.float32)
+    x = rng.standard_normal((11, 272)).astype(np.float32) * rng.uniform(0.1, 10, (11, 1)).astype(
+        np.float32
+    )
     batch = sess.run(None, {"x": x})[0]
-    single = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(11)])
+    single = np.concatenate([sess.run(None, {"x": x[i : i + 1]})[0] for i in range(11)])
     assert np.array_equal(batch, single)
 
 
@@ -124,41 +162,71 @@ def test_bad_shapes_give_clear_errors_and_the_session_lives_on():
     lines = _lines([40, 37], 70, 8, 16, rng)
     sess, good = _session(lines, 8, 16, const=False)
     x = rng.standard_normal((2, 77)).astype(np.float32)
-    with pytest.raises(Exception, match="MeshLinearQ: x has 76 features but the lines' K extents sum to 77"):
+    with pytest.raises(
+        Exception, match="MeshLinearQ: x has 76 features but the lines' K extents sum to 77"
+    ):
         sess.run(None, {"x": x[:, :76], **good})
-    with pytest.raises(Exception, match=r"MeshLinearQ: line 1's scales must be a float tensor \[2, 3, 64\]"):
+    with pytest.raises(
+        Exception, match=r"MeshLinearQ: line 1's scales must be a float tensor \[2, 3, 64\]"
+    ):
         sess.run(None, {"x": x, **good, "scales1": np.ones((2, 4, 64), np.float32)})
-    with pytest.raises(Exception, match=r"MeshLinearQ: line 0's codes must be a uint8 tensor \[2, 12, 256\]"):
+    with pytest.raises(
+        Exception, match=r"MeshLinearQ: line 0's codes must be a uint8 tensor \[2, 12, 256\]"
+    ):
         sess.run(None, {"x": x, **good, "codes0": np.ones((2, 11, 256), np.uint8)})
     _close(sess.run(None, {"x": x, **good})[0], mesh_op.reference_quantized(x, lines, 16))
 
 
-@pytest.mark.parametrize("attrs,match", [({"bits": 3, "block_size": 16}, "bits must be 8 or 4"),
-                                         ({"bits": 8, "block_size": 24}, "block_size must be a multiple of 16")])
+@pytest.mark.parametrize(
+    "attrs,match",
+    [
+        ({"bits": 3, "block_size": 16}, "bits must be 8 or 4"),
+        ({"bits": 8, "block_size": 24}, "block_size must be a multiple of 16"),
+    ],
+)
 def test_bad_attributes_fail_the_load_clearly(attrs, match):
     rng = np.random.default_rng(5)
     shape, packed = mesh_op.quantized_node_inputs(_lines([32], 64, 8, 16, rng), 8)
-    inits = [numpy_helper.from_array(shape, "shape")] + [numpy_helper.from_array(a, f"{n}0")
-                                                         for n, a in zip(("c", "s", "z"), packed[0])]
-    node = helper.make_node(mesh_op.QOP, ["x", "shape", "c0", "s0", "z0"], ["y"], domain=mesh_op.DOMAIN, **attrs)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(mesh_op.DOMAIN, 1)])
+    inits = [numpy_helper.from_array(shape, "shape")] + [
+        numpy_helper.from_array(a, f"{n}0") for n, a in zip(("c", "s", "z"), packed[0])
+    ]
+    node = helper.make_node(
+        mesh_op.QOP, ["x", "shape", "c0", "s0", "z0"], ["y"], domain=mesh_op.DOMAIN, **attrs
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(mesh_op.DOMAIN, 1)]
+    )
     model.ir_version = 8
     with pytest.raises(Exception, match=match):
-        ort.InferenceSession(model.SerializeToString(), session_options(1, custom_ops=(mesh_op.library(),)),
-                             providers=["CPUExecutionProvider"])
+        ort.InferenceSession(
+            model.SerializeToString(),
+            session_options(1, custom_ops=(mesh_op.library(),)),
+            providers=["CPUExecutionProvider"],
+        )
 
 
 def test_pack_quantized_rejects_bad_shapes():
     with pytest.raises(ValueError, match="bits"):
-        mesh_op.pack_quantized(np.zeros((4, 16), np.uint8), np.ones((4, 1)), np.zeros((4, 1), np.uint8), 2)
+        mesh_op.pack_quantized(
+            np.zeros((4, 16), np.uint8), np.ones((4, 1)), np.zeros((4, 1), np.uint8), 2
+        )
     with pytest.raises(ValueError, match="multiple of 16"):
-        mesh_op.pack_quantized(np.zeros((4, 24), np.uint8), np.ones((4, 1)), np.zeros((4, 1), np.uint8), 8)
+        mesh_op.pack_quantized(
+            np.zeros((4, 24), np.uint8), np.ones((4, 1)), np.zeros((4, 1), np.uint8), 8
+        )
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("role,grid,K,N", [("qkv", (2, 2), 256, 96), ("down", (3, 2), 200, 33), ("o", (2, 5), 72, 130)])
+@pytest.mark.parametrize(
+    "role,grid,K,N", [("qkv", (2, 2), 256, 96), ("down", (3, 2), 200, 33), ("o", (2, 5), 72, 130)]
+)
 def test_emitter_equals_fused_matmulnbits(bits, role, grid, K, N):
     """QuantLinear on a grid: the op computes what the fused MatMulNBits computes from the same
     per-tile weights (float summation order aside), one initializer triple per mesh line."""
@@ -171,9 +239,11 @@ def test_emitter_equals_fused_matmulnbits(bits, role, grid, K, N):
         lin = emitters[form] = QuantLinear(bits, inner=TiledLinear(grid), form=form, block_size=16)
         y = lin.emit(gb, gb.input("x", TensorProto.FLOAT, ["s", K]), w, name="lin", role=role)
         gb.output(y, "y", TensorProto.FLOAT, ["s", N])
-        sess = ort.InferenceSession(gb.to_model().SerializeToString(),
-                                    session_options(1, custom_ops=lin.custom_op_libraries),
-                                    providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(
+            gb.to_model().SerializeToString(),
+            session_options(1, custom_ops=lin.custom_op_libraries),
+            providers=["CPUExecutionProvider"],
+        )
         outs[form] = sess.run(None, {"x": x})[0]
         if form == "op":
             (node,) = [n for n in gb.nodes if n.domain == mesh_op.DOMAIN]
@@ -186,7 +256,7 @@ def test_emitter_equals_fused_matmulnbits(bits, role, grid, K, N):
     offs = np.cumsum([0] + parts)
     lines = []
     for p, k in enumerate(parts):
-        qw = quantize_blockwise(w[offs[p]:offs[p + 1]], bits, 16)
+        qw = quantize_blockwise(w[offs[p] : offs[p + 1]], bits, 16)
         codes, zps = unpack_codes(qw)
         lines.append((codes, qw.scales, zps, k))
     _close(outs["op"], mesh_op.reference_quantized(x, lines, 16))
@@ -212,9 +282,18 @@ def test_engine_tokens_match_the_fused_form(tiny_models, tmp_path_factory, bits)
     cache = tmp_path_factory.getbasetemp() / "graph_cache_q"
     params = GenerationParams(max_new_tokens=24, ignore_eos=True)
     for arch in ("llama", "qwen2"):
-        engines = {f: Engine.load(tiny_models[arch], cache_dir=cache, threads=1,
-                                  linear=QuantLinear(bits, inner=TiledLinear((2, 2)), form=f)) for f in ("fused", "op")}
-        prompt = engines["op"].tokenizer.encode("def fibonacci(n):\n    a, b = 0, 1\n    for i in range(n):\n")
+        engines = {
+            f: Engine.load(
+                tiny_models[arch],
+                cache_dir=cache,
+                threads=1,
+                linear=QuantLinear(bits, inner=TiledLinear((2, 2)), form=f),
+            )
+            for f in ("fused", "op")
+        }
+        prompt = engines["op"].tokenizer.encode(
+            "def fibonacci(n):\n    a, b = 0, 1\n    for i in range(n):\n"
+        )
         got = {}
         for f, eng in engines.items():
             gen = eng.generate(prompt, params)
@@ -230,6 +309,7 @@ def test_fallback_when_the_quantised_op_fails(monkeypatch, tmp_path, tiny_models
     """A failing MeshLinearQ self-test (or no op library at all): quantised engines use the fused
     MatMulNBits form, the float MeshLinear op stays, one warning says why."""
     try:
+
         def broken(path):
             raise RuntimeError("relative error 9")
 
@@ -240,14 +320,18 @@ def test_fallback_when_the_quantised_op_fails(monkeypatch, tmp_path, tiny_models
         assert QuantLinear(8, inner=TiledLinear((2, 2))).form == "fused"
         with pytest.raises(ValueError, match="MeshLinearQ op is unavailable"):
             QuantLinear(8, inner=TiledLinear((2, 2)), form="op")
-        eng = Engine.load(tiny_models["llama"], cache_dir=tmp_path / "graphs", threads=1, precision="int8")
+        eng = Engine.load(
+            tiny_models["llama"], cache_dir=tmp_path / "graphs", threads=1, precision="int8"
+        )
         assert eng.linear.form == "fused" and len(eng.forward_logits([1, 2, 3])) == 3
 
         monkeypatch.undo()
         monkeypatch.setenv("SPARK_LSP_MESH_OP", "0")
         mesh_op.reset()
         assert not mesh_op.quantized() and "SPARK_LSP_MESH_OP" in mesh_op.why_not_quantized()
-        eng = Engine.load(tiny_models["llama"], cache_dir=tmp_path / "graphs", threads=1, precision="int4")
+        eng = Engine.load(
+            tiny_models["llama"], cache_dir=tmp_path / "graphs", threads=1, precision="int4"
+        )
         assert eng.linear.form == "fused" and eng.runtime.custom_ops == ()
         assert len(eng.forward_logits([1, 2, 3])) == 3
     finally:
@@ -265,7 +349,11 @@ def test_fallback_logs_one_line(monkeypatch, caplog):
             mesh_op.quantized()
             QuantLinear(8, inner=TiledLinear((2, 2)))
         lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and "MeshLinearQ op unavailable" in lines[0] and "fused MatMulNBits" in lines[0]
+        assert (
+            len(lines) == 1
+            and "MeshLinearQ op unavailable" in lines[0]
+            and "fused MatMulNBits" in lines[0]
+        )
     finally:
         monkeypatch.undo()
         mesh_op.reset()
