@@ -4,7 +4,10 @@ Key: the weights' content digest + the validated config + the build options + th
 emitter's ``cache_key()`` + the graph builder's version.  An entry is a folder
 ``<root>/<model>-<key>/`` with ``model.onnx`` + ``model.onnx.data`` (external weights, so models
 over 2 GB work) and ``meta.json``; it is written to a temporary folder and renamed into place, so
-a crash or a concurrent start never leaves a half-written entry behind.
+a crash or a concurrent start never leaves a half-written entry behind. The files are flushed to
+disk before the rename, and ``meta.json`` records their sizes and the graph file's digest: an entry
+truncated or corrupted later (a full disk, a crash of the machine) is noticed on read, logged in one
+line and rebuilt, instead of handing ONNX Runtime a broken graph.
 
 Root: ``cache_dir`` argument, else ``$SPARK_LSP_CACHE/graphs``, else ``~/.cache/spark-lsp/graphs``.
 """
@@ -81,7 +84,11 @@ def get_or_build(name: str, key: str, build: Callable[[Path], onnx.ModelProto],
     entry = root / f"{_safe_name(name)}-{key}"
     model_path = entry / MODEL_FILE
     if model_path.is_file() and (entry / "meta.json").is_file():
-        return model_path, False
+        problem = _damage(entry)
+        if problem is None:
+            return model_path, False
+        log.warning("graph cache entry %s is damaged (%s); rebuilding it", entry.name, problem)
+        shutil.rmtree(entry, ignore_errors=True)
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
@@ -102,14 +109,68 @@ def get_or_build(name: str, key: str, build: Callable[[Path], onnx.ModelProto],
         onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=DATA_FILE, size_threshold=1024)
         meta = {"name": name, "key": key, "graph_version": GRAPH_VERSION,
-                "build_s": round(time.perf_counter() - t0, 3), **(info or {})}
+                "build_s": round(time.perf_counter() - t0, 3), **(info or {}),
+                "files": {f.name: f.stat().st_size for f in (tmp / MODEL_FILE, tmp / DATA_FILE) if f.is_file()},
+                "model_sha256": _sha256(tmp / MODEL_FILE)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        for f in tmp.iterdir():  # on disk before the entry exists under its name
+            _fsync(f)
         try:
             os.rename(tmp, entry)
         except OSError:
             if not model_path.is_file():  # not a concurrent writer that won the race: a real error
                 raise
+        _fsync(root)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return model_path, True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a folder's entries) to disk; a file system that cannot is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _damage(entry: Path) -> str | None:
+    """Why a cache entry cannot be trusted (unreadable meta, a file of the wrong size, a graph whose
+    digest changed), or None. Entries written before sizes were recorded are trusted as they are;
+    the weights file is checked by size only (hashing gigabytes would cost each start more than
+    the cache saves)."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable: {e}"
+    if not isinstance(meta, dict):
+        return "meta.json is not an object"
+    files = meta.get("files")
+    if files is None:
+        return None
+    for name, size in files.items():
+        try:
+            actual = (entry / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} were written"
+    digest = meta.get("model_sha256")
+    if digest is not None and _sha256(entry / MODEL_FILE) != digest:
+        return f"{MODEL_FILE} changed since it was written"
+    return None
