@@ -126,3 +126,17 @@ def test_llama_cpp_peer_same_weights(tiny_llama, tmp_path, monkeypatch, capsys):
     assert p["bits"] == 32 and p["greedy_agreement"] == "6/6" and p["weight_mb_per_token"] > 0
     assert res["ours"]["fp32"]["bandwidth_pct"] > 0 and res["bandwidth_gb_s"] > 0
     assert any("llama.cpp F32" in ln for ln in bench.format_classes(res))
+
+
+def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
+    """`bench lsp --precision` reaches the server's precision setting; the first suggestion (the whole
+    prompt prefilled) and the start are reported beside the keystroke latencies."""
+    from spark_lsp import bench_lsp
+
+    rc = bench_lsp.main(["--model", str(tiny_llama), "--precision", "int8", "--speed", "20", "--max-chars", "12",
+                         "--cancels", "1", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads(out)
+    assert res["precision"] == "int8" and res["first_suggestion_ms"] > 0 and res["load_s"] > 0
+    assert res["answered"] + res["cancelled_or_superseded"] == res["keystrokes"]
