@@ -8,7 +8,11 @@ Lines end at "\\n", "\\r\\n" or "\\r" as the LSP specification says.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 _LINE_RE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
 
@@ -97,6 +101,83 @@ class Pos:
     character: int
 
 
+# -- line index for large documents --------------------------------------------------------------
+INDEXED_CHARS = 1 << 18  # documents this large get a line index: per-keystroke work not O(lines)
+
+
+class LineIndex:
+    """The offset where each line of `text` starts (LSP line breaks), so a position in a large
+    document is found by one lookup rather than a scan from its start. An edit derives the new
+    text's index from the old one (`replaced`), so typing in a 200,000-line file costs a few
+    array operations, not a pass over the document."""
+
+    __slots__ = ("text", "starts", "has_cr")
+
+    def __init__(self, text: str, starts: np.ndarray, has_cr: bool) -> None:
+        self.text, self.starts, self.has_cr = text, starts, has_cr
+
+    @classmethod
+    def build(cls, text: str) -> LineIndex:
+        has_cr = "\r" in text
+        if not has_cr:
+            codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+            ends = np.flatnonzero(codes == 10) + 1
+        else:
+            ends = np.fromiter((m.end() for m in _EOL_RE.finditer(text)), dtype=np.int64)
+        return cls(text, np.concatenate((np.zeros(1, dtype=np.int64), ends.astype(np.int64))), has_cr)
+
+    def line_start(self, line: int) -> int | None:
+        return int(self.starts[line]) if line < len(self.starts) else None
+
+    def content(self, line: int) -> str:
+        """Line `line` without its line break."""
+        start = int(self.starts[line])
+        end = int(self.starts[line + 1]) if line + 1 < len(self.starts) else len(self.text)
+        return strip_eol(self.text[start:end])
+
+    def line_of(self, offset: int) -> int:
+        return int(np.searchsorted(self.starts, offset, side="right")) - 1
+
+    def replaced(self, s: int, e: int, new: str, new_text: str) -> LineIndex:
+        """The index of `new_text` = text[:s] + new + text[e:]. Only for texts without "\r" on
+        either side (a "\r" next to the edit could join or split a "\r\n"): else rebuilt."""
+        if "\r" in new or self.has_cr:
+            return LineIndex.build(new_text)
+        k = int(np.searchsorted(self.starts, s, side="right"))
+        m = int(np.searchsorted(self.starts, e, side="right"))
+        inserted = [s + i + 1 for i, ch in enumerate(new) if ch == "\n"] if "\n" in new else []
+        return LineIndex(new_text, np.concatenate((
+            self.starts[:k], np.asarray(inserted, dtype=np.int64), self.starts[m:] + (len(new) - (e - s)))),
+            False)
+
+
+_INDEXES: OrderedDict[int, LineIndex] = OrderedDict()
+_INDEX_LOCK = threading.Lock()
+_INDEX_KEEP = 8
+
+
+def line_index(text: str) -> LineIndex | None:
+    """The line index of a large text (built on first use and kept for the few texts in use);
+    None for a text small enough to scan."""
+    if len(text) < INDEXED_CHARS:
+        return None
+    with _INDEX_LOCK:
+        idx = _INDEXES.get(id(text))
+        if idx is not None and idx.text is text:
+            _INDEXES.move_to_end(id(text))
+            return idx
+    return _remember(LineIndex.build(text))
+
+
+def _remember(idx: LineIndex) -> LineIndex:
+    with _INDEX_LOCK:
+        _INDEXES[id(idx.text)] = idx
+        _INDEXES.move_to_end(id(idx.text))
+        while len(_INDEXES) > _INDEX_KEEP:
+            _INDEXES.popitem(last=False)
+    return idx
+
+
 def _check_position(line: object, character: object) -> None:
     for name, v in (("line", line), ("character", character)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -127,6 +208,12 @@ def offset_at(text: str, line: int, character: int, *, lines: list[str] | None =
     else:
         line = line if isinstance(line, int) and line > 0 else 0
         character = character if isinstance(character, int) and character > 0 else 0
+    idx = line_index(text) if lines is None else None
+    if idx is not None:
+        start = idx.line_start(line)
+        if start is None:
+            return len(text)
+        return start + utf16_to_index(idx.content(line), character, enc)
     if lines is None and "\r" not in text:  # fast path: find the line start without splitting
         start = _line_start(text, line)
         if start is None:
@@ -143,7 +230,12 @@ def offset_at(text: str, line: int, character: int, *, lines: list[str] | None =
 
 def in_document(text: str, line: int, character: int, enc: str = "utf-16") -> bool:
     """Whether a (valid) position lies inside the document as it stands, without clamping."""
-    if "\r" in text:
+    idx = line_index(text)
+    if idx is not None:
+        if line >= len(idx.starts):
+            return False
+        content = idx.content(line)
+    elif "\r" in text:
         lines = split_lines(text)
         if line >= len(lines):
             return False
@@ -170,12 +262,24 @@ def apply_change(text: str, start: Pos, end: Pos, new_text: str, enc: str = "utf
     e = offset_at(text, end.line, end.character, enc=enc) if end != start else s
     if e < s:
         s, e, lenient = e, s, True
-    return text[:s] + new_text + text[e:], lenient
+    out = text[:s] + new_text + text[e:]
+    idx = line_index(text)
+    if idx is not None and len(out) >= INDEXED_CHARS:
+        _remember(idx.replaced(s, e, new_text, out))
+    return out, lenient
 
 
 def position_at(text: str, offset: int, enc: str = "utf-16") -> Pos:
     """LSP position of a string offset (clamped to the document)."""
     offset = max(0, min(offset, len(text)))
+    idx = line_index(text)
+    if idx is not None:
+        line = idx.line_of(offset)
+        start = int(idx.starts[line])
+        if offset > start and text[offset - 1] == "\r" and text[offset:offset + 1] == "\n":
+            pass  # inside a "\r\n": the same as the general path below
+        else:
+            return Pos(line, utf16_len(text[start:offset], enc))
     if "\r" not in text:
         line_start = text.rfind("\n", 0, offset) + 1
         return Pos(text.count("\n", 0, offset), utf16_len(text[line_start:offset], enc))

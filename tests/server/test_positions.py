@@ -4,11 +4,13 @@ incremental edits that keep the server's copy of a document identical to a refer
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from spark_lsp import documents
 from spark_lsp.documents import (
     Pos,
     PositionError,
@@ -152,8 +154,7 @@ def _edit(draw, text: str, enc: str):
     return a, b, new
 
 
-@given(st.data(), TEXT, ENC)
-def test_random_incremental_edits_match_a_reference_document(data, text, enc):
+def _edits_match_the_reference(data, text: str, enc: str) -> None:
     for _ in range(data.draw(st.integers(1, 8))):
         a, b, new = data.draw(_edit(text, enc))
         s, e = (
@@ -165,6 +166,24 @@ def test_random_incremental_edits_match_a_reference_document(data, text, enc):
         got, _ = apply_change(text, a, b, new, enc)
         assert got == expected
         text = got
+        # positions read back through the (possibly incrementally updated) line index agree too
+        offset = data.draw(st.integers(0, len(text)))
+        if 0 < offset < len(text) and text[offset - 1] == "\r" and text[offset] == "\n":
+            offset -= 1
+        assert position_at(text, offset, enc) == _ref_position(text, offset, enc)
+
+
+@given(st.data(), TEXT, ENC)
+def test_random_incremental_edits_match_a_reference_document(data, text, enc):
+    _edits_match_the_reference(data, text, enc)
+
+
+@given(st.data(), TEXT, ENC)
+def test_the_line_index_of_large_documents_matches_the_reference(data, text, enc):
+    """The same edits with every document indexed as a large one is (spark_lsp.documents.LineIndex,
+    updated edit by edit)."""
+    with mock.patch.object(documents, "INDEXED_CHARS", 1):
+        _edits_match_the_reference(data, text, enc)
 
 
 @given(TEXT, ENC, st.data())
