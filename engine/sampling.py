@@ -45,17 +45,38 @@ class Sampler:
             idx = np.argpartition(-x, self.top_k - 1)[: self.top_k]
             x = x[idx]
         if self.top_p < 1.0:
-            order = np.argsort(-x, kind="stable")
-            p = np.exp(x[order] - x[order[0]])
-            p /= p.sum()
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)  # smallest set with mass >= top_p
-            order = order[:keep]
+            order = nucleus(x, self.top_p)
             x = x[order]
             idx = order if idx is None else idx[order]
         p = np.exp(x - x.max())
         p /= p.sum()
         choice = int(self.rng.choice(p.shape[0], p=p))
         return int(idx[choice]) if idx is not None else choice
+
+
+def nucleus(x: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest set of logits ``x`` whose softmax mass reaches ``top_p``, highest
+    first (ties by index, as a stable sort of ``-x``).
+
+    Only the top candidates are sorted: a partition finds the ``k`` largest (``k`` doubling until
+    they hold the mass), so a 152k-entry vocabulary costs a few linear passes, not a full sort.
+    """
+    n = x.shape[0]
+    e = np.exp(x - x.max())
+    total = e.sum()
+    k = min(n, 64)
+    while True:
+        if k < n:
+            thr = -np.partition(-x, k - 1)[k - 1]
+            cand = np.flatnonzero(x >= thr)  # every tie at the threshold: the order stays exact
+        else:
+            cand = np.arange(n)
+        cand = cand[np.argsort(-x[cand], kind="stable")]
+        cum = np.cumsum(e[cand]) / total
+        keep = int(np.searchsorted(cum, top_p) + 1)  # smallest prefix with mass >= top_p
+        if keep <= cand.shape[0] or cand.shape[0] == n:
+            return cand[:min(keep, cand.shape[0])]
+        k = min(n, 4 * k)
 
 
 class Healing:
