@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 #: What healing backs off at the end of a prefix: the partial word (identifier characters, with
 #: the space before it), else a run of punctuation (``)``, ``=``, ``.``), else spaces or tabs
@@ -95,18 +95,16 @@ class FimStyle:
         Families with repository tokens get them (``<|repo_name|>`` / ``<|file_sep|>``,
         ``<|file_separator|>``); the others get each file as a ``#path`` line and its content at
         the start of the prefix, as DeepSeek-Coder's repository-level examples do."""
-        files = [(str(p), str(c)) for p, c in files]
+        files = [(str(p), str(c) if str(c).endswith("\n") else str(c) + "\n") for p, c in files]
         if self.file_sep is not None:
-            out = f"{self.repo_name}{repo or 'repo'}\n" if self.repo_name and (repo or files) else ""
-            if self.name == "starcoder":  # <repo_name>name<file_sep>path\ncode (no line breaks between)
-                out = f"{self.repo_name}{repo or 'repo'}" if self.repo_name and (repo or files) else ""
-                out += "".join(f"{self.file_sep}{p}\n{c}" for p, c in files)
-                return out + (f"{self.file_sep}{path}\n" if path and out else ""), ""
-            out += "".join(f"{self.file_sep}{p}\n{c}\n" for p, c in files)
+            # Qwen2.5-Coder: "<|repo_name|>name\n"; StarCoder2: "<repo_name>name" (no line break)
+            after_name = "" if self.name == "starcoder" else "\n"
+            out = f"{self.repo_name}{repo or 'repo'}{after_name}" if self.repo_name and (repo or files) else ""
+            out += "".join(f"{self.file_sep}{p}\n{c}" for p, c in files)
             return out + (f"{self.file_sep}{path}\n" if path and out else ""), ""
         if self.file_end is not None:
-            return "".join(f"{p}\n{c}\n{self.file_end}" for p, c in files), ""
-        return "", "".join(f"#{p}\n{c}\n" for p, c in files)
+            return "".join(f"{p}\n{c}{self.file_end}" for p, c in files), ""
+        return "", "".join(f"#{p}\n{c}" for p, c in files)
 
     def render(self, prefix: str, suffix: str, *, files=(), repo: str | None = None, path: str | None = None,
                spm: bool | None = None) -> str:
@@ -143,6 +141,14 @@ STYLES: dict[str, FimStyle] = {s.name: s for s in (
     FimStyle("codestral", "[PREFIX]", "[SUFFIX]", None, ("</s>", "[PREFIX]", "[SUFFIX]"),
              supports_spm=True, spm_only=True),
 )}
+
+
+class Context(NamedTuple):
+    """Other files' token ids: ``head`` goes before the FIM part, ``lead`` at the start of the
+    prefix (families without repository tokens)."""
+
+    head: list[int]
+    lead: list[int]
 
 
 @dataclass(frozen=True)
@@ -185,18 +191,30 @@ class FimFormat:
         out = self._tok.encode(text)
         return list(getattr(out, "ids", out))  # engine Tokenizer -> list, tokenizers -> Encoding
 
-    def build(self, prefix: str, suffix: str, spm: bool = False) -> list[int]:
-        """Prompt ids; the model's answer (the middle) follows the last id."""
+    def build(self, prefix: str, suffix: str, spm: bool = False, *,
+              context: Context | None = None) -> list[int]:
+        """Prompt ids; the model's answer (the middle) follows the last id.  ``context``: other
+        files' ids from :meth:`context_ids`, placed first (or at the start of the prefix)."""
         self._check(prefix, suffix, spm)
-        return self.layout(self._encode(prefix), self._encode(suffix), spm)
+        return self.layout(self._encode(prefix), self._encode(suffix), spm, context=context)
+
+    def context_ids(self, files, repo: str | None = None, path: str | None = None) -> Context:
+        """Other files of the repository ((path, text) pairs) in this family's repository format
+        (:meth:`FimStyle.context_text`), encoded: ``(ids before the FIM part, ids at the start of
+        the prefix)``.  Encoded on their own, so the prompt's start is the same tokens for every
+        cursor and the engine's prefix cache keeps hitting."""
+        if self.style is None or not files:
+            return Context([], [])
+        head, lead = self.style.context_text(files, repo, path)
+        return Context(self._encode(head), self._encode(lead))
 
     def build_healed(self, prefix: str, suffix: str, spm: bool = False, *,
-                     newline: bool = False) -> tuple[list[int], str]:
+                     newline: bool = False, context: Context | None = None) -> tuple[list[int], str]:
         """``build`` with the prefix healed (:func:`heal`): (prompt ids, the text the middle
         must begin with, to pass as ``GenerationParams.healed_prefix``; "" if nothing healed)."""
         self._check(prefix, suffix, spm)
         kept, healed = heal(self._tok, prefix, self._encode(prefix), newline=newline)
-        return self.layout(kept, self._encode(suffix), spm), healed
+        return self.layout(kept, self._encode(suffix), spm, context=context), healed
 
     def _check(self, prefix: str, suffix: str, spm: bool) -> None:
         if not isinstance(prefix, str) or not isinstance(suffix, str):
@@ -204,12 +222,15 @@ class FimFormat:
         if spm and not self.supports_spm:
             raise ValueError(f"the {self.name} FIM format was not trained in SPM order; use spm=False")
 
-    def layout(self, p: list[int], s: list[int], spm: bool = False) -> list[int]:
-        """Prompt ids from already encoded prefix ``p`` and suffix ``s`` (SPM or PSM order)."""
+    def layout(self, p: list[int], s: list[int], spm: bool = False, *,
+               context: Context | None = None) -> list[int]:
+        """Prompt ids from already encoded prefix ``p`` and suffix ``s`` (SPM or PSM order),
+        after the ``context`` of other files when given."""
         middle = [self.middle_id] if self.middle_id is not None else []
+        head, lead = (context.head, context.lead) if context is not None else ((), ())
         if spm or (self.style is not None and self.style.spm_only):
-            return [self.suffix_id, *s, self.prefix_id, *p, *middle]
-        return [self.prefix_id, *p, self.suffix_id, *s, *middle]
+            return [*head, self.suffix_id, *s, self.prefix_id, *lead, *p, *middle]
+        return [*head, self.prefix_id, *lead, *p, self.suffix_id, *s, *middle]
 
 
 def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: int = HEAL_MAX_TOKENS,

@@ -193,15 +193,25 @@ def complete(*args: Any, **kw: Any) -> Result:
 
 def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
                    settings: Settings, trigger: int, params_cls: Any,
-                   on_partial: Callable[[str], None] | None = None, python: bool = False):
+                   on_partial: Callable[[str], None] | None = None, python: bool = False,
+                   neighbours: Callable[[int, Callable[[str], int]], list] | None = None):
     """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result);
-    `python`: the document is Python (its indentation rules cut multi-line suggestions)."""
+    `python`: the document is Python (its indentation rules cut multi-line suggestions);
+    `neighbours(budget, count)`: other files' chunks within a token budget
+    (`spark_lsp.neighbours.Neighbours.select`), put first in the prompt."""
     t0 = time.perf_counter()
     ctx = context_at(text, offset, python=python)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
     max_new = settings.max_tokens if multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
     budget = prompt_budget(model, settings.context_tokens, max_new)  # never overflows the context
-    prompt = builder.build(text, offset, budget, key=job.slot)
+    share = min(settings.neighbour_tokens, budget // 2)  # the document keeps at least half
+    files = neighbours(share, builder.count_tokens) if neighbours is not None and share > 0 else []
+    context = builder.context(files) if files else None
+    if context is not None:
+        budget -= len(context.head) + len(context.lead)
+        prompt = builder.build(text, offset, budget, key=job.slot, context=context)
+    else:
+        prompt = builder.build(text, offset, budget, key=job.slot)
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
@@ -234,5 +244,5 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
             items.append(item)
     stats.update(multiline=multiline, items=len(items), fim=prompt.fim,
                  server_ms=(time.perf_counter() - t0) * 1e3, prompt_len=len(prompt.ids),
-                 healed=len(prompt.healed))
+                 healed=len(prompt.healed), context_tokens=getattr(prompt, "context_tokens", 0))
     return Result(items, stats)

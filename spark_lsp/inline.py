@@ -103,6 +103,7 @@ class InlineCompletions:
         st = self.state
         await st.ready()
         host, settings, python = st.host, st.settings, self.is_python(uri)
+        st.observe(uri, text, text.count("\n", 0, offset))
         holder: dict = {}
 
         def steps(job: Job):
@@ -117,6 +118,7 @@ class InlineCompletions:
                 host.params_cls,
                 on_partial=lambda s: setattr(holder["inf"], "partial", s),
                 python=python,
+                neighbours=lambda budget, count: st.neighbours.select(uri, budget, count),
             )
 
         job = Job(uri, steps, asyncio.get_running_loop(), kind="completion")

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.fim import FimFormat, heal as heal_ids
+from engine.fim import Context, FimFormat, heal as heal_ids
 
 from .documents import split_lines
 
@@ -36,6 +36,7 @@ class Prompt:
     prefix_start: int    # document offset where the prefix text begins
     fim: bool            # False: no FIM tokens in this tokenizer, plain left-to-right prompt
     healed: str = ""     # end of `prefix` left out of `ids`: the answer must begin with it (not shown)
+    context_tokens: int = 0  # ids of other files' chunks at the start (spark_lsp.neighbours)
 
 
 class TokenCounter:
@@ -75,34 +76,52 @@ class PromptBuilder:
         self.stop_strings: tuple[str, ...] = tuple(t for t in names if t)
         self.counter = TokenCounter(tokenizer.encode)
         self._anchors: dict[str, int] = {}
+        self._context_key: tuple = ()
+        self._context: Context | None = None
 
     def forget(self, key: str) -> None:
         self._anchors.pop(key, None)
 
-    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a text, line by line (memoised): budgets, not exact prompt lengths."""
+        return sum(self.counter.line(line) for line in split_lines(text))
+
+    def context(self, files: list[tuple[str, str]]) -> Context | None:
+        """Other files' chunks ((path, text) pairs, `spark_lsp.neighbours`) as prompt ids in the
+        model's repository format, encoded once per distinct selection; None without FIM."""
+        if not files or self.fim is None:
+            return None
+        key = tuple(files)
+        if key != self._context_key:
+            self._context_key, self._context = key, self.fim.context_ids(files)
+        return self._context
+
+    def encode_fim(self, prefix: str, suffix: str, context: Context | None = None) -> list[int]:
         if self.fim is None:
             return list(self.tokenizer.encode(prefix))
-        return self.fim.build(prefix, suffix, spm=self.spm)
+        return self.fim.build(prefix, suffix, spm=self.spm, context=context)
 
-    def encode_healed(self, prefix: str, suffix: str, *, line_break: bool = False) -> tuple[list[int], str]:
+    def encode_healed(self, prefix: str, suffix: str, *, line_break: bool = False,
+                      context: Context | None = None) -> tuple[list[int], str]:
         """`encode_fim` with the prefix token-healed: (ids, healed text). A left-to-right prompt
         keeps at least one token (the engine needs something to start from). A final line break
         is always healed (a cursor at column 0: tokenizers that merge a newline with the next
         line's indentation never saw a bare one before indented code); `line_break`: only that,
         never a partial word (code actions, see `build_parts_healed`)."""
         if not self.heal:
-            return self.encode_fim(prefix, suffix), ""
+            return self.encode_fim(prefix, suffix, context), ""
         rule = {"run": None, "newline": True} if line_break else {"newline": True}
         ids, healed = heal_ids(self.tokenizer, prefix, keep=0 if self.fim is not None else 1, **rule)
         if self.fim is None:
             return ids, healed
         suffix_ids = list(self.tokenizer.encode(suffix)) if suffix else []
-        return self.fim.layout(ids, suffix_ids, self.spm), healed
+        return self.fim.layout(ids, suffix_ids, self.spm, context=context), healed
 
     def build(self, text: str, offset: int, budget: int, key: str | None = None,
-              suffix_share: float | None = None) -> Prompt:
+              suffix_share: float | None = None, context: Context | None = None) -> Prompt:
         """Prompt for the cursor at string offset `offset` of `text`, at most about `budget` tokens
-        of document text (a few FIM tokens come on top)."""
+        of document text (a few FIM tokens come on top).  `context`: other files' ids
+        (`context()`), first in the prompt, on top of `budget`."""
         # Work on a window around the cursor (a token is rarely over 12 characters): splitting a
         # whole large file into lines on every keystroke would cost more than the model's prefill.
         reach = max(budget, 64) * 12
@@ -158,8 +177,9 @@ class PromptBuilder:
         if key is not None:
             self._anchors[key] = starts[start]
         prefix = "".join(lines[start:line_no]) + head
-        ids, healed = self.encode_healed(prefix, suffix)
-        return Prompt(ids, prefix, suffix, starts[start], self.fim is not None, healed)
+        ids, healed = self.encode_healed(prefix, suffix, context=context)
+        n_context = len(context.head) + len(context.lead) if context is not None else 0
+        return Prompt(ids, prefix, suffix, starts[start], self.fim is not None, healed, n_context)
 
     def build_parts(self, prefix: str, suffix: str, budget: int) -> list[int]:
         """FIM prompt ids for explicit prefix/suffix texts (code actions), keeping the lines nearest

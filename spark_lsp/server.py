@@ -11,6 +11,7 @@ Handlers are async and never run model work themselves, so the reader keeps read
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from lsprotocol import types as T
 from pygls.protocol import default_converter
@@ -181,6 +182,10 @@ def create_server(model_dir: str | None = None) -> SparkServer:
 
     @ls.feature(T.INITIALIZE)
     def initialize(ls: SparkServer, params: T.InitializeParams):
+        folders = params.workspace_folders or []
+        root = folders[0].uri if folders else params.root_uri
+        if root and root.startswith("file:"):
+            st.root = unquote(urlparse(root).path)
         try:
             st.apply_settings(params.initialization_options, "initializationOptions")
         except SettingsError as exc:
@@ -195,12 +200,20 @@ def create_server(model_dir: str | None = None) -> SparkServer:
     def shutdown(ls: SparkServer, params: Any):
         st.shutdown()
 
+    @ls.feature(T.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: SparkServer, params: T.DidOpenTextDocumentParams):
+        st.observe(params.text_document.uri, params.text_document.text, 0)
+
     @ls.feature(T.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: SparkServer, params: T.DidChangeTextDocumentParams):
         uri, version = params.text_document.uri, params.text_document.version
         text = ls.text(uri)
         if not ls.edits.on_change(uri, text, version):  # not our own live edit coming back
             ls.inline.on_change(uri, text)
+            change = params.content_changes[-1] if params.content_changes else None
+            rng = getattr(change, "range", None)
+            if text is not None:
+                st.observe(uri, text, rng.start.line if rng is not None else 0)
 
     @ls.feature(T.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: SparkServer, params: T.DidCloseTextDocumentParams):

@@ -153,6 +153,14 @@ class Settings:
         " background process (spark-lsp tune); it applies from the next load.",
     )
 
+    neighbour_tokens: int = setting(
+        0,
+        "integer",
+        "Prompt tokens for chunks of the other open and recently edited files (0: none), in the "
+        "model's repository format.",
+        minimum=0,
+        maximum=32768,
+    )
     fim_format: str = setting(
         "auto",
         "choice",

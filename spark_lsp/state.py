@@ -8,11 +8,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from .editor import Editor
 from .errors import ServerError
 from .live_edits import LiveEdit
 from .model_host import ModelHost, ModelNotReady
+from .neighbours import Neighbours
 from .precision_job import PrecisionJob
 from .scheduler import Scheduler
 from .settings import Settings, SettingsError, to_json, update
@@ -41,9 +43,17 @@ class ServerState:
         self.enabled = True  # inline completions on (spark.toggle)
         self.live: dict[str, LiveEdit] = {}  # documents with an edit streaming into them
         self.tuner = PrecisionJob(self._report_from_thread)
+        self.neighbours = Neighbours()  # chunks of the other open/edited files for prompts
+        self.root: str | None = None  # workspace folder path: files are named relative to it
         self._loop: asyncio.AbstractEventLoop | None = None
         # False for a network session: it may not point the server at files (settings.update)
         self.trusted = True
+
+    def observe(self, uri: str, text: str, line: int) -> None:
+        """Activity at `line` of a document (open, edit, completion): its chunk may join the
+        context other documents' prompts get (`spark_lsp.neighbours`)."""
+        if self.settings.neighbour_tokens > 0:
+            self.neighbours.observe(uri, document_path(uri, self.root), text, line)
 
     def sched(self) -> Scheduler:
         """The engine thread, started on first use."""
@@ -164,6 +174,18 @@ class ServerState:
         """After `shutdown`: wait for the engine thread to leave the model (see Scheduler.join)."""
         if self.scheduler is not None and not self.scheduler.join(timeout):
             log.warning("the engine did not stop within %.0f s", timeout)
+
+
+def document_path(uri: str, root: str | None) -> str:
+    """How a prompt names a document: its path relative to the workspace folder, else its last
+    two path components (a `file:` URI), else the URI."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("file", ""):
+        return uri
+    path = unquote(parsed.path)
+    if root and path.startswith(root.rstrip("/") + "/"):
+        return path[len(root.rstrip("/")) + 1:]
+    return "/".join(path.rstrip("/").split("/")[-2:])
 
 
 #: Shown when the loaded model has no fill-in-the-middle tokens (engine.fim finds no family).

@@ -215,11 +215,14 @@ class CompletionResult:
 
 def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | None = None,
                    max_new_tokens: int = 48, heal: bool = True,
-                   finish: Callable[[Position, str], str] | None = None) -> CompletionResult:
+                   finish: Callable[[Position, str], str] | None = None,
+                   context: Callable[[Position], list[tuple[str, str]]] | None = None) -> CompletionResult:
     """Greedy FIM line completion at every position (see the module docstring).
 
     ``finish(position, raw)``: what a client makes of the raw output before it is compared (the
-    language server passes its post-processing, so the score is the suggestion users would see)."""
+    language server passes its post-processing, so the score is the suggestion users would see).
+    ``context(position)``: other files ((path, text) pairs) put first in the prompt, in the
+    model's repository format (``FimFormat.context_ids``)."""
     fim = FimFormat.detect(engine.tokenizer)
     if fim is None:
         raise ValueError(f"{engine.name}: the tokenizer has no fill-in-the-middle tokens")
@@ -228,8 +231,11 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
     samples, ttft, speed = [], [], []
     for pos in positions:
         engine.reset()  # cold prefill: TTFT without prefix reuse
-        ids, healed = fim.build_healed(pos.prefix, pos.suffix, spm=spm, newline=True) if heal else \
-            (fim.build(pos.prefix, pos.suffix, spm=spm), "")
+        ctx = fim.context_ids(context(pos), path=Path(pos.file).name) if context is not None else None
+        if ctx is not None and len(ctx.head) + len(ctx.lead) > engine.context // 2:
+            ctx = None  # a context that leaves the file itself no room is not used
+        ids, healed = fim.build_healed(pos.prefix, pos.suffix, spm=spm, newline=True, context=ctx) if heal else \
+            (fim.build(pos.prefix, pos.suffix, spm=spm, context=ctx), "")
         gen = engine.generate(ids, replace(params, healed_prefix=healed) if healed else params)
         for _ in gen:
             pass
@@ -237,7 +243,7 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
         target = pos.target.rstrip()
         mean_lp = sum(gen.logprobs) / len(gen.logprobs) if gen.logprobs else float("-inf")
         samples.append({"file": pos.file, "line": pos.line + 1, "target": target, "prediction": pred,
-                        "healed": healed, "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
+                        "healed": healed, "prompt_tokens": len(ids), "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
                         "confidence": math.exp(mean_lp), "ttft_ms": gen.stats["ttft_ms"],
                         "new_tokens": gen.stats["new_tokens"]})
         ttft.append(gen.stats["ttft_ms"])
@@ -285,19 +291,34 @@ def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
 def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
              max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
              heal: bool = True, line_start: bool = False, mid_line: bool = False,
-             finish: Callable[[Position, str], str] | None = None) -> dict:
-    """Both measures on ``files``; a JSON-ready dict (``finish``: see :func:`complete_lines`)."""
+             finish: Callable[[Position, str], str] | None = None,
+             context: Callable[[Position], list[tuple[str, str]]] | None = None) -> dict:
+    """Both measures on ``files``; a JSON-ready dict (``finish``: see :func:`complete_lines`).
+
+    With ``context`` the completions run twice, without and with the other files in the prompt
+    (same cursors): ``exact_match`` / ``edit_similarity`` are without, ``context`` holds both."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
     positions = sample_positions(texts, n, seed, line_start=line_start, mid_line=mid_line)
     comp = complete_lines(engine, positions, spm=spm,
                           max_new_tokens=max_new_tokens, heal=heal, finish=finish)
+    with_ctx = complete_lines(engine, positions, spm=spm, max_new_tokens=max_new_tokens, heal=heal,
+                              finish=finish, context=context) if context is not None else None
     order = sorted(texts)  # deterministic subset when capped
     random.Random(seed).shuffle(order)
     bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)
     out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, "line_start": line_start,
            "mid_line": mid_line, **asdict(comp), "gate": gate_table(comp.samples),
            "bits_per_byte": bpb, "bpb_bytes": scored, "bpb_window": window}
+    if with_ctx is not None:
+        out["context"] = {
+            "without": {"exact_match": comp.exact_match, "edit_similarity": comp.edit_similarity,
+                        "ttft_ms_median": comp.ttft_ms_median},
+            "with": {"exact_match": with_ctx.exact_match, "edit_similarity": with_ctx.edit_similarity,
+                     "ttft_ms_median": with_ctx.ttft_ms_median,
+                     "prompt_tokens_median": statistics.median(s["prompt_tokens"] for s in with_ctx.samples)},
+        }
+        out["context_samples"] = with_ctx.samples
     out["samples"] = out.pop("samples")
     return out

@@ -34,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
     where.add_argument("--mid-line", action="store_true",
                        help="cursors inside a line with its rest kept after a hidden span (the model fills the span)")
+    p.add_argument("--context", choices=["none", "neighbours"], default="none",
+                   help="neighbours: also complete every cursor with chunks of the other files of its "
+                        "folder in the prompt (the server's ring buffer, in the model's repository "
+                        "format) and report both")
+    p.add_argument("--context-tokens", type=int, default=512, metavar="N",
+                   help="token budget of the neighbours' chunks (default 512)")
     p.add_argument("--served", action="store_true",
                    help="score the suggestion after the server's post-processing, not the raw line")
     p.add_argument("--max-new-tokens", type=int, default=48, metavar="N")
@@ -54,6 +60,31 @@ def served(pos, raw: str) -> str:
     return postprocess.clean(raw, ctx, postprocess.choose_multiline(ctx))
 
 
+def neighbours_context(files, tokenizer, budget: int):
+    """`context(position)` for `evaluate`: the server's ring buffer (`spark_lsp.neighbours`) fed
+    with the head and the middle of every other file of the position's folder, selected within
+    `budget` tokens as the server selects them."""
+    from pathlib import Path
+
+    from spark_lsp.neighbours import Neighbours
+
+    texts = {Path(f): Path(f).read_text(encoding="utf-8", errors="replace") for f in files}
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    def context(pos) -> list[tuple[str, str]]:
+        here = Path(pos.file)
+        ring = Neighbours()
+        for path, text in sorted(texts.items()):
+            if path != here and path.parent == here.parent:
+                ring.observe(str(path), path.name, text, 0)
+                ring.observe(str(path), path.name, text, text.count("\n") // 2)
+        return ring.select(str(here), budget, count)
+
+    return context
+
+
 def run(args: argparse.Namespace) -> int:
     from engine import Engine, ModelError
     from engine.hub import resolve_model
@@ -71,10 +102,12 @@ def run(args: argparse.Namespace) -> int:
         files = resolve_files(args.files)
         eng = Engine.load(resolve_model(args.model), threads=args.threads)
         spm = None if args.order == "auto" else args.order == "spm"
+        context = neighbours_context(files, eng.tokenizer, args.context_tokens) \
+            if args.context == "neighbours" else None
         res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
                        bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,
                        line_start=args.line_start, mid_line=args.mid_line,
-                       finish=served if args.served else None)
+                       finish=served if args.served else None, context=context)
     except (ModelError, ValueError, OSError) as e:
         return fail(str(e))
     if args.json:
@@ -90,6 +123,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"  TTFT median      {res['ttft_ms_median']:.1f} ms")
     print(f"  decode median    {dec:.0f} tok/s" if dec else "  decode median    n/a (completions too short)")
     print(f"  bits per byte    {res['bits_per_byte']:.3f}  ({res['bpb_bytes']} bytes, window {res['bpb_window']})")
+    if "context" in res:
+        w, wo = res["context"]["with"], res["context"]["without"]
+        print(f"  with the other files of each folder in the prompt (--context neighbours, "
+              f"median prompt {w['prompt_tokens_median']:.0f} tokens):")
+        print(f"    exact match      {wo['exact_match']:.1%} -> {w['exact_match']:.1%}")
+        print(f"    edit similarity  {wo['edit_similarity']:.3f} -> {w['edit_similarity']:.3f}")
+        print(f"    TTFT median      {wo['ttft_ms_median']:.1f} -> {w['ttft_ms_median']:.1f} ms (cold prefill)")
     print("  confidence gate  (shown: a non-empty suggestion whose exp(mean token log-probability) >= threshold)")
     print("    threshold  coverage  exact match  edit similarity")
     for row in res["gate"]:

@@ -93,6 +93,28 @@ def test_eval_cli_end_to_end(tiny_llama, tmp_path, capsys):
     assert res["bpb_bytes"] == len((SRC * 3).encode())
 
 
+def test_eval_with_neighbours_context(tiny_qwen2, tmp_path, capsys):
+    """--context neighbours: the same cursors completed without and with the other files of the
+    folder first in the prompt (protocol check on a random model: longer prompts, both scored)."""
+    from spark_lsp.cli import main
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    for name in ("a", "b", "c"):
+        (pkg / f"{name}.py").write_text(SRC.replace("def ", f"def {name}_") * 2)
+    rc = main(["eval", "--model", str(tiny_qwen2), "--files", str(pkg / "*.py"), "--n", "4",
+               "--max-new-tokens", "4", "--json", "--threads", "1", "--context", "neighbours",
+               "--context-tokens", "120", "--bpb-max-bytes", "2000"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    both = res["context"]
+    assert set(both) == {"without", "with"} and both["without"]["exact_match"] == res["exact_match"]
+    plain, ctx = res["samples"], res["context_samples"]
+    assert [(s["file"], s["line"], s["target"]) for s in plain] == [(s["file"], s["line"], s["target"]) for s in ctx]
+    assert all(c["prompt_tokens"] > p["prompt_tokens"] for p, c in zip(plain, ctx))
+    assert all(c["prompt_tokens"] - p["prompt_tokens"] <= 120 + 16 for p, c in zip(plain, ctx))
+
+
 def test_eval_cli_errors(tiny_llama, tmp_path, capsys):
     from spark_lsp.cli import main
 

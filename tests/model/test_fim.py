@@ -90,15 +90,15 @@ def test_repository_level_text():
 
     files = [("pkg/util.py", "def helper():\n    return 1\n")]
     qwen = FS["qwen"].render("x = ", "\n", files=files, repo="myrepo", path="pkg/main.py")
-    assert qwen == ("<|repo_name|>myrepo\n<|file_sep|>pkg/util.py\ndef helper():\n    return 1\n\n"
+    assert qwen == ("<|repo_name|>myrepo\n<|file_sep|>pkg/util.py\ndef helper():\n    return 1\n"
                     "<|file_sep|>pkg/main.py\n<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>")
     sc = FS["starcoder"].render("x = ", "\n", files=files, repo="myrepo", path="pkg/main.py")
     assert sc.startswith("<repo_name>myrepo<file_sep>pkg/util.py\ndef helper()") and \
         sc.endswith("<file_sep>pkg/main.py\n<fim_prefix>x = <fim_suffix>\n<fim_middle>")
     gemma = FS["codegemma"].render("x = ", "\n", files=files)
-    assert gemma.startswith("pkg/util.py\ndef helper():\n    return 1\n\n<|file_separator|><|fim_prefix|>x = ")
+    assert gemma.startswith("pkg/util.py\ndef helper():\n    return 1\n<|file_separator|><|fim_prefix|>x = ")
     ds = FS["deepseek"].render("x = ", "\n", files=files)
-    assert ds.startswith("<｜fim▁begin｜>#pkg/util.py\ndef helper():\n    return 1\n\nx = <｜fim▁hole｜>")
+    assert ds.startswith("<｜fim▁begin｜>#pkg/util.py\ndef helper():\n    return 1\nx = <｜fim▁hole｜>")
     assert FS["codestral"].render("x = ", "\n") == "[SUFFIX]\n[PREFIX]x = "
     with pytest.raises(ValueError, match="suffix-first only"):
         FS["codestral"].render("x = ", "\n", spm=False)

@@ -11,7 +11,7 @@ import * as vscode from 'vscode';
 const SERVER_KEYS = [
   'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs', 'liveEdits',
   'liveEditHz', 'multiline', 'speculative', 'maxLines', 'minConfidence', 'loadTimeoutS',
-  'waferChip', 'waferRegion', 'precision', 'tunePrecision', 'fimFormat',
+  'waferChip', 'waferRegion', 'precision', 'tunePrecision', 'neighbourTokens', 'fimFormat',
 ] as const;
 
 export type ServerSettings = Record<string, unknown>;

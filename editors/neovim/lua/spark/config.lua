@@ -56,6 +56,7 @@ M.server_settings_spec = {
   { name = 'waferRegion', type = { 'string', 'table' } },
   { name = 'precision', type = 'string', default = 'auto' },
   { name = 'tunePrecision', type = 'boolean', default = true },
+  { name = 'neighbourTokens', type = 'number', default = 0 },
   { name = 'fimFormat', type = 'string', default = 'auto' },
 }
 -- END server settings
