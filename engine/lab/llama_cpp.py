@@ -54,7 +54,9 @@ def _version() -> str:
     try:
         import llama_cpp
     except ImportError:
-        raise PeerUnavailable("llama-cpp-python not installed; pip install 'spark-lsp[peers]'") from None
+        raise PeerUnavailable(
+            "llama-cpp-python not installed; pip install 'spark-lsp[peers]'"
+        ) from None
     return llama_cpp.__version__
 
 
@@ -67,23 +69,50 @@ def converter_dir(cache_root: Path, log=print) -> Path:
         return out
     name = f"llama_cpp_python-{version}.tar.gz"
     sdist_dir = cache_root.parent / "sdist"
-    sdist = next((d / name for d in (sdist_dir, Path.home() / ".cache" / "spark-lsp" / "sdist")
-                  if (d / name).is_file()), sdist_dir / name)
+    sdist = next(
+        (
+            d / name
+            for d in (sdist_dir, Path.home() / ".cache" / "spark-lsp" / "sdist")
+            if (d / name).is_file()
+        ),
+        sdist_dir / name,
+    )
     if not sdist.is_file():
         log(f"fetching the llama-cpp-python {version} sdist (for llama.cpp's converter) ...")
         sdist_dir.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               "-d", str(sdist_dir), f"llama-cpp-python=={version}"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(sdist_dir),
+                f"llama-cpp-python=={version}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0 or not sdist.is_file():
-            raise PeerUnavailable(f"no llama-cpp-python {version} sdist for convert_hf_to_gguf.py "
-                                  f"(pip download failed: {(proc.stderr or '').strip().splitlines()[-1:]})")
+            raise PeerUnavailable(
+                f"no llama-cpp-python {version} sdist for convert_hf_to_gguf.py "
+                f"(pip download failed: {(proc.stderr or '').strip().splitlines()[-1:]})"
+            )
     tmp = Path(tempfile.mkdtemp(prefix="llama.cpp-", dir=cache_root))
     try:
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
-                       and (m.name.endswith(".py") or "/gguf-py/" in m.name) and (m.isfile() or m.isdir())]
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.startswith(prefix)
+                and (m.name.endswith(".py") or "/gguf-py/" in m.name)
+                and (m.isfile() or m.isdir())
+            ]
             tar.extractall(tmp, members=members, filter="data")
         os.replace(tmp / prefix, out)
     finally:
@@ -91,8 +120,9 @@ def converter_dir(cache_root: Path, log=print) -> Path:
     return out
 
 
-def gguf_file(model_dir: Path, digest: str, gguf_type: str, cache_root: Path, architecture: str,
-              log=print) -> Path:
+def gguf_file(
+    model_dir: Path, digest: str, gguf_type: str, cache_root: Path, architecture: str, log=print
+) -> Path:
     """The model as a GGUF of ``gguf_type`` (made once, cached by the weights digest)."""
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"gguf type {gguf_type!r}: expected one of {', '.join(GGUF_TYPES)}")
@@ -103,10 +133,25 @@ def gguf_file(model_dir: Path, digest: str, gguf_type: str, cache_root: Path, ar
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     if gguf_type in ("F32", "Q8_0"):
         src = converter_dir(cache_root, log)
-        log(f"converting {model_dir.name} to GGUF {gguf_type} with llama.cpp's convert_hf_to_gguf.py (once) ...")
+        log(
+            f"converting {model_dir.name} to GGUF {gguf_type} with llama.cpp's convert_hf_to_gguf.py (once) ..."
+        )
         fallback = _PRE_TOKENIZERS.get(architecture, "default")
-        proc = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(model_dir), str(tmp),
-                               gguf_type.lower(), fallback], capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _CONVERT,
+                str(src),
+                str(model_dir),
+                str(tmp),
+                gguf_type.lower(),
+                fallback,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if proc.returncode != 0 or not tmp.is_file():
             tmp.unlink(missing_ok=True)
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -115,7 +160,9 @@ def gguf_file(model_dir: Path, digest: str, gguf_type: str, cache_root: Path, ar
         import llama_cpp
 
         f32 = gguf_file(model_dir, digest, "F32", cache_root, architecture, log)
-        log(f"quantising {model_dir.name} to GGUF {gguf_type} with llama.cpp's quantiser (once) ...")
+        log(
+            f"quantising {model_dir.name} to GGUF {gguf_type} with llama.cpp's quantiser (once) ..."
+        )
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type}")
         params.nthread = os.cpu_count() or 1
@@ -138,19 +185,34 @@ llm.eval([1, 2, 3, 4])
 def probe(path: Path, threads: int) -> None:
     """Check in a subprocess that llama.cpp runs ``path`` on this machine: a build whose kernels
     crash here (a segfault cannot be caught) must skip the peer, not kill the benchmark."""
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads)], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(path), str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise PeerUnavailable(f"llama.cpp fails on {path.name} on this machine (exit {proc.returncode}: "
-                              f"{tail[0]}); rebuild llama-cpp-python for this CPU")
+        raise PeerUnavailable(
+            f"llama.cpp fails on {path.name} on this machine (exit {proc.returncode}: "
+            f"{tail[0]}); rebuild llama-cpp-python for this CPU"
+        )
 
 
 class LlamaCppPeer:
     """llama.cpp (``llama-cpp-python``) on one GGUF file: greedy, eos ignored, a fresh KV cache per call."""
 
-    def __init__(self, model_dir: Path, threads: int, digest: str, cache_root: Path, gguf_type: str,
-                 architecture: str, context: int, log=print) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        threads: int,
+        digest: str,
+        cache_root: Path,
+        gguf_type: str,
+        architecture: str,
+        context: int,
+        log=print,
+    ) -> None:
         version = _version()
         import llama_cpp
 
@@ -162,8 +224,15 @@ class LlamaCppPeer:
         self.path = path
         self.version = f"llama-cpp-python {version}"
         try:
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=512, n_ubatch=512,
-                                       n_threads=threads, n_threads_batch=threads, verbose=False)
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=context,
+                n_batch=512,
+                n_ubatch=512,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
         except ValueError as e:  # llama.cpp refused the file
             raise PeerUnavailable(f"llama.cpp cannot load {path.name}: {e}") from None
 
@@ -172,8 +241,9 @@ class LlamaCppPeer:
         out: list[int] = []
         stamps: list[float] = []
         t0 = time.perf_counter()
-        for tok in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                     reset=True):
+        for tok in self.llm.generate(
+            prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+        ):
             out.append(int(tok))
             stamps.append(time.perf_counter())
             if len(out) >= new_tokens:

@@ -11,17 +11,21 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from engine import quant
 from engine.config import load_config
 from engine.graph import DenseLinear, build_decoder
-from engine import quant
 from engine.quant import QuantLinear
 from engine.wafer.partition import TiledLinear
 from engine.weights import load_weights, open_weights, save_safetensors
 
 
 def _emitter(kind: str):
-    return {"dense": DenseLinear, "int4": lambda: QuantLinear(4), "int8-tiled": lambda: QuantLinear(8, TiledLinear()),
-            "tiled": lambda: TiledLinear(form="graph")}[kind]()
+    return {
+        "dense": DenseLinear,
+        "int4": lambda: QuantLinear(4),
+        "int8-tiled": lambda: QuantLinear(8, TiledLinear()),
+        "tiled": lambda: TiledLinear(form="graph"),
+    }[kind]()
 
 
 def _arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -39,9 +43,14 @@ def test_streamed_build_equals_in_memory(tiny_models, tmp_path, arch, kind):
     with open_weights(folder, cfg) as w:
         streamed = build_decoder(cfg, w, _emitter(kind), max_len=64, external_data=data)
     assert data.stat().st_size > 0
-    external = [t for t in streamed.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    external = [
+        t for t in streamed.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+    ]
     assert external and all(not t.HasField("raw_data") for t in external)
-    assert all(int(next(e.value for e in t.external_data if e.key == "offset")) % 4096 == 0 for t in external)
+    assert all(
+        int(next(e.value for e in t.external_data if e.key == "offset")) % 4096 == 0
+        for t in external
+    )
     onnx.save_model(streamed, str(tmp_path / "model.onnx"))
     loaded = onnx.load(str(tmp_path / "model.onnx"))
     assert [n.op_type for n in loaded.graph.node] == [n.op_type for n in ref.graph.node]
@@ -53,23 +62,48 @@ def test_streamed_build_equals_in_memory(tiny_models, tmp_path, arch, kind):
 
 def _deep_model(folder, layers: int = 24, hidden: int = 128, vocab: int = 4096):
     folder.mkdir()
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-           "intermediate_size": 3 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "eos_token_id": 0, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
-              "model.norm.weight": (hidden,)}
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
     for n in range(layers):
         p = f"model.layers.{n}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden // 2, hidden),
-                       p + "self_attn.v_proj.weight": (hidden // 2, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (3 * hidden, hidden), p + "mlp.up_proj.weight": (3 * hidden, hidden),
-                       p + "mlp.down_proj.weight": (hidden, 3 * hidden)})
-    save_safetensors(folder / "model.safetensors",
-                     {k: rng.standard_normal(s).astype(np.float32) * 0.05 for k, s in shapes.items()}, dtype="BF16")
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (hidden // 2, hidden),
+                p + "self_attn.v_proj.weight": (hidden // 2, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (3 * hidden, hidden),
+                p + "mlp.up_proj.weight": (3 * hidden, hidden),
+                p + "mlp.down_proj.weight": (hidden, 3 * hidden),
+            }
+        )
+    save_safetensors(
+        folder / "model.safetensors",
+        {k: rng.standard_normal(s).astype(np.float32) * 0.05 for k, s in shapes.items()},
+        dtype="BF16",
+    )
     return load_config(folder), sum(int(np.prod(s)) * 4 for s in shapes.values())
 
 
@@ -83,7 +117,9 @@ def test_streamed_build_holds_a_tensor_not_the_model(tmp_path, monkeypatch, kind
     tracemalloc.start()
     try:
         with open_weights(tmp_path / "m", cfg) as w:
-            build_decoder(cfg, w, _emitter(kind), max_len=64, external_data=tmp_path / "model.onnx.data")
+            build_decoder(
+                cfg, w, _emitter(kind), max_len=64, external_data=tmp_path / "model.onnx.data"
+            )
         _, streamed_peak = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         build_decoder(cfg, load_weights(tmp_path / "m", cfg), _emitter(kind), max_len=64)

@@ -21,14 +21,19 @@ from engine.weights import write_safetensors
 
 def test_write_safetensors_one_tensor_at_a_time(tmp_path):
     rng = np.random.default_rng(0)
-    want = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
+    want = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal(7).astype(np.float32),
+    }
     made = []
 
     def make(name):
         made.append(name)
         return want[name]
 
-    write_safetensors(tmp_path / "m.safetensors", {k: v.shape for k, v in want.items()}, make, "F32")
+    write_safetensors(
+        tmp_path / "m.safetensors", {k: v.shape for k, v in want.items()}, make, "F32"
+    )
     got = load_file(str(tmp_path / "m.safetensors"))
     assert made == ["a", "b"] and all(np.array_equal(got[k], want[k]) for k in want)
     with pytest.raises(ValueError, match="tensor a: shape"):
@@ -38,14 +43,25 @@ def test_write_safetensors_one_tensor_at_a_time(tmp_path):
 def test_synthetic_qwen_folder_runs(tmp_path, monkeypatch):
     """A Qwen2-style synthetic model (tied 151,936-row embedding, q/k/v biases, bf16, a tokenizer
     padded to the real vocabulary) is written, loads and generates."""
-    spec = dict(models.SYNTHETIC["synthetic-qwen2.5-coder-0.5b"], hidden_size=64, num_hidden_layers=2,
-                intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    spec = dict(
+        models.SYNTHETIC["synthetic-qwen2.5-coder-0.5b"],
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     monkeypatch.setitem(models.SYNTHETIC, "synthetic-test", spec)
     folder = models.synthetic_model("synthetic-test", root=tmp_path)
     assert models.synthetic_model("synthetic-test", root=tmp_path) == folder  # written once
     cfg = load_config(folder)
-    assert (cfg.architecture, cfg.vocab_size, cfg.tie_word_embeddings, cfg.attention_bias,
-            cfg.torch_dtype) == ("qwen2", 151936, True, True, "bfloat16")
+    assert (
+        cfg.architecture,
+        cfg.vocab_size,
+        cfg.tie_word_embeddings,
+        cfg.attention_bias,
+        cfg.torch_dtype,
+    ) == ("qwen2", 151936, True, True, "bfloat16")
     eng = Engine.load(folder, cache_dir=tmp_path / "graphs", max_context=64, precision="int4")
     assert eng.tokenizer.vocab_size == 151643 and eng.sample_vocab == 151643
     gen = eng.generate(list(range(300, 340)), GenerationParams(max_new_tokens=5, ignore_eos=True))
@@ -80,19 +96,42 @@ def test_gguf_bytes_per_token(tmp_path, tied):
 
 
 def test_peer_and_gguf_lists():
-    assert bench.parse_list("llama.cpp, transformers", bench.PEERS, "--peers") == ("llama.cpp", "transformers")
+    assert bench.parse_list("llama.cpp, transformers", bench.PEERS, "--peers") == (
+        "llama.cpp",
+        "transformers",
+    )
     assert bench.parse_list("q8_0,F32", ("F32", "Q8_0"), "--gguf") == ("Q8_0", "F32")
     with pytest.raises(ValueError, match="--gguf: unknown 'Q3'"):
         bench.parse_list("Q3", ("F32",), "--gguf")
 
 
 def test_class_table_groups_runners_by_bits():
-    res = {"bandwidth_gb_s": 20.0, "ours": {
-        "int8": {"prefill_tok_s": 300, "decode_tok_s": 40.0, "ttft_ms": 1700, "rss_mb": 600, "bits": 8,
-                 "weight_mb_per_token": 500, "bandwidth_pct": 100.0}},
-        "peers": {"llama.cpp Q8_0": {"prefill_tok_s": 280, "decode_tok_s": 32.0, "ttft_ms": 1800, "rss_mb": 550,
-                                     "bits": 8, "weight_mb_per_token": 525, "bandwidth_pct": 84.0},
-                  "transformers": {"skipped": "not installed"}}}
+    res = {
+        "bandwidth_gb_s": 20.0,
+        "ours": {
+            "int8": {
+                "prefill_tok_s": 300,
+                "decode_tok_s": 40.0,
+                "ttft_ms": 1700,
+                "rss_mb": 600,
+                "bits": 8,
+                "weight_mb_per_token": 500,
+                "bandwidth_pct": 100.0,
+            }
+        },
+        "peers": {
+            "llama.cpp Q8_0": {
+                "prefill_tok_s": 280,
+                "decode_tok_s": 32.0,
+                "ttft_ms": 1800,
+                "rss_mb": 550,
+                "bits": 8,
+                "weight_mb_per_token": 525,
+                "bandwidth_pct": 84.0,
+            },
+            "transformers": {"skipped": "not installed"},
+        },
+    }
     lines = bench.format_classes(res)
     row = next(ln for ln in lines if ln.startswith("8") and "spark-lsp int8" in ln)
     assert row.rstrip().endswith("1.25x") and "100%" in row
@@ -113,12 +152,37 @@ def test_llama_cpp_peer_same_weights(tiny_llama, tmp_path, monkeypatch, capsys):
     from engine.lab.llama_cpp import LlamaCppPeer
     from engine.weights import weights_digest
 
-    peer = LlamaCppPeer(tiny_llama, 1, weights_digest(tiny_llama), models.bench_root(), "F32",
-                        load_config(tiny_llama).architecture, 128, log=lambda m: None)
+    peer = LlamaCppPeer(
+        tiny_llama,
+        1,
+        weights_digest(tiny_llama),
+        models.bench_root(),
+        "F32",
+        load_config(tiny_llama).architecture,
+        128,
+        log=lambda m: None,
+    )
     toks, dt, span = peer.timed(prompt, 8)
     assert toks == list(want.tokens) and dt > 0 and span is not None
-    rc = bench.main(["--model", str(tiny_llama), "--json", "--prompt-tokens", "32", "--new-tokens",
-                         "6", "--repeats", "1", "--cancels", "0", "--peers", "llama.cpp", "--gguf", "F32"])
+    rc = bench.main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--prompt-tokens",
+            "32",
+            "--new-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--cancels",
+            "0",
+            "--peers",
+            "llama.cpp",
+            "--gguf",
+            "F32",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     res = json.loads(out)
@@ -133,8 +197,21 @@ def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
     prompt prefilled) and the start are reported beside the keystroke latencies."""
     from spark_lsp import bench_lsp
 
-    rc = bench_lsp.main(["--model", str(tiny_llama), "--precision", "int8", "--speed", "20", "--max-chars", "12",
-                         "--cancels", "1", "--json"])
+    rc = bench_lsp.main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--precision",
+            "int8",
+            "--speed",
+            "20",
+            "--max-chars",
+            "12",
+            "--cancels",
+            "1",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     res = json.loads(out)
