@@ -176,7 +176,9 @@ def run(args, plot=None) -> int:
                 break
         keys = keys[:cut + 1]
     text = source[:start] + source[end:]
-    options = {"liveEdits": False, "tunePrecision": False}  # no background measuring skews the run
+    # no background measuring skews the run; every suggestion is shown (no confidence gate), so the
+    # replay's work (typing-through, model calls) is the same whatever a model's probabilities
+    options = {"liveEdits": False, "tunePrecision": False, "minConfidence": 0}
     if args.context_tokens:
         options["contextTokens"] = args.context_tokens
     if args.max_tokens:

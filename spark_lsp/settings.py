@@ -53,8 +53,8 @@ class Spec:
 
 
 #: minConfidence's default, chosen from `spark-lsp eval`'s gate table on the bundled model's held-out
-#: files (docs/suggestions.md): it hides the least sure suggestions, whose exact match is lowest
-DEFAULT_MIN_CONFIDENCE = 0.0
+#: files (docs/suggestions.md): it hides the suggestions least likely to be right, few of which are
+DEFAULT_MIN_CONFIDENCE = 1e-4
 
 
 def setting(default: Any, kind: str, doc: str, **spec: Any) -> Any:
@@ -118,8 +118,8 @@ class Settings:
     min_confidence: float = setting(
         DEFAULT_MIN_CONFIDENCE,
         "number",
-        "Hide an automatic suggestion the model is less sure of than this: the geometric mean of "
-        "the probabilities it gave its tokens (0 shows every suggestion). Suggestions asked for "
+        "Hide an automatic suggestion the model is less sure of than this: the probability it "
+        "gave the suggestion's first line (0 shows every suggestion). Suggestions asked for "
         "(Invoked) are always shown.",
         minimum=0.0,
         maximum=1.0,

@@ -15,10 +15,11 @@ and the prediction is the hidden span (what an editor asks for when the user edi
 of a line).  TTFT and decode speed come from the engine's own stats, measured cold (prefix cache
 cleared) for every sample.
 
-Confidence: every sample records the mean log-probability the model gave its own tokens; the
-``gate`` table gives, for each threshold on ``exp(mean log-probability)``, the share of cursors
-that would get a suggestion (non-empty and at least that confident) and the exact match and
-edit similarity of those shown: the trade-off a confidence gate chooses from.
+Confidence: every sample records the probability the model gave its generated line (the
+product of its tokens' probabilities, the ending line break included); the ``gate`` table gives,
+for each threshold on it, the share of cursors that would get a suggestion (non-empty and at
+least that likely) and the exact match and edit similarity of those shown: the trade-off a
+confidence gate chooses from.
 
 Bits per byte: the files' total negative log-likelihood (each file starting after an
 end-of-text token, as in training) divided by their UTF-8 size, over windows of at most
@@ -90,19 +91,20 @@ class Position:
 
 
 def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: bool = False,
-                     mid_line: bool = False) -> list[Position]:
+                     mid_line: bool = False, after_indent: bool = False) -> list[Position]:
     """``n`` cursors drawn uniformly over all non-blank lines of the files, then uniformly
     inside the line after its indentation (leaving at least one character to complete); with
     ``line_start`` over the indented lines only, each at column 0; with ``mid_line`` over lines
     of two tokens or more, the span from one token's start to a later one's hidden, the rest of
-    the line kept after the cursor."""
+    the line kept after the cursor; with ``after_indent`` over the indented lines, each right
+    after its indentation (the editor indented the new line; the model writes the rest)."""
     if mid_line:
         return _mid_line_positions(texts, n, seed)
     lines = []
     for path, text in texts.items():
         start = 0
         for i, line in enumerate(text.split("\n")):
-            if line.strip() and (not line_start or line[0] in " \t"):
+            if line.strip() and (not (line_start or after_indent) or line[0] in " \t"):
                 lines.append((path, i, start, line))
             start += len(line) + 1
     if not lines:
@@ -113,7 +115,8 @@ def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: b
     for path, i, start, line in picks:
         body = line.rstrip()
         indent = len(line) - len(line.lstrip())
-        cursor = start if line_start else start + rng.randint(indent, len(body) - 1)
+        cursor = start if line_start else start + indent if after_indent else \
+            start + rng.randint(indent, len(body) - 1)
         text = texts[path]
         end = start + len(line)
         prefix = text[:cursor]
@@ -171,8 +174,8 @@ def _clip_suffix(suffix: str) -> str:
     return suffix
 
 
-#: thresholds on exp(mean token log-probability) that the gate table reports
-GATE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: thresholds on the probability of the generated line that the gate table reports
+GATE_THRESHOLDS = (0.0, 1e-8, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3)
 
 
 def gate_table(samples: list[dict], thresholds=GATE_THRESHOLDS) -> list[dict]:
@@ -241,10 +244,10 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
             pass
         pred = (finish(pos, gen.text) if finish is not None else gen.text).split("\n", 1)[0].rstrip()
         target = pos.target.rstrip()
-        mean_lp = sum(gen.logprobs) / len(gen.logprobs) if gen.logprobs else float("-inf")
+        line_lp = sum(gen.logprobs) if gen.logprobs else float("-inf")  # the line, its break included
         samples.append({"file": pos.file, "line": pos.line + 1, "target": target, "prediction": pred,
                         "healed": healed, "prompt_tokens": len(ids), "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
-                        "confidence": math.exp(mean_lp), "ttft_ms": gen.stats["ttft_ms"],
+                        "confidence": math.exp(line_lp), "ttft_ms": gen.stats["ttft_ms"],
                         "new_tokens": gen.stats["new_tokens"]})
         ttft.append(gen.stats["ttft_ms"])
         if gen.stats["new_tokens"] >= 4:
@@ -290,7 +293,7 @@ def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
 
 def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
              max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
-             heal: bool = True, line_start: bool = False, mid_line: bool = False,
+             heal: bool = True, line_start: bool = False, mid_line: bool = False, after_indent: bool = False,
              finish: Callable[[Position, str], str] | None = None,
              context: Callable[[Position], list[tuple[str, str]]] | None = None) -> dict:
     """Both measures on ``files``; a JSON-ready dict (``finish``: see :func:`complete_lines`).
@@ -300,7 +303,8 @@ def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
-    positions = sample_positions(texts, n, seed, line_start=line_start, mid_line=mid_line)
+    positions = sample_positions(texts, n, seed, line_start=line_start, mid_line=mid_line,
+                                 after_indent=after_indent)
     comp = complete_lines(engine, positions, spm=spm,
                           max_new_tokens=max_new_tokens, heal=heal, finish=finish)
     with_ctx = complete_lines(engine, positions, spm=spm, max_new_tokens=max_new_tokens, heal=heal,
@@ -309,7 +313,7 @@ def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, 
     random.Random(seed).shuffle(order)
     bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)
     out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, "line_start": line_start,
-           "mid_line": mid_line, **asdict(comp), "gate": gate_table(comp.samples),
+           "mid_line": mid_line, "after_indent": after_indent, **asdict(comp), "gate": gate_table(comp.samples),
            "bits_per_byte": bpb, "bpb_bytes": scored, "bpb_window": window}
     if with_ctx is not None:
         out["context"] = {

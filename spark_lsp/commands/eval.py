@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--line-start", action="store_true",
                        help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
+    where.add_argument("--after-indent", action="store_true",
+                       help="cursors right after the indentation of indented lines (the model writes the rest)")
     where.add_argument("--mid-line", action="store_true",
                        help="cursors inside a line with its rest kept after a hidden span (the model fills the span)")
     p.add_argument("--context", choices=["none", "neighbours"], default="none",
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             if args.context == "neighbours" else None
         res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
                        bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,
-                       line_start=args.line_start, mid_line=args.mid_line,
+                       line_start=args.line_start, mid_line=args.mid_line, after_indent=args.after_indent,
                        finish=served if args.served else None, context=context)
     except (ModelError, ValueError, OSError) as e:
         return fail(str(e))
@@ -116,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     dec = res["decode_tok_s_median"]
     print(f"model {res['model']}: {res['files']} files, {res['n']} positions (seed {res['seed']}"
           f"{', at line starts' if res['line_start'] else ''}{', mid-line' if res['mid_line'] else ''}"
+          f"{', after the indentation' if res['after_indent'] else ''}"
           f"{'' if res['heal'] else ', no token healing'}"
           f"{', as served' if args.served else ''})")
     print(f"  exact match      {res['exact_match']:.1%}")
@@ -130,10 +133,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"    exact match      {wo['exact_match']:.1%} -> {w['exact_match']:.1%}")
         print(f"    edit similarity  {wo['edit_similarity']:.3f} -> {w['edit_similarity']:.3f}")
         print(f"    TTFT median      {wo['ttft_ms_median']:.1f} -> {w['ttft_ms_median']:.1f} ms (cold prefill)")
-    print("  confidence gate  (shown: a non-empty suggestion whose exp(mean token log-probability) >= threshold)")
+    print("  confidence gate  (shown: a non-empty suggestion whose line has at least that probability)")
     print("    threshold  coverage  exact match  edit similarity")
     for row in res["gate"]:
         em = "-" if row["exact_match"] is None else f"{row['exact_match']:.1%}"
         es = "-" if row["edit_similarity"] is None else f"{row['edit_similarity']:.3f}"
-        print(f"    {row['threshold']:9.2f}  {row['coverage']:8.1%}  {em:>11}  {es:>15}")
+        print(f"    {row['threshold']:9g}  {row['coverage']:8.1%}  {em:>11}  {es:>15}")
     return 0

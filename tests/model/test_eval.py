@@ -52,6 +52,13 @@ def test_mid_line_positions_hide_a_span_and_keep_the_rest_of_the_line():
         sample_positions({Path("b.py"): "x\n"}, 3, seed=0, mid_line=True)
 
 
+def test_after_indent_positions_start_after_the_indentation():
+    for pos in sample_positions({Path("a.py"): SRC}, 20, seed=0, after_indent=True):
+        line = pos.prefix.rsplit("\n", 1)[-1]
+        assert line and not line.strip() and pos.target.strip() and pos.target[0] not in " \t"
+        assert pos.prefix + pos.target + pos.suffix == SRC
+
+
 def test_gate_table_counts_what_each_threshold_would_show():
     samples = [{"prediction": "a", "confidence": 0.9, "exact": True, "edit_similarity": 1.0},
                {"prediction": "b", "confidence": 0.4, "exact": False, "edit_similarity": 0.5},

@@ -20,8 +20,10 @@ from spark_lsp.documents import Edit, apply_edits, offset_at, position_at
 SERVER = [sys.executable, "-m", "spark_lsp.commands.serve", "--stdio"]
 # tiny models have a 512-token context
 # tunePrecision: the one test of the background precision job turns it on (test_precision_job.py)
+# minConfidence 0: these tests are about the machinery, and a random model's suggestions would all be
+# hidden by the confidence gate (test_confidence_gate.py tests the gate)
 OPTIONS = {"contextTokens": 192, "maxTokens": 24, "maxEditTokens": 96, "liveEdits": False,
-           "tunePrecision": False}
+           "tunePrecision": False, "minConfidence": 0}
 
 SAMPLE = '''import os
 

@@ -83,21 +83,35 @@ def _complete(model, trigger, min_confidence):
 
 
 def test_an_unsure_automatic_suggestion_is_hidden_and_an_invoked_one_shown():
-    unsure = _Model("w * h", (0.9, 0.1))  # geometric mean 0.3
+    unsure = _Model("w * h", (0.9, 0.1))  # the line's probability: 0.09
     res = _complete(unsure, completions.AUTOMATIC, 0.5)
     assert res.items == [] and res.stats["hidden"] == "low confidence"
-    assert math.isclose(res.stats["confidence"], 0.3) and unsure.params[0].logprobs
-    assert _complete(unsure, completions.AUTOMATIC, 0.25).items == ["w * h"]  # under the threshold
+    assert math.isclose(res.stats["confidence"], 0.09) and unsure.params[0].logprobs
+    assert _complete(unsure, completions.AUTOMATIC, 0.05).items == ["w * h"]  # above the threshold
     invoked = _complete(unsure, completions.INVOKED, 0.5)
     assert "w * h" in invoked.items and not any(p.logprobs for p in unsure.params[-3:])
-    sure = _Model("w * h", (0.9, 0.8))
+    sure = _Model("w * h", (0.9, 0.8))  # 0.72
     assert _complete(sure, completions.AUTOMATIC, 0.5).items == ["w * h"]
+
+
+def test_only_the_first_line_counts_in_a_multi_line_suggestion():
+    # the first token ends the first line (its break included); the second is all of line 2
+    model = _Model("return w * h\n    # the area", (0.8, 0.01))
+    text = "def area(w, h):\n    "
+    loop = asyncio.new_event_loop()
+    try:
+        res = completions.complete(model, _Builder(), Job("doc", lambda j: None, loop), text, len(text),
+                                   Settings(min_confidence=0.5), completions.AUTOMATIC, GenerationParams)
+    finally:
+        loop.close()
+    assert res.stats["multiline"] and math.isclose(res.stats["confidence"], 0.8)
 
 
 def test_no_gate_asks_for_no_logprobs_and_a_model_without_them_is_not_gated():
     m = _Model("w * h", (0.9, 0.1))
     res = _complete(m, completions.AUTOMATIC, 0.0)
     assert res.items == ["w * h"] and not m.params[0].logprobs and "confidence" not in res.stats
+    assert Settings().min_confidence == 1e-4  # the default: see docs/suggestions.md
 
     class NoLogprobs(_Model):  # e.g. a remote backend that does not report them
         def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None):

@@ -42,7 +42,7 @@ URI = "file:///content/sample.py"
 @pytest.fixture(scope="module")
 def client():
     c = LspClient(server_cmd(str(MODEL)))
-    c.initialize({"liveEdits": False})
+    c.initialize({"liveEdits": False, "minConfidence": 0})  # every suggestion: these tests judge them
     c.wait_ready()
     c.open(URI, SRC)
     yield c

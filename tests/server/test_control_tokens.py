@@ -79,7 +79,7 @@ def test_completion_and_docstring_action_never_contain_control_tokens(eng, monke
     src = "def add(a, b):\n    return a + b\n"
     loop = asyncio.new_event_loop()
     try:
-        settings = Settings(max_tokens=24, context_tokens=256, speculative=speculative)
+        settings = Settings(max_tokens=24, context_tokens=256, speculative=speculative, min_confidence=0.0)
         res = completions.complete(LocalModel(eng), builder, Job("doc", lambda j: None, loop), src, len(src) - 1, settings,
                                    completions.INVOKED, GenerationParams)
         p = actions.plan(actions.DOCSTRING, src, src.index("return"), src.index("return"), 1, 64)

@@ -427,7 +427,7 @@ def test_speculative_completions_and_rewrites_match_plain_greedy(tiny_llama):
             out = []
             for spec in (False, True):
                 job = Job(f"doc-{spec}", lambda j: None, loop)
-                settings = Settings(speculative=spec, max_tokens=24, context_tokens=256)
+                settings = Settings(speculative=spec, max_tokens=24, context_tokens=256, min_confidence=0.0)
                 out.append(completions.complete(LocalModel(eng), builder, job, src, off, settings, completions.AUTOMATIC,
                                                 GenerationParams).items)
             assert out[0] == out[1]

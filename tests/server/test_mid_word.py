@@ -51,7 +51,8 @@ def run_complete(engine, text, off, monkeypatch, slot="doc"):
     loop = asyncio.new_event_loop()
     try:
         settings = Settings(max_tokens=OPTIONS["maxTokens"], context_tokens=OPTIONS["contextTokens"],
-                            max_edit_tokens=OPTIONS["maxEditTokens"], live_edits=False, precision="fp32")
+                            max_edit_tokens=OPTIONS["maxEditTokens"], live_edits=False, precision="fp32",
+                            min_confidence=0.0)
         res = completions.complete(model, PromptBuilder(engine.tokenizer), Job(slot, lambda j: None, loop),
                                    text, off, settings, completions.AUTOMATIC, GenerationParams)
     finally:

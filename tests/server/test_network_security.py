@@ -22,7 +22,7 @@ SECRET = (
     "API_KEY = 'sk-very-secret-4242'\n\n\ndef add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
 )
 URI = "file:///home/user/secret.py"
-OPTIONS = {"contextTokens": 128, "maxTokens": 8, "liveEdits": False}
+OPTIONS = {"contextTokens": 128, "maxTokens": 8, "liveEdits": False, "minConfidence": 0}
 
 
 # -- clients -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ URI = "file:///t/raw.py"
 def test_garbage_and_malformed_messages_get_errors_and_the_server_keeps_answering(tiny_llama):
     c = LspClient(server_cmd(str(tiny_llama)))
     try:
-        c.initialize({"contextTokens": 128, "maxTokens": 8})
+        c.initialize({"contextTokens": 128, "maxTokens": 8, "minConfidence": 0})
         c.wait_ready()
         c.open(URI, SRC)
         c.send_raw(b"{this is not json")

@@ -124,6 +124,7 @@ json.dump({
     "chat.disableAIFeatures": True,
     "spark.server.path": server,
     "spark.model": model,
+    "spark.minConfidence": 0,  # every suggestion: the run needs ghost text from a small model
 }, open(path, "w"), indent=2)
 PY
 T_INST0=$(now)

@@ -15,6 +15,10 @@ assert(printed and printed.cmd, 'the printed lines did not call setup() with a c
 local cmd = vim.deepcopy(printed.cmd)
 vim.list_extend(cmd, vim.json.decode(os.getenv('SPARK_TEST_CMD_EXTRA') or '[]'))
 local settings = vim.json.decode(os.getenv('SPARK_TEST_SETTINGS') or '{}')
+-- every suggestion, however unsure: the scenario needs ghost text from a small or random model
+if settings.minConfidence == nil then
+  settings.minConfidence = 0
+end
 require('spark').setup({
   cmd = cmd,
   model = os.getenv('SPARK_TEST_MODEL') ~= '' and os.getenv('SPARK_TEST_MODEL') or nil,
