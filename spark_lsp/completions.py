@@ -40,14 +40,21 @@ class Result:
     source: str = "model"     # 'model' | 'typing-through'
 
 
+LINE_CONTEXT = 4000  # characters of the cursor line kept on each side for post-processing
+
+
 def context_at(text: str, offset: int, n: int = 6, python: bool = False) -> postprocess.Context:
     before, after = line_at(text, offset)
     line_start = offset - len(before)
     line_end = offset + len(after)
     prev = split_lines(text[max(0, line_start - 2000):line_start])[:-1]
     nxt = split_lines(text[line_end:line_end + 2000])[1:]
-    strip = lambda ls: tuple(x.rstrip("\r\n") for x in ls)  # noqa: E731
-    return postprocess.Context(before, after, strip(nxt[:n]), strip(prev[-n:]), python=python)
+    strip = lambda ls: tuple(x.rstrip("\r\n")[:LINE_CONTEXT] for x in ls)  # noqa: E731
+    # of a very long line (minified code) only the part near the cursor: post-processing looks at
+    # what is next to the suggestion, and its work must not grow with the line
+    if len(before) > LINE_CONTEXT:
+        before = before[-LINE_CONTEXT:]
+    return postprocess.Context(before, after[:LINE_CONTEXT], strip(nxt[:n]), strip(prev[-n:]), python=python)
 
 
 class TypingThrough:

@@ -136,14 +136,18 @@ class PromptBuilder:
         line_no = max(0, bisect.bisect_right(starts, offset) - 1)
         line_no = min(line_no, len(lines) - 1)
         line_start = starts[line_no]
-        head = text[line_start:offset]                 # cursor line, before the cursor
-        tail = lines[line_no][offset - line_start:]    # cursor line, after the cursor
+        # the cursor line before and after the cursor; of a very long line (minified code, a
+        # 1 MB line) only the part near the cursor, so the work stays bounded by the budget
+        head = text[max(line_start, offset - reach):offset]
+        tail = lines[line_no][offset - line_start:][:reach]
 
         if suffix_share is None:
             # PSM prompts re-prefill the whole suffix on every keystroke: keep it short there
             suffix_share = 0.25 if self.spm else 0.1
         suffix_budget = int(budget * suffix_share) if self.fim is not None else 0
         # suffix: rest of the cursor line, then whole lines while they fit
+        if suffix_budget:
+            tail = self._cut(tail, suffix_budget, keep_end=False)
         used = self.counter.line(tail) if suffix_budget else 0
         end = line_no + 1
         while suffix_budget and end < len(lines):
@@ -156,6 +160,7 @@ class PromptBuilder:
         prefix_budget = max(budget - used, 8)
 
         # prefix: anchored start line (kept as a document offset)
+        head = self._cut(head, prefix_budget, keep_end=True)
         head_n = self.counter.line(head)
         anchor = self._anchors.get(key) if key is not None else None
         start = None
@@ -179,7 +184,18 @@ class PromptBuilder:
         prefix = "".join(lines[start:line_no]) + head
         ids, healed = self.encode_healed(prefix, suffix, context=context)
         n_context = len(context.head) + len(context.lead) if context is not None else 0
-        return Prompt(ids, prefix, suffix, starts[start], self.fim is not None, healed, n_context)
+        begin = starts[start] if start < line_no else offset - len(head)
+        return Prompt(ids, prefix, suffix, begin, self.fim is not None, healed, n_context)
+
+    def _cut(self, s: str, budget: int, keep_end: bool) -> str:
+        """`s` (one line, or part of one) cut to about `budget` tokens: its end or its start."""
+        for _ in range(8):
+            n = self.counter.line(s)
+            if n <= budget or not s:
+                return s
+            k = max(1, int(len(s) * budget / n * 0.9))
+            s = s[-k:] if keep_end else s[:k]
+        return s
 
     def build_parts(self, prefix: str, suffix: str, budget: int) -> list[int]:
         """FIM prompt ids for explicit prefix/suffix texts (code actions), keeping the lines nearest

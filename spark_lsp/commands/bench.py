@@ -5,6 +5,7 @@ Each benchmark lives in its own module, imported only when run (torch etc. load 
     engine -> engine.lab.bench          edits -> engine.lab.bench_edits
     lsp    -> spark_lsp.bench_lsp       wafer -> engine.lab.bench_wafer
     profile -> engine.lab.bench_profile (a diagnosis, not part of ``all``)
+    robustness -> spark_lsp.bench_robustness (fuzz, load, lifecycle, faults; not part of ``all``)
 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
 (``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
@@ -32,7 +33,7 @@ MODULES = {
     "wafer": "engine.lab.bench_wafer",
 }
 #: Diagnoses: run like the benchmarks, but not by ``all``.
-DIAGNOSES = {"profile": "engine.lab.bench_profile"}
+DIAGNOSES = {"profile": "engine.lab.bench_profile", "robustness": "spark_lsp.bench_robustness"}
 HELP = {
     "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
     "edits": "streamed code-action edits (speculative edits vs plain decoding)",
@@ -40,6 +41,7 @@ HELP = {
     "service": "the engine in-process vs over the persistent WebSocket vs HTTP+SSE; K editors on Ray replicas",
     "wafer": "partitioned-weight emitter and the wafer performance model",
     "profile": "a decode step's time per ONNX operator: ours (dense, partitioned) and onnxruntime-genai",
+    "robustness": "fuzz, load, lifecycle and fault scenarios against a real server: held/tried, memory",
 }
 
 
@@ -51,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     eng = bsub.add_parser("engine", help=HELP["engine"], description=HELP["engine"])
     _add_engine_arguments(eng)
     eng.set_defaults(func=_run_engine)
-    for name in ("edits", "lsp", "service", "wafer", "profile"):
+    for name in ("edits", "lsp", "service", "wafer", "profile", "robustness"):
         # Options belong to the module (imported lazily): pass every argument through untouched.
         q = bsub.add_parser(name, help=HELP[name], add_help=False, prefix_chars="\0")
         q.add_argument("argv", nargs="*")
