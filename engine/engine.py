@@ -22,7 +22,7 @@ from . import precision as precision_rule
 from .cancel import CancelToken
 from .config import ModelConfig, ModelError, load_config, model_path
 from .generate import Generation, GenerationParams
-from .gguf import GGUFModel, default_precision, is_gguf
+from .gguf import GGUFModel, default_precision, gguf_linear, is_gguf
 from .graph import build_decoder
 from .linears import PRECISIONS, float_linear, make_linear
 from .prefix_cache import PrefixCache, Slot
@@ -134,12 +134,11 @@ class Engine:
         max_len = min(config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
         explicit_linear = linear is not None
         reason = ""
-        quant_kw: dict = {}
         if source.gguf is not None:
             if precision == "auto":  # the file's quantisation was the user's choice: keep it
                 precision, reason = default_precision(source.gguf), "the GGUF file's own precision"
-            if precision == "int8" and source.gguf.tensor_types().get("Q8_0"):
-                quant_kw = {"block_size": 32, "symmetric": True}  # Q8_0 blocks requantise exactly
+            if linear is None and precision in ("int8", "int4"):
+                linear = gguf_linear(source.gguf, precision, wafer, grid)  # the file's own blocks
         if linear is None and precision != "fp32":
             if precision == "auto":
                 choice = precision_rule.resolve(folder, config, wafer=wafer, grid=grid, threads=threads,
@@ -149,7 +148,7 @@ class Engine:
             elif precision not in PRECISIONS:
                 raise ValueError(f"precision={precision!r}: expected 'auto' or one of {PRECISIONS}")
             if precision != "fp32":
-                linear = make_linear(precision, wafer=wafer, grid=grid, **quant_kw)
+                linear = make_linear(precision, wafer=wafer, grid=grid)
         linear = linear if linear is not None else float_linear(wafer, grid)
         options = {"rope_len": config.max_position_embeddings}
         key = graph_cache.graph_key(source.digest(), config, options, linear)

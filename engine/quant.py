@@ -305,8 +305,12 @@ class QuantLinear:
         R, C = grid
         return block_sizes(shape[0], R if reduce_axis(role) == "rows" else C)
 
+    def quantize(self, w: np.ndarray, block: int) -> QuantizedWeight:
+        """The MatMulNBits form of one weight (a subclass may keep codes it already has)."""
+        return quantize_blockwise(w, self.bits, block, symmetric=self.symmetric)
+
     def _nbits(self, gb, x: str, w: np.ndarray, name: str, block: int) -> str:
-        qw = quantize_blockwise(w, self.bits, block, symmetric=self.symmetric)
+        qw = self.quantize(w, block)
         ins = [x, gb.initializer(f"{name}.q{self.bits}", qw.packed), gb.initializer(f"{name}.scales", qw.scales)]
         if qw.zero_points is not None:
             ins.append(gb.initializer(f"{name}.zero_points", qw.zero_points))
