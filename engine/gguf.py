@@ -111,17 +111,28 @@ _STRING, _ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of a GGUF file: ``data`` is a view of the memory-mapped file (numpy order:
-    ``shape`` is [rows, columns]; quantised types give raw block bytes)."""
+    """One tensor of a GGUF file: type, numpy-order ``shape`` ([rows, columns]) and where its
+    bytes are (``offset`` from the file's start; -1 for a header read without the data)."""
 
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
-    data: np.ndarray | None  # None for a header read without the data
+    offset: int = -1
+    n_bytes: int = 0
 
     @property
     def n_elements(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    def view(self, mm: np.ndarray) -> np.ndarray:
+        """The tensor's data in a memory map of its file (F32/F16 typed, others raw block bytes)."""
+        import gguf
+
+        raw = mm[self.offset:self.offset + self.n_bytes]
+        np_type = {"F32": np.float32, "F16": np.float16}.get(self.tensor_type.name)
+        if np_type is not None:
+            return raw.view(np_type).reshape(self.shape)
+        return raw.reshape(gguf.quants.quant_shape_to_byte_shape(self.shape, self.tensor_type))
 
 
 class HeaderIncomplete(ValueError):
@@ -203,23 +214,22 @@ def parse_header(buf, *, complete: bool = True) -> tuple[dict[str, Any], list[tu
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
-    """Metadata and tensors of a GGUF file, the tensor data memory-mapped (nothing copied)."""
+    """Metadata and tensor infos of a GGUF file (the header is read through a memory map that
+    is closed again: tensor data is mapped only while it is read, see ``GGUFModel.open_weights``)."""
     import gguf
 
     try:
         mm = np.memmap(path, mode="r")
+        size = len(mm)
         fields, infos, start = parse_header(mm)
+        del mm
         tensors: dict[str, TensorInfo] = {}
         for name, kind, shape, offset in infos:
-            block, size = gguf.GGML_QUANT_SIZES[kind]
-            n_bytes = int(np.prod(shape, dtype=np.int64)) * size // block
-            if start + offset + n_bytes > len(mm):
+            block, type_size = gguf.GGML_QUANT_SIZES[kind]
+            n_bytes = int(np.prod(shape, dtype=np.int64)) * type_size // block
+            if start + offset + n_bytes > size:
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
-            raw = mm[start + offset:start + offset + n_bytes]
-            np_type = {"F32": np.float32, "F16": np.float16}.get(kind.name)
-            data = raw.view(np_type).reshape(shape) if np_type else raw.reshape(
-                gguf.quants.quant_shape_to_byte_shape(shape, kind))
-            tensors[name] = TensorInfo(name, kind, shape, data)
+            tensors[name] = TensorInfo(name, kind, shape, start + offset, n_bytes)
     except (ValueError, struct.error, KeyError, UnicodeDecodeError) as e:
         raise ModelError(f"{path.name}: not a readable GGUF file: {e}") from None
     return fields, tensors
@@ -241,7 +251,7 @@ class GGUFModel:
         ``config()``, ``tokenizer()`` and ``tensor_types()``, e.g. of a file not downloaded yet."""
         self = cls.__new__(cls)
         self.path, self.fields = Path(path), fields
-        self.tensors = {n: TensorInfo(n, kind, shape, None) for n, kind, shape, _ in infos}
+        self.tensors = {n: TensorInfo(n, kind, shape) for n, kind, shape, _ in infos}
         self._check_arch()
         return self
 
@@ -320,6 +330,10 @@ class GGUFModel:
     def config(self) -> ModelConfig:
         return parse_config(self.hf_config(), path=self.path, name=self.path.name)
 
+    def tensor_data(self, name: str) -> np.ndarray:
+        """One tensor's stored data (raw blocks for quantised types), from a fresh memory map."""
+        return self.tensors[name].view(np.memmap(self.path, mode="r"))
+
     def tensor_types(self) -> Counter:
         """How many tensors of each GGML type ('F32', 'Q8_0', 'Q4_K', ...) the file holds."""
         return Counter(t.tensor_type.name for t in self.tensors.values())
@@ -387,10 +401,14 @@ class GGUFWeights(Mapping[str, np.ndarray]):
 
     def __init__(self, model: GGUFModel, config: ModelConfig, names: dict[str, str]) -> None:
         self._model, self._config, self._names = model, config, names
+        self._mm: np.ndarray | None = np.memmap(model.path, mode="r")
 
     def __getitem__(self, name: str) -> np.ndarray:
+        if self._mm is None:
+            raise ModelError(f"{self._model.path.name}: weights read after the file was closed")
         t = self._model.tensors[self._names[name]]
-        arr = self._model._undo_converter(name, _to_float32(t, self._model.path.name), self._config)
+        arr = self._model._undo_converter(name, _to_float32(t, t.view(self._mm), self._model.path.name),
+                                          self._config)
         if not np.isfinite(arr).all():
             raise ModelError(f"{self._model.path.name}: tensor {t.name} contains NaN or infinite values")
         return arr
@@ -402,7 +420,8 @@ class GGUFWeights(Mapping[str, np.ndarray]):
         return len(self._names)
 
     def close(self) -> None:
-        """Nothing to release: the file stays mapped while its GGUFModel lives."""
+        """Unmap the file (F32 arrays handed out keep their own reference to the map)."""
+        self._mm = None
 
     def __enter__(self) -> GGUFWeights:
         return self
@@ -425,17 +444,17 @@ def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
         w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _to_float32(t, where: str) -> np.ndarray:
+def _to_float32(t: TensorInfo, data: np.ndarray, where: str) -> np.ndarray:
     """One tensor as float32 (F32: a view of the memory-mapped file; others dequantised)."""
     import gguf
 
     kind = t.tensor_type
     if kind == gguf.GGMLQuantizationType.F32:
-        return t.data
+        return data
     if kind == gguf.GGMLQuantizationType.F16:
-        return t.data.astype(np.float32)
+        return data.astype(np.float32)
     try:
-        return gguf.quants.dequantize(t.data, kind).astype(np.float32, copy=False)
+        return gguf.quants.dequantize(data, kind).astype(np.float32, copy=False)
     except NotImplementedError:
         raise ModelError(f"{where}: tensor {t.name} has type {kind.name}, which cannot be dequantised") from None
 

@@ -100,7 +100,7 @@ def test_q8_0_blocks_become_matmulnbits_codes_exactly(tiny_llama, gguf_dir, tmp_
     eng = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto")
     assert eng.precision == "int8"
     init = _initializers(eng)
-    blocks = model.tensors["blk.0.ffn_down.weight"].data  # [rows = out, blocks * 34 bytes]
+    blocks = model.tensor_data("blk.0.ffn_down.weight")  # [rows = out, blocks * 34 bytes]
     rows = blocks.shape[0]
     raw = blocks.reshape(rows, -1, 34)
     d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -133,7 +133,8 @@ def test_q4_0_blocks_become_matmulnbits_codes_exactly(tiny_qwen2, gguf_dir, tmp_
     assert q4.precision == "int4"
     init = _initializers(q4)
     t = model.tensors["blk.1.attn_output.weight"]
-    raw = t.data.reshape(t.shape[0], -1, 18)  # per block: fp16 scale, 16 bytes of nibbles
+    data = model.tensor_data(t.name)
+    raw = data.reshape(t.shape[0], -1, 18)  # per block: fp16 scale, 16 bytes of nibbles
     d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     qs = raw[..., 2:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # llama.cpp: low nibbles hold 0..15
@@ -142,7 +143,7 @@ def test_q4_0_blocks_become_matmulnbits_codes_exactly(tiny_qwen2, gguf_dir, tmp_
     assert "layers.1.o.zero_points" not in init
     with model.open_weights(q4.config) as weights:
         np.testing.assert_array_equal(weights["model.layers.1.self_attn.o_proj.weight"],
-                                      gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q4_0))
+                                      gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_0))
     # as accurate as our own int4 quantisation of the fp32 weights
     ours = Engine.load(tiny_qwen2, cache_dir=cache, linear=make_linear("int4", wafer=False))
     ids = random_ids(q4, 32, seed=6)
