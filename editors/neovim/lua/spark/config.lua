@@ -6,7 +6,9 @@ M.defaults = {
   -- Server command. nil: `spark-lsp serve --stdio` if spark-lsp is executable, else
   -- `python3 -m spark_lsp.cli serve --stdio`.
   cmd = nil,
-  -- Model folder; nil/'' = the bundled default model. Sent as the `model` setting.
+  -- Model: a folder, a .gguf file, a catalogue name (`spark-lsp models list`) or
+  -- 'hf:ORG/REPO[:FILE.gguf]' (downloaded on first use); nil/'' = the bundled default model.
+  -- Sent as the `model` setting.
   model = nil,
   -- Filetypes to attach to; '*' attaches to every normal file buffer.
   filetypes = { 'python', 'lua', 'javascript', 'typescript', 'javascriptreact', 'typescriptreact',

@@ -43,11 +43,16 @@ function M.check()
   end
   local model = spark.opts.model
   if model and model ~= '' then
-    local dir = vim.fs.normalize(model)
-    if vim.fn.filereadable(dir .. '/config.json') == 1 then
-      h.ok('model folder: ' .. dir)
+    local path = vim.fs.normalize(model)
+    if vim.fn.filereadable(path .. '/config.json') == 1 then
+      h.ok('model folder: ' .. path)
+    elseif path:match('%.gguf$') and vim.fn.filereadable(path) == 1 then
+      h.ok('model file (GGUF): ' .. path)
+    elseif model:match('^hf:') or (not model:find('^[/~.]') and vim.fn.isdirectory(path) == 0) then
+      h.info('model from the Hugging Face Hub (downloaded on first use): ' .. model
+        .. '; `spark-lsp models info ' .. model .. '` shows its size')
     else
-      h.error('model folder has no config.json: ' .. dir)
+      h.error('model is neither a folder with config.json nor a .gguf file: ' .. path)
     end
   else
     h.info('model: the bundled default')
