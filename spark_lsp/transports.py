@@ -30,6 +30,7 @@ log = logging.getLogger("spark_lsp.transports")
 
 MAX_SESSIONS = 4  # network sessions at once (each may hold a model in memory)
 TOKEN_ENV = "SPARK_LSP_TOKEN_FILE"
+SESSION_STOP_S = 5.0  # how long a closing session waits for its engine thread
 
 
 # -- sessions ------------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ class Session:
     def close(self) -> None:
         """Stop the session's work: its requests, generations and thread pool."""
         self.ls.stop_work("connection closed")
+        self.ls.wait_stopped(SESSION_STOP_S)  # the generation stops within a decode step
         try:
             self.ls.shutdown()
         except Exception as exc:  # noqa: BLE001 (a failed cleanup must not stop the listener)
@@ -291,3 +293,21 @@ async def serve_ws(
         if ready is not None:
             ready([s.getsockname() for s in server.sockets])
         await server.serve_forever()
+
+
+async def until_signalled(main) -> None:
+    """Run a server coroutine until SIGTERM or SIGINT; then every session is closed (its
+    generations cancelled) before the process exits."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(main)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, task.cancel)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.warning("stopping: closing every session")

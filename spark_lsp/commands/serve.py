@@ -120,7 +120,7 @@ def _serve_network(args, factory) -> int:
     else:
         main = transports.serve_tcp(factory, host, port, max_sessions=args.max_sessions, ready=ready)
     try:
-        asyncio.run(main)
+        asyncio.run(transports.until_signalled(main))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -486,3 +487,25 @@ def test_framer_splits_resynchronises_and_refuses_http():
         and framing.not_a_message({})
     )
     assert framing.not_a_message({"id": 1, "result": None}) is None
+
+
+def test_sigterm_closes_the_network_server_cleanly(tiny_llama, tmp_path):
+    proc, port = _serve(tiny_llama, "--tcp", tmp_path)
+    c = TcpConn(port)
+    try:
+        c.start()
+        c.open(URI, SECRET)
+        c.request(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": URI},
+                "position": {"line": 7, "character": 10},
+                "context": {"triggerKind": 1},
+            },
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        c.close()
+        if proc.poll() is None:
+            proc.kill()
