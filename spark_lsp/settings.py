@@ -54,7 +54,7 @@ class Spec:
 
 #: minConfidence's default, chosen from `spark-lsp eval`'s gate table on the bundled model's held-out
 #: files (docs/suggestions.md): it hides the suggestions least likely to be right, few of which are
-DEFAULT_MIN_CONFIDENCE = 1e-4
+DEFAULT_MIN_CONFIDENCE = 1e-6
 
 
 def setting(default: Any, kind: str, doc: str, **spec: Any) -> Any:

@@ -111,7 +111,7 @@ def test_no_gate_asks_for_no_logprobs_and_a_model_without_them_is_not_gated():
     m = _Model("w * h", (0.9, 0.1))
     res = _complete(m, completions.AUTOMATIC, 0.0)
     assert res.items == ["w * h"] and not m.params[0].logprobs and "confidence" not in res.stats
-    assert Settings().min_confidence == 1e-4  # the default: see docs/suggestions.md
+    assert Settings().min_confidence == 1e-6  # the default: see docs/suggestions.md
 
     class NoLogprobs(_Model):  # e.g. a remote backend that does not report them
         def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None):

@@ -52,7 +52,7 @@ M.server_settings_spec = {
   { name = 'multiline', type = 'boolean', default = true },
   { name = 'speculative', type = 'boolean', default = true },
   { name = 'maxLines', type = 'number', default = 12 },
-  { name = 'minConfidence', type = 'number', default = 0.0001 },
+  { name = 'minConfidence', type = 'number', default = 1e-06 },
   { name = 'loadTimeoutS', type = 'number', default = 120 },
   { name = 'waferChip', type = 'string' },
   { name = 'waferRegion', type = { 'string', 'table' } },
