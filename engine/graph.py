@@ -28,7 +28,9 @@ the cache is preallocated once and rewinding a sequence only means passing a sma
 around the attention op: fewer kernels per decode step).
 
 Every weight matmul goes through a *linear emitter* (``DenseLinear`` by default) so the wafer
-package can replace it with a partitioned version without touching the rest of the graph.
+package can replace it with a partitioned version without touching the rest of the graph.  The
+weight reaches the emitter as ``[K, N]``, usually a transposed view of the checkpoint's ``[N, K]``:
+each emitter copies it once, into the layout it stores (a quantiser reads it back column-major).
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
         a = p + "self_attn."
         w_qkv = _fused_qkv(w, a, "weight", N, NKV, H0, H).T
         b_qkv = _fused_qkv(w, a, "bias", N, NKV, H0, H) if c.attention_bias else None
-        qkv = linear.emit(gb, x, np.ascontiguousarray(w_qkv), name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
+        qkv = linear.emit(gb, x, w_qkv, name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
         qkv3 = qkv if act3d else gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
         if getattr(c, "qk_norm", False):
             q, k, v = gb.node("Split", [qkv3, gb.const_i64([N * H, NKV * H, NKV * H])], n_out=3,
@@ -366,7 +368,7 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
             # a long prefill skips ~1/L of its matmuls; a decode step is unchanged.
             attn2 = gb.node("Slice", [attn2, logits_from, end, axes], name="tail_attn")
             residual = gb.node("Slice", [residual, logits_from, end, axes], name="tail_residual")
-        w_o = np.ascontiguousarray(_pad_value_rows(_linear_weight(w, a + "o_proj.weight").T, N, H0, H))
+        w_o = _pad_value_rows(_linear_weight(w, a + "o_proj.weight").T, N, H0, H)
         b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
 
@@ -377,17 +379,17 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
                                    _linear_weight(w, m + "up_proj.weight")], axis=0).T
             b_gate, b_up = mlp_bias(m + "gate_proj"), mlp_bias(m + "up_proj")
             b_gu = np.concatenate([b_gate, b_up]) if b_gate is not None else None
-            gu = linear.emit(gb, x, np.ascontiguousarray(w_gu), name=f"layers.{i}.gate_up", role="gate_up",
+            gu = linear.emit(gb, x, w_gu, name=f"layers.{i}.gate_up", role="gate_up",
                              bias=b_gu)
             gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1)
             act = gb.node("Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu")
             w_down, b_down = _linear_weight(w, m + "down_proj.weight"), mlp_bias(m + "down_proj")
         else:
-            w_fc = np.ascontiguousarray(_linear_weight(w, m + "c_fc.weight").T)
+            w_fc = _linear_weight(w, m + "c_fc.weight").T
             fc = linear.emit(gb, x, w_fc, name=f"layers.{i}.gate_up", role="gate_up", bias=mlp_bias(m + "c_fc"))
             act = activation(fc, f"layers.{i}.act")
             w_down, b_down = _linear_weight(w, m + "c_proj.weight"), mlp_bias(m + "c_proj")
-        pending = linear.emit(gb, act, np.ascontiguousarray(w_down.T), name=f"layers.{i}.down", role="down",
+        pending = linear.emit(gb, act, w_down.T, name=f"layers.{i}.down", role="down",
                               bias=b_down)
 
     x, _ = skip_norm(pending, residual, "model.norm", "final_norm")
