@@ -177,6 +177,11 @@ def _progress_class(progress: Progress | None, what: str):
     return Reporting
 
 
+#: httpx's names for a Hub that cannot be reached (huggingface_hub may vendor httpx).
+_NETWORK_ERRORS = {"ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException", "NetworkError",
+                   "RemoteProtocolError", "ProxyError"}
+
+
 def _not_downloaded(spec: HubSpec) -> ModelError:
     why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
     return ModelError(f"{spec}: not downloaded yet and {why}; run `spark-lsp models pull {spec}` with a "
@@ -199,6 +204,10 @@ def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
         return ModelError(f"{spec}: revision {spec.revision!r} not found")
     if isinstance(e, LocalEntryNotFoundError):
         return _not_downloaded(spec)
+    if isinstance(e, ConnectionError) or type(e).__name__ in _NETWORK_ERRORS:
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        return ModelError(f"{spec}: cannot reach the Hub at {endpoint} ({e}); check the connection "
+                          "(or HF_ENDPOINT); models already pulled work offline")
     return ModelError(f"{spec}: download failed: {e}")
 
 

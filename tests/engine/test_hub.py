@@ -186,3 +186,15 @@ def test_token_is_sent_and_errors_are_one_line(hub):
     missing = _cli("pull", "test-org/nope")
     assert missing.returncode == 2
     assert len(_error_lines(missing)) == 1 and "repository not found" in missing.stderr
+
+
+def test_unreachable_hub_is_named(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _cli("pull", "qwen2.5-coder-0.5b",
+               env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "c")})
+    assert out.returncode == 2
+    assert len(_error_lines(out)) == 1 and "cannot reach the Hub at http://127.0.0.1" in out.stderr
