@@ -498,10 +498,12 @@ def build_tokenizer(model: GGUFModel):
         unk = model.value("tokenizer.ggml.unknown_token_id", None)
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True,
                                    unk_token=tokens[unk] if unk is not None else None))
-        # As SentencePiece: one "▁" before the text (even one starting with a space), spaces as "▁".
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(content=" ", left=1, right=0)])
+        # As SentencePiece: one "▁" before the text (even one starting with a space; not for
+        # vocabularies without the dummy prefix, e.g. Gemma's), spaces as "▁".
+        prefix = bool(model.value("tokenizer.ggml.add_space_prefix", True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + [decoders.Strip(content=" ", left=1, right=0)] * prefix)
     else:
         raise ModelError(f"{name}: tokenizer.ggml.model={kind!r} is not supported (expected 'gpt2' or 'llama')")
     added = [AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)

@@ -236,6 +236,21 @@ def test_tokenizer_ids_equal_llama_cpp_on_python_source(vocab):
     assert tok.decode(tok.encode(text)) == text
 
 
+def test_sentencepiece_without_dummy_prefix():
+    """Gemma-style vocabularies (tokenizer.ggml.add_space_prefix false) get no leading "▁"."""
+    import llama_vocab
+
+    path = llama_vocab.vocab_dir() / "ggml-vocab-llama-spm.gguf"
+    with_prefix = _VocabOnly(path)
+    without = _VocabOnly(path)
+    without.fields = {**without.fields, "tokenizer.ggml.add_space_prefix": False}
+    a, b = with_prefix.tokenizer(), without.tokenizer()
+    assert b.encode(" def f(x):\n    return x") == a.encode("def f(x):\n    return x")
+    assert b.encode("def") != a.encode("def")
+    text = "def f(x):\n    return x"
+    assert b.decode(b.encode(text)) == text
+
+
 def test_fim_tokens_of_real_vocabularies(vocab):
     name, _, tok = vocab
     # ggml-vocab-qwen2 is Qwen2's (FIM tokens came with Qwen2.5-Coder); Llama's have none.
