@@ -58,3 +58,21 @@ async def test_model_without_fim_tokens_is_told_to_the_user(tiny_llama, tmp_path
     finally:
         await client.shutdown_session()
         await client.stop()
+
+
+async def test_server_serves_a_gguf_file(tiny_llama, tmp_path):
+    """`--model file.gguf`: the server loads a GGUF file and completes with it."""
+    from gguf_files import write_gguf
+
+    path = write_gguf(tiny_llama, tmp_path / "tiny-llama-q8_0.gguf", qtype="Q8_0")
+    client, ed = await start_editor(path)
+    try:
+        metrics = await ed.metrics()
+        assert metrics["model"] == "tiny-llama-q8_0"
+        uri = "file:///proj/m.py"
+        ed.open(uri, "def add(a, b):\n    return ")
+        out = await ed.inline(uri, len(ed.text(uri)), T.InlineCompletionTriggerKind.Invoked)
+        assert out is not None
+    finally:
+        await client.shutdown_session()
+        await client.stop()
