@@ -168,6 +168,46 @@ class Settings:
         choices=_fim_formats,
     )
 
+    backend: str = setting(
+        "local",
+        "choice",
+        "Where suggestions are generated: the in-process engine (local), a llama.cpp server "
+        "(llamacpp), Ollama (ollama) or an OpenAI-compatible server such as vLLM, SGLang, TGI or "
+        "LM Studio (openai). See docs/backends.md.",
+        choices=lambda: ("local", "llamacpp", "ollama", "openai"),
+    )
+    backend_url: str | None = setting(
+        None,
+        "string",
+        "Base URL of the remote backend, e.g. http://127.0.0.1:8080 (empty: its usual local port).",
+    )
+    backend_model: str | None = setting(
+        None,
+        "string",
+        "Model name on the remote backend (Ollama, OpenAI-compatible servers), "
+        "e.g. qwen2.5-coder:1.5b-base.",
+    )
+    backend_api_key_env: str | None = setting(
+        None, "string", "Environment variable holding the remote backend's API key (never logged)."
+    )
+    backend_api_key_file: str | None = setting(
+        None, "string", "File holding the remote backend's API key on its first line (never logged)."
+    )
+    backend_timeout_s: float = setting(
+        30.0,
+        "number",
+        "A remote request with no answer for this many seconds fails.",
+        minimum=0.1,
+        maximum=3600.0,
+    )
+    fim_template: str | None = setting(
+        None,
+        "string",
+        "FIM prompt layout for remote backends: empty/auto (from the model name), suffix (the "
+        "server's suffix parameter), starcoder, spark, qwen, deepseek, codellama, codestral, or a "
+        "layout with {prefix} and {suffix}.",
+    )
+
     def replace(self, **kw: Any) -> Settings:
         return attrs.evolve(self, **kw)
 
