@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Callable
 
 import httpx
 
@@ -109,8 +109,7 @@ class HttpStream:
     """A remote generation: the reply is read on the backend's loop, chunks are handed over
     through a queue. Implements the `Stream` contract of `base`."""
 
-    def __init__(self, backend: "RemoteBackend", method: str, path: str, body: dict,
-                 parse: Callable[[str], list[Event]], sse: bool) -> None:
+    def __init__(self, backend: "RemoteBackend", request: Request) -> None:
         self._backend = backend
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
@@ -119,29 +118,13 @@ class HttpStream:
         self.text = ""
         self.stats: dict = {"new_tokens": 0, "ttft_ms": 0.0, "total_ms": 0.0}
         self._t0 = time.perf_counter()
-        self._future = asyncio.run_coroutine_threadsafe(
-            self._run(method, path, body, parse, sse), backend._loop)
+        self._future = asyncio.run_coroutine_threadsafe(self._run(request), backend._loop)
 
     # -- reading (backend loop) ----------------------------------------------------------------
-    async def _run(self, method: str, path: str, body: dict, parse, sse: bool) -> None:
+    async def _run(self, request: Request) -> None:
         b = self._backend
         try:
-            async with b.client.stream(method, path, json=body) as resp:
-                if resp.status_code >= 400:
-                    detail = (await resp.aread()).decode("utf-8", "replace")
-                    raise BackendError(b.describe_http_error(resp.status_code, detail))
-                finish = None  # OpenAI-style streams give it before their end marker
-                async for payload in _payloads(resp, sse):
-                    for ev in parse(payload):
-                        if ev.text:
-                            self._q.put(("text", ev.text, ev.tokens if ev.tokens is not None else 1))
-                        if ev.stats:
-                            self._q.put(("stats", ev.stats, 0))
-                        finish = ev.finish_reason or finish
-                        if ev.done:
-                            self._q.put(("end", finish or "stop", 0))
-                            return
-            self._q.put(("end", finish or "stop", 0))
+            await self._read(request, retry=True)
         except asyncio.CancelledError:
             self._q.put(("end", "cancelled", 0))
             raise
@@ -155,6 +138,33 @@ class HttpStream:
         except Exception as exc:  # a reply that is not the documented format
             log.debug("bad reply from %s", b.label, exc_info=True)
             self._q.put(("error", BackendError(f"{b.label} sent a reply spark-lsp cannot read: {_short(exc)}"), 0))
+
+    async def _read(self, request: Request, retry: bool) -> None:
+        b = self._backend
+        path, body, parse, sse = b.build(request)
+        async with b.client.stream("POST", path, json=body) as resp:
+            if resp.status_code >= 400:
+                detail = (await resp.aread()).decode("utf-8", "replace")
+                if retry and b.adapt(resp.status_code, detail):
+                    return await self._read(request, retry=False)  # the backend changed its request
+                raise BackendError(b.describe_http_error(resp.status_code, detail))
+            finish, ended = None, False  # OpenAI-style streams give the reason before their end
+            async for line in resp.aiter_lines():
+                payload = _payload(line, sse)
+                if payload is None or ended:
+                    continue  # read the reply to its end: then the connection goes back to the pool
+                for ev in parse(payload):
+                    if ev.text:
+                        self._q.put(("text", ev.text, ev.tokens if ev.tokens is not None else 1))
+                    if ev.stats:
+                        self._q.put(("stats", ev.stats, 0))
+                    finish = ev.finish_reason or finish
+                    if ev.done:
+                        self._q.put(("end", finish or "stop", 0))
+                        ended = True
+                        break
+            if not ended:
+                self._q.put(("end", finish or "stop", 0))
 
     # -- the Stream contract (consumer thread) -------------------------------------------------
     def __iter__(self) -> "HttpStream":
@@ -206,17 +216,18 @@ class HttpStream:
         self._backend._settle(self, reason, error)
 
 
-async def _payloads(resp: httpx.Response, sse: bool) -> AsyncIterator[str]:
-    """The messages of a streamed reply: SSE `data:` payloads or NDJSON lines."""
-    async for line in resp.aiter_lines():
-        line = line.strip()
-        if not line:
-            continue
-        if sse:
-            if line.startswith(":") or not line.startswith("data:"):
-                continue  # comments, `event:`, `id:`, `retry:` lines
-            line = line[5:].strip()
-        yield line
+def _payload(line: str, sse: bool) -> str | None:
+    """The message of one line of a streamed reply (SSE `data:` payload or NDJSON line), or None."""
+    line = line.strip()
+    if not line:
+        return None
+    if sse:
+        if not line.startswith("data:"):
+            if line.startswith((":", "event:", "id:", "retry:")):
+                return None  # SSE comments and other fields
+            raise ValueError(f"not a server-sent event: {line[:120]!r}")
+        line = line[5:].strip()
+    return line
 
 
 def _short(exc: BaseException) -> str:
@@ -283,6 +294,12 @@ class RemoteBackend(Backend):
         """(path, JSON body, payload parser, is SSE) for `request`."""
         raise NotImplementedError
 
+    def adapt(self, status: int, body: str) -> bool:
+        """An HTTP error that the backend can work around by sending the request differently
+        (e.g. Ollama's "does not support insert"): True when it changed how it builds requests,
+        and the request is sent once more."""
+        return False
+
     def describe_http_error(self, status: int, body: str) -> str:
         detail = body.strip()
         try:
@@ -300,10 +317,10 @@ class RemoteBackend(Backend):
         wait = self.health.delay()
         if wait > 0:
             raise BackendUnavailable(f"{self.health.last_error} (next try in {wait:.1f} s)")
-        path, body, parse, sse = self.build(request)
+        self.build(request)  # a request this backend cannot send fails here, in the caller
         with self._lock:
             self.counters.requests += 1
-        return HttpStream(self, "POST", path, body, parse, sse)
+        return HttpStream(self, request)
 
     def _settle(self, stream: HttpStream, reason: str, error: BackendError | None) -> None:
         with self._lock:
@@ -331,5 +348,17 @@ class RemoteBackend(Backend):
             asyncio.run_coroutine_threadsafe(self.client.aclose(), self._loop).result(timeout=5)
         except Exception:
             pass
+
+        async def stop() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._loop.shutdown_asyncgens()
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=5)
+        except Exception:
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()

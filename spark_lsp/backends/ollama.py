@@ -8,11 +8,14 @@ sent with ``raw: true``, which skips Ollama's templating.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from . import templates
 from .base import BackendError, Request
 from .http import Event, RemoteBackend, loads
+
+log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -50,17 +53,23 @@ class OllamaBackend(RemoteBackend):
         self.template = templates.resolve(self.fim_template, self.model) if explicit else None
         self.raw = explicit
 
+    def adapt(self, status: int, body: str) -> bool:
+        """The model's Ollama template has no .Suffix ("does not support insert"): lay out FIM
+        here and send raw prompts from now on, when the model's family is known."""
+        if "does not support insert" not in body or self.raw:
+            return False
+        self.template = templates.resolve("auto", self.model)
+        if self.template is None:
+            return False
+        log.info("%s: %s has no FIM template in Ollama; sending raw %s FIM prompts",
+                 self.label, self.model, self.template.name)
+        self.raw = True
+        return True
+
     def describe_http_error(self, status: int, body: str) -> str:
         msg = super().describe_http_error(status, body)
-        if "does not support insert" in body and not self.raw:
-            # the model's Ollama template has no .Suffix: lay out FIM ourselves from now on
-            self.template = templates.resolve("auto", self.model)
-            if self.template is not None:
-                self.raw = True
-                self.health.succeeded()
-                return (f"{msg}; spark-lsp now sends raw {self.template.name} FIM prompts "
-                        "(set 'fimTemplate' to choose the layout)")
-            return f"{msg}; set 'fimTemplate' to the model's FIM layout"
+        if "does not support insert" in body:
+            return f"{msg}; set 'fimTemplate' to the model's FIM layout (e.g. qwen, deepseek, starcoder)"
         return msg
 
     def build(self, r: Request) -> tuple[str, dict, Callable[[str], list[Event]], bool]:
