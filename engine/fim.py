@@ -283,14 +283,3 @@ def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: in
             break
     k, text = best
     return (ids[:-k], text) if k else (ids, "")
-
-
-def style_tokens(name: str) -> tuple[tuple[str, str, str], tuple[str, ...], bool] | None:
-    """((prefix, suffix, middle) token strings, stop token strings, supports SPM) of the FIM style
-    ``name`` as text (SentencePiece's leading ``▁`` dropped), or None: for prompts rendered as
-    text, for a remote server that tokenises them itself."""
-    for style, alternatives, stops, spm in _STYLES:
-        if style == name:
-            text = tuple(t.removeprefix("▁") for t in alternatives[0])
-            return (text[0], text[1], text[2]), tuple(dict.fromkeys(t.removeprefix("▁") for t in stops)), spm
-    return None

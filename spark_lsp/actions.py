@@ -9,10 +9,11 @@ minimal TextEdits, never a whole-file replacement.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from . import edit_checks, postprocess
+from .backends.base import TextPrompt
 from .documents import indentation, split_lines
 
 REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = "rewrite", "complete", "docstring", "test", "instruct"
@@ -65,6 +66,7 @@ class EditPlan:
     done: Callable[[str], bool] | None = None                   # early stop on raw output
     draft: str | None = None           # text the output probably repeats (speculative decoding)
     retry_lead: str = ""               # output empty: generate once more, made to begin with this
+    messages: list[dict] | None = None  # chat messages, for a model that takes them (remote chat)
     check: Callable[[str], str | None] | None = None  # final region text -> why not to apply it
 
     def judge(self, raw: str) -> tuple[str, str | None]:
@@ -142,8 +144,10 @@ def _ends_newline(s: str) -> str:
 
 def plan(action: str, text: str, start: int, end: int, cursor_line: int,
          max_tokens: int, instruction: str | None = None, count_tokens: Callable[[str], int] | None = None,
-         chat: Any = None, python: bool | None = None) -> EditPlan:
+         chat: Any = None, python: bool | None = None, chat_messages: bool = False) -> EditPlan:
     """The EditPlan of `action` for the selection [start, end) (a cursor when start == end);
+    an instruction edit asks a chat model when there is one: `chat`, the engine's chat template,
+    or `chat_messages`, a remote model that takes chat messages;
     `python`: the document is Python (None: guessed from the text). Its result is checked by
     `edit_checks` before it is applied."""
     p = _plan(action, text, start, end, cursor_line, max_tokens, instruction, count_tokens, chat)
@@ -206,10 +210,11 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
                 loop = raw[len(out):].strip().split("\n", 1)[0]
                 raise ActionError(f"the model's rewrite went into a loop (repeating {loop[:40]!r})")
             return out + "\n" if keep_nl and out else out
-        if action == INSTRUCT and chat is not None:
+        if action == INSTRUCT and (chat is not None or chat_messages):
             from . import chat as chatmod
 
-            prompt = chat.render(chatmod.instruction_messages(instruction, selected, text[:start], text[end:]))
+            messages = chatmod.instruction_messages(instruction, selected, text[:start], text[end:])
+            prompt = chat.render(messages) if chat is not None else None
 
             def chat_finish(raw: str, keep_nl=keep_nl) -> str:
                 code = chatmod.extract_code(raw, final=True).rstrip()
@@ -218,6 +223,7 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
                 return code + "\n" if keep_nl else code
             return EditPlan(action, start, end, "", "", stop=(), max_tokens=min(budget * 2, max_tokens),
                             finish=chat_finish, prompt_text=prompt,
+                            messages=None if chat is not None else messages,
                             partial=lambda raw: chatmod.extract_code(raw, final=False),
                             done=lambda raw: raw.lstrip().startswith("```") and raw.count("```") >= 2,
                             draft=selected)
@@ -307,12 +313,17 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
     from .completions import control_ids, generate_steps
 
     healed = ""
-    if p.prompt_text is not None:
+    if p.messages is not None:  # a remote chat model: the messages go as they are
+        ids, text = [], TextPrompt(messages=tuple(p.messages))
+    elif p.prompt_text is not None:
         ids = list(builder.tokenizer.encode(p.prompt_text))
         if len(ids) > context_tokens + 512:
             raise ActionError(f"the chat prompt has {len(ids)} tokens; select less code")
+        text = TextPrompt(p.prompt_text)
     else:  # the region usually starts a line: its line break is healed (see build_parts_healed)
-        ids, healed = builder.build_parts_healed(p.prefix, p.suffix, context_tokens)
+        prefix, suffix = builder.fit_parts(p.prefix, p.suffix, context_tokens)
+        ids, healed = builder.encode_healed(prefix, suffix, line_break=True)
+        text = TextPrompt(prefix, suffix if builder.fim is not None else None)
     # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
     stop = p.stop + tuple(builder.stop_strings)
 
@@ -324,7 +335,8 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
         raw, stats, finish = yield from generate_steps(
             model, job, ids, params, done=(lambda s: generated_is_done(p, lead + s)),
             on_text=(lambda s: on_text(lead + s)) if on_text is not None and lead else on_text,
-            speculative=speculative, draft=p.draft)
+            speculative=speculative, draft=p.draft,
+            text_prompt=replace(text, prefix=text.prefix + lead) if lead and text.messages is None else text)
         return lead + raw, {**stats, "finish_reason": finish}
 
     raw, stats = yield from attempt("")

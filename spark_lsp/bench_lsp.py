@@ -41,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="server setting maxTokens")
     p.add_argument("--cancels", type=int, default=30,
                    help="after the replay, cancel this many running suggestions to time cancellation (default 30)")
+    p.add_argument("--backend", default="local", choices=("local", "llamacpp", "ollama", "openai"),
+                   help="where suggestions are generated (server setting 'backend'; default local)")
+    p.add_argument("--backend-url", default=None, metavar="URL", help="server setting backendUrl")
+    p.add_argument("--backend-model", default=None, metavar="NAME", help="server setting backendModel")
+    p.add_argument("--fim-template", default=None, metavar="NAME", help="server setting fimTemplate")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="also draw the headline figures into a PNG (needs matplotlib)")
@@ -188,6 +193,9 @@ def run(args, plot=None) -> int:
     model = args.model
     if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
         model = str(synthetic_model(model))
+    if args.backend != "local":
+        options.update(backend=args.backend, backendUrl=args.backend_url, backendModel=args.backend_model,
+                       fimTemplate=args.fim_template)
 
     client = LspClient(server_cmd(model))
     try:
@@ -246,6 +254,8 @@ def run(args, plot=None) -> int:
 
     lat = [r[0] for r in results]
     cancel_ms = list(final.get("cancelLatencyMs") or [])
+    b0, b1 = base.get("backend") or {}, final.get("backend") or {}
+    backend = {k: b1[k] - b0.get(k, 0) for k in ("requests", "cancelled", "tokens", "wasted_tokens") if k in b1}
     served = {k: final[k] - base.get(k, 0) for k in ("inlineRequests", "typingThrough", "joinedGeneration",
                                                      "modelCalls",
                                                      "prefixCacheHits", "promptTokens", "reusedTokens")}
@@ -274,12 +284,19 @@ def run(args, plot=None) -> int:
         "ttft_ms_median": final.get("ttftMsMedian"),
         # engine time of the model calls (prefill + decode), to tell model time from server overhead
         "engine_ms_median": round(statistics.median(engine_ms), 2) if engine_ms else None,
+        # requests the backend got, how many were closed before it finished, and the tokens it
+        # generated for them that were never shown (waste)
+        "backend": b1.get("kind", args.backend),
+        "backend_requests": backend.get("requests"),
+        "backend_cancelled": backend.get("cancelled"),
+        "backend_tokens": backend.get("tokens"),
+        "wasted_tokens": backend.get("wasted_tokens"),
     }
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"bench lsp: typed {out['chars']} chars of {fname}() into {path.name} ({out['lines']} lines) "
-              f"with {out['model']}, {args.cps:g} chars/s x{args.speed:g}")
+              f"with {out['model']} ({out['backend']} backend), {args.cps:g} chars/s x{args.speed:g}")
         rows = [("start to ready (s)", out["load_s"]),
                 ("first suggestion, whole prompt (ms)", out["first_suggestion_ms"]),
                 ("requests answered", out["answered"]), ("cancelled / superseded", cancelled),
@@ -294,7 +311,9 @@ def run(args, plot=None) -> int:
                  f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']} ({out['cancels_measured']})"),
                 ("cancel round trip in the client, median (ms)", out["cancel_round_trip_ms_median"]),
                 ("TTFT median (ms)", out["ttft_ms_median"]),
-                ("engine time per model call, median (ms)", out["engine_ms_median"])]
+                ("engine time per model call, median (ms)", out["engine_ms_median"]),
+                ("backend requests / cancelled", f"{out['backend_requests']} / {out['backend_cancelled']}"),
+                ("backend tokens / wasted (never shown)", f"{out['backend_tokens']} / {out['wasted_tokens']}")]
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {val}")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from . import postprocess
 from .documents import line_at, split_lines
+from .backends.base import TextPrompt
 from .prompt import PromptBuilder
 from .scheduler import Cancelled, Job
 from .settings import Settings
@@ -130,11 +131,14 @@ def drive(steps: Any) -> Any:
 def generate_steps(model: Any, job: Job, ids: list[int], params: Any,
                    done: Callable[[str], bool] | None = None,
                    on_text: Callable[[str], None] | None = None,
-                   speculative: bool = False, draft: str | None = None):
+                   speculative: bool = False, draft: str | None = None,
+                   text_prompt: TextPrompt | None = None):
     """One generation of `model` (a model_host.Model), yielding after every decode step so the
     scheduler can interleave documents; stops early once `done(text)` says the output is
-    complete. Returns (text, stats, finish_reason); raises Cancelled if the job was."""
-    gen = model.generate(ids, params, job.slot, cancel=job.token, speculative=speculative, draft=draft)
+    complete. `text_prompt`: what `ids` encode, for a remote model. Returns (text, stats,
+    finish_reason); raises Cancelled if the job was, BackendError if a remote model failed."""
+    gen = model.generate(ids, params, job.slot, cancel=job.token, speculative=speculative, draft=draft,
+                         text=text_prompt)
     text = ""
     early = False
     line_logprob, line_done = None, False  # the first line's log-probability, when asked for
@@ -150,7 +154,9 @@ def generate_steps(model: Any, job: Job, ids: list[int], params: Any,
                 break
             if done is not None and chunk.text and done(text):
                 early = True
-                gen.cancel()  # this generation only: the job goes on
+                # this generation only: the job goes on (a remote stream's `stop` counts its
+                # tokens as used, not wasted)
+                getattr(gen, "stop", gen.cancel)()
                 break
             yield
         if job.cancelled or early:
@@ -225,6 +231,8 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
         prompt = builder.build(text, offset, budget, key=job.slot)
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
+    # the text the ids encode (healed part included), for a model that tokenises on its side
+    text_prompt = TextPrompt(prompt.prefix, prompt.suffix if prompt.fim else None)
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
     gate = trigger != INVOKED and settings.min_confidence > 0  # the user asked: always shown
     items: list[str] = []
@@ -243,7 +251,7 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
             params = replace(params, logprobs=True)
         raw, st, finish = yield from generate_steps(model, job, prompt.ids, params, done,
                                                     on_text=on_partial if k == 0 else None,
-                                                    speculative=settings.speculative)
+                                                    speculative=settings.speculative, text_prompt=text_prompt)
         if k == 0:
             stats = {**st, "finish_reason": finish}
         item = postprocess.clean(raw, ctx, multiline, settings.max_lines)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine.cancel import CancelToken
 
 from . import actions
+from .backends import BackendError
 from .completions import prompt_budget
 from .documents import Pos, line_ending, minimal_edits, normalize_eol, position_at
 from .errors import InvalidParams, RequestCancelled, ServerError
@@ -72,6 +73,8 @@ class Edits:
                 instruction,
                 count_tokens=lambda s: len(builder.tokenizer.encode(s)),
                 chat=st.host.chat if name == actions.INSTRUCT else None,
+                chat_messages=name == actions.INSTRUCT and st.host.chat is None
+                and bool(getattr(st.host.model, "supports_chat", False)),
                 python=t.python,
             )
         except actions.ActionError as exc:
@@ -139,6 +142,8 @@ class Edits:
             raise Refused(str(exc)) from None
         except actions.ActionError as exc:
             raise InvalidParams(str(exc)) from None
+        except BackendError as exc:
+            raise st.backend_failed(exc) from None
 
     async def stream(self, t: Target, p: actions.EditPlan) -> dict:
         """Stream the plan's output into the document; returns a summary for the command result."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from . import completions
 from .completions import AUTOMATIC, INVOKED, Inflight, TypingThrough
+from .backends import BackendError
 from .errors import ContentModified, InvalidParams, RequestCancelled
 from .scheduler import Cancelled, Job
 from .state import ServerState
@@ -142,6 +143,8 @@ class InlineCompletions:
             if str(exc) == "content modified":
                 raise ContentModified(f"{uri} changed while the suggestion was computed") from None
             raise RequestCancelled(f"superseded ({exc})") from None
+        except BackendError as exc:
+            raise self.state.backend_failed(exc) from None
         except ValueError as exc:
             self.state.metrics.errors += 1
             raise InvalidParams(str(exc)) from None

@@ -6,8 +6,9 @@ Every service reaches the engine through a `Model` and nothing else, so another 
 llama.cpp, Ollama or OpenAI server, the engine service over WebSocket) is one more class with
 these few members:
 
-- `generate(ids, params, slot, cancel=, speculative=, draft=)`: a `Stream` of text chunks,
+- `generate(ids, params, slot, cancel=, speculative=, draft=, text=)`: a `Stream` of text chunks,
   stopped within one decode step by its `CancelToken` (see docs/ARCHITECTURE.md, "Cancellation");
+  `text` (a `backends.TextPrompt`) is what the ids encode, for a model that tokenises on its side;
 - `tokenizer` (the prompt builder counts, heals and finds the FIM tokens with it) and `context`;
 - `name`, `config` (the architecture, for the wafer projection; None when unknown) and `status()`.
 
@@ -28,9 +29,12 @@ from typing import Any, Protocol
 from engine.cancel import CancelToken
 
 from . import preparation
+from .backends import BackendError, TextPrompt, make_remote
+from .backends.text_prompt import TextPromptBuilder
 from .chat import load_chat_template
 from .precision_job import decision_stored
 from .prompt import PromptBuilder
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +75,12 @@ class Model(Protocol):
         cancel: CancelToken,
         speculative: bool = False,
         draft: str | None = None,
+        text: TextPrompt | None = None,
     ) -> Stream:
         """Start a generation of `ids` with `params` (engine.GenerationParams) reusing the KV of
         `slot`; `speculative`: greedy generations may verify drafted tokens (output identical),
-        `draft` the text being rewritten. Work happens while the stream is iterated."""
+        `draft` the text being rewritten; `text`: what `ids` encode (remote backends read it
+        instead of the ids). Work happens while the stream is iterated."""
 
     def status(self) -> dict:
         """What `spark/metrics` shows about the model (name, context, precision...)."""
@@ -125,6 +131,7 @@ class LocalModel:
         cancel: CancelToken,
         speculative: bool = False,
         draft: str | None = None,
+        text: TextPrompt | None = None,
     ) -> Stream:
         if speculative and getattr(params, "temperature", 0.0) == 0.0:
             return self._speculative.generate(
@@ -235,7 +242,8 @@ class ModelHost:
                     return  # a newer load superseded this one
                 self._loading = False
                 if ok:
-                    self.model, self.builder, self.params_cls = model, builder, GenerationParams
+                    self._replace(model)
+                    self.builder, self.params_cls = builder, GenerationParams
                     self.chat = chat
                     self.load_s = time.perf_counter() - t0
                 else:
@@ -250,6 +258,38 @@ class ModelHost:
                 pass
 
         threading.Thread(target=work, name="spark-model-load", daemon=True).start()
+
+    def start_remote(self, settings: Settings,
+                     on_done: Callable[[bool, str], None] | None = None) -> None:
+        """Generate with the remote backend the settings name (`spark_lsp.backends`): its client
+        is made at once; the server is first contacted by the first request."""
+        from engine import GenerationParams
+
+        self._generation += 1
+        self.expect()
+        self.model_dir = None
+        t0 = time.perf_counter()
+        try:
+            model, ok, msg = make_remote(settings), True, ""
+        except BackendError as exc:
+            model, ok, msg = None, False, f"cannot use the {settings.backend} backend: {exc}"
+        self._loading = False
+        self._replace(model)
+        self.builder = TextPromptBuilder() if ok else None
+        self.params_cls, self.chat = GenerationParams, None
+        self.error = None if ok else msg
+        self.load_s = time.perf_counter() - t0
+        self._event.set()
+        if on_done is not None:
+            on_done(ok, msg)
+
+    def _replace(self, model: Model | None) -> None:
+        old, self.model = self.model, model
+        if old is not None and old is not model and callable(getattr(old, "close", None)):
+            old.close()  # a remote backend's connections and I/O thread
+
+    def close(self) -> None:
+        self._replace(None)
 
     async def ready(self, timeout: float) -> None:
         """Wait until the model is loaded; raise ModelNotReady on failure or timeout."""

@@ -200,16 +200,16 @@ class PromptBuilder:
     def build_parts(self, prefix: str, suffix: str, budget: int) -> list[int]:
         """FIM prompt ids for explicit prefix/suffix texts (code actions), keeping the lines nearest
         the middle: the prefix is cut at its start, the suffix at its end, whole lines at a time."""
-        return self.encode_fim(*self._fit_parts(prefix, suffix, budget))
+        return self.encode_fim(*self.fit_parts(prefix, suffix, budget))
 
     def build_parts_healed(self, prefix: str, suffix: str, budget: int) -> tuple[list[int], str]:
         """`build_parts` with a final line break healed (`engine.fim.heal(newline=True)`): a code
         action's prompt ends where its region starts, usually a line start, and a bare newline
         before indented code is out of distribution for tokenizers that merge it with the
         indentation. Returns (ids, healed text for `GenerationParams.healed_prefix`)."""
-        return self.encode_healed(*self._fit_parts(prefix, suffix, budget), line_break=True)
+        return self.encode_healed(*self.fit_parts(prefix, suffix, budget), line_break=True)
 
-    def _fit_parts(self, prefix: str, suffix: str, budget: int) -> tuple[str, str]:
+    def fit_parts(self, prefix: str, suffix: str, budget: int) -> tuple[str, str]:
         """The ends of `prefix` and `suffix` that fit `budget` tokens (suffix at most 30%)."""
         suffix_budget = int(budget * 0.3) if self.fim is not None and suffix else 0
         s_lines = split_lines(suffix) if suffix_budget else []

@@ -203,9 +203,9 @@ class Settings:
     fim_template: str | None = setting(
         None,
         "string",
-        "FIM prompt layout for remote backends: empty/auto (from the model name), suffix (the "
-        "server's suffix parameter), starcoder, spark, qwen, deepseek, codellama, codestral, or a "
-        "layout with {prefix} and {suffix}.",
+        "FIM prompt layout for remote backends: empty (the fimFormat family, else the one the model "
+        "name suggests), suffix (the server's suffix parameter), a family, or a custom layout with "
+        "{prefix} and {suffix}.",
     )
 
     def replace(self, **kw: Any) -> Settings:

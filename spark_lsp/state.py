@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from .backends import BackendError, BackendUnavailable, RemoteBackend
 from .editor import Editor
 from .errors import ServerError
 from .live_edits import LiveEdit
@@ -88,11 +89,12 @@ class ServerState:
         for w in warnings:
             self.editor.log(f"{source}: {w}", "warning")
         old, self.settings = self.settings, new
-        if (new.model, new.precision, new.fim_format) != (old.model, old.precision, old.fim_format) \
-                and self.host.started:
-            self.editor.log(
-                f"model changed to {new.model or '(bundled default)'} ({new.precision}); reloading"
-            )
+        if _backend_settings(new) != _backend_settings(old) and self.host.started:
+            if new.backend == "local":
+                what = f"model changed to {new.model or '(bundled default)'} ({new.precision}); reloading"
+            else:
+                what = f"backend changed to {new.backend} at {new.backend_url or 'its default URL'}"
+            self.editor.log(what)
             self.start_loading()
 
     def settings_json(self) -> dict:
@@ -106,6 +108,9 @@ class ServerState:
         asyncio.ensure_future(self._load(loop))
 
     async def _load(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.settings.backend != "local":
+            self.host.start_remote(self.settings, self._remote_ready)
+            return
         name = self.settings.model or "(bundled default)"
         progress = await self.editor.begin_progress("spark-lsp", f"loading model {name}")
 
@@ -140,6 +145,38 @@ class ServerState:
             except RuntimeError:  # the loop closed: the server is gone
                 pass
 
+    def _remote_ready(self, ok: bool, msg: str) -> None:
+        backend = self.host.model
+        if not ok or not isinstance(backend, RemoteBackend):
+            self.editor.log(msg, "error")
+            self.editor.show_error(msg)
+            return
+        loop = asyncio.get_running_loop()
+
+        def health(up: bool, message: str) -> None:  # from the engine thread
+            loop.call_soon_threadsafe(self._backend_health, up, message)
+        backend.on_health = health
+        self.editor.log(f"generating with {backend.name} ({backend.kind} backend)")
+
+    def _backend_health(self, up: bool, message: str) -> None:
+        """A remote backend started failing (told once per run of failures) or answers again."""
+        if up:
+            self.editor.log(message)
+        else:
+            self.editor.log(message, "error")
+            self.editor.show_error(f"spark-lsp: {message}")
+        backend = self.host.model
+        if isinstance(backend, RemoteBackend):
+            self.editor.notify_status({"model": self.host.name, "kind": "backend",
+                                       "backend": backend.status(), "error": None if up else message})
+
+    def backend_failed(self, exc: BackendError) -> ServerError:
+        """The request's error for a failed backend (the editor was told once, see `_backend_health`)."""
+        self.metrics.errors += 1
+        if not isinstance(exc, BackendUnavailable):
+            log.info("backend request failed: %s", exc)
+        return ServerError(str(exc))
+
     # -- status and metrics ----------------------------------------------------------------------
     def send_status(self, kind: str, stats: dict) -> None:
         """Count a finished generation and tell the editor's status bar about it."""
@@ -160,7 +197,9 @@ class ServerState:
             "loadError": host.error,
             "engine": host.model.status() if host.model is not None else None,
             "enabled": self.enabled,
-            "chatModel": host.chat is not None,
+            "chatModel": host.chat is not None or bool(getattr(host.model, "supports_chat", False)),
+            "backend": host.model.status() if isinstance(host.model, RemoteBackend)
+            else {"kind": self.settings.backend},
             "settings": to_json(self.settings),
             **self.metrics.snapshot(lat),
         }
@@ -169,6 +208,13 @@ class ServerState:
         self.tuner.stop()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+        self.host.close()
+
+
+def _backend_settings(s) -> tuple:
+    """The settings that choose what generates: a change means a reload or a new backend."""
+    return (s.backend, s.model, s.precision, s.fim_format, s.backend_url, s.backend_model,
+            s.backend_api_key_env, s.backend_api_key_file, s.backend_timeout_s, s.fim_template)
 
     def wait_stopped(self, timeout: float) -> None:
         """After `shutdown`: wait for the engine thread to leave the model (see Scheduler.join)."""

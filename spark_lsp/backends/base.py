@@ -1,43 +1,37 @@
-"""The backend interface: where suggestions and edits are generated.
+"""Remote backends: the server's `Model` seam (`spark_lsp.model_host`) served by another server.
 
-Completions, code actions and live edits ask a :class:`Backend` for a :class:`Stream` of text and
-read it until it ends or they cancel it; they never know whether the text comes from the
-in-process engine (:mod:`.local`) or from a server (llama.cpp, Ollama, an OpenAI-compatible
-endpoint, the engine service). That keeps typing-through, post-processing, supersede and cancel
-identical for every backend.
+The services generate through a `model_host.Model`: ``generate(ids, params, slot, cancel=...,
+text=...)`` returns a stream of text chunks that its `CancelToken` stops. The in-process engine
+(`model_host.LocalModel`) reads the token ids; a remote backend (llama.cpp, Ollama, an
+OpenAI-compatible server, the engine service) tokenises on its side and reads ``text``, a
+:class:`TextPrompt`: the prefix and suffix the ids encode (fill-in-the-middle), or the chat
+messages of an instruction edit. Completions, code actions and live edits cannot tell them apart,
+so typing-through, post-processing, supersede and cancel are the same for every backend.
 
-The contract, which every implementation keeps:
+What a remote stream promises on top of the `model_host.Stream` contract:
 
-* ``Backend.infill(request)`` starts one generation and returns at once; the work happens while
-  the stream is read.  A :class:`Request` with ``suffix`` set asks for the middle between
-  ``prefix`` and ``suffix`` (fill-in-the-middle); with ``suffix=None`` it continues ``prefix``;
-  with ``messages`` set it asks a chat model (instruction edits), see ``Backend.supports_chat``.
-* A stream is read from one thread. Each ``next()`` returns a :class:`Chunk`; a chunk with empty
-  text means "nothing new yet": a remote stream waits at most a few milliseconds per call, so a
-  slow server never holds up the other documents that share the reading thread.  Iteration ends
-  with the generation; ``finish_reason`` then says why (``stop``, ``length``, ``cancelled``).
-* ``Stream.cancel()`` is thread-safe, idempotent and returns at once.  The stream then ends at
-  the next ``next()``, and the backend stops generating: the local engine aborts its ONNX Runtime
-  run, a remote backend closes the HTTP stream, which aborts the request in llama.cpp, Ollama
-  and vLLM (and calls an abort endpoint where the server has one).
-* A failure (server down, timeout, HTTP error, a reply that is not the documented format) raises
-  :class:`BackendError` from ``infill`` or ``next()``, with a message meant for the user.  While a
-  remote backend is failing it refuses new requests at once (:class:`BackendUnavailable`) until
-  its back-off delay has passed, so a dead server costs no retry storm.
-* ``stream.stats``: figures of the generation (``new_tokens`` received, ``ttft_ms``,
-  ``total_ms``, and what the server reports); ``Backend.status()``: a JSON-able summary for
-  ``spark/status`` (kind, url, model, health, request and cancel counts, wasted tokens).
+* ``next()`` returns a chunk with empty text when nothing arrived yet: it waits at most a few
+  milliseconds, so a slow server never holds up the other documents that share the reading
+  thread (the scheduler's engine thread);
+* ``cancel()`` (or the request's `CancelToken`) closes the HTTP stream at once, which makes
+  llama.cpp, Ollama and vLLM stop generating; ``stop()`` does the same for a stream whose output
+  is complete (its tokens were used, so they do not count as wasted);
+* a failure (server down, timeout, HTTP error, a reply that is not the documented format) raises
+  :class:`BackendError` with a message for the user; while a backend is failing, new requests
+  are refused at once (:class:`BackendUnavailable`) until its back-off delay has passed;
+* ``stats``: ``new_tokens`` received, ``ttft_ms``, ``total_ms`` and what the server reports.
 """
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any
 
 
 class BackendError(RuntimeError):
     """A backend failed; the message is shown to the user as is (it never contains a secret)."""
+
+    expected = True  # an outside failure, reported to the user: no traceback in the log
 
 
 class BackendUnavailable(BackendError):
@@ -46,10 +40,9 @@ class BackendUnavailable(BackendError):
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """New text of a stream ("" when nothing arrived yet). ``token_id`` is -1 for remote text."""
+    """New text of a stream ("" when nothing arrived yet)."""
 
     text: str
-    token_id: int = -1
 
 
 @dataclass(frozen=True)
@@ -61,62 +54,43 @@ class FileChunk:
 
 
 @dataclass(frozen=True)
-class Request:
-    """What to generate. ``slot`` names the document, so a backend can keep its cache per document
-    (the engine's KV slot; a llama.cpp slot kept by ``cache_prompt``)."""
+class TextPrompt:
+    """What a prompt's token ids encode, for a model that tokenises on its side."""
 
     prefix: str = ""
     suffix: str | None = None            # None: continue `prefix` left to right
+    messages: tuple[dict, ...] | None = None  # chat messages (instruction edits) instead of text
+    extra: tuple[FileChunk, ...] = ()    # other open files, nearest first (repo-level context)
+    path: str = ""                       # the document's path (repo-level FIM prompts name it)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation as a remote client sends it: the text and how to decode it."""
+
+    prefix: str = ""
+    suffix: str | None = None
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    slot: str | None = None
-    extra: tuple[FileChunk, ...] = ()    # other open files, nearest first
-    path: str = ""                       # the document's path (repo-level FIM prompts name it)
-    messages: tuple[dict, ...] | None = None  # chat messages (instruction edits) instead of text
-    draft: str | None = None             # text the output probably repeats (local speculation)
-    prepared: Any = None                 # the backend's own prompt from its `builder` (local: ids)
+    extra: tuple[FileChunk, ...] = ()
+    path: str = ""
+    messages: tuple[dict, ...] | None = None
 
-
-class Stream(Protocol):
-    """A generation in progress (see the module docstring for the contract)."""
-
-    finish_reason: str | None
-    stats: dict
-
-    def __iter__(self) -> Iterator[Chunk]: ...
-    def __next__(self) -> Chunk: ...
-    def cancel(self) -> None: ...
-
-
-class Backend(abc.ABC):
-    """Generates text for the server; one instance per configured backend."""
-
-    kind: str = "backend"            # 'local' | 'llamacpp' | 'ollama' | 'openai' | ...
-    supports_chat: bool = False      # `Request.messages` accepted
-
-    @property
-    @abc.abstractmethod
-    def name(self) -> str:
-        """What the user sees in spark/status: the model (and where it runs)."""
-
-    @abc.abstractmethod
-    def infill(self, request: Request) -> Stream:
-        """Start a generation (see the module docstring); raises BackendError."""
-
-    def status(self) -> dict:
-        """A JSON-able summary for spark/status."""
-        return {"kind": self.kind, "name": self.name}
-
-    def close(self) -> None:
-        """Release connections and threads (idempotent)."""
+    @classmethod
+    def of(cls, text: TextPrompt, params: Any) -> "Request":
+        """From a TextPrompt and `engine.GenerationParams`-like decoding parameters."""
+        return cls(prefix=text.prefix, suffix=text.suffix, messages=text.messages, extra=text.extra,
+                   path=text.path, max_tokens=int(params.max_new_tokens),
+                   temperature=float(params.temperature), top_p=float(getattr(params, "top_p", 1.0)),
+                   seed=getattr(params, "seed", None), stop=tuple(getattr(params, "stop", ()) or ()))
 
 
 @dataclass
 class Counters:
-    """Request accounting shared by the remote backends (spark/status, bench lsp)."""
+    """Request accounting of a remote backend (spark/metrics, bench lsp)."""
 
     requests: int = 0
     cancelled: int = 0           # streams closed before the backend finished

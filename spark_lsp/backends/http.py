@@ -27,7 +27,10 @@ from typing import Callable
 
 import httpx
 
-from .base import Backend, BackendError, BackendUnavailable, Chunk, Counters, Request
+from engine.cancel import CancelToken
+
+from .base import BackendError, BackendUnavailable, Chunk, Counters, Request, TextPrompt
+from .text_prompt import EstimatedTokens
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,7 @@ class HttpStream:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._ended = False
+        self._kept = False
         self.finish_reason: str | None = None
         self.text = ""
         self.stats: dict = {"new_tokens": 0, "ttft_ms": 0.0, "total_ms": 0.0}
@@ -198,6 +202,11 @@ class HttpStream:
         self._end(value)
         raise StopIteration
 
+    def stop(self) -> None:
+        """End early because the output is complete: a cancel whose tokens were used."""
+        self._kept = True
+        self.cancel()
+
     def cancel(self) -> None:
         if self._cancelled.is_set() or self._ended:
             return
@@ -250,20 +259,30 @@ def loads(payload: str) -> dict:
     return obj
 
 
-class RemoteBackend(Backend):
-    """An HTTP server that generates text; subclasses say how a request is sent and read."""
+class RemoteBackend:
+    """An HTTP server that generates text, as a `model_host.Model`; subclasses say how a request
+    is sent and read."""
 
+    kind = "remote"
     default_url = "http://127.0.0.1:8080"
+    supports_chat = False   # TextPrompt.messages accepted
+    context: int | None = None   # the server's model context is not known here
+    config = None                # nor its architecture (no wafer projection)
 
     def __init__(self, url: str | None = None, model: str | None = None, *, api_key: str | None = None,
                  timeout_s: float = 30.0, connect_timeout_s: float = 3.0, health: Health | None = None,
-                 fim_template: str | None = None) -> None:
+                 fim_template: str | None = None, fim_format: str | None = None) -> None:
         self.url = (url or self.default_url).rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
         self.fim_template = fim_template
+        self.fim_format = fim_format     # the engine's fimFormat setting: a family, or auto
         self.health = health or Health()
         self.counters = Counters()
+        self.tokenizer = EstimatedTokens()  # what the prompt builder counts with
+        #: called with (ok, message) when the backend starts failing (once per run of failures)
+        #: and when it answers again; from the thread that reads the stream
+        self.on_health: Callable[[bool, str], None] | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"spark-{self.kind}-io", daemon=True)
@@ -310,14 +329,30 @@ class RemoteBackend(Backend):
             pass
         return f"{self.label} answered HTTP {status}: {str(detail)[:300]}"
 
-    # -- the Backend contract ------------------------------------------------------------------
+    # -- the Model seam ------------------------------------------------------------------------
+    def generate(self, ids: list[int], params, slot: str, *, cancel: CancelToken,
+                 speculative: bool = False, draft: str | None = None,
+                 text: TextPrompt | None = None) -> HttpStream:
+        """Stream the generation `text` asks for, decoded as `params` say (the token ids are
+        the engine's; the server tokenises itself); `cancel` closes the stream."""
+        if text is None:
+            raise BackendError(f"{self.label} needs the prompt's text (TextPrompt), not token ids")
+        stream = self.infill(Request.of(text, params))
+        cancel.on_cancel(lambda reason: stream.cancel())
+        return stream
+
     def infill(self, request: Request) -> HttpStream:
+        """Start one request (no network I/O in the caller's thread)."""
         if self._closed:
             raise BackendError(f"{self.label} is closed")
         wait = self.health.delay()
         if wait > 0:
             raise BackendUnavailable(f"{self.health.last_error} (next try in {wait:.1f} s)")
-        self.build(request)  # a request this backend cannot send fails here, in the caller
+        try:
+            self.build(request)  # a request this backend cannot send fails here, in the caller
+        except BackendError as exc:
+            self._failed(exc)
+            raise
         with self._lock:
             self.counters.requests += 1
         return HttpStream(self, request)
@@ -328,13 +363,18 @@ class RemoteBackend(Backend):
             self.counters.tokens += n
             if reason == "cancelled":
                 self.counters.cancelled += 1
-                self.counters.wasted_tokens += n
+                if not stream._kept:
+                    self.counters.wasted_tokens += n
             if error is not None:
                 self.counters.failed += 1
         if error is not None:
-            self.health.failed(str(error))
-        elif reason != "cancelled":
-            self.health.succeeded()
+            self._failed(error)
+        elif reason != "cancelled" and self.health.succeeded() and self.on_health is not None:
+            self.on_health(True, f"{self.label} answers again")
+
+    def _failed(self, error: BackendError) -> None:
+        if self.health.failed(str(error)) and self.on_health is not None:
+            self.on_health(False, str(error))
 
     def status(self) -> dict:
         return {"kind": self.kind, "name": self.name, "url": self.url, "model": self.model,

@@ -49,8 +49,8 @@ class OllamaBackend(RemoteBackend):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        explicit = self.fim_template not in (None, "", "auto")
-        self.template = templates.resolve(self.fim_template, self.model) if explicit else None
+        explicit = self.fim_template not in (None, "", "auto") or self.fim_format not in (None, "", "auto")
+        self.template = templates.resolve(self.fim_template, self.model, self.fim_format) if explicit else None
         self.raw = explicit
 
     def adapt(self, status: int, body: str) -> bool:

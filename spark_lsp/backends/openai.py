@@ -48,7 +48,8 @@ class OpenAIBackend(RemoteBackend):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        self.template = None if self.fim_template == "suffix" else templates.resolve(self.fim_template, self.model)
+        self.template = None if self.fim_template == "suffix" else \
+            templates.resolve(self.fim_template, self.model, self.fim_format)
 
     def _common(self, r: Request) -> dict:
         body: dict = {"max_tokens": r.max_tokens, "temperature": r.temperature, "stream": True}

@@ -60,6 +60,13 @@ M.server_settings_spec = {
   { name = 'tunePrecision', type = 'boolean', default = true },
   { name = 'neighbourTokens', type = 'number', default = 0 },
   { name = 'fimFormat', type = 'string', default = 'auto' },
+  { name = 'backend', type = 'string', default = 'local' },
+  { name = 'backendUrl', type = 'string' },
+  { name = 'backendModel', type = 'string' },
+  { name = 'backendApiKeyEnv', type = 'string' },
+  { name = 'backendApiKeyFile', type = 'string' },
+  { name = 'backendTimeoutS', type = 'number', default = 30 },
+  { name = 'fimTemplate', type = 'string' },
 }
 -- END server settings
 
