@@ -1,6 +1,6 @@
 """A small local HTTP server that replays the documented streaming replies of Ollama
 (``/api/generate``, ``/api/chat``: NDJSON) and of OpenAI-compatible servers (``/v1/completions``,
-``/v1/chat/completions``: SSE). No Ollama binary can be installed in CI, so the Ollama backend is
+``/v1/chat/completions``: SSE) and llama.cpp's server (``/infill``, ``/completion``: SSE). No Ollama binary can be installed in CI, so the Ollama backend is
 tested against this replay of its documented format (https://github.com/ollama/ollama/blob/main/docs/api.md).
 
 Like the real servers it stops generating when the client closes the connection (a write fails),
@@ -62,13 +62,15 @@ class FakeServer:
 
     # -- replies ---------------------------------------------------------------------------------
     def handle(self, h: BaseHTTPRequestHandler, path: str, body: dict) -> None:
-        sse = path.startswith("/v1/")
+        llama = path in ("/infill", "/completion")
+        sse = path.startswith("/v1/") or llama
         chat = path.endswith("/chat") or path.endswith("/chat/completions")
         if self.mode == "error":
             return self._plain(h, 500, {"error": "model runner has unexpectedly stopped"})
         if self.mode == "no-insert" and "suffix" in body:
             return self._plain(h, 400, {"error": f"registry.ollama.ai/library/{body.get('model')} does not support insert"})
-        if path not in ("/api/generate", "/api/chat", "/v1/completions", "/v1/chat/completions"):
+        if path not in ("/api/generate", "/api/chat", "/v1/completions", "/v1/chat/completions", "/infill",
+                        "/completion"):
             return self._plain(h, 404, {"error": "404 page not found"})
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream" if sse else "application/x-ndjson")
@@ -84,16 +86,20 @@ class FakeServer:
                 self._chunk(h, "<html>502 Bad Gateway</html>\n")
                 self._chunk(h, "")
                 return
-            limit = body.get("max_tokens") or body.get("options", {}).get("num_predict") or 10**9
+            limit = (body.get("max_tokens") or body.get("n_predict") or body.get("options", {}).get("num_predict")
+                     or 10**9)
             tokens = iter(self.answer) if self.mode != "endless" else (f" t{i}" for i in range(10**9))
             for tok in tokens:
                 if written >= limit:
                     break
                 time.sleep(self.token_delay_s)
-                self._chunk(h, self._event(tok, sse, chat, done=False))
+                self._chunk(h, self._llama_event(tok) if llama else self._event(tok, sse, chat, done=False))
                 written += 1
                 self.written[-1] = written
-            self._chunk(h, self._final(sse, chat, written, "length" if written >= limit else "stop"))
+            if llama:
+                self._chunk(h, self._llama_final(written, "limit" if written >= limit else "eos"))
+            else:
+                self._chunk(h, self._final(sse, chat, written, "length" if written >= limit else "stop"))
             self._chunk(h, "")
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
             pass  # the client closed the stream: stop generating, like the real servers
@@ -110,6 +116,17 @@ class FakeServer:
             return "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [choice]}) + "\n\n"
         key = {"message": {"role": "assistant", "content": tok}} if chat else {"response": tok}
         return json.dumps({"model": "m", "created_at": "2026-01-01T00:00:00Z", **key, "done": False}) + "\n"
+
+    @staticmethod
+    def _llama_event(tok: str) -> str:
+        # llama.cpp server (tools/server/README.md): one SSE event per token while streaming
+        return "data: " + json.dumps({"content": tok, "stop": False, "id_slot": 0, "index": 0}) + "\n\n"
+
+    @staticmethod
+    def _llama_final(n: int, stop_type: str) -> str:
+        return "data: " + json.dumps({
+            "content": "", "stop": True, "stop_type": stop_type, "tokens_predicted": n, "tokens_cached": 7 + n,
+            "timings": {"prompt_n": 7, "prompt_ms": 1.5, "predicted_n": n, "predicted_ms": 2.0 * n}}) + "\n\n"
 
     def _final(self, sse: bool, chat: bool, n: int, reason: str) -> str:
         if sse:

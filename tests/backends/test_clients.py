@@ -105,6 +105,20 @@ def test_openai_chat_and_usage(fake, backends):
     assert fake.requests[-1][0] == "/v1/chat/completions"
 
 
+def test_llamacpp_infill_request_and_stream(fake, backends):
+    b = backends(LlamaCppBackend, fake.url, model=None)
+    s = b.infill(Request(prefix="def add(a, b):\n    ", suffix="\n", max_tokens=3, stop=("\n\n",),
+                         extra=(FileChunk("util.py", "X = 1\n"),)))
+    assert read_all(s) == "return a +" and s.finish_reason == "length"
+    assert s.stats["server_tokens"] == 3 and s.stats["server_cached_tokens"] == 10
+    path, body = fake.requests[-1]
+    assert path == "/infill" and body["input_prefix"] == "def add(a, b):\n    " and body["input_suffix"] == "\n"
+    assert body["input_extra"] == [{"filename": "util.py", "text": "X = 1\n"}]
+    assert body["cache_prompt"] is True and body["stream"] is True and body["n_predict"] == 3
+    assert read_all(b.infill(Request(prefix="import os\n", suffix=None))) == "return a + b\n"
+    assert fake.requests[-1][0] == "/completion" and fake.requests[-1][1]["prompt"] == "import os\n"
+
+
 def test_llamacpp_chat_goes_to_openai_endpoint(fake, backends):
     b = backends(LlamaCppBackend, fake.url, model=None)
     assert read_all(b.infill(Request(messages=({"role": "user", "content": "hi"},)))) == "return a + b\n"
@@ -228,3 +242,62 @@ def test_api_key_from_env_is_sent_and_never_shown(fake, backends, monkeypatch, t
         make_remote(Settings(backend="openai", backend_api_key_env="SPARK_TEST_KEY"))
     with pytest.raises(BackendError, match="cannot read the API key file"):
         make_remote(Settings(backend="openai", backend_api_key_file=str(tmp_path / "missing")))
+
+
+def test_model_seam_generate_follows_the_cancel_token(fake, backends):
+    """As the services call it: generate(ids, params, slot, cancel=token, text=TextPrompt)."""
+    from engine import GenerationParams
+    from engine.cancel import CancelToken
+
+    from spark_lsp.backends import TextPrompt
+
+    fake.mode = "endless"
+    b = backends(OllamaBackend, fake.url)
+    token = CancelToken()
+    s = b.generate([1, 2, 3], GenerationParams(max_new_tokens=100000, temperature=0.0), "doc", cancel=token,
+                   text=TextPrompt("def f(", ")\n"))
+    body = fake.requests and fake.requests[-1][1]
+    got = 0
+    for c in s:
+        got += bool(c.text)
+        if got == 3:
+            token.cancel("user typed")
+    body = fake.requests[-1][1]
+    assert body["prompt"] == "def f(" and body["suffix"] == ")\n" and body["options"]["num_predict"] == 100000
+    assert s.finish_reason == "cancelled" and fake.stopped.wait(10)
+    with pytest.raises(BackendError, match="TextPrompt"):
+        b.generate([1], GenerationParams(), "doc", cancel=CancelToken())
+
+
+def test_templates_render_each_family_and_custom_layouts():
+    from spark_lsp.backends import templates
+
+    assert templates.family_of("qwen2.5-coder:7b-base") == "qwen"
+    assert templates.family_of("deepseek-ai/deepseek-coder-6.7b-base") == "deepseek"
+    assert templates.family_of("TheBloke/CodeLlama-7B-GGUF") == "codellama"
+    assert templates.family_of("llama3") is None and templates.resolve("auto", "llama3") is None
+    spark = templates.resolve("spark", None)
+    assert spark.render("P", "S") == "<fim_suffix>S<fim_prefix>P<fim_middle>"
+    star = templates.resolve("starcoder", None)
+    assert star.render("P", "S", (FileChunk("a.py", "A"),), "b.py") == \
+        "<repo_name>workspace<file_sep>a.py\nA<file_sep><fim_prefix>b.py\nP<fim_suffix>S<fim_middle>"
+    custom = templates.resolve("<A>{prefix}<B>{suffix}<C>", None)
+    assert custom.render("x = {1}", "{suffix}") == "<A>x = {1}<B>{suffix}<C>"  # braces in code stay
+    with pytest.raises(ValueError, match=r"\{prefix\} and \{suffix\}"):
+        templates.resolve("<A>{prefix}", None)
+
+
+def test_remote_settings_are_checked(fake):
+    from spark_lsp.backends import make_remote
+    from spark_lsp.settings import Settings, SettingsError, update
+
+    s, _ = update(Settings(), {"backend": "ollama", "backendUrl": fake.url, "backendModel": "m",
+                               "backendTimeoutS": 2, "fimTemplate": "qwen"})
+    assert (s.backend, s.backend_url, s.backend_model, s.backend_timeout_s, s.fim_template) == \
+        ("ollama", fake.url, "m", 2.0, "qwen")
+    with pytest.raises(SettingsError, match="backend"):
+        update(Settings(), {"backend": "vllm"})
+    with pytest.raises(BackendError, match="backendUrl"):
+        make_remote(Settings(backend="openai", backend_url="localhost:8000"))
+    with pytest.raises(BackendError, match="fimTemplate"):
+        make_remote(Settings(backend="openai", fim_template="<PRE>{prefix}"))
