@@ -150,7 +150,8 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
     or `chat_messages`, a remote model that takes chat messages;
     `python`: the document is Python (None: guessed from the text). Its result is checked by
     `edit_checks` before it is applied."""
-    p = _plan(action, text, start, end, cursor_line, max_tokens, instruction, count_tokens, chat)
+    p = _plan(action, text, start, end, cursor_line, max_tokens, instruction, count_tokens, chat,
+              chat_messages)
     if python is None:
         python = looks_like_python(text)
     lines = split_lines(text)
@@ -178,7 +179,8 @@ def looks_like_python(text: str) -> bool:
 
 
 def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_tokens: int,
-          instruction: str | None, count_tokens: Callable[[str], int] | None, chat: Any) -> EditPlan:
+          instruction: str | None, count_tokens: Callable[[str], int] | None, chat: Any,
+          chat_messages: bool = False) -> EditPlan:
     lines = split_lines(text)
     line_starts = [0]
     for ln in lines:
@@ -321,9 +323,9 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
             raise ActionError(f"the chat prompt has {len(ids)} tokens; select less code")
         text = TextPrompt(p.prompt_text)
     else:  # the region usually starts a line: its line break is healed (see build_parts_healed)
-        prefix, suffix = builder.fit_parts(p.prefix, p.suffix, context_tokens)
-        ids, healed = builder.encode_healed(prefix, suffix, line_break=True)
-        text = TextPrompt(prefix, suffix if builder.fim is not None else None)
+        ids, healed = builder.build_parts_healed(p.prefix, p.suffix, context_tokens)
+        prefix, suffix = builder.fit_parts(p.prefix, p.suffix, context_tokens)  # the same texts
+        text = TextPrompt(prefix, suffix if getattr(builder, "fim", None) is not None else None)
     # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
     stop = p.stop + tuple(builder.stop_strings)
 

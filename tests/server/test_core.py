@@ -271,7 +271,8 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
     def scripted(*outputs):
         leads = []
 
-        def fake_generate(model, job, ids, params, done=None, on_text=None, speculative=False, draft=None):
+        def fake_generate(model, job, ids, params, done=None, on_text=None, speculative=False, draft=None,
+                          text=None):
             leads.append(params.healed_prefix)  # generated but not emitted: the runner puts it back
             text = outputs[min(len(leads), len(outputs)) - 1]
             if on_text is not None:
@@ -286,6 +287,9 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
 
         def build_parts_healed(self, prefix, suffix, budget):
             return [1, 2, 3], ""
+
+        def fit_parts(self, prefix, suffix, budget):
+            return prefix, suffix
 
     monkeypatch.setattr(completions, "control_ids", lambda b: frozenset())
     leads, streamed = scripted(" ", "Add two numbers.\n    "), []
