@@ -228,12 +228,15 @@ class _Builder:
     def build_parts_healed(self, prefix, suffix, budget):
         return [1, 2, 3], ""
 
+    def fit_parts(self, prefix, suffix, budget):
+        return prefix, suffix
+
 
 def _scripted(monkeypatch, *outputs):
     calls = []
 
     def fake_generate(
-        engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None
+        engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None, text=None
     ):
         calls.append(params)
         text = outputs[min(len(calls), len(outputs)) - 1]

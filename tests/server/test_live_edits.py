@@ -267,7 +267,8 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
     chunks = ["    a = (\n", "    b = [\n"]  # a rewrite that no longer parses
     tries = []
 
-    def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None):
+    def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None,
+                      text=None):
         tries.append(params.temperature)
         raw = ""
         for chunk in chunks:
@@ -283,6 +284,9 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
 
         def build_parts_healed(self, prefix, suffix, budget):
             return [1, 2, 3], ""
+
+        def fit_parts(self, prefix, suffix, budget):
+            return prefix, suffix
 
     class Model:
         context = None  # the prompt budget is the contextTokens setting
