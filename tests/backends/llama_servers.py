@@ -84,17 +84,18 @@ class LlamaServer:
         self._log_file.close()
 
 
-def stop_latency_ms(server: LlamaServer, t_cancel: float, window_s: float = 1.0) -> tuple[float, float]:
-    """(ms from `t_cancel` to the server's last CPU tick, CPU seconds it used from 100 ms after the
-    cancel to the end of the window): sampled every 2 ms for `window_s`."""
+def stop_latency_ms(server: LlamaServer, t_cancel: float, window_s: float = 1.0,
+                    grace_s: float = 0.1) -> tuple[float, float]:
+    """(ms from `t_cancel` to the server's last CPU tick, CPU seconds it used from `grace_s`
+    after the cancel to the end of the window): sampled every 2 ms for `window_s`."""
     last_change, prev = t_cancel, server.cpu_s()
-    at_100ms = None
+    at_grace = None
     end = t_cancel + window_s
     while (now := time.perf_counter()) < end:
         cur = server.cpu_s()
         if cur != prev:
             last_change, prev = now, cur
-        if at_100ms is None and now >= t_cancel + 0.1:
-            at_100ms = cur
+        if at_grace is None and now >= t_cancel + grace_s:
+            at_grace = cur
         time.sleep(0.002)
-    return (last_change - t_cancel) * 1e3, prev - (at_100ms if at_100ms is not None else prev)
+    return (last_change - t_cancel) * 1e3, prev - (at_grace if at_grace is not None else prev)
