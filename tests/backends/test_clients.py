@@ -276,11 +276,10 @@ def test_templates_render_each_family_and_custom_layouts():
     assert templates.family_of("deepseek-ai/deepseek-coder-6.7b-base") == "deepseek"
     assert templates.family_of("TheBloke/CodeLlama-7B-GGUF") == "codellama"
     assert templates.family_of("llama3") is None and templates.resolve("auto", "llama3") is None
-    spark = templates.resolve("spark", None)
-    assert spark.render("P", "S") == "<fim_suffix>S<fim_prefix>P<fim_middle>"
+    assert templates.resolve(None, "my-model", "deepseek").name == "deepseek"  # the fimFormat setting
     star = templates.resolve("starcoder", None)
     assert star.render("P", "S", (FileChunk("a.py", "A"),), "b.py") == \
-        "<repo_name>workspace<file_sep>a.py\nA<file_sep><fim_prefix>b.py\nP<fim_suffix>S<fim_middle>"
+        "<repo_name>workspace<file_sep>a.py\nA<file_sep>b.py\n<fim_prefix>P<fim_suffix>S<fim_middle>"
     custom = templates.resolve("<A>{prefix}<B>{suffix}<C>", None)
     assert custom.render("x = {1}", "{suffix}") == "<A>x = {1}<B>{suffix}<C>"  # braces in code stay
     with pytest.raises(ValueError, match=r"\{prefix\} and \{suffix\}"):
