@@ -208,18 +208,13 @@ class ServerState:
         self.tuner.stop()
         if self.scheduler is not None:
             self.scheduler.shutdown()
-        self.host.close()
 
-
-def _backend_settings(s) -> tuple:
-    """The settings that choose what generates: a change means a reload or a new backend."""
-    return (s.backend, s.model, s.precision, s.fim_format, s.backend_url, s.backend_model,
-            s.backend_api_key_env, s.backend_api_key_file, s.backend_timeout_s, s.fim_template)
 
     def wait_stopped(self, timeout: float) -> None:
         """After `shutdown`: wait for the engine thread to leave the model (see Scheduler.join)."""
         if self.scheduler is not None and not self.scheduler.join(timeout):
             log.warning("the engine did not stop within %.0f s", timeout)
+        self.host.close()  # a remote backend's connections and I/O thread
 
 
 def document_path(uri: str, root: str | None) -> str:
@@ -275,6 +270,12 @@ def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[i
             pass  # the loop closed while downloading
 
     return report
+
+
+def _backend_settings(s) -> tuple:
+    """The settings that choose what generates: a change means a reload or a new backend."""
+    return (s.backend, s.model, s.precision, s.fim_format, s.backend_url, s.backend_model,
+            s.backend_api_key_env, s.backend_api_key_file, s.backend_timeout_s, s.fim_template)
 
 
 __all__ = ["EDIT_SUFFIX", "ServerState", "SettingsError", "edit_key"]
