@@ -164,11 +164,11 @@ class HttpStream:
                         self._q.put(("stats", ev.stats, 0))
                     finish = ev.finish_reason or finish
                     if ev.done:
-                        self._q.put(("end", finish or "stop", 0))
                         ended = True
                         break
-            if not ended:
-                self._q.put(("end", finish or "stop", 0))
+        # after the reply is read to its end and the connection is back in the pool, so the
+        # next request (often right after this one) reuses it
+        self._q.put(("end", finish or "stop", 0))
 
     # -- the Stream contract (consumer thread) -------------------------------------------------
     def __iter__(self) -> "HttpStream":

@@ -277,9 +277,12 @@ def test_templates_render_each_family_and_custom_layouts():
     assert templates.family_of("TheBloke/CodeLlama-7B-GGUF") == "codellama"
     assert templates.family_of("llama3") is None and templates.resolve("auto", "llama3") is None
     assert templates.resolve(None, "my-model", "deepseek").name == "deepseek"  # the fimFormat setting
-    star = templates.resolve("starcoder", None)
+    from engine.fim import STYLES
+
+    star = templates.resolve("starcoder", None)  # engine.fim's layout, not a copy of it
     assert star.render("P", "S", (FileChunk("a.py", "A"),), "b.py") == \
-        "<repo_name>workspace<file_sep>a.py\nA<file_sep>b.py\n<fim_prefix>P<fim_suffix>S<fim_middle>"
+        STYLES["starcoder"].render("P", "S", files=[("a.py", "A")], repo="workspace", path="b.py")
+    assert templates.resolve("codellama", None).render("P", "S") == "<PRE> P <SUF>S <MID>"
     custom = templates.resolve("<A>{prefix}<B>{suffix}<C>", None)
     assert custom.render("x = {1}", "{suffix}") == "<A>x = {1}<B>{suffix}<C>"  # braces in code stay
     with pytest.raises(ValueError, match=r"\{prefix\} and \{suffix\}"):

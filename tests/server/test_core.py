@@ -272,7 +272,7 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
         leads = []
 
         def fake_generate(model, job, ids, params, done=None, on_text=None, speculative=False, draft=None,
-                          text=None):
+                          text_prompt=None):
             leads.append(params.healed_prefix)  # generated but not emitted: the runner puts it back
             text = outputs[min(len(leads), len(outputs)) - 1]
             if on_text is not None:

@@ -268,7 +268,7 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
     tries = []
 
     def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None,
-                      text=None):
+                      text_prompt=None):
         tries.append(params.temperature)
         raw = ""
         for chunk in chunks:
