@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from . import postprocess
 from .documents import line_at, split_lines
-from .backends.base import TextPrompt
+from .backends.base import FileChunk, TextPrompt
 from .prompt import PromptBuilder
 from .scheduler import Cancelled, Job
 from .settings import Settings
@@ -232,7 +232,8 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
     done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
     # the text the ids encode (healed part included), for a model that tokenises on its side
-    text_prompt = TextPrompt(prompt.prefix, prompt.suffix if prompt.fim else None)
+    text_prompt = TextPrompt(prompt.prefix, prompt.suffix if prompt.fim else None,
+                             extra=tuple(FileChunk(str(p), str(t)) for p, t in files))
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
     gate = trigger != INVOKED and settings.min_confidence > 0  # the user asked: always shown
     items: list[str] = []

@@ -32,11 +32,15 @@ class _TextFim:
     supports_spm = False
     name = "text"
 
-    def build(self, prefix: str, suffix: str, spm: bool = False) -> list[int]:
+    def build(self, prefix: str, suffix: str, spm: bool = False, context=None) -> list[int]:
         return []
 
-    def layout(self, p: list[int], s: list[int], spm: bool = False) -> list[int]:
+    def layout(self, p: list[int], s: list[int], spm: bool = False, context=None) -> list[int]:
         return []
+
+    def context_ids(self, files):
+        """Other files go to the server as text (`TextPrompt.extra`), not as ids."""
+        return None
 
 
 class TextPromptBuilder(PromptBuilder):
