@@ -16,15 +16,26 @@ from .openai import OpenAIBackend
 
 REMOTE = {"llamacpp": LlamaCppBackend, "ollama": OllamaBackend, "openai": OpenAIBackend}
 
-__all__ = ["BackendError", "BackendUnavailable", "Chunk", "FileChunk", "Request", "TextPrompt",
-           "RemoteBackend", "REMOTE", "make_remote"]
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "Chunk",
+    "FileChunk",
+    "Request",
+    "TextPrompt",
+    "RemoteBackend",
+    "REMOTE",
+    "make_remote",
+]
 
 
 def make_remote(settings) -> RemoteBackend:
     """The remote backend of `settings.backend` (raises BackendError for a bad API key source)."""
     cls = REMOTE.get(settings.backend)
     if cls is None:
-        raise BackendError(f"unknown backend {settings.backend!r}; expected local or one of {', '.join(REMOTE)}")
+        raise BackendError(
+            f"unknown backend {settings.backend!r}; expected local or one of {', '.join(REMOTE)}"
+        )
     url = settings.backend_url
     if url is not None and not url.startswith(("http://", "https://")):
         raise BackendError(f"setting 'backendUrl' must be an http:// or https:// URL, got {url!r}")
@@ -33,5 +44,11 @@ def make_remote(settings) -> RemoteBackend:
     except ValueError as exc:
         raise BackendError(f"setting 'fimTemplate': {exc}") from None
     key = read_api_key(settings.backend_api_key_env, settings.backend_api_key_file)
-    return cls(settings.backend_url, settings.backend_model, api_key=key, timeout_s=settings.backend_timeout_s,
-               fim_template=settings.fim_template, fim_format=settings.fim_format)
+    return cls(
+        settings.backend_url,
+        settings.backend_model,
+        api_key=key,
+        timeout_s=settings.backend_timeout_s,
+        fim_template=settings.fim_template,
+        fim_format=settings.fim_format,
+    )

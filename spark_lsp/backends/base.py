@@ -58,10 +58,10 @@ class TextPrompt:
     """What a prompt's token ids encode, for a model that tokenises on its side."""
 
     prefix: str = ""
-    suffix: str | None = None            # None: continue `prefix` left to right
+    suffix: str | None = None  # None: continue `prefix` left to right
     messages: tuple[dict, ...] | None = None  # chat messages (instruction edits) instead of text
-    extra: tuple[FileChunk, ...] = ()    # other open files, nearest first (repo-level context)
-    path: str = ""                       # the document's path (repo-level FIM prompts name it)
+    extra: tuple[FileChunk, ...] = ()  # other open files, nearest first (repo-level context)
+    path: str = ""  # the document's path (repo-level FIM prompts name it)
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,20 @@ class Request:
     messages: tuple[dict, ...] | None = None
 
     @classmethod
-    def of(cls, text: TextPrompt, params: Any) -> "Request":
+    def of(cls, text: TextPrompt, params: Any) -> Request:
         """From a TextPrompt and `engine.GenerationParams`-like decoding parameters."""
-        return cls(prefix=text.prefix, suffix=text.suffix, messages=text.messages, extra=text.extra,
-                   path=text.path, max_tokens=int(params.max_new_tokens),
-                   temperature=float(params.temperature), top_p=float(getattr(params, "top_p", 1.0)),
-                   seed=getattr(params, "seed", None), stop=tuple(getattr(params, "stop", ()) or ()))
+        return cls(
+            prefix=text.prefix,
+            suffix=text.suffix,
+            messages=text.messages,
+            extra=text.extra,
+            path=text.path,
+            max_tokens=int(params.max_new_tokens),
+            temperature=float(params.temperature),
+            top_p=float(getattr(params, "top_p", 1.0)),
+            seed=getattr(params, "seed", None),
+            stop=tuple(getattr(params, "stop", ()) or ()),
+        )
 
 
 @dataclass
@@ -93,12 +101,18 @@ class Counters:
     """Request accounting of a remote backend (spark/metrics, bench lsp)."""
 
     requests: int = 0
-    cancelled: int = 0           # streams closed before the backend finished
+    cancelled: int = 0  # streams closed before the backend finished
     failed: int = 0
-    tokens: int = 0              # tokens the backend streamed to us
-    wasted_tokens: int = 0       # of those, tokens of cancelled streams (generated, never shown)
+    tokens: int = 0  # tokens the backend streamed to us
+    wasted_tokens: int = 0  # of those, tokens of cancelled streams (generated, never shown)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "cancelled": self.cancelled, "failed": self.failed,
-                "tokens": self.tokens, "wasted_tokens": self.wasted_tokens, **self.extra}
+        return {
+            "requests": self.requests,
+            "cancelled": self.cancelled,
+            "failed": self.failed,
+            "tokens": self.tokens,
+            "wasted_tokens": self.wasted_tokens,
+            **self.extra,
+        }

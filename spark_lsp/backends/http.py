@@ -21,9 +21,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
@@ -44,14 +44,18 @@ def read_api_key(env: str | None, file: str | None) -> str | None:
     if env:
         value = os.environ.get(env)
         if value is None or not value.strip():
-            raise BackendError(f"the API key variable {env} (setting 'backendApiKeyEnv') is not set")
+            raise BackendError(
+                f"the API key variable {env} (setting 'backendApiKeyEnv') is not set"
+            )
         return value.strip()
     if file:
         try:
             value = Path(file).expanduser().read_text(encoding="utf-8").strip().splitlines()
         except OSError as exc:
-            raise BackendError(f"cannot read the API key file {file} (setting 'backendApiKeyFile'): "
-                               f"{exc.strerror or exc}") from None
+            raise BackendError(
+                f"cannot read the API key file {file} (setting 'backendApiKeyFile'): "
+                f"{exc.strerror or exc}"
+            ) from None
         if not value or not value[0].strip():
             raise BackendError(f"the API key file {file} (setting 'backendApiKeyFile') is empty")
         return value[0].strip()
@@ -62,7 +66,9 @@ class Health:
     """Failures in a row and the back-off they earn: 0.5 s, 1 s, 2 s ... capped at `cap_s`.
     A request in the delay is refused without touching the network (no retry storm)."""
 
-    def __init__(self, base_s: float = 0.5, cap_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, base_s: float = 0.5, cap_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ):
         self.base_s, self.cap_s, self._clock = base_s, cap_s, clock
         self.failures = 0
         self.retry_at = 0.0
@@ -93,8 +99,12 @@ class Health:
             return was_down
 
     def as_dict(self) -> dict:
-        return {"ok": self.ok, "failures": self.failures, "last_error": self.last_error,
-                "retry_in_s": round(self.delay(), 2)}
+        return {
+            "ok": self.ok,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "retry_in_s": round(self.delay(), 2),
+        }
 
 
 @dataclass
@@ -104,15 +114,15 @@ class Event:
     text: str = ""
     done: bool = False
     finish_reason: str | None = None
-    tokens: int | None = None        # tokens this event carries, when the server says (else 1 if text)
-    stats: dict | None = None        # figures the server reports at the end
+    tokens: int | None = None  # tokens this event carries, when the server says (else 1 if text)
+    stats: dict | None = None  # figures the server reports at the end
 
 
 class HttpStream:
     """A remote generation: the reply is read on the backend's loop, chunks are handed over
     through a queue. Implements the `Stream` contract of `base`."""
 
-    def __init__(self, backend: "RemoteBackend", request: Request) -> None:
+    def __init__(self, backend: RemoteBackend, request: Request) -> None:
         self._backend = backend
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
@@ -135,13 +145,26 @@ class HttpStream:
         except BackendError as exc:
             self._q.put(("error", exc, 0))
         except httpx.TimeoutException:
-            self._q.put(("error", BackendError(
-                f"{b.label} did not answer within {b.timeout_s:g} s (setting 'backendTimeoutS')"), 0))
+            self._q.put(
+                (
+                    "error",
+                    BackendError(
+                        f"{b.label} did not answer within {b.timeout_s:g} s (setting 'backendTimeoutS')"
+                    ),
+                    0,
+                )
+            )
         except httpx.HTTPError as exc:
             self._q.put(("error", BackendError(f"{b.label} is unreachable: {_short(exc)}"), 0))
         except Exception as exc:  # a reply that is not the documented format
             log.debug("bad reply from %s", b.label, exc_info=True)
-            self._q.put(("error", BackendError(f"{b.label} sent a reply spark-lsp cannot read: {_short(exc)}"), 0))
+            self._q.put(
+                (
+                    "error",
+                    BackendError(f"{b.label} sent a reply spark-lsp cannot read: {_short(exc)}"),
+                    0,
+                )
+            )
 
     async def _read(self, request: Request, retry: bool) -> None:
         b = self._backend
@@ -171,7 +194,7 @@ class HttpStream:
         self._q.put(("end", finish or "stop", 0))
 
     # -- the Stream contract (consumer thread) -------------------------------------------------
-    def __iter__(self) -> "HttpStream":
+    def __iter__(self) -> HttpStream:
         return self
 
     def __next__(self) -> Chunk:
@@ -211,7 +234,7 @@ class HttpStream:
         if self._cancelled.is_set() or self._ended:
             return
         self._cancelled.set()
-        self._future.cancel()     # thread-safe: cancels the reading task, which closes the connection
+        self._future.cancel()  # thread-safe: cancels the reading task, which closes the connection
         self._q.put(("wake", None, 0))
 
     @property
@@ -265,18 +288,27 @@ class RemoteBackend:
 
     kind = "remote"
     default_url = "http://127.0.0.1:8080"
-    supports_chat = False   # TextPrompt.messages accepted
-    context: int | None = None   # the server's model context is not known here
-    config = None                # nor its architecture (no wafer projection)
+    supports_chat = False  # TextPrompt.messages accepted
+    context: int | None = None  # the server's model context is not known here
+    config = None  # nor its architecture (no wafer projection)
 
-    def __init__(self, url: str | None = None, model: str | None = None, *, api_key: str | None = None,
-                 timeout_s: float = 30.0, connect_timeout_s: float = 3.0, health: Health | None = None,
-                 fim_template: str | None = None, fim_format: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 3.0,
+        health: Health | None = None,
+        fim_template: str | None = None,
+        fim_format: str | None = None,
+    ) -> None:
         self.url = (url or self.default_url).rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
         self.fim_template = fim_template
-        self.fim_format = fim_format     # the engine's fimFormat setting: a family, or auto
+        self.fim_format = fim_format  # the engine's fimFormat setting: a family, or auto
         self.health = health or Health()
         self.counters = Counters()
         self.tokenizer = EstimatedTokens()  # what the prompt builder counts with
@@ -285,17 +317,26 @@ class RemoteBackend:
         self.on_health: Callable[[bool, str], None] | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"spark-{self.kind}-io", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"spark-{self.kind}-io", daemon=True
+        )
         self._thread.start()
         self._lock = threading.Lock()
         self._closed = False
 
         async def make() -> httpx.AsyncClient:
             return httpx.AsyncClient(
-                base_url=self.url, headers=headers,
+                base_url=self.url,
+                headers=headers,
                 timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                limits=httpx.Limits(max_connections=16, max_keepalive_connections=8, keepalive_expiry=300))
-        self.client: httpx.AsyncClient = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+                limits=httpx.Limits(
+                    max_connections=16, max_keepalive_connections=8, keepalive_expiry=300
+                ),
+            )
+
+        self.client: httpx.AsyncClient = asyncio.run_coroutine_threadsafe(
+            make(), self._loop
+        ).result()
 
     @property
     def label(self) -> str:
@@ -330,9 +371,17 @@ class RemoteBackend:
         return f"{self.label} answered HTTP {status}: {str(detail)[:300]}"
 
     # -- the Model seam ------------------------------------------------------------------------
-    def generate(self, ids: list[int], params, slot: str, *, cancel: CancelToken,
-                 speculative: bool = False, draft: str | None = None,
-                 text: TextPrompt | None = None) -> HttpStream:
+    def generate(
+        self,
+        ids: list[int],
+        params,
+        slot: str,
+        *,
+        cancel: CancelToken,
+        speculative: bool = False,
+        draft: str | None = None,
+        text: TextPrompt | None = None,
+    ) -> HttpStream:
         """Stream the generation `text` asks for, decoded as `params` say (the token ids are
         the engine's; the server tokenises itself); `cancel` closes the stream."""
         if text is None:
@@ -377,8 +426,14 @@ class RemoteBackend:
             self.on_health(False, str(error))
 
     def status(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "url": self.url, "model": self.model,
-                "health": self.health.as_dict(), **self.counters.as_dict()}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "url": self.url,
+            "model": self.model,
+            "health": self.health.as_dict(),
+            **self.counters.as_dict(),
+        }
 
     def close(self) -> None:
         if self._closed:
@@ -395,6 +450,7 @@ class RemoteBackend:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._loop.shutdown_asyncgens()
+
         try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=5)
         except Exception:

@@ -9,7 +9,7 @@ closing the connection makes the server stop the slot's generation.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .base import Request
 from .http import Event, RemoteBackend, loads
@@ -35,8 +35,15 @@ def _events(payload: str) -> list[Event]:
         for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms"):
             if isinstance(timings.get(k), (int, float)):
                 stats[f"server_{k}"] = timings[k]
-    return [Event(text, done=True, finish_reason=_FINISH.get(obj.get("stop_type"), "stop"),
-                  tokens=1 if text else 0, stats=stats or None)]
+    return [
+        Event(
+            text,
+            done=True,
+            finish_reason=_FINISH.get(obj.get("stop_type"), "stop"),
+            tokens=1 if text else 0,
+            stats=stats or None,
+        )
+    ]
 
 
 class LlamaCppBackend(RemoteBackend):
@@ -45,8 +52,12 @@ class LlamaCppBackend(RemoteBackend):
     supports_chat = True
 
     def build(self, r: Request) -> tuple[str, dict, Callable[[str], list[Event]], bool]:
-        body: dict = {"n_predict": r.max_tokens, "temperature": r.temperature, "stream": True,
-                      "cache_prompt": True}
+        body: dict = {
+            "n_predict": r.max_tokens,
+            "temperature": r.temperature,
+            "stream": True,
+            "cache_prompt": True,
+        }
         if r.top_p < 1.0:
             body["top_p"] = r.top_p
         if r.seed is not None:
@@ -54,8 +65,13 @@ class LlamaCppBackend(RemoteBackend):
         if r.stop:
             body["stop"] = list(r.stop)
         if r.messages is not None:
-            chat = {"messages": list(r.messages), "max_tokens": r.max_tokens, "temperature": r.temperature,
-                    "stream": True, **({"stop": list(r.stop)} if r.stop else {})}
+            chat = {
+                "messages": list(r.messages),
+                "max_tokens": r.max_tokens,
+                "temperature": r.temperature,
+                "stream": True,
+                **({"stop": list(r.stop)} if r.stop else {}),
+            }
             if self.model:
                 chat["model"] = self.model
             return "/v1/chat/completions", chat, _completion_events, True

@@ -9,7 +9,7 @@ sent with ``raw: true``, which skips Ollama's templating.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from . import templates
 from .base import BackendError, Request
@@ -38,8 +38,15 @@ def _events(payload: str) -> list[Event]:
     if "eval_count" in stats:
         stats["server_tokens"] = stats["eval_count"]
     reason = obj.get("done_reason")
-    return [Event(text, done=True, finish_reason=_FINISH.get(reason, "stop"), tokens=1 if text else 0,
-                  stats=stats or None)]
+    return [
+        Event(
+            text,
+            done=True,
+            finish_reason=_FINISH.get(reason, "stop"),
+            tokens=1 if text else 0,
+            stats=stats or None,
+        )
+    ]
 
 
 class OllamaBackend(RemoteBackend):
@@ -49,8 +56,14 @@ class OllamaBackend(RemoteBackend):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        explicit = self.fim_template not in (None, "", "auto") or self.fim_format not in (None, "", "auto")
-        self.template = templates.resolve(self.fim_template, self.model, self.fim_format) if explicit else None
+        explicit = self.fim_template not in (None, "", "auto") or self.fim_format not in (
+            None,
+            "",
+            "auto",
+        )
+        self.template = (
+            templates.resolve(self.fim_template, self.model, self.fim_format) if explicit else None
+        )
         self.raw = explicit
 
     def adapt(self, status: int, body: str) -> bool:
@@ -61,8 +74,12 @@ class OllamaBackend(RemoteBackend):
         self.template = templates.resolve("auto", self.model)
         if self.template is None:
             return False
-        log.info("%s: %s has no FIM template in Ollama; sending raw %s FIM prompts",
-                 self.label, self.model, self.template.name)
+        log.info(
+            "%s: %s has no FIM template in Ollama; sending raw %s FIM prompts",
+            self.label,
+            self.model,
+            self.template.name,
+        )
         self.raw = True
         return True
 
@@ -74,7 +91,9 @@ class OllamaBackend(RemoteBackend):
 
     def build(self, r: Request) -> tuple[str, dict, Callable[[str], list[Event]], bool]:
         if not self.model:
-            raise BackendError("the ollama backend needs a model: set 'backendModel' (e.g. qwen2.5-coder:1.5b-base)")
+            raise BackendError(
+                "the ollama backend needs a model: set 'backendModel' (e.g. qwen2.5-coder:1.5b-base)"
+            )
         options: dict = {"num_predict": r.max_tokens, "temperature": r.temperature}
         if r.top_p < 1.0:
             options["top_p"] = r.top_p
@@ -90,7 +109,10 @@ class OllamaBackend(RemoteBackend):
         if r.suffix is None:
             body["prompt"], body["raw"] = r.prefix, True
         elif self.raw and self.template is not None:
-            body["prompt"], body["raw"] = self.template.render(r.prefix, r.suffix, r.extra, r.path), True
+            body["prompt"], body["raw"] = (
+                self.template.render(r.prefix, r.suffix, r.extra, r.path),
+                True,
+            )
             stop += [s for s in self.template.stop if s not in stop]
         else:
             body["prompt"], body["suffix"] = r.prefix, r.suffix

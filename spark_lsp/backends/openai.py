@@ -10,7 +10,7 @@ Instruction edits on chat models go to ``/v1/chat/completions``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from . import templates
 from .base import Request
@@ -48,8 +48,11 @@ class OpenAIBackend(RemoteBackend):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        self.template = None if self.fim_template == "suffix" else \
-            templates.resolve(self.fim_template, self.model, self.fim_format)
+        self.template = (
+            None
+            if self.fim_template == "suffix"
+            else templates.resolve(self.fim_template, self.model, self.fim_format)
+        )
 
     def _common(self, r: Request) -> dict:
         body: dict = {"max_tokens": r.max_tokens, "temperature": r.temperature, "stream": True}
@@ -81,4 +84,7 @@ class OpenAIBackend(RemoteBackend):
         return "/v1/completions", body, _completion_events, True
 
     def status(self) -> dict:
-        return {**super().status(), "fim": self.template.name if self.template else "suffix parameter"}
+        return {
+            **super().status(),
+            "fim": self.template.name if self.template else "suffix parameter",
+        }

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from engine.fim import STYLES, FimStyle
 
@@ -39,7 +39,9 @@ class Template:
     _render: Callable[[str, str, Sequence[FileChunk], str], str]
     stop: tuple[str, ...]
 
-    def render(self, prefix: str, suffix: str, extra: Sequence[FileChunk] = (), path: str = "") -> str:
+    def render(
+        self, prefix: str, suffix: str, extra: Sequence[FileChunk] = (), path: str = ""
+    ) -> str:
         return self._render(prefix, suffix, tuple(extra), path)
 
 
@@ -47,24 +49,34 @@ def _style(style: FimStyle) -> Template:
     if style.prefix.startswith("▁"):
         # SentencePiece spellings (CodeLlama's "▁<PRE>"): as text, "<PRE> {prefix} <SUF>{suffix}
         # <MID>", the published layout (the "▁" is the space around the tokens)
-        style = dataclasses.replace(style, prefix=style.prefix[1:] + " ", suffix=" " + style.suffix[1:],
-                                    middle=" " + style.middle[1:] if style.middle else None)
+        style = dataclasses.replace(
+            style,
+            prefix=style.prefix[1:] + " ",
+            suffix=" " + style.suffix[1:],
+            middle=" " + style.middle[1:] if style.middle else None,
+        )
 
     def render(p: str, s: str, extra: Sequence[FileChunk], path: str) -> str:
         files = [(c.path, c.text) for c in extra]
-        return style.render(p, s, files=files, repo="workspace" if files else None, path=path or None)
+        return style.render(
+            p, s, files=files, repo="workspace" if files else None, path=path or None
+        )
+
     stops = tuple(dict.fromkeys(t.removeprefix("▁") for t in style.stops))
     return Template(style.name, render, stops)
 
 
 def _custom(layout: str) -> Template:
     if "{prefix}" not in layout or "{suffix}" not in layout:
-        raise ValueError("a custom FIM template needs both {prefix} and {suffix}, e.g. "
-                         "'<PRE>{prefix}<SUF>{suffix}<MID>'")
+        raise ValueError(
+            "a custom FIM template needs both {prefix} and {suffix}, e.g. "
+            "'<PRE>{prefix}<SUF>{suffix}<MID>'"
+        )
 
     def render(p: str, s: str, extra: Sequence[FileChunk], path: str) -> str:
         # plain replacement, not str.format: code is full of braces
         return layout.replace("{path}", path).replace("{suffix}", s).replace("{prefix}", p)
+
     return Template("custom", render, ())
 
 
@@ -79,7 +91,9 @@ def family_of(model: str | None) -> str | None:
     return None
 
 
-def resolve(setting: str | None, model: str | None, fim_format: str | None = None) -> Template | None:
+def resolve(
+    setting: str | None, model: str | None, fim_format: str | None = None
+) -> Template | None:
     """The template for the ``fimTemplate`` setting (a family name or a custom layout with
     ``{prefix}`` and ``{suffix}``; None/``auto``: the ``fimFormat`` setting's family, else the one
     the model name suggests); None when no family is known (then the server lays out the prompt,

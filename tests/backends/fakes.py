@@ -14,7 +14,6 @@ for a model whose template has no suffix).
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,8 +27,8 @@ class FakeServer:
         self.requests: list[tuple[str, dict]] = []
         self.headers: list[dict] = []
         self.connections = 0
-        self.written: list[int] = []       # tokens written, per request
-        self.stopped = threading.Event()   # set when an endless stream ended (client went away)
+        self.written: list[int] = []  # tokens written, per request
+        self.stopped = threading.Event()  # set when an endless stream ended (client went away)
         self.stopped_at: float | None = None
         fake = self
 
@@ -68,9 +67,21 @@ class FakeServer:
         if self.mode == "error":
             return self._plain(h, 500, {"error": "model runner has unexpectedly stopped"})
         if self.mode == "no-insert" and "suffix" in body:
-            return self._plain(h, 400, {"error": f"registry.ollama.ai/library/{body.get('model')} does not support insert"})
-        if path not in ("/api/generate", "/api/chat", "/v1/completions", "/v1/chat/completions", "/infill",
-                        "/completion"):
+            return self._plain(
+                h,
+                400,
+                {
+                    "error": f"registry.ollama.ai/library/{body.get('model')} does not support insert"
+                },
+            )
+        if path not in (
+            "/api/generate",
+            "/api/chat",
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/infill",
+            "/completion",
+        ):
             return self._plain(h, 404, {"error": "404 page not found"})
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream" if sse else "application/x-ndjson")
@@ -86,22 +97,32 @@ class FakeServer:
                 self._chunk(h, "<html>502 Bad Gateway</html>\n")
                 self._chunk(h, "")
                 return
-            limit = (body.get("max_tokens") or body.get("n_predict") or body.get("options", {}).get("num_predict")
-                     or 10**9)
-            tokens = iter(self.answer) if self.mode != "endless" else (f" t{i}" for i in range(10**9))
+            limit = (
+                body.get("max_tokens")
+                or body.get("n_predict")
+                or body.get("options", {}).get("num_predict")
+                or 10**9
+            )
+            tokens = (
+                iter(self.answer) if self.mode != "endless" else (f" t{i}" for i in range(10**9))
+            )
             for tok in tokens:
                 if written >= limit:
                     break
                 time.sleep(self.token_delay_s)
-                self._chunk(h, self._llama_event(tok) if llama else self._event(tok, sse, chat, done=False))
+                self._chunk(
+                    h, self._llama_event(tok) if llama else self._event(tok, sse, chat, done=False)
+                )
                 written += 1
                 self.written[-1] = written
             if llama:
                 self._chunk(h, self._llama_final(written, "limit" if written >= limit else "eos"))
             else:
-                self._chunk(h, self._final(sse, chat, written, "length" if written >= limit else "stop"))
+                self._chunk(
+                    h, self._final(sse, chat, written, "length" if written >= limit else "stop")
+                )
             self._chunk(h, "")
-        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+        except (TimeoutError, BrokenPipeError, ConnectionResetError, OSError):
             pass  # the client closed the stream: stop generating, like the real servers
         finally:
             if self.mode == "endless":
@@ -113,32 +134,80 @@ class FakeServer:
         if sse:
             choice = {"index": 0, "finish_reason": None}
             choice.update({"delta": {"content": tok}} if chat else {"text": tok})
-            return "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [choice]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
+                + "\n\n"
+            )
         key = {"message": {"role": "assistant", "content": tok}} if chat else {"response": tok}
-        return json.dumps({"model": "m", "created_at": "2026-01-01T00:00:00Z", **key, "done": False}) + "\n"
+        return (
+            json.dumps({"model": "m", "created_at": "2026-01-01T00:00:00Z", **key, "done": False})
+            + "\n"
+        )
 
     @staticmethod
     def _llama_event(tok: str) -> str:
         # llama.cpp server (tools/server/README.md): one SSE event per token while streaming
-        return "data: " + json.dumps({"content": tok, "stop": False, "id_slot": 0, "index": 0}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps({"content": tok, "stop": False, "id_slot": 0, "index": 0})
+            + "\n\n"
+        )
 
     @staticmethod
     def _llama_final(n: int, stop_type: str) -> str:
-        return "data: " + json.dumps({
-            "content": "", "stop": True, "stop_type": stop_type, "tokens_predicted": n, "tokens_cached": 7 + n,
-            "timings": {"prompt_n": 7, "prompt_ms": 1.5, "predicted_n": n, "predicted_ms": 2.0 * n}}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps(
+                {
+                    "content": "",
+                    "stop": True,
+                    "stop_type": stop_type,
+                    "tokens_predicted": n,
+                    "tokens_cached": 7 + n,
+                    "timings": {
+                        "prompt_n": 7,
+                        "prompt_ms": 1.5,
+                        "predicted_n": n,
+                        "predicted_ms": 2.0 * n,
+                    },
+                }
+            )
+            + "\n\n"
+        )
 
     def _final(self, sse: bool, chat: bool, n: int, reason: str) -> str:
         if sse:
             choice = {"index": 0, "finish_reason": reason}
             choice.update({"delta": {}} if chat else {"text": ""})
-            return ("data: " + json.dumps({"id": "cmpl-1", "choices": [choice],
-                                           "usage": {"prompt_tokens": 3, "completion_tokens": n}})
-                    + "\n\ndata: [DONE]\n\n")
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": "cmpl-1",
+                        "choices": [choice],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": n},
+                    }
+                )
+                + "\n\ndata: [DONE]\n\n"
+            )
         key = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-        return json.dumps({"model": "m", "created_at": "2026-01-01T00:00:01Z", **key, "done": True,
-                           "done_reason": reason, "total_duration": 1000, "prompt_eval_count": 3,
-                           "eval_count": n, "eval_duration": 900}) + "\n"
+        return (
+            json.dumps(
+                {
+                    "model": "m",
+                    "created_at": "2026-01-01T00:00:01Z",
+                    **key,
+                    "done": True,
+                    "done_reason": reason,
+                    "total_duration": 1000,
+                    "prompt_eval_count": 3,
+                    "eval_count": n,
+                    "eval_duration": 900,
+                }
+            )
+            + "\n"
+        )
 
     @staticmethod
     def _chunk(h: BaseHTTPRequestHandler, text: str) -> None:

@@ -22,7 +22,11 @@ import numpy as np
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rotary layout for Q/K rows (what convert_hf_to_gguf.py does for Llama)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _tokenizer(writer, tokenizer_dir: Path, eos_id: int) -> None:
@@ -43,14 +47,32 @@ def _tokenizer(writer, tokenizer_dir: Path, eos_id: int) -> None:
     writer.add_token_merges(merges)
     writer.add_eos_token_id(eos_id)
     writer.add_add_bos_token(False)
-    for name, key in (("<fim_prefix>", "fim_pre"), ("<fim_suffix>", "fim_suf"), ("<fim_middle>", "fim_mid"),
-                      ("<pad>", "pad"), ("<file_sep>", "fim_sep")):
+    for name, key in (
+        ("<fim_prefix>", "fim_pre"),
+        ("<fim_suffix>", "fim_suf"),
+        ("<fim_middle>", "fim_mid"),
+        ("<pad>", "pad"),
+        ("<file_sep>", "fim_sep"),
+    ):
         if name in specials:
             getattr(writer, f"add_{key}_token_id", lambda i: None)(specials[name])
 
 
-def _write(out: Path, tokenizer_dir: Path, *, hidden: int, layers: int, heads: int, kv_heads: int,
-           ffn: int, context: int, eps: float, rope_theta: float, eos_id: int, tensors: dict) -> Path:
+def _write(
+    out: Path,
+    tokenizer_dir: Path,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    context: int,
+    eps: float,
+    rope_theta: float,
+    eos_id: int,
+    tensors: dict,
+) -> Path:
     import gguf
 
     out = Path(out)
@@ -86,8 +108,15 @@ def from_folder(folder: Path, out: Path) -> Path:
     if cfg.get("model_type") != "llama":
         raise ValueError("from_folder writes Llama folders only")
     sd = load_file(str(folder / "model.safetensors"))
-    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    t = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    h, nh, nkv = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+    )
+    t = {
+        "token_embd.weight": sd["model.embed_tokens.weight"],
+        "output_norm.weight": sd["model.norm.weight"],
+    }
     if "lm_head.weight" in sd and not cfg.get("tie_word_embeddings", False):
         t["output.weight"] = sd["lm_head.weight"]
     for i in range(cfg["num_hidden_layers"]):
@@ -102,10 +131,20 @@ def from_folder(folder: Path, out: Path) -> Path:
         t[f"blk.{i}.ffn_up.weight"] = sd[p + "mlp.up_proj.weight"]
         t[f"blk.{i}.ffn_down.weight"] = sd[p + "mlp.down_proj.weight"]
     eos = cfg["eos_token_id"]
-    return _write(out, folder, hidden=h, layers=cfg["num_hidden_layers"], heads=nh, kv_heads=nkv,
-                  ffn=cfg["intermediate_size"], context=cfg["max_position_embeddings"], eps=cfg["rms_norm_eps"],
-                  rope_theta=cfg.get("rope_theta", 10000.0), eos_id=eos[0] if isinstance(eos, list) else eos,
-                  tensors=t)
+    return _write(
+        out,
+        folder,
+        hidden=h,
+        layers=cfg["num_hidden_layers"],
+        heads=nh,
+        kv_heads=nkv,
+        ffn=cfg["intermediate_size"],
+        context=cfg["max_position_embeddings"],
+        eps=cfg["rms_norm_eps"],
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        eos_id=eos[0] if isinstance(eos, list) else eos,
+        tensors=t,
+    )
 
 
 def _plain_tokens(tokenizer_dir: Path, vocab: int) -> list[bool]:
@@ -121,22 +160,39 @@ def _plain_tokens(tokenizer_dir: Path, vocab: int) -> list[bool]:
     return out
 
 
-def random_llama(tokenizer_dir: Path, out: Path, *, hidden: int = 384, layers: int = 6, heads: int = 6,
-                 ffn: int = 1024, context: int = 4096, seed: int = 0) -> Path:
+def random_llama(
+    tokenizer_dir: Path,
+    out: Path,
+    *,
+    hidden: int = 384,
+    layers: int = 6,
+    heads: int = 6,
+    ffn: int = 1024,
+    context: int = 4096,
+    seed: int = 0,
+) -> Path:
     """A random Llama that generates long greedy runs of ASCII text: the logits of end-of-text, the
     other special tokens and bytes that are not printable ASCII are always 0, so a greedy run never
     stops early by chance, and every token is text a server streams at once (llama.cpp servers hold
     back a partial UTF-8 character, and only notice a closed connection when they send)."""
     tj = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    vocab = max([*tj["model"]["vocab"].values(), *(t["id"] for t in tj.get("added_tokens", []))]) + 1
+    vocab = (
+        max([*tj["model"]["vocab"].values(), *(t["id"] for t in tj.get("added_tokens", []))]) + 1
+    )
     eos = next(t["id"] for t in tj["added_tokens"] if t["content"] == "<|endoftext|>")
     rng = np.random.default_rng(seed)
 
     def r(*shape: int, scale: float = 0.08) -> np.ndarray:
         return rng.normal(0, scale, shape).astype(np.float32)
-    t = {"token_embd.weight": r(vocab, hidden, scale=1.0), "output_norm.weight": np.ones(hidden, np.float32)}
+
+    t = {
+        "token_embd.weight": r(vocab, hidden, scale=1.0),
+        "output_norm.weight": np.ones(hidden, np.float32),
+    }
     out_w = r(vocab, hidden, scale=0.5)
-    out_w[[i for i, ok in enumerate(_plain_tokens(tokenizer_dir, vocab)) if not ok]] = 0.0  # eos, specials, partial UTF-8
+    out_w[[i for i, ok in enumerate(_plain_tokens(tokenizer_dir, vocab)) if not ok]] = (
+        0.0  # eos, specials, partial UTF-8
+    )
     t["output.weight"] = out_w
     for i in range(layers):
         t[f"blk.{i}.attn_norm.weight"] = np.ones(hidden, np.float32)
@@ -146,5 +202,17 @@ def random_llama(tokenizer_dir: Path, out: Path, *, hidden: int = 384, layers: i
         t[f"blk.{i}.ffn_gate.weight"] = r(ffn, hidden)
         t[f"blk.{i}.ffn_up.weight"] = r(ffn, hidden)
         t[f"blk.{i}.ffn_down.weight"] = r(hidden, ffn)
-    return _write(out, tokenizer_dir, hidden=hidden, layers=layers, heads=heads, kv_heads=heads, ffn=ffn,
-                  context=context, eps=1e-5, rope_theta=10000.0, eos_id=eos, tensors=t)
+    return _write(
+        out,
+        tokenizer_dir,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=heads,
+        ffn=ffn,
+        context=context,
+        eps=1e-5,
+        rope_theta=10000.0,
+        eos_id=eos,
+        tensors=t,
+    )

@@ -21,8 +21,11 @@ from pathlib import Path
 import httpx
 
 VERSION = "0.3.36"
-CPP_SERVER = Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache/spark-lsp/tools")) \
-    / f"llama-server-{VERSION}" / "llama-server"
+CPP_SERVER = (
+    Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache/spark-lsp/tools"))
+    / f"llama-server-{VERSION}"
+    / "llama-server"
+)
 
 
 def free_port() -> int:
@@ -42,7 +45,9 @@ class LlamaServer:
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the llama server exited ({self.proc.returncode}):\n{self.log_text()[-3000:]}")
+                raise RuntimeError(
+                    f"the llama server exited ({self.proc.returncode}):\n{self.log_text()[-3000:]}"
+                )
             try:
                 if httpx.get(self.url + ready_path, timeout=2).status_code == 200:
                     break
@@ -54,17 +59,56 @@ class LlamaServer:
             time.sleep(0.2)
 
     @classmethod
-    def python(cls, gguf: Path, log: Path, n_ctx: int = 512) -> "LlamaServer":
+    def python(cls, gguf: Path, log: Path, n_ctx: int = 512) -> LlamaServer:
         port = free_port()
-        return cls([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                    "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", "1", "--verbose", "false"],
-                   port, log, "/v1/models")
+        return cls(
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--n_ctx",
+                str(n_ctx),
+                "--n_threads",
+                "1",
+                "--verbose",
+                "false",
+            ],
+            port,
+            log,
+            "/v1/models",
+        )
 
     @classmethod
-    def cpp(cls, gguf: Path, log: Path, n_ctx: int = 512) -> "LlamaServer":
+    def cpp(cls, gguf: Path, log: Path, n_ctx: int = 512) -> LlamaServer:
         port = free_port()
-        return cls([str(CPP_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx),
-                    "-t", "1", "-np", "1", "--slots", "--metrics"], port, log, "/health")
+        return cls(
+            [
+                str(CPP_SERVER),
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-c",
+                str(n_ctx),
+                "-t",
+                "1",
+                "-np",
+                "1",
+                "--slots",
+                "--metrics",
+            ],
+            port,
+            log,
+            "/health",
+        )
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -84,8 +128,9 @@ class LlamaServer:
         self._log_file.close()
 
 
-def stop_latency_ms(server: LlamaServer, t_cancel: float, window_s: float = 1.0,
-                    grace_s: float = 0.1) -> tuple[float, float]:
+def stop_latency_ms(
+    server: LlamaServer, t_cancel: float, window_s: float = 1.0, grace_s: float = 0.1
+) -> tuple[float, float]:
     """(ms from `t_cancel` to the server's last CPU tick, CPU seconds it used from `grace_s`
     after the cancel to the end of the window): sampled every 2 ms for `window_s`."""
     last_change, prev = t_cancel, server.cpu_s()

@@ -25,6 +25,7 @@ def backends():
         b = cls(url, model, **kw)
         made.append(b)
         return b
+
     yield make
     for b in made:
         b.close()
@@ -32,9 +33,15 @@ def backends():
 
 def test_ollama_fim_request_and_stream(fake, backends):
     b = backends(OllamaBackend, fake.url)
-    s = b.infill(Request(prefix="def add(a, b):\n    ", suffix="\n\nprint(1)\n", max_tokens=20, stop=("\n\n",)))
+    s = b.infill(
+        Request(
+            prefix="def add(a, b):\n    ", suffix="\n\nprint(1)\n", max_tokens=20, stop=("\n\n",)
+        )
+    )
     assert read_all(s) == "return a + b\n"
-    assert s.finish_reason == "stop" and s.stats["new_tokens"] == 5 and s.stats["server_tokens"] == 5
+    assert (
+        s.finish_reason == "stop" and s.stats["new_tokens"] == 5 and s.stats["server_tokens"] == 5
+    )
     path, body = fake.requests[-1]
     assert path == "/api/generate"
     assert body["prompt"] == "def add(a, b):\n    " and body["suffix"] == "\n\nprint(1)\n"
@@ -44,12 +51,22 @@ def test_ollama_fim_request_and_stream(fake, backends):
 
 def test_ollama_explicit_template_sends_raw_prompt(fake, backends):
     b = backends(OllamaBackend, fake.url, fim_template="qwen")
-    read_all(b.infill(Request(prefix="x = ", suffix="\n", extra=(FileChunk("util.py", "def f(): pass"),),
-                              path="main.py")))
+    read_all(
+        b.infill(
+            Request(
+                prefix="x = ",
+                suffix="\n",
+                extra=(FileChunk("util.py", "def f(): pass"),),
+                path="main.py",
+            )
+        )
+    )
     body = fake.requests[-1][1]
     assert body["raw"] is True and "suffix" not in body
-    assert body["prompt"] == ("<|repo_name|>workspace\n<|file_sep|>util.py\ndef f(): pass\n"
-                              "<|file_sep|>main.py\n<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>")
+    assert body["prompt"] == (
+        "<|repo_name|>workspace\n<|file_sep|>util.py\ndef f(): pass\n"
+        "<|file_sep|>main.py\n<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>"
+    )
     assert "<|endoftext|>" in body["options"]["stop"] and "<|file_sep|>" in body["options"]["stop"]
 
 
@@ -80,21 +97,28 @@ def test_ollama_needs_a_model(fake, backends):
         b.infill(Request(prefix="a", suffix="b"))
 
 
-@pytest.mark.parametrize("model, fim, expect_prompt, expect_suffix", [
-    ("Qwen/Qwen2.5-Coder-7B", None, "<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>", None),
-    ("bigcode/starcoder2-3b", None, "<fim_prefix>p<fim_suffix>s<fim_middle>", None),
-    ("codellama/CodeLlama-7b-hf", None, "<PRE> p <SUF>s <MID>", None),
-    ("codestral-22b", None, "[SUFFIX]s[PREFIX]p", None),
-    ("my-model", None, "p", "s"),                       # unknown family: the server's suffix parameter
-    ("Qwen/Qwen2.5-Coder-7B", "suffix", "p", "s"),      # forced
-    ("my-model", "<A>{prefix}<B>{suffix}<C>", "<A>p<B>s<C>", None),
-])
+@pytest.mark.parametrize(
+    "model, fim, expect_prompt, expect_suffix",
+    [
+        ("Qwen/Qwen2.5-Coder-7B", None, "<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>", None),
+        ("bigcode/starcoder2-3b", None, "<fim_prefix>p<fim_suffix>s<fim_middle>", None),
+        ("codellama/CodeLlama-7b-hf", None, "<PRE> p <SUF>s <MID>", None),
+        ("codestral-22b", None, "[SUFFIX]s[PREFIX]p", None),
+        ("my-model", None, "p", "s"),  # unknown family: the server's suffix parameter
+        ("Qwen/Qwen2.5-Coder-7B", "suffix", "p", "s"),  # forced
+        ("my-model", "<A>{prefix}<B>{suffix}<C>", "<A>p<B>s<C>", None),
+    ],
+)
 def test_openai_fim_layouts(fake, backends, model, fim, expect_prompt, expect_suffix):
     b = backends(OpenAIBackend, fake.url, model=model, fim_template=fim)
     assert read_all(b.infill(Request(prefix="p", suffix="s", max_tokens=7))) == "return a + b\n"
     path, body = fake.requests[-1]
     assert path == "/v1/completions" and body["model"] == model and body["stream"] is True
-    assert body["prompt"] == expect_prompt and body.get("suffix") == expect_suffix and body["max_tokens"] == 7
+    assert (
+        body["prompt"] == expect_prompt
+        and body.get("suffix") == expect_suffix
+        and body["max_tokens"] == 7
+    )
 
 
 def test_openai_chat_and_usage(fake, backends):
@@ -107,12 +131,23 @@ def test_openai_chat_and_usage(fake, backends):
 
 def test_llamacpp_infill_request_and_stream(fake, backends):
     b = backends(LlamaCppBackend, fake.url, model=None)
-    s = b.infill(Request(prefix="def add(a, b):\n    ", suffix="\n", max_tokens=3, stop=("\n\n",),
-                         extra=(FileChunk("util.py", "X = 1\n"),)))
+    s = b.infill(
+        Request(
+            prefix="def add(a, b):\n    ",
+            suffix="\n",
+            max_tokens=3,
+            stop=("\n\n",),
+            extra=(FileChunk("util.py", "X = 1\n"),),
+        )
+    )
     assert read_all(s) == "return a +" and s.finish_reason == "length"
     assert s.stats["server_tokens"] == 3 and s.stats["server_cached_tokens"] == 10
     path, body = fake.requests[-1]
-    assert path == "/infill" and body["input_prefix"] == "def add(a, b):\n    " and body["input_suffix"] == "\n"
+    assert (
+        path == "/infill"
+        and body["input_prefix"] == "def add(a, b):\n    "
+        and body["input_suffix"] == "\n"
+    )
     assert body["input_extra"] == [{"filename": "util.py", "text": "X = 1\n"}]
     assert body["cache_prompt"] is True and body["stream"] is True and body["n_predict"] == 3
     assert read_all(b.infill(Request(prefix="import os\n", suffix=None))) == "return a + b\n"
@@ -121,7 +156,10 @@ def test_llamacpp_infill_request_and_stream(fake, backends):
 
 def test_llamacpp_chat_goes_to_openai_endpoint(fake, backends):
     b = backends(LlamaCppBackend, fake.url, model=None)
-    assert read_all(b.infill(Request(messages=({"role": "user", "content": "hi"},)))) == "return a + b\n"
+    assert (
+        read_all(b.infill(Request(messages=({"role": "user", "content": "hi"},))))
+        == "return a + b\n"
+    )
     assert fake.requests[-1][0] == "/v1/chat/completions"
 
 
@@ -190,6 +228,7 @@ def test_garbage_reply_is_an_error(fake, backends):
 
 def test_unreachable_server(backends):
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -216,8 +255,14 @@ def test_api_key_from_env_is_sent_and_never_shown(fake, backends, monkeypatch, t
     from spark_lsp.settings import Settings
 
     monkeypatch.setenv("SPARK_TEST_KEY", "sk-secret-123")
-    b = make_remote(Settings(backend="openai", backend_url=fake.url, backend_model="m",
-                             backend_api_key_env="SPARK_TEST_KEY"))
+    b = make_remote(
+        Settings(
+            backend="openai",
+            backend_url=fake.url,
+            backend_model="m",
+            backend_api_key_env="SPARK_TEST_KEY",
+        )
+    )
     try:
         read_all(b.infill(Request(prefix="p", suffix="s")))
         assert fake.headers[-1]["Authorization"] == "Bearer sk-secret-123"
@@ -229,8 +274,14 @@ def test_api_key_from_env_is_sent_and_never_shown(fake, backends, monkeypatch, t
         b.close()
     keyfile = tmp_path / "key"
     keyfile.write_text("sk-from-file\n")
-    b = make_remote(Settings(backend="ollama", backend_url=fake.url, backend_model="m",
-                             backend_api_key_file=str(keyfile)))
+    b = make_remote(
+        Settings(
+            backend="ollama",
+            backend_url=fake.url,
+            backend_model="m",
+            backend_api_key_file=str(keyfile),
+        )
+    )
     try:
         fake.mode = "ok"
         read_all(b.infill(Request(prefix="p", suffix="s")))
@@ -248,14 +299,18 @@ def test_model_seam_generate_follows_the_cancel_token(fake, backends):
     """As the services call it: generate(ids, params, slot, cancel=token, text=TextPrompt)."""
     from engine import GenerationParams
     from engine.cancel import CancelToken
-
     from spark_lsp.backends import TextPrompt
 
     fake.mode = "endless"
     b = backends(OllamaBackend, fake.url)
     token = CancelToken()
-    s = b.generate([1, 2, 3], GenerationParams(max_new_tokens=100000, temperature=0.0), "doc", cancel=token,
-                   text=TextPrompt("def f(", ")\n"))
+    s = b.generate(
+        [1, 2, 3],
+        GenerationParams(max_new_tokens=100000, temperature=0.0),
+        "doc",
+        cancel=token,
+        text=TextPrompt("def f(", ")\n"),
+    )
     body = fake.requests and fake.requests[-1][1]
     got = 0
     for c in s:
@@ -263,7 +318,11 @@ def test_model_seam_generate_follows_the_cancel_token(fake, backends):
         if got == 3:
             token.cancel("user typed")
     body = fake.requests[-1][1]
-    assert body["prompt"] == "def f(" and body["suffix"] == ")\n" and body["options"]["num_predict"] == 100000
+    assert (
+        body["prompt"] == "def f("
+        and body["suffix"] == ")\n"
+        and body["options"]["num_predict"] == 100000
+    )
     assert s.finish_reason == "cancelled" and fake.stopped.wait(10)
     with pytest.raises(BackendError, match="TextPrompt"):
         b.generate([1], GenerationParams(), "doc", cancel=CancelToken())
@@ -276,12 +335,15 @@ def test_templates_render_each_family_and_custom_layouts():
     assert templates.family_of("deepseek-ai/deepseek-coder-6.7b-base") == "deepseek"
     assert templates.family_of("TheBloke/CodeLlama-7B-GGUF") == "codellama"
     assert templates.family_of("llama3") is None and templates.resolve("auto", "llama3") is None
-    assert templates.resolve(None, "my-model", "deepseek").name == "deepseek"  # the fimFormat setting
+    assert (
+        templates.resolve(None, "my-model", "deepseek").name == "deepseek"
+    )  # the fimFormat setting
     from engine.fim import STYLES
 
     star = templates.resolve("starcoder", None)  # engine.fim's layout, not a copy of it
-    assert star.render("P", "S", (FileChunk("a.py", "A"),), "b.py") == \
-        STYLES["starcoder"].render("P", "S", files=[("a.py", "A")], repo="workspace", path="b.py")
+    assert star.render("P", "S", (FileChunk("a.py", "A"),), "b.py") == STYLES["starcoder"].render(
+        "P", "S", files=[("a.py", "A")], repo="workspace", path="b.py"
+    )
     assert templates.resolve("codellama", None).render("P", "S") == "<PRE> P <SUF>S <MID>"
     custom = templates.resolve("<A>{prefix}<B>{suffix}<C>", None)
     assert custom.render("x = {1}", "{suffix}") == "<A>x = {1}<B>{suffix}<C>"  # braces in code stay
@@ -293,10 +355,23 @@ def test_remote_settings_are_checked(fake):
     from spark_lsp.backends import make_remote
     from spark_lsp.settings import Settings, SettingsError, update
 
-    s, _ = update(Settings(), {"backend": "ollama", "backendUrl": fake.url, "backendModel": "m",
-                               "backendTimeoutS": 2, "fimTemplate": "qwen"})
-    assert (s.backend, s.backend_url, s.backend_model, s.backend_timeout_s, s.fim_template) == \
-        ("ollama", fake.url, "m", 2.0, "qwen")
+    s, _ = update(
+        Settings(),
+        {
+            "backend": "ollama",
+            "backendUrl": fake.url,
+            "backendModel": "m",
+            "backendTimeoutS": 2,
+            "fimTemplate": "qwen",
+        },
+    )
+    assert (s.backend, s.backend_url, s.backend_model, s.backend_timeout_s, s.fim_template) == (
+        "ollama",
+        fake.url,
+        "m",
+        2.0,
+        "qwen",
+    )
     with pytest.raises(SettingsError, match="backend"):
         update(Settings(), {"backend": "vllm"})
     with pytest.raises(BackendError, match="backendUrl"):

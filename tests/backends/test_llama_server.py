@@ -17,16 +17,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gguf_models import from_folder, random_llama
+from llama_servers import CPP_SERVER, LlamaServer, stop_latency_ms
 from lsprotocol import types as T
 from pygls.exceptions import JsonRpcException
 
-from gguf_models import from_folder, random_llama
-from llama_servers import CPP_SERVER, LlamaServer, stop_latency_ms
 from spark_lsp.backends import Request
 from spark_lsp.backends.llamacpp import LlamaCppBackend
 from spark_lsp.backends.openai import OpenAIBackend
 
-_spec = importlib.util.spec_from_file_location("server_editor", Path(__file__).parents[1] / "server" / "conftest.py")
+_spec = importlib.util.spec_from_file_location(
+    "server_editor", Path(__file__).parents[1] / "server" / "conftest.py"
+)
 _server_editor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_server_editor)
 start_editor = _server_editor.start_editor  # the editor-like LSP client of tests/server
@@ -41,13 +43,17 @@ SAMPLE = "import os\n\n\ndef add(a, b):\n    return a + b\n\n\ndef main():\n    
 @pytest.fixture(scope="module")
 def ggufs(tiny_llama, tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf")
-    return {"tiny": from_folder(tiny_llama, d / "tiny_llama.gguf"),
-            "slow": random_llama(tiny_llama, d / "slow_llama.gguf")}
+    return {
+        "tiny": from_folder(tiny_llama, d / "tiny_llama.gguf"),
+        "slow": random_llama(tiny_llama, d / "slow_llama.gguf"),
+    }
 
 
 @pytest.fixture(scope="module")
 def py_server(ggufs, tmp_path_factory):
-    server = LlamaServer.python(ggufs["slow"], tmp_path_factory.mktemp("log") / "server.log", n_ctx=4096)
+    server = LlamaServer.python(
+        ggufs["slow"], tmp_path_factory.mktemp("log") / "server.log", n_ctx=4096
+    )
     yield server
     server.close()
 
@@ -83,6 +89,7 @@ def wait_idle(server: LlamaServer, timeout: float = 30.0) -> None:
 
 # -- the clients on their own --------------------------------------------------------------------
 
+
 def test_openai_backend_streams_and_a_cancel_stops_the_server(py_server):
     b = OpenAIBackend(py_server.url, "slow")
     try:
@@ -99,7 +106,9 @@ def test_openai_backend_streams_and_a_cancel_stops_the_server(py_server):
                 t_cancel = time.perf_counter()
         last_ms, cpu_after = stop_latency_ms(py_server, t_cancel)
         # generating, the server burns ~1 CPU-second a second; stopped, nothing
-        assert cpu_after < 0.05, f"the server kept generating after the cancel ({cpu_after:.2f} CPU-s)"
+        assert cpu_after < 0.05, (
+            f"the server kept generating after the cancel ({cpu_after:.2f} CPU-s)"
+        )
         print(f"\nllama-cpp-python server: last CPU tick {last_ms:.0f} ms after the cancel")
         assert "Disconnected from client" in py_server.log_text()
         assert b.status()["cancelled"] == 1 and b.status()["wasted_tokens"] >= 20
@@ -137,9 +146,16 @@ def test_llamacpp_infill_and_slots_after_cancel(cpp_server):
 
 # -- through the language server -----------------------------------------------------------------
 
+
 async def start(tiny_llama, server, backend="openai", **extra):
-    options = {"backend": backend, "backendUrl": server.url, "backendModel": "slow", "contextTokens": 256,
-               "maxTokens": 24, **extra}
+    options = {
+        "backend": backend,
+        "backendUrl": server.url,
+        "backendModel": "slow",
+        "contextTokens": 256,
+        "maxTokens": 24,
+        **extra,
+    }
     return await start_editor(tiny_llama, options)
 
 
@@ -156,7 +172,11 @@ async def test_completion_code_action_and_status_through_the_server(remote_edito
     at = SAMPLE.index("print(total)")
     items = await ed.inline(URI, at, T.InlineCompletionTriggerKind.Invoked)
     m = await ed.metrics()
-    assert m["backend"]["kind"] == "openai" and m["backend"]["requests"] >= 1 and m["backend"]["tokens"] > 0, m
+    assert (
+        m["backend"]["kind"] == "openai"
+        and m["backend"]["requests"] >= 1
+        and m["backend"]["tokens"] > 0
+    ), m
     assert m["backend"]["health"]["ok"] and m["model"] == f"slow @ {py_server.url}"
     # what the random model wrote may not survive post-processing; the status says it was written
     assert isinstance(items.items, (list, tuple))
@@ -165,8 +185,9 @@ async def test_completion_code_action_and_status_through_the_server(remote_edito
     # a code action: the docstring of add, computed as one edit (liveEdits off)
     line = SAMPLE.splitlines().index("    return a + b")
     rng = T.Range(T.Position(line, 0), T.Position(line, 0))
-    listed = await ed.client.text_document_code_action_async(T.CodeActionParams(
-        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
+    listed = await ed.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[]))
+    )
     action = next(a for a in listed if getattr(a, "data", None) and a.data["action"] == "docstring")
     try:
         resolved = await ed.client.code_action_resolve_async(action)
@@ -179,7 +200,9 @@ async def test_completion_code_action_and_status_through_the_server(remote_edito
 
 
 async def test_live_edit_interrupted_by_typing_stops_the_server(tiny_llama, py_server):
-    client, ed = await start(tiny_llama, py_server, liveEdits=True, liveEditHz=50, maxEditTokens=2000)
+    client, ed = await start(
+        tiny_llama, py_server, liveEdits=True, liveEditHz=50, maxEditTokens=2000
+    )
     try:
         body = "".join(f"    value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 30))
         text = SAMPLE + "\n\ndef long():\n" + body
@@ -192,6 +215,7 @@ async def test_live_edit_interrupted_by_typing_stops_the_server(tiny_llama, py_s
             if not typed:
                 typed.append(time.perf_counter())
                 ed.type(uri, 0, "# user\n")
+
         ed.after_apply = user_types
         res = await ed.command("spark.editWithInstruction", URI, rng, "rename compute to calc")
         assert res["outcome"] == "stopped by the user" and not res["complete"], res
@@ -212,25 +236,33 @@ async def test_keystroke_and_lsp_cancel_close_the_backend_stream(tiny_llama, py_
         await asyncio.to_thread(wait_busy, py_server, 2.0)  # well into the generation
         ed.client.protocol.notify(T.CANCEL_REQUEST, T.CancelParams(id=mid))
         t_cancel = time.perf_counter()
-        with pytest.raises(Exception):
+        with pytest.raises((JsonRpcException, asyncio.CancelledError)):
             await fut
         # through the language server the cancel crosses three threads (pygls, the engine thread,
         # the backend's I/O loop): the 100 ms bound is checked on the client alone (above); here
         # that the server stopped, and how long it took (printed)
         last_ms, cpu_after = await asyncio.to_thread(stop_latency_ms, py_server, t_cancel, 1.5, 0.5)
-        assert cpu_after < 0.05, f"the server kept generating after $/cancelRequest ({cpu_after:.2f} CPU-s)"
+        assert cpu_after < 0.05, (
+            f"the server kept generating after $/cancelRequest ({cpu_after:.2f} CPU-s)"
+        )
         # a keystroke (not typing along with the suggestion) supersedes the running completion
         mid, fut = ed.start_inline(URI, len(ed.text(URI)))
         await asyncio.to_thread(wait_busy, py_server, 2.0)  # well into the generation
         ed.type(URI, 0, "#")
         t_cancel = time.perf_counter()
-        with pytest.raises(Exception):
+        with pytest.raises((JsonRpcException, asyncio.CancelledError)):
             await fut
-        last_ms2, cpu_after = await asyncio.to_thread(stop_latency_ms, py_server, t_cancel, 1.5, 0.5)
-        assert cpu_after < 0.05, f"the server kept generating after a keystroke ({cpu_after:.2f} CPU-s)"
+        last_ms2, cpu_after = await asyncio.to_thread(
+            stop_latency_ms, py_server, t_cancel, 1.5, 0.5
+        )
+        assert cpu_after < 0.05, (
+            f"the server kept generating after a keystroke ({cpu_after:.2f} CPU-s)"
+        )
         m = await ed.metrics()
         assert m["backend"]["cancelled"] >= 2 and m["backend"]["wasted_tokens"] > 0, m
-        print(f"\nstop after $/cancelRequest: last server CPU tick at {last_ms:.0f} ms; after a keystroke {last_ms2:.0f} ms")
+        print(
+            f"\nstop after $/cancelRequest: last server CPU tick at {last_ms:.0f} ms; after a keystroke {last_ms2:.0f} ms"
+        )
     finally:
         await client.shutdown_session()
 
@@ -240,6 +272,7 @@ async def test_a_dead_backend_is_reported_once_and_backs_off(tiny_llama):
 
     class Dead:
         url = f"http://127.0.0.1:{free_port()}"
+
     client, ed = await start(tiny_llama, Dead)
     try:
         ed.open(URI, SAMPLE)
@@ -247,15 +280,20 @@ async def test_a_dead_backend_is_reported_once_and_backs_off(tiny_llama):
         errors = []
         for i in range(6):
             try:
-                await ed.inline(URI if i % 2 else "file:///work/other.py", len(SAMPLE),
-                                T.InlineCompletionTriggerKind.Invoked)
+                await ed.inline(
+                    URI if i % 2 else "file:///work/other.py",
+                    len(SAMPLE),
+                    T.InlineCompletionTriggerKind.Invoked,
+                )
             except Exception as exc:  # JsonRpcException with the backend's message
                 errors.append(str(exc))
         assert len(errors) == 6 and all("unreachable" in e for e in errors[:1])
         shown = [m for m in client.messages if "unreachable" in m.message]
-        assert len(shown) == 1, client.messages   # told once, not per request
+        assert len(shown) == 1, client.messages  # told once, not per request
         m = await ed.metrics()
-        assert m["backend"]["requests"] < 6 and m["backend"]["failed"] >= 1  # back-off: not every request was sent
+        assert (
+            m["backend"]["requests"] < 6 and m["backend"]["failed"] >= 1
+        )  # back-off: not every request was sent
         assert not m["backend"]["health"]["ok"]
     finally:
         await client.shutdown_session()
