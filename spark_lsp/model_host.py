@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from engine.cancel import CancelToken
 
 from . import preparation
-from .backends import BackendError, TextPrompt, make_remote
+from .backends import BackendError, TextPrompt, engine_ws, make_remote
 from .backends.text_prompt import TextPromptBuilder
 from .chat import load_chat_template
 from .precision_job import decision_stored
@@ -203,8 +203,12 @@ class ModelHost:
         progress: Callable[[int, int | None, str], None] | None = None,
         fim_format: str = "auto",
         steps: Callable[[str], None] | None = None,
+        engine: str = "local",
     ) -> None:
         """Begin loading `model_dir` (None: the bundled default) in a background thread.
+
+        `engine`: 'local' runs the engine in this process; 'auto' or a ws:// URL runs it in the
+        engine service (`backends.engine_ws`), falling back to this process when unreachable.
 
         `precision` 'auto' loads the decision `spark-lsp tune` stored for this model and machine,
         else the engine's static rule (engine.precision); loading never measures. `steps(line)`
@@ -223,11 +227,16 @@ class ModelHost:
                 from engine.fim import FimFormat
 
                 with preparation.reporting(steps):  # graph build, op compile, precision
-                    model = LocalModel.load(model_dir, precision, progress)
+                    if engine == "local":
+                        model = LocalModel.load(model_dir, precision, progress)
+                    else:
+                        model = engine_ws.load(
+                            engine, model_dir, lambda: LocalModel.load(model_dir, precision, progress)
+                        )
                 fim = FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None
                 builder = PromptBuilder(model.tokenizer, fim=fim)
                 chat = load_chat_template(
-                    getattr(model.engine, "model_dir", model_dir),
+                    getattr(model, "model_dir", None) or model_dir,
                     model.name,
                     builder.fim is not None,
                 )

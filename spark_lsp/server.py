@@ -40,7 +40,7 @@ CMD_ACCEPTED = "spark.accepted"
 class SparkServer(SparkLanguageServer):
     """The pygls server and its services."""
 
-    def __init__(self, model_dir: str | None = None):
+    def __init__(self, model_dir: str | None = None, engine: str | None = None):
         super().__init__(
             "spark-lsp",
             _pkg_version,
@@ -49,7 +49,7 @@ class SparkServer(SparkLanguageServer):
             max_workers=4,
         )
         self.editor = LspEditor(self)
-        self.state = ServerState(self.editor, model_dir)
+        self.state = ServerState(self.editor, model_dir, engine)
         self.inline = InlineCompletions(self.state, self.is_python)
         self.edits = Edits(self.state)
 
@@ -176,8 +176,8 @@ def _code_action(name: str, uri: str, rng: T.Range, version: int | None) -> T.Co
     )
 
 
-def create_server(model_dir: str | None = None) -> SparkServer:
-    ls = SparkServer(model_dir)
+def create_server(model_dir: str | None = None, engine: str | None = None) -> SparkServer:
+    ls = SparkServer(model_dir, engine)
     st = ls.state
 
     @ls.feature(T.INITIALIZE)

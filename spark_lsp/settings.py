@@ -168,6 +168,14 @@ class Settings:
         choices=_fim_formats,
     )
 
+    engine: str = setting(
+        "local",
+        "string",
+        "Where the engine runs when backend is local: local (in this server), auto (your shared "
+        "engine daemon for this model, started when none runs: editor windows share one model) "
+        "or ws://HOST:PORT (a given `spark-lsp engine serve` daemon or Ray Serve deployment). "
+        "See docs/service.md.",
+    )
     backend: str = setting(
         "local",
         "choice",
@@ -341,6 +349,11 @@ def _untrusted(current: Settings, changes: dict[str, Any]) -> list[str]:
         errors.append(
             "setting 'model' cannot be changed over a network connection "
             "(start the server with --model)"
+        )
+    if "engine" in changes and changes["engine"] != current.engine:
+        errors.append(
+            "setting 'engine' cannot be changed over a network connection "
+            "(start the server with --engine)"
         )
     chip = changes.get("wafer_chip")
     if chip is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", chip):

@@ -34,9 +34,9 @@ def edit_key(uri: str) -> str:
 class ServerState:
     """Settings, the model host, the engine thread and the counters, for every service."""
 
-    def __init__(self, editor: Editor, model_dir: str | None = None) -> None:
+    def __init__(self, editor: Editor, model_dir: str | None = None, engine: str | None = None) -> None:
         self.editor = editor
-        self.settings = Settings(model=model_dir)
+        self.settings = Settings(model=model_dir, engine=engine or "local")
         self.host = ModelHost()
         self.scheduler: Scheduler | None = None  # started at `initialized`
         self.metrics = Metrics()
@@ -121,6 +121,9 @@ class ServerState:
                 self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
                 if self.host.builder is not None and self.host.builder.fim is None:
                     self.editor.show_warning(NO_FIM_MESSAGE.format(name=self.host.name))
+                if hasattr(self.host.model, "on_health"):  # the engine service: failures told once
+                    self.host.model.on_health = lambda up, message: loop.call_soon_threadsafe(
+                        self._backend_health, up, message)
                 self.wafer.get(self.host.model, self.settings)  # start the projection early
                 self._maybe_tune()
             else:
@@ -130,7 +133,8 @@ class ServerState:
         self.host.start(loop, self.settings.model, done, precision=self.settings.precision,
                         progress=_download_reporter(loop, progress),
                         fim_format=self.settings.fim_format,
-                        steps=_step_reporter(loop, progress, self.editor))
+                        steps=_step_reporter(loop, progress, self.editor),
+                        engine=self.settings.engine)
 
     def _maybe_tune(self) -> None:
         """Measure the precision decision in the background if the model ran the static rule."""
@@ -274,7 +278,7 @@ def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[i
 
 def _backend_settings(s) -> tuple:
     """The settings that choose what generates: a change means a reload or a new backend."""
-    return (s.backend, s.model, s.precision, s.fim_format, s.backend_url, s.backend_model,
+    return (s.backend, s.engine, s.model, s.precision, s.fim_format, s.backend_url, s.backend_model,
             s.backend_api_key_env, s.backend_api_key_file, s.backend_timeout_s, s.fim_template)
 
 

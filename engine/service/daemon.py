@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -185,6 +186,8 @@ def join_or_start(
             env=env,
             close_fds=True,
         )
+        # reap it when it exits, so a dead daemon is not a zombie that looks alive
+        threading.Thread(target=proc.wait, name="spark-engine-daemon-reaper", daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             found = rundir.read_record(key)

@@ -68,13 +68,18 @@ def write_record(key: str, url: str, token: str, models: list[str], **extra: Any
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except (OSError, ValueError, IndexError):
+        return True
 
 
 def read_record(key: str) -> dict[str, Any] | None:

@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                         "~/.cache/spark-lsp/token; created 0600 on first use)")
     p.add_argument("--max-sessions", metavar="N", type=int, default=4,
                    help="network sessions at once (each loads its own model; default 4)")
+    p.add_argument("--engine", metavar="WHERE", default=None,
+                   help="where the engine runs: local (default), auto (the shared engine daemon for the "
+                        "model, started when none runs) or ws://HOST:PORT (spark-lsp engine serve)")
     p.add_argument("--model", metavar="MODEL",
                    help="model folder, .gguf file, catalogue name (spark-lsp models list) or "
                         "hf:ORG/REPO[:FILE.gguf], downloaded on first use (default: the bundled model)")
@@ -83,8 +86,8 @@ def run(args) -> int:
 
     model = model or None
     if not (args.tcp or args.ws):
-        return create_server(model).start_io()
-    return _serve_network(args, lambda: create_server(model))
+        return create_server(model, args.engine).start_io()
+    return _serve_network(args, lambda: create_server(model, args.engine))
 
 
 def _serve_network(args, factory) -> int:

@@ -110,8 +110,9 @@ def test_join_or_start_starts_one_detached_daemon_and_joins_it(run_dir):
         assert asyncio.run(use()).finish_reason in ("length", "eos")
     finally:
         os.kill(rec["pid"], signal.SIGTERM)
-        for _ in range(600):  # the daemon is this process's child (detached): reap it
-            if os.waitpid(rec["pid"], os.WNOHANG)[0] == rec["pid"]:
+        for _ in range(600):  # join_or_start reaps the daemon it started when it exits
+            if not rundir.pid_alive(rec["pid"]):
                 break
             time.sleep(0.05)
+        assert not rundir.pid_alive(rec["pid"])
     assert rundir.read_record(rundir.model_key(daemon.resolve_models([None]))) is None

@@ -12,7 +12,7 @@ const SERVER_KEYS = [
   'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs', 'liveEdits',
   'liveEditHz', 'multiline', 'speculative', 'maxLines', 'minConfidence', 'loadTimeoutS',
   'waferChip', 'waferRegion', 'precision', 'tunePrecision', 'neighbourTokens', 'fimFormat',
-  'backend', 'backendUrl', 'backendModel', 'backendApiKeyEnv', 'backendApiKeyFile',
+  'engine', 'backend', 'backendUrl', 'backendModel', 'backendApiKeyEnv', 'backendApiKeyFile',
   'backendTimeoutS', 'fimTemplate',
 ] as const;
 

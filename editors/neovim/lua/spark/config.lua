@@ -60,6 +60,7 @@ M.server_settings_spec = {
   { name = 'tunePrecision', type = 'boolean', default = true },
   { name = 'neighbourTokens', type = 'number', default = 0 },
   { name = 'fimFormat', type = 'string', default = 'auto' },
+  { name = 'engine', type = 'string', default = 'local' },
   { name = 'backend', type = 'string', default = 'local' },
   { name = 'backendUrl', type = 'string' },
   { name = 'backendModel', type = 'string' },

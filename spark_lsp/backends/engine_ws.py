@@ -1,0 +1,268 @@
+"""The engine service (`spark-lsp engine serve`, `engine.service`) as the server's `Model`.
+
+Setting / flag `engine`: `local` (the in-process engine), `auto` (join the user's daemon for this
+model, starting a detached one when none runs: N editor windows then share one model and one KV
+cache pool) or `ws://HOST:PORT` (a given daemon or Ray Serve deployment).  The server keeps the
+model folder's tokenizer and builds prompts itself, as with the in-process engine; the daemon
+receives token ids, so typing-through, prefix reuse (the slot is the document), supersede and
+cancel behave as in-process.
+
+When the daemon goes away: the stream in flight ends with a `BackendError` (the editor is told
+once, through `on_health`), the next request reconnects (`auto` starts a new daemon), and after
+`MAX_FAILURES` failed connections in a row the server loads the engine in-process and goes on
+with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.cancel import CancelToken
+from engine.config import load_config
+from engine.service import daemon, rundir
+from engine.service.client import EngineUnavailable, SyncEngineClient
+from engine.tokenizer import Tokenizer
+
+from .base import BackendError, Chunk
+
+log = logging.getLogger(__name__)
+
+#: How long one `next()` waits for text before handing the engine thread to other documents.
+POLL_S = 0.01
+#: Failed connections in a row before the server falls back to the in-process engine.
+MAX_FAILURES = 3
+#: Environment variable with the token of a `ws://` daemon not found in the user's records.
+TOKEN_ENV = "SPARK_LSP_ENGINE_TOKEN"
+
+
+def token_for(url: str) -> str | None:
+    """The token of the daemon at ``url``: from its record in the runtime dir, else $TOKEN_ENV."""
+    for path in rundir.runtime_dir().glob("engine-*.json"):
+        rec = rundir.read_record(path.stem.removeprefix("engine-"))
+        if rec is not None and rec.get("url", "").rstrip("/") == url.rstrip("/"):
+            return rec.get("token")
+    return os.environ.get(TOKEN_ENV) or None
+
+
+class EngineServiceModel:
+    """A `model_host.Model` whose generations run in the engine service."""
+
+    kind = "engine-service"
+
+    def __init__(
+        self, target: str, model_dir: str | None, *, fallback: Callable[[], Any] | None = None
+    ) -> None:
+        if target != "auto" and not target.startswith(("ws://", "wss://")):
+            raise BackendError(
+                f"setting 'engine' must be local, auto or a ws:// URL, got {target!r}"
+            )
+        self.target = target
+        folder = daemon.resolve_models([model_dir])[0]
+        self.model_dir = folder
+        self.name = folder.name
+        self.tokenizer = Tokenizer.load(folder)
+        self.config = load_config(folder)
+        self.context: int | None = None
+        self.needs_tuning = False
+        self.on_health: Callable[[bool, str], None] | None = None
+        self._fallback = fallback
+        self._local: Any = None  # the in-process model after MAX_FAILURES failures
+        self._client: SyncEngineClient | None = None
+        self._failures = 0
+        self._down = False
+        self._lock = threading.Lock()
+        self.url = ""
+        self._connect()
+
+    # -- connection ----------------------------------------------------------------------------
+    def _connect(self) -> SyncEngineClient:
+        if self.target == "auto":
+            try:
+                rec = daemon.join_or_start(str(self.model_dir))
+            except daemon.DaemonError as exc:
+                raise EngineUnavailable(str(exc)) from None
+            url, token = rec["url"], rec["token"]
+        else:
+            url, token = self.target, token_for(self.target)
+        client = SyncEngineClient(url, token, client="spark-lsp")
+        try:
+            info = next((m for m in client.hello["models"] if m.get("name") == self.name), None)
+            if info is None:
+                info = client.hello["models"][0]
+                log.warning(
+                    "engine service at %s has no model %s; using %s",
+                    url,
+                    self.name,
+                    info.get("name"),
+                )
+            if int(info.get("vocab_size", -1)) != int(self.config.vocab_size):
+                raise EngineUnavailable(
+                    f"the engine service at {url} serves {info.get('name')} whose vocabulary "
+                    f"differs from {self.model_dir} (set 'model' to the daemon's model)"
+                )
+        except BaseException:
+            client.close()
+            raise
+        self.context = int(info["context"])
+        self.url = url
+        self._client = client
+        log.info("generating with the engine service at %s (%s)", url, info.get("name"))
+        return client
+
+    def _ensure(self) -> SyncEngineClient | None:
+        """A live client (reconnecting if needed); None once the server fell back to local."""
+        with self._lock:
+            if self._local is not None:
+                return None
+            if self._client is not None and not self._client.closed:
+                return self._client
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            try:
+                client = self._connect()
+            except EngineUnavailable as exc:
+                self._failures += 1
+                if self._failures >= MAX_FAILURES and self._fallback is not None:
+                    self._local = self._fallback()
+                    self._health(
+                        False,
+                        f"the engine service is unavailable ({exc}); "
+                        "using an in-process engine from now on",
+                    )
+                    return None
+                self._health(False, f"the engine service is unavailable: {exc}")
+                raise BackendError(f"the engine service is unavailable: {exc}") from None
+            if self._failures:
+                self._health(True, f"the engine service at {self.url} answers again")
+            self._failures = 0
+            return client
+
+    def _lost(self, reason: str) -> None:
+        self._health(False, f"lost the engine service ({reason}); reconnecting")
+
+    def _health(self, up: bool, message: str) -> None:
+        """Tell the editor once per run of failures, and once when the service answers again."""
+        if up == (not self._down):
+            return
+        self._down = not up
+        if self.on_health is not None:
+            try:
+                self.on_health(up, message)
+            except Exception:  # a closed editor connection must not break generation
+                log.debug("on_health failed", exc_info=True)
+        else:
+            (log.info if up else log.warning)("%s", message)
+
+    # -- the Model seam ------------------------------------------------------------------------
+    def generate(
+        self,
+        ids: list[int],
+        params: Any,
+        slot: str,
+        *,
+        cancel: CancelToken,
+        speculative: bool = False,
+        draft: str | None = None,
+        text: Any = None,
+    ):
+        client = self._ensure()
+        if client is None:
+            return self._local.generate(
+                ids, params, slot, cancel=cancel, speculative=speculative, draft=draft, text=text
+            )
+        try:
+            gen = client.generate(list(ids), params, slot=slot)
+        except EngineUnavailable as exc:
+            self._lost(str(exc))
+            raise BackendError(f"the engine service connection was lost: {exc}") from None
+        return EngineStream(self, gen, cancel)
+
+    def status(self) -> dict:
+        if self._local is not None:
+            return {**self._local.status(), "engine": "local (fallback)"}
+        client = self._client
+        return {
+            "name": self.name,
+            "context": self.context,
+            "engine": self.url or self.target,
+            "connected": client is not None and not client.closed,
+            "failures": self._failures,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class EngineStream:
+    """One generation in the engine service, read by the scheduler's engine thread: `next()`
+    waits at most POLL_S for text, a cancel of its token reaches the daemon at once."""
+
+    def __init__(self, model: EngineServiceModel, gen: Any, cancel: CancelToken) -> None:
+        self._model = model
+        self._gen = gen
+        self.finish_reason: str | None = None
+        self.stats: dict = {}
+        self.text = ""
+        self._t0 = time.perf_counter()
+        cancel.on_cancel(lambda _reason: gen.cancel())
+
+    def __iter__(self) -> EngineStream:
+        return self
+
+    def __next__(self) -> Chunk:
+        try:
+            item = self._gen.poll(POLL_S)
+        except StopIteration:
+            self._end()
+            raise
+        if item is None:
+            return Chunk("")
+        self.text += item.text
+        return Chunk(item.text)
+
+    def _end(self) -> None:
+        g = self._gen
+        self.finish_reason = g.finish_reason or "cancelled"
+        self.stats = dict(g.stats or {})
+        if g.finish_reason == "error":
+            err = g.error or {}
+            if err.get("code") == "disconnected":
+                self._model._lost(err.get("message", "disconnected"))
+                raise BackendError(
+                    f"the engine service connection was lost: {err.get('message', '')}"
+                )
+            raise BackendError(
+                f"the engine service failed: {err.get('code')}: {err.get('message')}"
+            )
+
+    def cancel(self) -> None:
+        self._gen.cancel()
+
+    def stop(self) -> None:
+        """The output is complete (the caller used it): stop generating more."""
+        self._gen.cancel()
+
+
+def load(target: str, model_dir: str | None, fallback: Callable[[], Any]) -> Any:
+    """The model for `engine` = `target`: the engine service, or (after MAX_FAILURES failed
+    connections, a second apart) the in-process engine that `fallback` loads."""
+    for attempt in range(1, MAX_FAILURES + 1):
+        try:
+            return EngineServiceModel(target, model_dir, fallback=fallback)
+        except EngineUnavailable as exc:
+            log.warning(
+                "engine service %s: %s (attempt %d of %d)", target, exc, attempt, MAX_FAILURES
+            )
+            if attempt < MAX_FAILURES:
+                time.sleep(1.0)
+    log.warning("the engine service %s is unavailable: using an in-process engine", target)
+    return fallback()

@@ -1,0 +1,175 @@
+"""The language server end to end with its engine in the engine service (setting `engine`).
+
+A real `spark-lsp serve` over stdio (pytest-lsp, as tests/server does) on the tiny model, its
+engine a real daemon (`engine.service.daemon`) in another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lsprotocol import types as T
+
+from engine.service import rundir
+
+
+def _server_conftest():
+    """tests/server's editor client (its conftest module, loaded under its own name)."""
+    path = Path(__file__).resolve().parents[1] / "server" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("server_editor_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_editor = _server_conftest()
+SAMPLE, start_editor = _editor.SAMPLE, _editor.start_editor
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+URI = "file:///work/sample.py"
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    monkeypatch.setenv(rundir.ENV_DIR, str(d))  # the servers, the daemons and this test share it
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return d
+
+
+def start_daemon(model: Path) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.service.daemon", "--model", str(model)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    key = rundir.model_key([model])
+    for _ in range(2400):
+        rec = rundir.read_record(key)
+        if rec is not None and rec["pid"] == proc.pid:
+            return proc, rec
+        assert proc.poll() is None
+        time.sleep(0.05)
+    raise AssertionError("no daemon record")
+
+
+def stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(600):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:  # not our child (started by a server): wait for it to go
+            if not rundir.pid_alive(pid):
+                return
+        time.sleep(0.05)
+
+
+async def suggestions(ed, offsets: list[int]) -> list[list[str]]:
+    out = []
+    for off in offsets:
+        res = await ed.inline(URI, off)
+        out.append([i.insert_text for i in res.items])
+    return out
+
+
+OFFSETS = [SAMPLE.index(s) + len(s) for s in ("total = add(", "out.append(", "def scale(")]
+
+
+async def test_completions_over_a_daemon_are_those_of_the_local_engine(tiny_llama, run_dir):
+    proc, rec = start_daemon(tiny_llama)
+    try:
+        local, led = await start_editor(tiny_llama)
+        led.open(URI, SAMPLE)
+        expected = await suggestions(led, OFFSETS)
+        await local.shutdown_session()
+        await local.stop()
+
+        client, ed = await start_editor(tiny_llama, {"engine": rec["url"]})
+        try:
+            ed.open(URI, SAMPLE)
+            assert await suggestions(ed, OFFSETS) == expected
+            # typing-through and cancel work as in-process
+            await ed.command("spark.configure", {"maxTokens": 300, "maxLines": 200})
+            off = ed.type(URI, OFFSETS[0], "")
+            mid, fut = ed.start_inline(URI, off, T.InlineCompletionTriggerKind.Invoked)
+            await asyncio.sleep(0.01)
+            ed.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
+            try:
+                await fut
+            except Exception:
+                pass
+            assert isinstance(await ed.inline(URI, off), T.InlineCompletionList)
+        finally:
+            await client.shutdown_session()
+            await client.stop()
+    finally:
+        stop(proc.pid)
+
+
+async def test_auto_starts_one_daemon_that_two_servers_share_and_survives_its_death(
+    tiny_llama, run_dir
+):
+    key = rundir.model_key([tiny_llama])
+    a, ea = await start_editor(tiny_llama, {"engine": "auto"})
+    b, eb = await start_editor(tiny_llama, {"engine": "auto"})
+    pids = []
+    try:
+        rec = rundir.read_record(key)
+        assert rec is not None  # the first server started it, the second joined it
+        pids.append(rec["pid"])
+        ea.open(URI, SAMPLE)
+        eb.open(URI, SAMPLE)
+        first = await suggestions(ea, OFFSETS[:1])
+        assert await suggestions(eb, OFFSETS[:1]) == first
+        assert rundir.read_record(key)["pid"] == rec["pid"]
+
+        os.kill(rec["pid"], signal.SIGKILL)  # the daemon dies
+        for _ in range(100):
+            if not rundir.pid_alive(rec["pid"]):
+                break
+            await asyncio.sleep(0.05)
+        answers = []
+        for _ in range(4):  # the first request may fail (the editor is told), then a new daemon
+            try:
+                answers.append(await suggestions(ea, OFFSETS[:1]))
+            except Exception as exc:  # noqa: BLE001 - the one failure the server reports
+                answers.append(exc)
+            if answers[-1] == first:
+                break
+        assert answers[-1] == first, answers
+        new = rundir.read_record(key)
+        assert new is not None and new["pid"] != rec["pid"]
+        pids.append(new["pid"])
+    finally:
+        for client in (a, b):
+            await client.shutdown_session()
+            await client.stop()
+        for pid in pids:
+            stop(pid)
+
+
+async def test_unreachable_engine_falls_back_to_the_local_engine(tiny_llama, run_dir):
+    client, ed = await start_editor(tiny_llama, {"engine": "ws://127.0.0.1:9"})
+    try:
+        ed.open(URI, SAMPLE)
+        res = await ed.inline(URI, OFFSETS[0])
+        assert isinstance(res, T.InlineCompletionList)
+        m = await ed.metrics()
+        assert m["loaded"]
+    finally:
+        await client.shutdown_session()
+        await client.stop()
