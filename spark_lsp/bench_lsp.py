@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="local", choices=("local", "llamacpp", "ollama", "openai"),
                    help="where suggestions are generated (server setting 'backend'; default local)")
     p.add_argument("--backend-url", default=None, metavar="URL", help="server setting backendUrl")
+    p.add_argument("--engine", default=None, metavar="WHERE",
+                   help="server setting engine: local, auto (the shared daemon) or ws://HOST:PORT")
     p.add_argument("--backend-model", default=None, metavar="NAME", help="server setting backendModel")
     p.add_argument("--fim-template", default=None, metavar="NAME", help="server setting fimTemplate")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -190,6 +192,8 @@ def run(args, plot=None) -> int:
         options["maxTokens"] = args.max_tokens
     if args.precision:
         options["precision"] = args.precision
+    if args.engine:
+        options["engine"] = args.engine
     model = args.model
     if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
         model = str(synthetic_model(model))
