@@ -31,6 +31,8 @@ from .server import EngineServer, is_loopback
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 8
+#: Prompt tokens per prefill run in a daemon (the language server's in-process engine uses the same).
+INTERACTIVE_PREFILL_CHUNK = 256
 
 
 class DaemonError(RuntimeError):
@@ -59,6 +61,8 @@ def load_engines(
     for folder in folders:
         t0 = time.perf_counter()
         eng = Engine.load(folder, slots=slots, precision=precision, threads=threads)
+        # a cancel waits for the prefill run in flight: interactive clients need short runs
+        eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         log.info("engine: loaded %s in %.1f s", eng.name, time.perf_counter() - t0)
         engines.append(eng)
     return engines
