@@ -55,7 +55,7 @@ from ..tokenizer import Tokenizer
 from . import protocol as P
 from . import rundir
 from .connection import Connection
-from .daemon import DaemonError, read_token_file, resolve_models
+from .daemon import INTERACTIVE_PREFILL_CHUNK, DaemonError, read_token_file, resolve_models
 from .local import describe
 from .server import is_loopback
 
@@ -92,6 +92,7 @@ class EngineReplica:
         from ..engine import Engine  # ONNX Runtime loads in the replica process only
 
         self.engine = Engine.load(model_dir, slots=SLOTS, threads=threads)
+        self.engine.prefill_chunk = min(self.engine.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         self.where = f"{os.uname().nodename}:{os.getpid()}"
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="spark-replica-gen")
 
