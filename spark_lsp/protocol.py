@@ -96,8 +96,13 @@ class LspWorkspace(Workspace):
         if doc is None:
             log.warning("didChange for %s, which is not open: ignored", text_doc.uri)
             return
+        # pygls calls this once per content change, all with the notification's one version:
+        # only the first change of a notification can be stale
+        first_of_notification = text_doc is not getattr(self, "_last_change_doc", None)
+        self._last_change_doc = text_doc
         if (
-            text_doc.version is not None
+            first_of_notification
+            and text_doc.version is not None
             and doc.version is not None
             and text_doc.version <= doc.version
         ):

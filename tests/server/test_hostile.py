@@ -305,3 +305,29 @@ def test_random_messages_never_kill_the_server(messages):
         w.ls.stop_work("test over")
 
     asyncio.run(run())
+
+
+def test_a_notification_with_several_changes_is_not_read_as_stale(caplog):
+    """pygls applies a didChange's content changes one by one with the same version: only a
+    notification whose version does not move forward is stale, not its second change."""
+    from lsprotocol import types as T
+
+    from spark_lsp.protocol import LspWorkspace
+
+    ws = LspWorkspace(None)
+    ws.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text="ab\n"))
+
+    def change(version, *edits):
+        doc = T.VersionedTextDocumentIdentifier(uri=URI, version=version)
+        for (line, a, b), text in edits:
+            rng = T.Range(T.Position(line, a), T.Position(line, b))
+            ws.update_text_document(doc, T.TextDocumentContentChangePartial(range=rng, text=text))
+
+    with caplog.at_level("WARNING", logger="spark_lsp"):
+        change(2, ((0, 0, 0), "x"), ((0, 1, 1), "y"))  # two changes, one new version
+    assert ws.get_text_document(URI).source == "xyab\n"
+    assert not [r for r in caplog.records if "after version" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="spark_lsp"):
+        change(2, ((0, 0, 0), "z"))  # the same version again: stale, logged, applied
+    assert ws.get_text_document(URI).source == "zxyab\n"
+    assert [r for r in caplog.records if "after version" in r.getMessage()]
