@@ -6,6 +6,7 @@ Each benchmark lives in its own module, imported only when run (torch etc. load 
     lsp    -> spark_lsp.bench_lsp       wafer -> engine.lab.bench_wafer
     profile -> engine.lab.bench_profile (a diagnosis, not part of ``all``)
     robustness -> spark_lsp.bench_robustness (fuzz, load, lifecycle, faults; not part of ``all``)
+    service -> spark_lsp.bench_service (in-process vs WebSocket vs HTTP+SSE, Ray; not part of ``all``)
 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
 (``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
@@ -29,11 +30,15 @@ MODULES = {
     "engine": "engine.lab.bench",
     "edits": "engine.lab.bench_edits",
     "lsp": "spark_lsp.bench_lsp",
-    "service": "spark_lsp.bench_service",
     "wafer": "engine.lab.bench_wafer",
 }
-#: Diagnoses: run like the benchmarks, but not by ``all``.
-DIAGNOSES = {"profile": "engine.lab.bench_profile", "robustness": "spark_lsp.bench_robustness"}
+#: Run like the benchmarks, but not by ``all``: a diagnosis, and the two that start servers of
+#: their own (daemons, a Ray cluster, fault scenarios).
+DIAGNOSES = {
+    "profile": "engine.lab.bench_profile",
+    "robustness": "spark_lsp.bench_robustness",
+    "service": "spark_lsp.bench_service",
+}
 HELP = {
     "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
     "edits": "streamed code-action edits (speculative edits vs plain decoding)",
