@@ -23,6 +23,8 @@ pygls upgrade is checked against this module alone):
    `processId` of `initialize`) end the server cleanly, generations cancelled.
 12. `SparkProtocol.handle_message`: requests before `initialize` get -32002, a second
    `initialize` or a request after `shutdown` -32600, notifications before `initialize` dropped.
+13. `SparkProtocol._execute_handler`: a finished notification handler is forgotten (pygls keeps
+   every one, so memory grew with each keystroke).
 """
 
 from __future__ import annotations
@@ -262,7 +264,15 @@ class SparkProtocol(LanguageServerProtocol):
         inner = self._request_futures.get(msg_id)
         if outer is not None and inner is not None:
             outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
-            inner.add_done_callback(lambda f: self._request_futures.pop(msg_id, None))
+        if inner is not None:
+            # 13. pygls files every notification's handler under a fresh id and never removes
+            # it (only responses remove theirs): one future and its params per keystroke, kept
+            # for the life of the server. Forget each one when it is done.
+            inner.add_done_callback(lambda f: self._forget(msg_id, f))
+
+    def _forget(self, msg_id, future) -> None:
+        if self._request_futures.get(msg_id) is future:
+            del self._request_futures[msg_id]
 
     @lsp_method(T.EXIT)
     def lsp_exit(self, *args):

@@ -331,3 +331,24 @@ def test_a_notification_with_several_changes_is_not_read_as_stale(caplog):
         change(2, ((0, 0, 0), "z"))  # the same version again: stale, logged, applied
     assert ws.get_text_document(URI).source == "zxyab\n"
     assert [r for r in caplog.records if "after version" in r.getMessage()]
+
+
+async def test_finished_handlers_are_forgotten():
+    """Memory must not grow with keystrokes: pygls kept every notification's future (and its
+    params) for the life of the server."""
+    w = _Wire()
+    await w.start()
+    w.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": URI, "languageId": "python", "version": 1, "text": SRC}}})
+    for v in range(2, 302):
+        w.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
+            "textDocument": {"uri": URI, "version": v},
+            "contentChanges": [{"range": {"start": {"line": 0, "character": 0},
+                                          "end": {"line": 0, "character": 0}}, "text": "x"}]}})
+        if v % 6 == 0:
+            await w.call("workspace/executeCommand", {"command": "spark.toggle", "arguments": [True]}, v)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert w.text(URI) == "x" * 300 + SRC
+    assert len(w.ls.protocol._request_futures) == 0
+    w.ls.stop_work("test over")
