@@ -34,7 +34,7 @@ class _Model:
     def __init__(self, text: str, probs: tuple[float, float]):
         self.text, self.probs, self.params = text, probs, []
 
-    def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None):
+    def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None, text=None):
         self.params.append(params)
         half = len(self.text) // 2
         parts = (self.text[:half], self.text[half:])
@@ -51,6 +51,8 @@ class _Prompt:
     ids: list
     healed: str = ""
     fim: bool = True
+    prefix: str = ""  # the text the ids encode, for remote backends
+    suffix: str = ""
 
 
 class _Builder:
@@ -114,7 +116,7 @@ def test_no_gate_asks_for_no_logprobs_and_a_model_without_them_is_not_gated():
     assert Settings().min_confidence == 1e-6  # the default: see docs/suggestions.md
 
     class NoLogprobs(_Model):  # e.g. a remote backend that does not report them
-        def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None):
+        def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None, text=None):
             return _Gen([Chunk(0, self.text)])
 
     res = _complete(NoLogprobs("w * h", (0.1, 0.1)), completions.AUTOMATIC, 0.9)
