@@ -14,10 +14,25 @@ from typing import TYPE_CHECKING
 #: gives one clear error instead of an import failure deep inside a command.
 DISTRIBUTION = "spark-lsp"
 
-__all__ = ["CancelToken", "Cancelled", "Chunk", "Engine", "Generation", "GenerationParams", "ModelError"]
+__all__ = [
+    "CancelToken",
+    "Cancelled",
+    "Chunk",
+    "Engine",
+    "Generation",
+    "GenerationParams",
+    "ModelError",
+]
 
-_WHERE = {"CancelToken": "cancel", "Cancelled": "cancel", "Engine": "engine", "Generation": "generate",
-          "GenerationParams": "generate", "Chunk": "generate", "ModelError": "config"}
+_WHERE = {
+    "CancelToken": "cancel",
+    "Cancelled": "cancel",
+    "Engine": "engine",
+    "Generation": "generate",
+    "GenerationParams": "generate",
+    "Chunk": "generate",
+    "ModelError": "config",
+}
 
 if TYPE_CHECKING:
     from .cancel import Cancelled, CancelToken

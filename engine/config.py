@@ -39,8 +39,14 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {"rope_theta": 10_000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
 }
 #: hidden_act values by the activation the graph emits ('gelu_tanh': the tanh approximation).
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32", "float16", "bfloat16"}
@@ -80,7 +86,9 @@ class ModelConfig:
     torch_dtype: str  # storage dtype declared by the folder: float32 | float16 | bfloat16
     sliding_window: int | None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    norm: str = "rms"  # 'rms' | 'rms_offset' (Gemma: scaled by 1 + weight) | 'layer' (LayerNorm + bias)
+    norm: str = (
+        "rms"  # 'rms' | 'rms_offset' (Gemma: scaled by 1 + weight) | 'layer' (LayerNorm + bias)
+    )
     mlp_act: str = "silu"  # 'silu' | 'gelu_tanh' | 'gelu' (erf)
     mlp_gated: bool = True  # act(gate) * up -> down; False: act(c_fc) -> c_proj (Starcoder2)
     mlp_bias: bool = False  # biases on the MLP's linears
@@ -105,7 +113,9 @@ class ModelConfig:
         Matches transformers' ``ROPE_INIT_FUNCTIONS`` for the 'default', 'linear' and 'llama3' types.
         """
         dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float64) / dim))
+        inv = 1.0 / (
+            self.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float64) / dim)
+        )
         if not self.rope_scaling:
             return inv
         rs = dict(self.rope_scaling)
@@ -137,7 +147,9 @@ def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise ModelError(
+            f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"{path}: cannot read: {e}") from None
     if not isinstance(data, dict):
@@ -151,7 +163,9 @@ def model_path(model_dir: str | Path) -> Path:
     if not p.exists():
         raise ModelError(f"{p}: model folder not found")
     if not p.is_dir():
-        raise ModelError(f"{p}: not a folder (expected a Hugging Face model folder with config.json)")
+        raise ModelError(
+            f"{p}: not a folder (expected a Hugging Face model folder with config.json)"
+        )
     return p
 
 
@@ -178,8 +192,13 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     return parse_config(raw, path=path, generation=gen)
 
 
-def parse_config(raw: dict[str, Any], *, path: Path | str = "config.json",
-                 generation: dict[str, Any] | None = None, name: str = "config.json") -> ModelConfig:
+def parse_config(
+    raw: dict[str, Any],
+    *,
+    path: Path | str = "config.json",
+    generation: dict[str, Any] | None = None,
+    name: str = "config.json",
+) -> ModelConfig:
     """Validate a Hugging Face config (as a dict) into a :class:`ModelConfig`.
 
     ``generation``: the ``generation_config.json`` object, whose eos ids are added.  ``name``
@@ -188,7 +207,9 @@ def parse_config(raw: dict[str, Any], *, path: Path | str = "config.json",
 
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs:
-        raise ModelError(f"{name}: field 'architectures' is missing; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ModelError(
+            f"{name}: field 'architectures' is missing; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     arch_name = archs[0]
     if arch_name not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
@@ -223,28 +244,40 @@ def parse_config(raw: dict[str, Any], *, path: Path | str = "config.json",
     heads = positive("num_attention_heads")
     kv_heads = positive("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise ModelError(f"{name}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+        raise ModelError(
+            f"{name}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}"
+        )
     if "head_dim" in raw and raw["head_dim"] is not None:
         head_dim = positive("head_dim")
     else:
         if hidden % heads:
-            raise ModelError(f"{name}: num_attention_heads={heads} must divide hidden_size={hidden}")
+            raise ModelError(
+                f"{name}: num_attention_heads={heads} must divide hidden_size={hidden}"
+            )
         head_dim = hidden // heads
     if head_dim % 2:
-        raise ModelError(f"{name}: head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
+        raise ModelError(
+            f"{name}: head_dim={head_dim} must be even (rotary embeddings rotate pairs)"
+        )
 
     defaults = _ARCH_DEFAULTS[arch]
     eps_key = "norm_epsilon" if arch == "starcoder2" else "rms_norm_eps"
     eps = field(eps_key, defaults["rms_norm_eps"], kind=float)
     if not eps > 0:
         raise ModelError(f"{name}: {eps_key}={eps} must be positive")
-    default_act = {"starcoder2": "gelu_pytorch_tanh", "gemma": "gelu_pytorch_tanh"}.get(arch, "silu")
-    act_key = "hidden_activation" if arch == "gemma" and raw.get("hidden_activation") else "hidden_act"
+    default_act = {"starcoder2": "gelu_pytorch_tanh", "gemma": "gelu_pytorch_tanh"}.get(
+        arch, "silu"
+    )
+    act_key = (
+        "hidden_activation" if arch == "gemma" and raw.get("hidden_activation") else "hidden_act"
+    )
     act = field(act_key, default_act, kind=str)
     if arch == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers reads Gemma's legacy 'gelu' as the tanh approximation
     if act not in _ACTIVATIONS:
-        raise ModelError(f"{name}: {act_key}={act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        raise ModelError(
+            f"{name}: {act_key}={act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+        )
     use_bias = field("use_bias", True, kind=bool) if arch == "starcoder2" else False
     mlp_bias = use_bias or field("mlp_bias", False, kind=bool)
 
@@ -269,7 +302,9 @@ def parse_config(raw: dict[str, Any], *, path: Path | str = "config.json",
         sliding = None
     if sliding is not None:
         if isinstance(sliding, bool) or not isinstance(sliding, int) or sliding <= 0:
-            raise ModelError(f"{name}: sliding_window={sliding!r} must be a positive integer or null")
+            raise ModelError(
+                f"{name}: sliding_window={sliding!r} must be a positive integer or null"
+            )
         if sliding < max_pos:
             warnings.warn(
                 f"{path}: sliding_window={sliding} < max_position_embeddings={max_pos}; "
@@ -285,7 +320,9 @@ def parse_config(raw: dict[str, Any], *, path: Path | str = "config.json",
 
     dtype = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     if dtype not in _DTYPES:
-        raise ModelError(f"{name}: dtype={dtype!r} is not supported; supported: {', '.join(sorted(_DTYPES))}")
+        raise ModelError(
+            f"{name}: dtype={dtype!r} is not supported; supported: {', '.join(sorted(_DTYPES))}"
+        )
 
     eos = _int_ids(raw.get("eos_token_id"), f"{name}: eos_token_id")
     if generation:
@@ -353,6 +390,8 @@ def _validate_rope_scaling(scaling: Any, name: str) -> tuple[tuple[str, Any], ..
             raise ModelError(f"{name}: rope_scaling.high_freq_factor must exceed low_freq_factor")
         omp = scaling.get("original_max_position_embeddings")
         if isinstance(omp, bool) or not isinstance(omp, int) or omp <= 0:
-            raise ModelError(f"{name}: rope_scaling.original_max_position_embeddings={omp!r} must be a positive integer")
+            raise ModelError(
+                f"{name}: rope_scaling.original_max_position_embeddings={omp!r} must be a positive integer"
+            )
         out["original_max_position_embeddings"] = omp
     return tuple(sorted(out.items()))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -74,9 +74,19 @@ def _open_model(model_dir: str | Path) -> _ModelSource:
 class Engine:
     """A loaded model: ``tokenizer``, ``config``, ``name``, ``model_dir`` and ``generate()``."""
 
-    def __init__(self, model_dir: Path, config: ModelConfig, tokenizer: Tokenizer, runtime: Runtime, *,
-                 slots: int = 1, graph_path: Path | None = None, graph_built: bool = False,
-                 linear=None, load_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        runtime: Runtime,
+        *,
+        slots: int = 1,
+        graph_path: Path | None = None,
+        graph_built: bool = False,
+        linear=None,
+        load_s: float = 0.0,
+    ) -> None:
         self.model_dir = model_dir
         self.name = model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
         self.config = config
@@ -84,7 +94,9 @@ class Engine:
         self.runtime = runtime
         self.linear = linear
         self.precision = "fp32"  # what Engine.load resolved ("auto" becomes a concrete precision)
-        self.precision_reason = ""  # why, for precision="auto" (a stored decision or the static rule)
+        self.precision_reason = (
+            ""  # why, for precision="auto" (a stored decision or the static rule)
+        )
         self.graph_path = graph_path
         self.graph_built = graph_built  # False: the graph came from the on-disk cache
         self.load_s = load_s
@@ -99,10 +111,22 @@ class Engine:
         self._scratch = None
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, *, grid=None, wafer: bool = True, threads: int | None = None,
-             cache_dir: str | Path | None = None, slots: int = 1, max_context: int | None = None,
-             spinning: bool | None = None, linear=None, decode_threads: int | None = None,
-             precision: str = "fp32", profile: str | None = None) -> "Engine":
+    def load(
+        cls,
+        model_dir: str | Path | None = None,
+        *,
+        grid=None,
+        wafer: bool = True,
+        threads: int | None = None,
+        cache_dir: str | Path | None = None,
+        slots: int = 1,
+        max_context: int | None = None,
+        spinning: bool | None = None,
+        linear=None,
+        decode_threads: int | None = None,
+        precision: str = "fp32",
+        profile: str | None = None,
+    ) -> Engine:
         """Load a Hugging Face model folder or a GGUF file (``None``: the bundled default model).
 
         ``wafer``/``grid``: partition every weight matmul over an emulated grid of PEs
@@ -125,8 +149,9 @@ class Engine:
             model_dir = models.default_model_dir()
         source = _open_model(model_dir)
         folder, config, tokenizer = source.path, source.config, source.tokenizer
-        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
-                                        or max_context < 2):
+        if max_context is not None and (
+            isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2
+        ):
             raise ValueError(f"max_context={max_context!r} must be an integer >= 2")
         for name, v in (("threads", threads), ("decode_threads", decode_threads)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -141,8 +166,9 @@ class Engine:
                 linear = gguf_linear(source.gguf, precision, wafer, grid)  # the file's own blocks
         if linear is None and precision != "fp32":
             if precision == "auto":
-                choice = precision_rule.resolve(folder, config, wafer=wafer, grid=grid, threads=threads,
-                                                cache_dir=cache_dir)
+                choice = precision_rule.resolve(
+                    folder, config, wafer=wafer, grid=grid, threads=threads, cache_dir=cache_dir
+                )
                 precision, reason = choice.precision, choice.reason
                 log.info("precision auto for %s: %s (%s)", folder.name, precision, reason)
             elif precision not in PRECISIONS:
@@ -156,25 +182,59 @@ class Engine:
         def build(data_file: Path):
             log.info("building the decoder graph for %s", folder)
             with source.open_weights() as weights:
-                return build_decoder(config, weights, linear, max_len=options["rope_len"],
-                                     external_data=data_file)
+                return build_decoder(
+                    config, weights, linear, max_len=options["rope_len"], external_data=data_file
+                )
 
-        info = {"model_dir": str(folder), "emitter": graph_cache.emitter_key(linear), "options": options}
+        info = {
+            "model_dir": str(folder),
+            "emitter": graph_cache.emitter_key(linear),
+            "options": options,
+        }
         custom_ops = tuple(getattr(linear, "custom_op_libraries", ()))
         path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
         try:
-            runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
-                              spinning=spinning, profile=profile, custom_ops=custom_ops)
+            runtime = Runtime(
+                path,
+                config,
+                max_len=max_len,
+                threads=threads,
+                decode_threads=decode_threads,
+                spinning=spinning,
+                profile=profile,
+                custom_ops=custom_ops,
+            )
         except Exception as e:
             if built:
                 raise
-            log.warning("cached graph %s cannot be loaded (%s); rebuilding", path, str(e).splitlines()[0] if str(e) else e)
+            log.warning(
+                "cached graph %s cannot be loaded (%s); rebuilding",
+                path,
+                str(e).splitlines()[0] if str(e) else e,
+            )
             graph_cache.invalidate(path)
             path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
-            runtime = Runtime(path, config, max_len=max_len, threads=threads, decode_threads=decode_threads,
-                              spinning=spinning, profile=profile, custom_ops=custom_ops)
-        eng = cls(folder, config, tokenizer, runtime, slots=slots, graph_path=path, graph_built=built,
-                  linear=linear, load_s=time.perf_counter() - t0)
+            runtime = Runtime(
+                path,
+                config,
+                max_len=max_len,
+                threads=threads,
+                decode_threads=decode_threads,
+                spinning=spinning,
+                profile=profile,
+                custom_ops=custom_ops,
+            )
+        eng = cls(
+            folder,
+            config,
+            tokenizer,
+            runtime,
+            slots=slots,
+            graph_path=path,
+            graph_built=built,
+            linear=linear,
+            load_s=time.perf_counter() - t0,
+        )
         eng.precision = "custom" if explicit_linear else precision
         eng.precision_reason = reason
         return eng
@@ -188,18 +248,28 @@ class Engine:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+                raise ValueError(
+                    f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+                )
         if not ids:
             if self.config.bos_token_id is None:
                 raise ValueError("prompt is empty and the model has no bos_token_id to start from")
             ids = [self.config.bos_token_id]
         if len(ids) >= self.context:
-            raise ModelError(f"prompt has {len(ids)} tokens but the context is {self.context} tokens "
-                             f"(at most {self.context - 1} prompt tokens leave room for one new token)")
+            raise ModelError(
+                f"prompt has {len(ids)} tokens but the context is {self.context} tokens "
+                f"(at most {self.context - 1} prompt tokens leave room for one new token)"
+            )
         return ids
 
-    def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                 slot: Hashable = None, *, cancel: CancelToken | None = None) -> Generation:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerationParams | None = None,
+        slot: Hashable = None,
+        *,
+        cancel: CancelToken | None = None,
+    ) -> Generation:
         """Start a generation (lazily: the work happens while iterating).
 
         ``slot``: a key (e.g. a document URI) whose KV cache is reused for the common prefix.
@@ -219,7 +289,9 @@ class Engine:
         if not ids:
             raise ValueError("forward_logits needs at least one token")
         if len(ids) > self.context:
-            raise ModelError(f"sequence has {len(ids)} tokens but the context is {self.context} tokens")
+            raise ModelError(
+                f"sequence has {len(ids)} tokens but the context is {self.context} tokens"
+            )
         with self._lock:
             if self._scratch is None:
                 self._scratch = self.runtime.new_kv()
@@ -227,7 +299,7 @@ class Engine:
             # bound each run's logits to ~64 MB (large vocabularies)
             step = max(16, min(self.prefill_chunk, (64 << 20) // (4 * self.config.vocab_size)))
             for start in range(0, len(ids), step):
-                part = ids[start:start + step]
+                part = ids[start : start + step]
                 out.append(self.runtime.forward(self._scratch, part, start, num_logits=len(part)))
             return np.concatenate(out, axis=0)
 

@@ -89,7 +89,9 @@ class FimStyle:
     def spellings(self) -> tuple[tuple[str, str, str | None], ...]:
         return ((self.prefix, self.suffix, self.middle), *self.alternatives)
 
-    def context_text(self, files=(), repo: str | None = None, path: str | None = None) -> tuple[str, str]:
+    def context_text(
+        self, files=(), repo: str | None = None, path: str | None = None
+    ) -> tuple[str, str]:
         """(text before the FIM part, text to put at the start of the prefix) for other files.
 
         Families with repository tokens get them (``<|repo_name|>`` / ``<|file_sep|>``,
@@ -99,22 +101,36 @@ class FimStyle:
         if self.file_sep is not None:
             # Qwen2.5-Coder: "<|repo_name|>name\n"; StarCoder2: "<repo_name>name" (no line break)
             after_name = "" if self.name == "starcoder" else "\n"
-            out = f"{self.repo_name}{repo or 'repo'}{after_name}" if self.repo_name and (repo or files) else ""
+            out = (
+                f"{self.repo_name}{repo or 'repo'}{after_name}"
+                if self.repo_name and (repo or files)
+                else ""
+            )
             out += "".join(f"{self.file_sep}{p}\n{c}" for p, c in files)
             return out + (f"{self.file_sep}{path}\n" if path and out else ""), ""
         if self.file_end is not None:
             return "".join(f"{p}\n{c}{self.file_end}" for p, c in files), ""
         return "", "".join(f"#{p}\n{c}" for p, c in files)
 
-    def render(self, prefix: str, suffix: str, *, files=(), repo: str | None = None, path: str | None = None,
-               spm: bool | None = None) -> str:
+    def render(
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        files=(),
+        repo: str | None = None,
+        path: str | None = None,
+        spm: bool | None = None,
+    ) -> str:
         """The prompt as text: ``files`` ((path, content) pairs) of the same repository first, in
         the family's repository format, then the FIM part; the model's answer follows."""
         head, lead = self.context_text(files, repo, path)
         prefix = lead + prefix
         spm = self.spm_only if spm is None else spm
         if spm and not self.supports_spm:
-            raise ValueError(f"the {self.name} FIM format was not trained in SPM order; use spm=False")
+            raise ValueError(
+                f"the {self.name} FIM format was not trained in SPM order; use spm=False"
+            )
         if self.spm_only and not spm:
             raise ValueError(f"the {self.name} FIM format is suffix-first only; use spm=True")
         middle = self.middle or ""
@@ -125,22 +141,70 @@ class FimStyle:
 
 #: The FIM families, in detection order (a family that needs an extra token comes before one
 #: with the same three FIM tokens).
-STYLES: dict[str, FimStyle] = {s.name: s for s in (
-    FimStyle("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
-             ("<|endoftext|>", "<file_sep>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-             supports_spm=True, repo_name="<repo_name>", file_sep="<file_sep>"),
-    FimStyle("codegemma", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
-             ("<|file_separator|>", "<eos>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-             file_end="<|file_separator|>", requires=("<|file_separator|>",)),
-    FimStyle("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
-             ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>", "<|fim_prefix|>"),
-             repo_name="<|repo_name|>", file_sep="<|file_sep|>"),
-    FimStyle("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", ("▁<EOT>", "<EOT>", "</s>"),
-             alternatives=(("<PRE>", "<SUF>", "<MID>"),)),
-    FimStyle("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ("<｜end▁of▁sentence｜>", "<|EOT|>")),
-    FimStyle("codestral", "[PREFIX]", "[SUFFIX]", None, ("</s>", "[PREFIX]", "[SUFFIX]"),
-             supports_spm=True, spm_only=True),
-)}
+STYLES: dict[str, FimStyle] = {
+    s.name: s
+    for s in (
+        FimStyle(
+            "starcoder",
+            "<fim_prefix>",
+            "<fim_suffix>",
+            "<fim_middle>",
+            ("<|endoftext|>", "<file_sep>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+            supports_spm=True,
+            repo_name="<repo_name>",
+            file_sep="<file_sep>",
+        ),
+        FimStyle(
+            "codegemma",
+            "<|fim_prefix|>",
+            "<|fim_suffix|>",
+            "<|fim_middle|>",
+            ("<|file_separator|>", "<eos>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+            file_end="<|file_separator|>",
+            requires=("<|file_separator|>",),
+        ),
+        FimStyle(
+            "qwen",
+            "<|fim_prefix|>",
+            "<|fim_suffix|>",
+            "<|fim_middle|>",
+            (
+                "<|endoftext|>",
+                "<|fim_pad|>",
+                "<|file_sep|>",
+                "<|repo_name|>",
+                "<|im_end|>",
+                "<|fim_prefix|>",
+            ),
+            repo_name="<|repo_name|>",
+            file_sep="<|file_sep|>",
+        ),
+        FimStyle(
+            "codellama",
+            "▁<PRE>",
+            "▁<SUF>",
+            "▁<MID>",
+            ("▁<EOT>", "<EOT>", "</s>"),
+            alternatives=(("<PRE>", "<SUF>", "<MID>"),),
+        ),
+        FimStyle(
+            "deepseek",
+            "<｜fim▁begin｜>",
+            "<｜fim▁hole｜>",
+            "<｜fim▁end｜>",
+            ("<｜end▁of▁sentence｜>", "<|EOT|>"),
+        ),
+        FimStyle(
+            "codestral",
+            "[PREFIX]",
+            "[SUFFIX]",
+            None,
+            ("</s>", "[PREFIX]", "[SUFFIX]"),
+            supports_spm=True,
+            spm_only=True,
+        ),
+    )
+}
 
 
 class Context(NamedTuple):
@@ -171,7 +235,7 @@ class FimFormat:
         ``name`` forces a family (overriding detection); ValueError when its tokens are missing."""
         if name is not None and name not in STYLES:
             raise ValueError(f"unknown FIM format {name!r}; known: {', '.join(STYLES)}")
-        for style in ([STYLES[name]] if name else STYLES.values()):
+        for style in [STYLES[name]] if name else STYLES.values():
             if any(tokenizer.token_to_id(t) is None for t in style.requires):
                 continue
             for tokens in style.spellings():
@@ -180,9 +244,20 @@ class FimFormat:
                     continue
                 stop = {i for t in style.stops if (i := tokenizer.token_to_id(t)) is not None}
                 stop |= set(getattr(tokenizer, "eos_ids", ()) or ())
-                return cls(style.name, ids[0], ids[1], ids[2], frozenset(stop), style.supports_spm, tokenizer, style)
+                return cls(
+                    style.name,
+                    ids[0],
+                    ids[1],
+                    ids[2],
+                    frozenset(stop),
+                    style.supports_spm,
+                    tokenizer,
+                    style,
+                )
         if name is not None:
-            raise ValueError(f"the tokenizer has no {name} FIM tokens ({', '.join(t for t in STYLES[name].spellings()[0] if t)})")
+            raise ValueError(
+                f"the tokenizer has no {name} FIM tokens ({', '.join(t for t in STYLES[name].spellings()[0] if t)})"
+            )
         return None
 
     def _encode(self, text: str) -> list[int]:
@@ -191,8 +266,9 @@ class FimFormat:
         out = self._tok.encode(text)
         return list(getattr(out, "ids", out))  # engine Tokenizer -> list, tokenizers -> Encoding
 
-    def build(self, prefix: str, suffix: str, spm: bool = False, *,
-              context: Context | None = None) -> list[int]:
+    def build(
+        self, prefix: str, suffix: str, spm: bool = False, *, context: Context | None = None
+    ) -> list[int]:
         """Prompt ids; the model's answer (the middle) follows the last id.  ``context``: other
         files' ids from :meth:`context_ids`, placed first (or at the start of the prefix)."""
         self._check(prefix, suffix, spm)
@@ -208,8 +284,15 @@ class FimFormat:
         head, lead = self.style.context_text(files, repo, path)
         return Context(self._encode(head), self._encode(lead))
 
-    def build_healed(self, prefix: str, suffix: str, spm: bool = False, *,
-                     newline: bool = False, context: Context | None = None) -> tuple[list[int], str]:
+    def build_healed(
+        self,
+        prefix: str,
+        suffix: str,
+        spm: bool = False,
+        *,
+        newline: bool = False,
+        context: Context | None = None,
+    ) -> tuple[list[int], str]:
         """``build`` with the prefix healed (:func:`heal`): (prompt ids, the text the middle
         must begin with, to pass as ``GenerationParams.healed_prefix``; "" if nothing healed)."""
         self._check(prefix, suffix, spm)
@@ -220,10 +303,13 @@ class FimFormat:
         if not isinstance(prefix, str) or not isinstance(suffix, str):
             raise TypeError("prefix and suffix must be str")
         if spm and not self.supports_spm:
-            raise ValueError(f"the {self.name} FIM format was not trained in SPM order; use spm=False")
+            raise ValueError(
+                f"the {self.name} FIM format was not trained in SPM order; use spm=False"
+            )
 
-    def layout(self, p: list[int], s: list[int], spm: bool = False, *,
-               context: Context | None = None) -> list[int]:
+    def layout(
+        self, p: list[int], s: list[int], spm: bool = False, *, context: Context | None = None
+    ) -> list[int]:
         """Prompt ids from already encoded prefix ``p`` and suffix ``s`` (SPM or PSM order),
         after the ``context`` of other files when given."""
         middle = [self.middle_id] if self.middle_id is not None else []
@@ -233,8 +319,16 @@ class FimFormat:
         return [*head, self.prefix_id, *lead, *p, self.suffix_id, *s, *middle]
 
 
-def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: int = HEAL_MAX_TOKENS,
-         keep: int = 0, run: re.Pattern[str] | None = HEAL_RUN, newline: bool = False) -> tuple[list[int], str]:
+def heal(
+    tokenizer,
+    prefix: str,
+    ids: list[int] | None = None,
+    *,
+    max_tokens: int = HEAL_MAX_TOKENS,
+    keep: int = 0,
+    run: re.Pattern[str] | None = HEAL_RUN,
+    newline: bool = False,
+) -> tuple[list[int], str]:
     """Back the partial word at the end of ``prefix`` off its token ids.
 
     Returns (the ids without the backed-off tokens, their text): every trailing token that
@@ -265,7 +359,7 @@ def heal(tokenizer, prefix: str, ids: list[int] | None = None, *, max_tokens: in
     m = run.search(prefix) if run is not None else None
     if m is None:
         return ids, ""
-    need = len(prefix[m.start():].encode("utf-8"))
+    need = len(prefix[m.start() :].encode("utf-8"))
     tail, best = b"", (0, "")
     for k in range(1, min(max_tokens, len(ids) - keep) + 1):
         t = ids[-k]

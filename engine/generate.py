@@ -18,8 +18,10 @@ stop strings and chunks concern only the text after it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, ContextManager, Hashable, Iterator, Protocol
+from collections.abc import Hashable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import onnxruntime as ort
 
@@ -40,7 +42,9 @@ class Model(Protocol):
 
     tokenizer: Tokenizer
     runtime: Runtime
-    linear: Any  # the linear emitter: speculation reads its ``max_verify_tokens`` / ``verify_margin``
+    linear: (
+        Any  # the linear emitter: speculation reads its ``max_verify_tokens`` / ``verify_margin``
+    )
     eos_ids: frozenset[int]
     sample_vocab: int
     prefill_chunk: int
@@ -96,13 +100,19 @@ class GenerationParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
         if self.max_time_s is not None and not self.max_time_s > 0:
             raise ValueError(f"max_time_s={self.max_time_s!r} must be positive or None")
-        Sampler(self.temperature, self.top_k, self.top_p, self.seed)  # validates the sampling fields
+        Sampler(
+            self.temperature, self.top_k, self.top_p, self.seed
+        )  # validates the sampling fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +144,7 @@ class _Emitter:
     deadline end it with the stream flushed.  The healed prefix is cut from the decoded text
     before any of that, so stop strings only see text after it."""
 
-    def __init__(self, gen: "Generation") -> None:
+    def __init__(self, gen: Generation) -> None:
         p = gen.params
         self.gen = gen
         self.stops = p.stop
@@ -152,7 +162,9 @@ class _Emitter:
         if not self.skip or not text:
             return text
         if self.fresh and self.skip[0] == " " and text[0] != " ":
-            self.skip = self.skip[1:]  # SentencePiece decoders drop the stream's first leading space
+            self.skip = self.skip[
+                1:
+            ]  # SentencePiece decoders drop the stream's first leading space
         self.fresh = False
         k, m = 0, min(len(text), len(self.skip))
         while k < m and text[k] == self.skip[k]:
@@ -160,7 +172,9 @@ class _Emitter:
         self.skip = self.skip[k:] if k == len(text) else ""
         return text[k:]
 
-    def emit(self, token: int, now: float, logprob: float | None = None) -> tuple["Chunk | None", bool]:
+    def emit(
+        self, token: int, now: float, logprob: float | None = None
+    ) -> tuple[Chunk | None, bool]:
         """(the chunk to yield, or None; whether the generation has finished); ``logprob``: the
         token's log-probability, when the generation records them."""
         g = self.gen
@@ -188,7 +202,7 @@ class _Emitter:
                 k = 0
             else:
                 k = _held_suffix(buf, self.stops)
-            out, self.held = buf[:len(buf) - k], buf[len(buf) - k:]
+            out, self.held = buf[: len(buf) - k], buf[len(buf) - k :]
         else:
             out = buf + self._cut(self.stream.flush()) if (last or timed_out) else buf
         g.text += out
@@ -200,8 +214,14 @@ class _Emitter:
 class Generation:
     """Iterate for :class:`Chunk` objects; then read ``text``, ``tokens``, ``finish_reason``, ``stats``."""
 
-    def __init__(self, engine: Model, prompt: list[int], params: GenerationParams, slot: Hashable = None,
-                 cancel: CancelToken | None = None) -> None:
+    def __init__(
+        self,
+        engine: Model,
+        prompt: list[int],
+        params: GenerationParams,
+        slot: Hashable = None,
+        cancel: CancelToken | None = None,
+    ) -> None:
         self._engine = engine
         self.prompt = prompt
         self.params = params
@@ -211,15 +231,23 @@ class Generation:
         self.text = ""
         self.finish_reason: str | None = None
         self.stats: dict[str, float | int] = {
-            "prompt_tokens": len(prompt), "reused_tokens": 0, "new_tokens": 0,
-            "ttft_ms": 0.0, "decode_tok_s": 0.0, "total_ms": 0.0,
+            "prompt_tokens": len(prompt),
+            "reused_tokens": 0,
+            "new_tokens": 0,
+            "ttft_ms": 0.0,
+            "decode_tok_s": 0.0,
+            "total_ms": 0.0,
         }
         # its own token, a child of the caller's: stopping early on its own leaves the caller's alone
         self.cancel_token = cancel.child() if cancel is not None else CancelToken()
         self._run_options = ort.RunOptions()
         self.cancel_token.on_cancel(lambda reason: setattr(self._run_options, "terminate", True))
         self._sampler = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
-        self._healing = Healing(engine.tokenizer.byte_index(), params.healed_prefix) if params.healed_prefix else None
+        self._healing = (
+            Healing(engine.tokenizer.byte_index(), params.healed_prefix)
+            if params.healed_prefix
+            else None
+        )
         self._t0 = time.perf_counter()
         self._iter = self._run()
 
@@ -288,7 +316,7 @@ class Generation:
             chunk = eng.prefill_chunk
             while pos < len(self.prompt):
                 self._check(slot)
-                part = self.prompt[pos:pos + chunk]
+                part = self.prompt[pos : pos + chunk]
                 logits = self._run_model(rt.forward, slot.kv, part, pos)
                 slot.tokens.extend(part)
                 pos += len(part)

@@ -52,10 +52,14 @@ ARCHITECTURES = {
 #: tokenizer.ggml.pre -> the split regexes of the original tokenizer.json, applied in order
 #: (llama.cpp's llama-vocab.cpp lists the same families).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "gpt2": (_GPT2,),
     "gpt-2": (_GPT2,),
@@ -91,7 +95,11 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _STARCODER2_MLP = {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -105,7 +113,19 @@ def is_gguf(path: str | Path) -> bool:
 
 
 # GGUF value types (gguf.GGUFValueType) -> struct format of a scalar.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -128,7 +148,7 @@ class TensorInfo:
         """The tensor's data in a memory map of its file (F32/F16 typed, others raw block bytes)."""
         import gguf
 
-        raw = mm[self.offset:self.offset + self.n_bytes]
+        raw = mm[self.offset : self.offset + self.n_bytes]
         np_type = {"F32": np.float32, "F16": np.float16}.get(self.tensor_type.name)
         if np_type is not None:
             return raw.view(np_type).reshape(self.shape)
@@ -154,8 +174,11 @@ def parse_header(buf, *, complete: bool = True) -> tuple[dict[str, Any], list[tu
 
     def need(n: int) -> None:
         if pos + n > len(buf):
-            raise HeaderIncomplete("GGUF header ends past the bytes read") if not complete else ValueError(
-                "file ends inside the GGUF header (truncated?)")
+            raise (
+                HeaderIncomplete("GGUF header ends past the bytes read")
+                if not complete
+                else ValueError("file ends inside the GGUF header (truncated?)")
+            )
 
     def take(fmt: str) -> Any:
         nonlocal pos
@@ -169,7 +192,7 @@ def parse_header(buf, *, complete: bool = True) -> tuple[dict[str, Any], list[tu
         nonlocal pos
         n = take("Q")
         need(n)
-        s = bytes(buf[pos:pos + n]).decode("utf-8", errors="replace")
+        s = bytes(buf[pos : pos + n]).decode("utf-8", errors="replace")
         pos += n
         return s
 
@@ -228,7 +251,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
             block, type_size = gguf.GGML_QUANT_SIZES[kind]
             n_bytes = int(np.prod(shape, dtype=np.int64)) * type_size // block
             if start + offset + n_bytes > size:
-                raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
+                raise ValueError(
+                    f"tensor {name} runs past the end of the file (truncated download?)"
+                )
             tensors[name] = TensorInfo(name, kind, shape, start + offset, n_bytes)
     except (ValueError, struct.error, KeyError, UnicodeDecodeError) as e:
         raise ModelError(f"{path.name}: not a readable GGUF file: {e}") from None
@@ -258,8 +283,10 @@ class GGUFModel:
     def _check_arch(self) -> None:
         self.arch = self.value("general.architecture")
         if self.arch not in ARCHITECTURES:
-            raise ModelError(f"{self.path.name}: general.architecture={self.arch!r} is not supported; "
-                             f"supported: {', '.join(ARCHITECTURES)}")
+            raise ModelError(
+                f"{self.path.name}: general.architecture={self.arch!r} is not supported; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
 
     # -- metadata ------------------------------------------------------------------------------
     def value(self, key: str, default: Any = ...) -> Any:
@@ -282,7 +309,9 @@ class GGUFModel:
         kv = self.arch_value("attention.head_count_kv", None)
         if isinstance(kv, list):  # per-layer counts: the engine needs one for every layer
             if len(set(kv)) != 1:
-                raise ModelError(f"{self.path.name}: per-layer attention.head_count_kv={kv} is not supported")
+                raise ModelError(
+                    f"{self.path.name}: per-layer attention.head_count_kv={kv} is not supported"
+                )
             kv = kv[0]
         raw: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.arch]],
@@ -311,18 +340,26 @@ class GGUFModel:
             raw["use_sliding_window"] = True
         scaling = self.arch_value("rope.scaling.type", None)
         if scaling not in (None, "none"):
-            raw["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_value("rope.scaling.factor", None)}
+            raw["rope_scaling"] = {
+                "rope_type": scaling,
+                "factor": self.arch_value("rope.scaling.factor", None),
+            }
         if "rope_freqs.weight" in self.tensors:
-            raise ModelError(f"{self.path.name}: per-dimension RoPE factors (rope_freqs, Llama 3.1 style) "
-                             "are not supported")
+            raise ModelError(
+                f"{self.path.name}: per-dimension RoPE factors (rope_freqs, Llama 3.1 style) "
+                "are not supported"
+            )
         has_bias = "blk.0.attn_q.bias" in self.tensors
         if self.arch == "starcoder2":
             raw["use_bias"] = has_bias
         else:
             raw["attention_bias"] = has_bias
             raw["mlp_bias"] = "blk.0.ffn_up.bias" in self.tensors
-        eos = [self.value(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-               if k in self.fields]
+        eos = [
+            self.value(k)
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+            if k in self.fields
+        ]
         raw["eos_token_id"] = list(dict.fromkeys(eos)) or None
         raw["bos_token_id"] = self.value("tokenizer.ggml.bos_token_id", None)
         return raw
@@ -347,7 +384,11 @@ class GGUFModel:
         m = _BLOCK.fullmatch(name)
         if m:
             layer, part, kind = m.groups()
-            table = {**_LAYER_TENSORS, **_STARCODER2_MLP} if self.arch == "starcoder2" else _LAYER_TENSORS
+            table = (
+                {**_LAYER_TENSORS, **_STARCODER2_MLP}
+                if self.arch == "starcoder2"
+                else _LAYER_TENSORS
+            )
             if part not in table:
                 return None
             return f"model.layers.{layer}.{table[part]}.{kind}"
@@ -364,15 +405,19 @@ class GGUFModel:
             if hf is None or hf not in shapes:
                 continue
             if tuple(t.shape) != shapes[hf]:
-                raise ModelError(f"{self.path.name}: tensor {name} has shape {list(t.shape)}, expected "
-                                 f"{list(shapes[hf])} from its metadata")
+                raise ModelError(
+                    f"{self.path.name}: tensor {name} has shape {list(t.shape)}, expected "
+                    f"{list(shapes[hf])} from its metadata"
+                )
             names[hf] = name
         if config.tie_word_embeddings:
             names.setdefault("lm_head.weight", "token_embd.weight")
         missing = [n for n in shapes if n not in names]
         if missing:
-            raise ModelError(f"{self.path.name}: tensor for {missing[0]} is missing "
-                             f"({len(missing)} of {len(shapes)} missing)")
+            raise ModelError(
+                f"{self.path.name}: tensor for {missing[0]} is missing "
+                f"({len(missing)} of {len(shapes)} missing)"
+            )
         return GGUFWeights(self, config, names)
 
     def _undo_converter(self, hf: str, arr: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -387,10 +432,18 @@ class GGUFModel:
     def tokenizer(self):
         """The file's tokenizer as the engine's :class:`~engine.tokenizer.Tokenizer`."""
         tok = build_tokenizer(self)
-        eos = [self.value(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-               if k in self.fields]
-        return Tokenizer(tok, eos_ids=eos, bos_id=self.value("tokenizer.ggml.bos_token_id", None),
-                         pad_id=self.value("tokenizer.ggml.padding_token_id", None), name=self.path.stem)
+        eos = [
+            self.value(k)
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+            if k in self.fields
+        ]
+        return Tokenizer(
+            tok,
+            eos_ids=eos,
+            bos_id=self.value("tokenizer.ggml.bos_token_id", None),
+            pad_id=self.value("tokenizer.ggml.padding_token_id", None),
+            name=self.path.stem,
+        )
 
 
 class GGUFWeights(Mapping[str, np.ndarray]):
@@ -407,10 +460,13 @@ class GGUFWeights(Mapping[str, np.ndarray]):
         if self._mm is None:
             raise ModelError(f"{self._model.path.name}: weights read after the file was closed")
         t = self._model.tensors[self._names[name]]
-        arr = self._model._undo_converter(name, _to_float32(t, t.view(self._mm), self._model.path.name),
-                                          self._config)
+        arr = self._model._undo_converter(
+            name, _to_float32(t, t.view(self._mm), self._model.path.name), self._config
+        )
         if not np.isfinite(arr).all():
-            raise ModelError(f"{self._model.path.name}: tensor {t.name} contains NaN or infinite values")
+            raise ModelError(
+                f"{self._model.path.name}: tensor {t.name} contains NaN or infinite values"
+            )
         return arr
 
     def __iter__(self):
@@ -434,14 +490,16 @@ def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs back to rotate-half)."""
     rows = w.shape[0]
     return np.ascontiguousarray(
-        w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+        w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter permutation (rotate-half rows to interleaved pairs); for writing files."""
     rows = w.shape[0]
     return np.ascontiguousarray(
-        w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+        w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def _to_float32(t: TensorInfo, data: np.ndarray, where: str) -> np.ndarray:
@@ -456,10 +514,13 @@ def _to_float32(t: TensorInfo, data: np.ndarray, where: str) -> np.ndarray:
     try:
         return gguf.quants.dequantize(data, kind).astype(np.float32, copy=False)
     except NotImplementedError:
-        raise ModelError(f"{where}: tensor {t.name} has type {kind.name}, which cannot be dequantised") from None
+        raise ModelError(
+            f"{where}: tensor {t.name} has type {kind.name}, which cannot be dequantised"
+        ) from None
 
 
 # -- tokenizer ---------------------------------------------------------------------------------
+
 
 def build_tokenizer(model: GGUFModel):
     """A ``tokenizers.Tokenizer`` equivalent to the one the GGUF was converted from."""
@@ -481,40 +542,60 @@ def build_tokenizer(model: GGUFModel):
     if kind == "gpt2":
         pre = model.value("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
-            raise ModelError(f"{name}: tokenizer.ggml.pre={pre!r} is not supported; "
-                             f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+            raise ModelError(
+                f"{name}: tokenizer.ggml.pre={pre!r} is not supported; "
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
         merges = [tuple(m.split(" ", 1)) for m in model.value("tokenizer.ggml.merges")]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES))
         if pre in _NFC:
             tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":
         scores = model.value("tokenizer.ggml.scores", None)
         skip = {t for t, ty in zip(tokens, types) if ty in (_TOKEN_CONTROL, 6)}
         merges = sentencepiece_merges(vocab, dict(zip(tokens, scores)) if scores else None, skip)
         unk = model.value("tokenizer.ggml.unknown_token_id", None)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True,
-                                   unk_token=tokens[unk] if unk is not None else None))
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                byte_fallback=True,
+                fuse_unk=True,
+                unk_token=tokens[unk] if unk is not None else None,
+            )
+        )
         # As SentencePiece: one "▁" before the text (even one starting with a space; not for
         # vocabularies without the dummy prefix, e.g. Gemma's), spaces as "▁".
         prefix = bool(model.value("tokenizer.ggml.add_space_prefix", True))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                        + [decoders.Strip(content=" ", left=1, right=0)] * prefix)
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")]
+        )
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + [decoders.Strip(content=" ", left=1, right=0)] * prefix
+        )
     else:
-        raise ModelError(f"{name}: tokenizer.ggml.model={kind!r} is not supported (expected 'gpt2' or 'llama')")
-    added = [AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)
-             for t, ty in zip(tokens, types) if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
+        raise ModelError(
+            f"{name}: tokenizer.ggml.model={kind!r} is not supported (expected 'gpt2' or 'llama')"
+        )
+    added = [
+        AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
     tok.add_tokens([a for a in added if not a.special])
     tok.add_special_tokens([a for a in added if a.special])
     return tok
 
 
-def sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float] | None,
-                         skip: set[str]) -> list[tuple[str, str]]:
+def sentencepiece_merges(
+    vocab: dict[str, int], scores: dict[str, float] | None, skip: set[str]
+) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
     ranked by the merged token's score (or id), as transformers' converters derive them."""
     reverse = scores is not None
@@ -523,8 +604,14 @@ def sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float] | None,
     for merge, score in ranked.items():
         if merge in skip:
             continue
-        local = [(merge[:i], merge[i:], score) for i in range(1, len(merge))
-                 if merge[:i] in vocab and merge[i:] in vocab and merge[:i] not in skip and merge[i:] not in skip]
+        local = [
+            (merge[:i], merge[i:], score)
+            for i in range(1, len(merge))
+            if merge[:i] in vocab
+            and merge[i:] in vocab
+            and merge[:i] not in skip
+            and merge[i:] not in skip
+        ]
         local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
         merges.extend(local)
     merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=reverse)
@@ -532,6 +619,7 @@ def sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float] | None,
 
 
 # -- precision ---------------------------------------------------------------------------------
+
 
 def q4_0_codes(w: np.ndarray, block: int = 32) -> QuantizedWeight | None:
     """Q4_0's own 4-bit codes and scales, recovered exactly from its dequantised ``W[K, N]``, in
@@ -582,8 +670,11 @@ def gguf_linear(model: GGUFModel, precision: str, wafer: bool, grid) -> Any | No
 def default_precision(model: GGUFModel) -> str:
     """The engine precision that keeps a file's own precision: 'fp32' for float files, 'int8'
     for Q8_0, 'int4' for 4-bit and K-quant files (by the type most linear weights have)."""
-    counts = Counter(t.tensor_type.name for n, t in model.tensors.items()
-                     if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2)
+    counts = Counter(
+        t.tensor_type.name
+        for n, t in model.tensors.items()
+        if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2
+    )
     if not counts:
         return "fp32"
     kind = counts.most_common(1)[0][0]

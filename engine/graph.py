@@ -35,8 +35,9 @@ each emitter copies it once, into the layout it stores (a quantiser reads it bac
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -88,25 +89,39 @@ class GraphBuilder:
         if self._data is None or arr.nbytes < self._threshold:
             self.initializers.append(numpy_helper.from_array(arr, name))
             return name
-        tensor = onnx.TensorProto(name=name, dims=arr.shape,
-                                  data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
+        tensor = onnx.TensorProto(
+            name=name, dims=arr.shape, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype)
+        )
         offset = -(-self._data.tell() // self.ALIGN) * self.ALIGN
         self._data.seek(offset)
         self._data.write(arr.data)
-        for key, value in (("location", self._data_name), ("offset", offset), ("length", arr.nbytes)):
+        for key, value in (
+            ("location", self._data_name),
+            ("offset", offset),
+            ("length", arr.nbytes),
+        ):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, str(value)
         tensor.data_location = onnx.TensorProto.EXTERNAL
         self.initializers.append(tensor)
         return name
 
-    def node(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "",
-             name: str | None = None, **attrs) -> str | list[str]:
+    def node(
+        self,
+        op_type: str,
+        inputs: list[str],
+        n_out: int = 1,
+        domain: str = "",
+        name: str | None = None,
+        **attrs,
+    ) -> str | list[str]:
         """Add one node; returns its output name (``n_out == 1``) or list of output names."""
         name = self.unique(name or op_type)
         outs = [self.unique(f"{name}/out{i}" if n_out > 1 else f"{name}/out") for i in range(n_out)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain or None, **attrs))
+        self.nodes.append(
+            helper.make_node(op_type, inputs, outs, name=name, domain=domain or None, **attrs)
+        )
         if domain:
             self.domains.add(domain)
         return outs[0] if n_out == 1 else outs
@@ -136,7 +151,9 @@ class GraphBuilder:
         """Expose ``value`` as graph output ``name`` (via Identity if the names differ)."""
         if value != name:
             self._names.add(name)
-            self.nodes.append(helper.make_node("Identity", [value], [name], name=f"{name}/identity"))
+            self.nodes.append(
+                helper.make_node("Identity", [value], [name], name=f"{name}/identity")
+            )
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
@@ -145,10 +162,16 @@ class GraphBuilder:
         if self._data is not None and not self._data.closed:
             self._data.close()
 
-    def to_model(self, graph_name: str = "decoder", metadata: dict[str, str] | None = None) -> onnx.ModelProto:
+    def to_model(
+        self, graph_name: str = "decoder", metadata: dict[str, str] | None = None
+    ) -> onnx.ModelProto:
         self.close()
-        graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.initializers)
-        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        graph = helper.make_graph(
+            self.nodes, graph_name, self.inputs, self.outputs, self.initializers
+        )
+        opsets = [helper.make_opsetid("", OPSET)] + [
+            helper.make_opsetid(d, 1) for d in sorted(self.domains)
+        ]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="spark-lsp")
         model.ir_version = 8
         for k, v in (metadata or {}).items():
@@ -160,8 +183,16 @@ class GraphBuilder:
 class LinearEmitter(Protocol):
     """What ``build_decoder`` needs from a linear emitter."""
 
-    def emit(self, gb: GraphBuilder, x: str, weight: np.ndarray, *, name: str, role: str,
-             bias: np.ndarray | None = None) -> str: ...
+    def emit(
+        self,
+        gb: GraphBuilder,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        role: str,
+        bias: np.ndarray | None = None,
+    ) -> str: ...
 
 
 class DenseLinear:
@@ -172,8 +203,16 @@ class DenseLinear:
 
     accepts_3d = True
 
-    def emit(self, gb: GraphBuilder, x: str, weight: np.ndarray, *, name: str, role: str,
-             bias: np.ndarray | None = None) -> str:
+    def emit(
+        self,
+        gb: GraphBuilder,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        role: str,
+        bias: np.ndarray | None = None,
+    ) -> str:
         w = gb.initializer(f"{name}.weight", weight.astype(np.float32, copy=False))
         y = gb.node("MatMul", [x, w], name=f"{name}/matmul")
         if bias is not None:
@@ -211,7 +250,7 @@ def _pad_rotary_rows(w: np.ndarray, heads: int, h: int, hp: int) -> np.ndarray:
     out = np.zeros((heads, hp, *w.shape[1:]), dtype=w.dtype)
     half, phalf = h // 2, hp // 2
     out[:, :half] = src[:, :half]
-    out[:, phalf:phalf + half] = src[:, half:]
+    out[:, phalf : phalf + half] = src[:, half:]
     return out.reshape(heads * hp, *w.shape[1:])
 
 
@@ -231,15 +270,29 @@ def _linear_weight(weights: dict[str, np.ndarray], key: str) -> np.ndarray:
         raise KeyError(f"weight {key!r} missing from the model's safetensors") from None
 
 
-def _fused_qkv(w: dict[str, np.ndarray], prefix: str, kind: str, n: int, nkv: int, h: int, hp: int) -> np.ndarray:
+def _fused_qkv(
+    w: dict[str, np.ndarray], prefix: str, kind: str, n: int, nkv: int, h: int, hp: int
+) -> np.ndarray:
     """HF q/k/v projection weights (or biases) stacked as one Q|K|V block, heads padded to ``hp``."""
     q, k, v = (_linear_weight(w, f"{prefix}{name}_proj.{kind}") for name in "qkv")
-    return np.concatenate([_pad_rotary_rows(q, n, h, hp), _pad_rotary_rows(k, nkv, h, hp),
-                           _pad_value_rows(v, nkv, h, hp)], axis=0)
+    return np.concatenate(
+        [
+            _pad_rotary_rows(q, n, h, hp),
+            _pad_rotary_rows(k, nkv, h, hp),
+            _pad_value_rows(v, nkv, h, hp),
+        ],
+        axis=0,
+    )
 
 
-def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitter | None = None, *,
-                  max_len: int | None = None, external_data: str | Path | None = None) -> onnx.ModelProto:
+def build_decoder(
+    config,
+    weights: Mapping[str, np.ndarray],
+    linear: LinearEmitter | None = None,
+    *,
+    max_len: int | None = None,
+    external_data: str | Path | None = None,
+) -> onnx.ModelProto:
     """Build the decoder graph (see module docstring for its inputs and outputs).
 
     ``weights``: HF name -> float32 array; a lazy mapping (``engine.weights.open_weights``) is
@@ -282,7 +335,9 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
             gamma = gamma + np.float32(1.0)
         params = [gb.initializer(name, gamma)]
         if layer_norm:
-            params.append(gb.initializer(name + ".bias", _linear_weight(w, key + ".bias").astype(np.float32)))
+            params.append(
+                gb.initializer(name + ".bias", _linear_weight(w, key + ".bias").astype(np.float32))
+            )
         return params
 
     def first_norm(x: str, key: str, name: str) -> str:
@@ -291,8 +346,14 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
 
     def skip_norm(pending: str, residual: str, key: str, name: str) -> tuple[str, str]:
         op = "SkipLayerNormalization" if layer_norm else "SkipSimplifiedLayerNormalization"
-        outs = gb.node(op, [pending, residual, *norm_params(key, name)], n_out=4, domain=MS_DOMAIN,
-                       name=name, epsilon=eps)
+        outs = gb.node(
+            op,
+            [pending, residual, *norm_params(key, name)],
+            n_out=4,
+            domain=MS_DOMAIN,
+            name=name,
+            epsilon=eps,
+        )
         gb.nodes[-1].output[1] = ""
         gb.nodes[-1].output[2] = ""
         return outs[0], outs[3]
@@ -303,16 +364,25 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
         Padded heads hold zeros, so the mean of squares over H is H0/H times the model's: epsilon
         and gamma are rescaled to give exactly the unpadded norm."""
         gamma = _linear_weight(w, key).astype(np.float32)
-        gamma = _pad_rotary_rows(gamma * np.float32(np.sqrt(H0 / H)), 1, H0, H) if H != H0 else gamma
+        gamma = (
+            _pad_rotary_rows(gamma * np.float32(np.sqrt(H0 / H)), 1, H0, H) if H != H0 else gamma
+        )
         x4 = gb.node("Reshape", [x, gb.const_i64([0, 0, heads, H])], name=f"{name}/heads")
-        y = gb.node("SimplifiedLayerNormalization", [x4, gb.initializer(name, gamma)], name=name, axis=-1,
-                    epsilon=eps * H0 / H)
+        y = gb.node(
+            "SimplifiedLayerNormalization",
+            [x4, gb.initializer(name, gamma)],
+            name=name,
+            axis=-1,
+            epsilon=eps * H0 / H,
+        )
         return gb.node("Reshape", [y, gb.const_i64([0, 0, heads * H])], name=f"{name}/flat")
 
     def activation(x: str, name: str) -> str:
         kind = getattr(c, "mlp_act", "silu")
         if kind == "silu":
-            return gb.node("Mul", [x, gb.node("Sigmoid", [x], name=f"{name}/sigmoid")], name=f"{name}/silu")
+            return gb.node(
+                "Mul", [x, gb.node("Sigmoid", [x], name=f"{name}/sigmoid")], name=f"{name}/silu"
+            )
         if kind == "gelu_tanh":
             return gb.node("FastGelu", [x], domain=MS_DOMAIN, name=f"{name}/gelu_tanh")
         if kind == "gelu":
@@ -322,7 +392,10 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
     def mlp_bias(key: str) -> np.ndarray | None:
         return _linear_weight(w, key + ".bias") if getattr(c, "mlp_bias", False) else None
 
-    embed = gb.initializer("embed_tokens", _linear_weight(w, "model.embed_tokens.weight").astype(np.float32, copy=False))
+    embed = gb.initializer(
+        "embed_tokens",
+        _linear_weight(w, "model.embed_tokens.weight").astype(np.float32, copy=False),
+    )
     residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [1, S, D]
     embed_scale = float(getattr(c, "embed_scale", 1.0))
     if embed_scale != 1.0:
@@ -339,16 +412,27 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
         if pending is None:
             x = first_norm(residual, p + "input_layernorm", f"layers.{i}.input_norm")
         else:
-            x, residual = skip_norm(pending, residual, p + "input_layernorm", f"layers.{i}.input_norm")
+            x, residual = skip_norm(
+                pending, residual, p + "input_layernorm", f"layers.{i}.input_norm"
+            )
 
         a = p + "self_attn."
         w_qkv = _fused_qkv(w, a, "weight", N, NKV, H0, H).T
         b_qkv = _fused_qkv(w, a, "bias", N, NKV, H0, H) if c.attention_bias else None
         qkv = linear.emit(gb, x, w_qkv, name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
-        qkv3 = qkv if act3d else gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
+        qkv3 = (
+            qkv
+            if act3d
+            else gb.node("Unsqueeze", [qkv, gb.const_i64([0])], name=f"layers.{i}.qkv3")
+        )
         if getattr(c, "qk_norm", False):
-            q, k, v = gb.node("Split", [qkv3, gb.const_i64([N * H, NKV * H, NKV * H])], n_out=3,
-                              name=f"layers.{i}.qkv_split", axis=-1)
+            q, k, v = gb.node(
+                "Split",
+                [qkv3, gb.const_i64([N * H, NKV * H, NKV * H])],
+                n_out=3,
+                name=f"layers.{i}.qkv_split",
+                axis=-1,
+            )
             q = head_norm(q, a + "q_norm.weight", N, f"layers.{i}.q_norm")
             k = head_norm(k, a + "k_norm.weight", NKV, f"layers.{i}.k_norm")
             attn_in = [q, k, v]
@@ -356,12 +440,25 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
             attn_in = [qkv3, "", ""]
         past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
         past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
-        attn, pk, pv = gb.node("GroupQueryAttention", [*attn_in, past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
-                               n_out=3, domain=MS_DOMAIN, name=f"layers.{i}.attn", num_heads=N, kv_num_heads=NKV,
-                               do_rotary=1, rotary_interleaved=0, scale=float(H0) ** -0.5)
+        attn, pk, pv = gb.node(
+            "GroupQueryAttention",
+            [*attn_in, past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
+            n_out=3,
+            domain=MS_DOMAIN,
+            name=f"layers.{i}.attn",
+            num_heads=N,
+            kv_num_heads=NKV,
+            do_rotary=1,
+            rotary_interleaved=0,
+            scale=float(H0) ** -0.5,
+        )
         gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
         gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
-        attn2 = attn if act3d else gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
+        attn2 = (
+            attn
+            if act3d
+            else gb.node("Reshape", [attn, gb.const_i64([-1, N * H])], name=f"layers.{i}.attn2")
+        )
         if i == c.num_hidden_layers - 1:
             # Past the last attention only the positions that get logits matter (the KV cache of
             # every position is already written): the last O-proj and MLP run on them alone, so
@@ -369,28 +466,41 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
             attn2 = gb.node("Slice", [attn2, logits_from, end, axes], name="tail_attn")
             residual = gb.node("Slice", [residual, logits_from, end, axes], name="tail_residual")
         w_o = _pad_value_rows(_linear_weight(w, a + "o_proj.weight").T, N, H0, H)
-        b_o = _linear_weight(w, a + "o_proj.bias") if getattr(c, "attention_out_bias", False) else None
+        b_o = (
+            _linear_weight(w, a + "o_proj.bias")
+            if getattr(c, "attention_out_bias", False)
+            else None
+        )
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
 
-        x, residual = skip_norm(pending, residual, p + "post_attention_layernorm", f"layers.{i}.post_norm")
+        x, residual = skip_norm(
+            pending, residual, p + "post_attention_layernorm", f"layers.{i}.post_norm"
+        )
         m = p + "mlp."
         if getattr(c, "mlp_gated", True):
-            w_gu = np.concatenate([_linear_weight(w, m + "gate_proj.weight"),
-                                   _linear_weight(w, m + "up_proj.weight")], axis=0).T
+            w_gu = np.concatenate(
+                [
+                    _linear_weight(w, m + "gate_proj.weight"),
+                    _linear_weight(w, m + "up_proj.weight"),
+                ],
+                axis=0,
+            ).T
             b_gate, b_up = mlp_bias(m + "gate_proj"), mlp_bias(m + "up_proj")
             b_gu = np.concatenate([b_gate, b_up]) if b_gate is not None else None
-            gu = linear.emit(gb, x, w_gu, name=f"layers.{i}.gate_up", role="gate_up",
-                             bias=b_gu)
-            gate, up = gb.node("Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1)
+            gu = linear.emit(gb, x, w_gu, name=f"layers.{i}.gate_up", role="gate_up", bias=b_gu)
+            gate, up = gb.node(
+                "Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1
+            )
             act = gb.node("Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu")
             w_down, b_down = _linear_weight(w, m + "down_proj.weight"), mlp_bias(m + "down_proj")
         else:
             w_fc = _linear_weight(w, m + "c_fc.weight").T
-            fc = linear.emit(gb, x, w_fc, name=f"layers.{i}.gate_up", role="gate_up", bias=mlp_bias(m + "c_fc"))
+            fc = linear.emit(
+                gb, x, w_fc, name=f"layers.{i}.gate_up", role="gate_up", bias=mlp_bias(m + "c_fc")
+            )
             act = activation(fc, f"layers.{i}.act")
             w_down, b_down = _linear_weight(w, m + "c_proj.weight"), mlp_bias(m + "c_proj")
-        pending = linear.emit(gb, act, w_down.T, name=f"layers.{i}.down", role="down",
-                              bias=b_down)
+        pending = linear.emit(gb, act, w_down.T, name=f"layers.{i}.down", role="down", bias=b_down)
 
     x, _ = skip_norm(pending, residual, "model.norm", "final_norm")
     if c.tie_word_embeddings or "lm_head.weight" not in w:
@@ -402,6 +512,9 @@ def build_decoder(config, weights: Mapping[str, np.ndarray], linear: LinearEmitt
     if not act3d:
         logits = gb.node("Unsqueeze", [logits, gb.const_i64([0])], name="logits3d")
     gb.output(logits, "logits", f32, [1, "num_logits", V])
-    meta = {"spark_lsp.graph_version": str(GRAPH_VERSION), "spark_lsp.max_len": str(max_len),
-            "spark_lsp.kv_head_dim": str(H)}
+    meta = {
+        "spark_lsp.graph_version": str(GRAPH_VERSION),
+        "spark_lsp.max_len": str(max_len),
+        "spark_lsp.kv_head_dim": str(H),
+    }
     return gb.to_model(metadata=meta)

@@ -21,8 +21,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import onnx
 
@@ -54,8 +55,18 @@ def emitter_key(linear: Any) -> str:
 
 def graph_key(digest: str, config: Any, options: dict[str, Any], linear: Any) -> str:
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    blob = json.dumps({"weights": digest, "config": cfg, "options": options, "emitter": emitter_key(linear),
-                       "graph_version": GRAPH_VERSION, "onnx": onnx.__version__}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "weights": digest,
+            "config": cfg,
+            "options": options,
+            "emitter": emitter_key(linear),
+            "graph_version": GRAPH_VERSION,
+            "onnx": onnx.__version__,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
 
 
@@ -70,8 +81,13 @@ def invalidate(model_path: str | Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
-def get_or_build(name: str, key: str, build: Callable[[Path], onnx.ModelProto],
-                 cache_dir: str | Path | None = None, info: dict[str, Any] | None = None) -> tuple[Path, bool]:
+def get_or_build(
+    name: str,
+    key: str,
+    build: Callable[[Path], onnx.ModelProto],
+    cache_dir: str | Path | None = None,
+    info: dict[str, Any] | None = None,
+) -> tuple[Path, bool]:
     """Path of the cached ``model.onnx`` for ``key``, building it with ``build(data_file)`` on a miss.
 
     ``build`` may stream its weights into ``data_file`` as ONNX external data (named by file name,
@@ -93,7 +109,10 @@ def get_or_build(name: str, key: str, build: Callable[[Path], onnx.ModelProto],
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     except OSError as e:  # read-only or full home: keep working from a temporary folder
-        fallback = Path(tempfile.gettempdir()) / f"spark-lsp-graphs-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        fallback = (
+            Path(tempfile.gettempdir())
+            / f"spark-lsp-graphs-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        )
         log.warning("graph cache %s is not writable (%s); using %s", root, e, fallback)
         if fallback == root:
             raise
@@ -106,12 +125,25 @@ def get_or_build(name: str, key: str, build: Callable[[Path], onnx.ModelProto],
         raise
     builds += 1
     try:
-        onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=DATA_FILE, size_threshold=1024)
-        meta = {"name": name, "key": key, "graph_version": GRAPH_VERSION,
-                "build_s": round(time.perf_counter() - t0, 3), **(info or {}),
-                "files": {f.name: f.stat().st_size for f in (tmp / MODEL_FILE, tmp / DATA_FILE) if f.is_file()},
-                "model_sha256": _sha256(tmp / MODEL_FILE)}
+        onnx.save_model(
+            model,
+            str(tmp / MODEL_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=DATA_FILE,
+            size_threshold=1024,
+        )
+        meta = {
+            "name": name,
+            "key": key,
+            "graph_version": GRAPH_VERSION,
+            "build_s": round(time.perf_counter() - t0, 3),
+            **(info or {}),
+            "files": {
+                f.name: f.stat().st_size for f in (tmp / MODEL_FILE, tmp / DATA_FILE) if f.is_file()
+            },
+            "model_sha256": _sha256(tmp / MODEL_FILE),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for f in tmp.iterdir():  # on disk before the entry exists under its name
             _fsync(f)

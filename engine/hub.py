@@ -38,9 +38,16 @@ from .graph import padded_head_dim
 from .weights import expected_shapes
 
 #: Files of a model folder the engine reads (everything else in a repository is skipped).
-FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "model.safetensors", "model.safetensors.index.json",
-                "model-*-of-*.safetensors")
+FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+)
 #: Preferred quantisation when a GGUF repository is named without a file (llama.cpp's default).
 GGUF_PREFERENCE = ("Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "F16", "BF16", "F32")
 #: GGUF metadata is read from the first bytes of a remote file, growing to at most this much.
@@ -69,23 +76,64 @@ class CatalogueEntry:
 
 #: The curated catalogue.  Sizes are the models' own (config.json); speed on this machine comes
 #: from `spark-lsp bench` and is reported in docs/models.md, not here.
-CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in (
-    CatalogueEntry("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B", "0.5B", "qwen2", "qwen",
-                   note="the default of llama.vscode; fastest useful completions"),
-    CatalogueEntry("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B", "1.5B", "qwen2", "qwen"),
-    CatalogueEntry("qwen2.5-coder-3b", "Qwen/Qwen2.5-Coder-3B", "3B", "qwen2", "qwen"),
-    CatalogueEntry("qwen2.5-coder-7b", "Qwen/Qwen2.5-Coder-7B", "7B", "qwen2", "qwen"),
-    CatalogueEntry("qwen2.5-coder-0.5b-q8", "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF", "0.5B", "qwen2", "qwen",
-                   file="qwen2.5-coder-0.5b-q8_0.gguf", note="llama.vscode's preset file"),
-    CatalogueEntry("qwen2.5-coder-1.5b-q8", "ggml-org/Qwen2.5-Coder-1.5B-Q8_0-GGUF", "1.5B", "qwen2", "qwen",
-                   file="qwen2.5-coder-1.5b-q8_0.gguf", note="llama.vscode's preset file"),
-    CatalogueEntry("qwen3-0.6b", "Qwen/Qwen3-0.6B-Base", "0.6B", "qwen3", "qwen",
-                   note="Qwen2.5's FIM tokens; not released as a FIM model: compare with eval"),
-    CatalogueEntry("deepseek-coder-1.3b", "deepseek-ai/deepseek-coder-1.3b-base", "1.3B", "llama", "deepseek"),
-    CatalogueEntry("starcoder2-3b", "bigcode/starcoder2-3b", "3B", "starcoder2", "starcoder"),
-    CatalogueEntry("codegemma-2b", "google/codegemma-2b", "2B", "gemma", "codegemma",
-                   note="gated: accept the licence on the Hub and set HF_TOKEN"),
-)}
+CATALOGUE: dict[str, CatalogueEntry] = {
+    e.name: e
+    for e in (
+        CatalogueEntry(
+            "qwen2.5-coder-0.5b",
+            "Qwen/Qwen2.5-Coder-0.5B",
+            "0.5B",
+            "qwen2",
+            "qwen",
+            note="the default of llama.vscode; fastest useful completions",
+        ),
+        CatalogueEntry("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B", "1.5B", "qwen2", "qwen"),
+        CatalogueEntry("qwen2.5-coder-3b", "Qwen/Qwen2.5-Coder-3B", "3B", "qwen2", "qwen"),
+        CatalogueEntry("qwen2.5-coder-7b", "Qwen/Qwen2.5-Coder-7B", "7B", "qwen2", "qwen"),
+        CatalogueEntry(
+            "qwen2.5-coder-0.5b-q8",
+            "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF",
+            "0.5B",
+            "qwen2",
+            "qwen",
+            file="qwen2.5-coder-0.5b-q8_0.gguf",
+            note="llama.vscode's preset file",
+        ),
+        CatalogueEntry(
+            "qwen2.5-coder-1.5b-q8",
+            "ggml-org/Qwen2.5-Coder-1.5B-Q8_0-GGUF",
+            "1.5B",
+            "qwen2",
+            "qwen",
+            file="qwen2.5-coder-1.5b-q8_0.gguf",
+            note="llama.vscode's preset file",
+        ),
+        CatalogueEntry(
+            "qwen3-0.6b",
+            "Qwen/Qwen3-0.6B-Base",
+            "0.6B",
+            "qwen3",
+            "qwen",
+            note="Qwen2.5's FIM tokens; not released as a FIM model: compare with eval",
+        ),
+        CatalogueEntry(
+            "deepseek-coder-1.3b",
+            "deepseek-ai/deepseek-coder-1.3b-base",
+            "1.3B",
+            "llama",
+            "deepseek",
+        ),
+        CatalogueEntry("starcoder2-3b", "bigcode/starcoder2-3b", "3B", "starcoder2", "starcoder"),
+        CatalogueEntry(
+            "codegemma-2b",
+            "google/codegemma-2b",
+            "2B",
+            "gemma",
+            "codegemma",
+            note="gated: accept the licence on the Hub and set HF_TOKEN",
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -97,7 +145,11 @@ class HubSpec:
     file: str | None = None  # a .gguf path in the repository, or a quantisation tag like Q8_0
 
     def __str__(self) -> str:
-        return f"hf:{self.repo}" + (f"@{self.revision}" if self.revision else "") + (f":{self.file}" if self.file else "")
+        return (
+            f"hf:{self.repo}"
+            + (f"@{self.revision}" if self.revision else "")
+            + (f":{self.file}" if self.file else "")
+        )
 
 
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -116,7 +168,9 @@ def parse_spec(spec: str) -> HubSpec | None:
         e = CATALOGUE[spec]
         return HubSpec(e.repo, None, e.file)
     explicit = spec.startswith("hf:")
-    if not explicit and (Path(spec).expanduser().exists() or not _REPO.fullmatch(spec.split("@")[0])):
+    if not explicit and (
+        Path(spec).expanduser().exists() or not _REPO.fullmatch(spec.split("@")[0])
+    ):
         return None
     body = spec[3:] if explicit else spec
     repo, _, file = body.partition(":")
@@ -128,6 +182,7 @@ def parse_spec(spec: str) -> HubSpec | None:
 
 # -- environment (read per call: huggingface_hub reads it once, at import) ------------------------
 
+
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -135,7 +190,9 @@ def offline() -> bool:
 def cache_dir() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
@@ -178,14 +235,23 @@ def _progress_class(progress: Progress | None, what: str):
 
 
 #: httpx's names for a Hub that cannot be reached (huggingface_hub may vendor httpx).
-_NETWORK_ERRORS = {"ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException", "NetworkError",
-                   "RemoteProtocolError", "ProxyError"}
+_NETWORK_ERRORS = {
+    "ConnectError",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "TimeoutException",
+    "NetworkError",
+    "RemoteProtocolError",
+    "ProxyError",
+}
 
 
 def _not_downloaded(spec: HubSpec) -> ModelError:
     why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
-    return ModelError(f"{spec}: not downloaded yet and {why}; run `spark-lsp models pull {spec}` with a "
-                      "connection")
+    return ModelError(
+        f"{spec}: not downloaded yet and {why}; run `spark-lsp models pull {spec}` with a "
+        "connection"
+    )
 
 
 def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
@@ -197,7 +263,9 @@ def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
     )
 
     if isinstance(e, GatedRepoError):
-        return ModelError(f"{spec}: the repository is gated; accept its licence on the Hub and set HF_TOKEN")
+        return ModelError(
+            f"{spec}: the repository is gated; accept its licence on the Hub and set HF_TOKEN"
+        )
     if isinstance(e, RepositoryNotFoundError):
         return ModelError(f"{spec}: repository not found (or private: set HF_TOKEN)")
     if isinstance(e, RevisionNotFoundError):
@@ -206,14 +274,19 @@ def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
         return _not_downloaded(spec)
     if isinstance(e, ConnectionError) or type(e).__name__ in _NETWORK_ERRORS:
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-        return ModelError(f"{spec}: cannot reach the Hub at {endpoint} ({e}); check the connection "
-                          "(or HF_ENDPOINT); models already pulled work offline")
+        return ModelError(
+            f"{spec}: cannot reach the Hub at {endpoint} ({e}); check the connection "
+            "(or HF_ENDPOINT); models already pulled work offline"
+        )
     return ModelError(f"{spec}: download failed: {e}")
 
 
 # -- resolving -------------------------------------------------------------------------------------
 
-def resolve_model(spec: str | os.PathLike | None, *, progress: Progress | None = None) -> Path | None:
+
+def resolve_model(
+    spec: str | os.PathLike | None, *, progress: Progress | None = None
+) -> Path | None:
     """The local path of a model spec (see the module docstring); None stays None (bundled model).
 
     A Hub model already in the cache is used without any network request; otherwise it is
@@ -237,7 +310,9 @@ def pull(spec: str, *, progress: Progress | None = None) -> Path:
     """Download (or complete, or update) a Hub model; its local path."""
     hub = parse_spec(spec)
     if hub is None:
-        raise ModelError(f"{spec!r} is a local path, not a Hub model (expected NAME, ORG/REPO or hf:ORG/REPO)")
+        raise ModelError(
+            f"{spec!r} is a local path, not a Hub model (expected NAME, ORG/REPO or hf:ORG/REPO)"
+        )
     return _fetch(hub, progress, local_only=offline())
 
 
@@ -255,12 +330,23 @@ def _fetch(hub: HubSpec, progress: Progress | None, *, local_only: bool) -> Path
             if file is not None or "config.json" not in files:
                 file = _pick_gguf(hub, files)
         if file is not None:
-            path = hf_hub_download(hub.repo, file, revision=hub.revision, local_files_only=local_only,
-                                   tqdm_class=_progress_class(progress, file), **kw)
+            path = hf_hub_download(
+                hub.repo,
+                file,
+                revision=hub.revision,
+                local_files_only=local_only,
+                tqdm_class=_progress_class(progress, file),
+                **kw,
+            )
             return Path(path)
-        path = snapshot_download(hub.repo, revision=hub.revision, allow_patterns=list(FOLDER_FILES),
-                                 local_files_only=local_only, tqdm_class=_progress_class(progress, hub.repo),
-                                 **kw)
+        path = snapshot_download(
+            hub.repo,
+            revision=hub.revision,
+            allow_patterns=list(FOLDER_FILES),
+            local_files_only=local_only,
+            tqdm_class=_progress_class(progress, hub.repo),
+            **kw,
+        )
         folder = Path(path)
         _check_complete(hub, folder)
         return folder
@@ -300,7 +386,9 @@ def _pick_gguf(hub: HubSpec, files: list[str]) -> str:
         if hits:
             return hits[0]
     if hub.file:
-        raise ModelError(f"{hub}: no .gguf file matches {hub.file!r}; files: {', '.join(sorted(ggufs))}")
+        raise ModelError(
+            f"{hub}: no .gguf file matches {hub.file!r}; files: {', '.join(sorted(ggufs))}"
+        )
     return sorted(ggufs)[0]
 
 
@@ -314,6 +402,7 @@ def _cached_snapshot_files(hub: HubSpec) -> list[Path]:
 
 
 # -- local models ---------------------------------------------------------------------------------
+
 
 @dataclass
 class LocalModel:
@@ -340,8 +429,13 @@ def list_models() -> list[LocalModel]:
         if repo.repo_type != "model":
             continue
         for rev in sorted(repo.revisions, key=lambda r: r.last_modified):
-            m = LocalModel(repo.repo_id, rev.commit_hash, rev.snapshot_path, rev.size_on_disk,
-                           files=sorted(f.file_name for f in rev.files))
+            m = LocalModel(
+                repo.repo_id,
+                rev.commit_hash,
+                rev.snapshot_path,
+                rev.size_on_disk,
+                files=sorted(f.file_name for f in rev.files),
+            )
             _describe(m)
             out.append(m)
     return out
@@ -365,7 +459,9 @@ def remove(spec: str) -> list[Path]:
     """Delete a Hub model (every revision) from the cache; the folders removed."""
     hub = parse_spec(spec)
     if hub is None:
-        raise ModelError(f"{spec!r} is a local path; delete it yourself (spark-lsp only removes downloads)")
+        raise ModelError(
+            f"{spec!r} is a local path; delete it yourself (spark-lsp only removes downloads)"
+        )
     folder = cache_dir() / ("models--" + hub.repo.replace("/", "--"))
     if not folder.is_dir():
         raise ModelError(f"{hub.repo}: not in the model cache ({cache_dir()})")
@@ -393,10 +489,16 @@ class ModelInfo:
     file_precision: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "architecture": self.config.architecture, "parameters": self.parameters,
-                "memory_bytes": self.memory, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "file_size": self.file_size, "file_precision": self.file_precision,
-                "context": self.config.max_position_embeddings}
+        return {
+            "name": self.name,
+            "architecture": self.config.architecture,
+            "parameters": self.parameters,
+            "memory_bytes": self.memory,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "file_size": self.file_size,
+            "file_precision": self.file_precision,
+            "context": self.config.max_position_embeddings,
+        }
 
 
 def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
@@ -419,7 +521,13 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
         linear += embed  # the LM head is its own (transposed) initializer
     params = embed + linear + small - (embed if config.tie_word_embeddings else 0)
     memory = {p: int(4 * (embed + small) + b * linear) for p, b in BYTES_PER_WEIGHT.items()}
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * padded_head_dim(config.head_dim) * 4
+    kv = (
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * padded_head_dim(config.head_dim)
+        * 4
+    )
     return params, memory, kv
 
 
@@ -447,14 +555,21 @@ def model_info(spec: str, *, progress: Progress | None = None) -> ModelInfo:
                 raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
             else:  # config.json alone, outside the cache (a partial snapshot would look pulled)
                 with tempfile.TemporaryDirectory() as tmp:
-                    cfg = hf_hub_download(hub.repo, "config.json", revision=hub.revision, local_dir=tmp,
-                                          **{k: v for k, v in kw.items() if k != "cache_dir"})
+                    cfg = hf_hub_download(
+                        hub.repo,
+                        "config.json",
+                        revision=hub.revision,
+                        local_dir=tmp,
+                        **{k: v for k, v in kw.items() if k != "cache_dir"},
+                    )
                     raw = json.loads(Path(cfg).read_text(encoding="utf-8"))
             return _info(str(hub), parse_config(raw, path=f"{hub}/config.json"), None, None)
         if offline():
             path = _fetch(HubSpec(hub.repo, hub.revision, file), None, local_only=True)
             g = GGUFModel(path)
-            return _info(f"{hub.repo}:{file}", g.config(), path.stat().st_size, default_precision(g))
+            return _info(
+                f"{hub.repo}:{file}", g.config(), path.stat().st_size, default_precision(g)
+            )
         return _remote_gguf_info(hub, file)
     except ModelError:
         raise
@@ -478,21 +593,34 @@ def _remote_gguf_info(hub: HubSpec, file: str) -> ModelInfo:
     headers = build_hf_headers(token=kw.get("token"))
     want = 1 << 20
     while True:
-        r = get_session().get(meta.location, headers={**headers, "Range": f"bytes=0-{want - 1}"},
-                              follow_redirects=True)
+        r = get_session().get(
+            meta.location,
+            headers={**headers, "Range": f"bytes=0-{want - 1}"},
+            follow_redirects=True,
+        )
         r.raise_for_status()
         try:
             fields, infos, _ = parse_header(r.content, complete=False)
             break
         except HeaderIncomplete:
             if want >= GGUF_HEADER_MAX or len(r.content) < want:
-                raise ModelError(f"{hub}:{file}: GGUF header larger than {GGUF_HEADER_MAX >> 20} MB") from None
+                raise ModelError(
+                    f"{hub}:{file}: GGUF header larger than {GGUF_HEADER_MAX >> 20} MB"
+                ) from None
             want *= 4
     g = GGUFModel.from_header(Path(file), fields, infos)
     return _info(f"{hub.repo}:{file}", g.config(), meta.size, default_precision(g))
 
 
 def catalogue_rows() -> list[dict[str, str]]:
-    return [{"name": e.name, "repository": e.repo + (f" : {e.file}" if e.file else ""), "parameters": e.params,
-             "architecture": e.architecture, "fim": e.fim, "note": e.note} for e in CATALOGUE.values()]
-
+    return [
+        {
+            "name": e.name,
+            "repository": e.repo + (f" : {e.file}" if e.file else ""),
+            "parameters": e.params,
+            "architecture": e.architecture,
+            "fim": e.fim,
+            "note": e.note,
+        }
+        for e in CATALOGUE.values()
+    ]

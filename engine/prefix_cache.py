@@ -10,7 +10,7 @@ overwritten by the next run and never attended to before that.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable
+from collections.abc import Hashable
 
 from .runtime import KVBuffers, Runtime
 

@@ -57,6 +57,7 @@ QUANT_CHUNK = 1 << 20
 
 # -- packing -------------------------------------------------------------------------------------
 
+
 @dataclass
 class QuantizedWeight:
     """A [K, N] weight in MatMulNBits layout.
@@ -76,7 +77,9 @@ class QuantizedWeight:
     block_size: int
 
 
-def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, *, symmetric: bool = False) -> QuantizedWeight:
+def quantize_blockwise(
+    weight: np.ndarray, bits: int, block_size: int, *, symmetric: bool = False
+) -> QuantizedWeight:
     """Round-to-nearest block quantisation of ``W[K, N]`` along K (one scale per block and column).
 
     Asymmetric (min/max with a zero point) by default: it keeps a block's whole range and measurably
@@ -113,8 +116,9 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, *, symmet
     return QuantizedWeight(packed, scales, zero_points, K, N, bits, block_size)
 
 
-def _quantize_columns(w: np.ndarray, bits: int, block_size: int, nb: int,
-                      symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _quantize_columns(
+    w: np.ndarray, bits: int, block_size: int, nb: int, symmetric: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes [n, nb, bytes], scales [n, nb] and zero points [n, nb] of the columns ``w[K, n]``."""
     K, N = w.shape
     blocks = np.zeros((N, nb * block_size), np.float64)
@@ -184,6 +188,7 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
 
 # -- the emitter ---------------------------------------------------------------------------------
 
+
 def _block_for(k_extent: int, preferred: int) -> int | None:
     """Largest valid block size <= ``preferred`` that divides ``k_extent`` (None if there is none)."""
     for b in _VALID_BLOCKS:
@@ -208,13 +213,24 @@ class QuantLinear:
     else ``fused``.
     """
 
-    def __init__(self, bits: int = 8, inner: Any = None, *, block_size: int | None = None, form: str | None = None,
-                 accuracy_level: int = 4, symmetric: bool = False, roles: Iterable[str] | None = None,
-                 op: str = "nbits") -> None:
+    def __init__(
+        self,
+        bits: int = 8,
+        inner: Any = None,
+        *,
+        block_size: int | None = None,
+        form: str | None = None,
+        accuracy_level: int = 4,
+        symmetric: bool = False,
+        roles: Iterable[str] | None = None,
+        op: str = "nbits",
+    ) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits={bits!r}: QuantLinear supports 4 or 8")
         if op not in ("nbits", "rowq"):
-            raise ValueError(f"op={op!r}: expected 'nbits' (MatMulNBits) or 'rowq' (per-row int8 MatMulInteger)")
+            raise ValueError(
+                f"op={op!r}: expected 'nbits' (MatMulNBits) or 'rowq' (per-row int8 MatMulInteger)"
+            )
         if op == "rowq" and bits != 8:
             raise ValueError("op='rowq' is int8 only (bits=8)")
         on_grid = getattr(inner, "grid", None) is not None
@@ -228,7 +244,9 @@ class QuantLinear:
             if not on_grid:
                 raise ValueError("form='op' executes a wafer grid: inner must be a TiledLinear")
             if not mesh_op.quantized():
-                raise ValueError(f"form='op': the MeshLinearQ op is unavailable ({mesh_op.why_not_quantized()})")
+                raise ValueError(
+                    f"form='op': the MeshLinearQ op is unavailable ({mesh_op.why_not_quantized()})"
+                )
         block_size = DEFAULT_BLOCK[bits] if block_size is None else int(block_size)
         if block_size not in _VALID_BLOCKS:
             raise ValueError(f"block_size={block_size!r} must be one of {_VALID_BLOCKS}")
@@ -282,7 +300,9 @@ class QuantLinear:
     def custom_op_libraries(self) -> tuple[str, ...]:
         """The MeshLinearQ library (form ``op``), and the float emitter's op libraries when linears
         outside ``roles`` are emitted by it."""
-        libs = tuple(getattr(self.inner, "custom_op_libraries", ())) if self.roles is not None else ()
+        libs = (
+            tuple(getattr(self.inner, "custom_op_libraries", ())) if self.roles is not None else ()
+        )
         if self.form == "op" and mesh_op.library() not in libs:
             libs += (mesh_op.library(),)
         return libs
@@ -294,8 +314,10 @@ class QuantLinear:
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
         form = "meshq-v1" if self.form == "op" else self.form
-        return (f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
-                f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}")
+        return (
+            f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
+            f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}"
+        )
 
     # The K extents each quantisation must respect: one per mesh line along the reduction axis.
     def _k_parts(self, shape: tuple[int, int], role: str) -> list[int]:
@@ -311,11 +333,24 @@ class QuantLinear:
 
     def _nbits(self, gb, x: str, w: np.ndarray, name: str, block: int) -> str:
         qw = self.quantize(w, block)
-        ins = [x, gb.initializer(f"{name}.q{self.bits}", qw.packed), gb.initializer(f"{name}.scales", qw.scales)]
+        ins = [
+            x,
+            gb.initializer(f"{name}.q{self.bits}", qw.packed),
+            gb.initializer(f"{name}.scales", qw.scales),
+        ]
         if qw.zero_points is not None:
             ins.append(gb.initializer(f"{name}.zero_points", qw.zero_points))
-        return gb.node("MatMulNBits", ins, domain=MS_DOMAIN, name=f"{name}/matmul_nbits", K=qw.K, N=qw.N,
-                       bits=self.bits, block_size=block, accuracy_level=self.accuracy_level or None)
+        return gb.node(
+            "MatMulNBits",
+            ins,
+            domain=MS_DOMAIN,
+            name=f"{name}/matmul_nbits",
+            K=qw.K,
+            N=qw.N,
+            bits=self.bits,
+            block_size=block,
+            accuracy_level=self.accuracy_level or None,
+        )
 
     def _mesh_q(self, gb, x: str, w: np.ndarray, parts: list[int], name: str, block: int) -> str:
         """One MeshLinearQ node: each mesh line's tiles quantised on their own (blocks never cross
@@ -324,16 +359,36 @@ class QuantLinear:
         ins = [x, None]
         N = w.shape[1]
         for p in range(len(parts)):
-            qw = quantize_blockwise(w[offs[p]:offs[p + 1]], self.bits, block, symmetric=self.symmetric)
+            qw = quantize_blockwise(
+                w[offs[p] : offs[p + 1]], self.bits, block, symmetric=self.symmetric
+            )
             codes, zps = unpack_codes(qw)
             c, s, z = mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)
-            ins += [gb.initializer(f"{name}.line{p}.q{self.bits}", c), gb.initializer(f"{name}.line{p}.scales", s),
-                    gb.initializer(f"{name}.line{p}.zero_points", z)]
+            ins += [
+                gb.initializer(f"{name}.line{p}.q{self.bits}", c),
+                gb.initializer(f"{name}.line{p}.scales", s),
+                gb.initializer(f"{name}.line{p}.zero_points", z),
+            ]
         ins[1] = gb.initializer(f"{name}.mesh_shape", np.array([N, *parts], np.int64))
-        return gb.node(mesh_op.QOP, ins, domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear_q", bits=self.bits,
-                       block_size=block)
+        return gb.node(
+            mesh_op.QOP,
+            ins,
+            domain=mesh_op.DOMAIN,
+            name=f"{name}/mesh_linear_q",
+            bits=self.bits,
+            block_size=block,
+        )
 
-    def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str, bias: np.ndarray | None = None) -> str:
+    def emit(
+        self,
+        gb,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        role: str,
+        bias: np.ndarray | None = None,
+    ) -> str:
         if self.roles is not None and role not in self.roles:
             inner = self.inner
             if inner is None:
@@ -348,7 +403,9 @@ class QuantLinear:
         if self.op == "rowq":
             return self._emit_rowq(gb, x, w, parts, name, role, bias)
         block = _block_for(kb, self.block_size) if len(parts) > 1 else self.block_size
-        form = self.form if block is not None or self.form == "op" else "mesh"  # no block fits: mesh lines
+        form = (
+            self.form if block is not None or self.form == "op" else "mesh"
+        )  # no block fits: mesh lines
         if form == "op":
             block = block or self.block_size
             y = self._mesh_q(gb, x, w, parts, name, block)
@@ -356,29 +413,64 @@ class QuantLinear:
             y = self._nbits(gb, x, w, name, block)
         else:
             offs = np.cumsum([0] + parts)
-            xs = gb.node("Split", [x, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k",
-                         axis=-1) if len(parts) > 1 else [x]
-            ys = [self._nbits(gb, xs[p], w[offs[p]:offs[p + 1]], f"{name}.line{p}",
-                              _block_for(parts[p], self.block_size) or 16)
-                  for p in range(len(parts))]
+            xs = (
+                gb.node(
+                    "Split",
+                    [x, gb.const_i64(parts)],
+                    n_out=len(parts),
+                    name=f"{name}/split_k",
+                    axis=-1,
+                )
+                if len(parts) > 1
+                else [x]
+            )
+            ys = [
+                self._nbits(
+                    gb,
+                    xs[p],
+                    w[offs[p] : offs[p + 1]],
+                    f"{name}.line{p}",
+                    _block_for(parts[p], self.block_size) or 16,
+                )
+                for p in range(len(parts))
+            ]
             y = gb.node("Sum", ys, name=f"{name}/mesh_reduce") if len(ys) > 1 else ys[0]
-        self.layout[name] = {"role": role, "shape": (K, N), "k_tiles": parts, "bits": self.bits,
-                             "block_size": block or 16, "form": form}
+        self.layout[name] = {
+            "role": role,
+            "shape": (K, N),
+            "k_tiles": parts,
+            "bits": self.bits,
+            "block_size": block or 16,
+            "form": form,
+        }
         inner_layout = getattr(self.inner, "layout", None)
         if isinstance(inner_layout, dict) and getattr(self.inner, "grid", None) is not None:
             R, C = self.inner.grid
             axis = reduce_axis(role)
-            inner_layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
-                                  "k_blocks": parts, "n_blocks": block_sizes(N, C if axis == "rows" else R),
-                                  "quant": f"int{self.bits}/b{block or 16}/{form}"}
+            inner_layout[name] = {
+                "role": role,
+                "shape": (K, N),
+                "grid": (R, C),
+                "reduce_axis": axis,
+                "k_blocks": parts,
+                "n_blocks": block_sizes(N, C if axis == "rows" else R),
+                "quant": f"int{self.bits}/b{block or 16}/{form}",
+            }
         if bias is not None:
             b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
             y = gb.node("Add", [y, b], name=f"{name}/bias")
         return y
 
-
-    def _emit_rowq(self, gb, x: str, w: np.ndarray, parts: list[int], name: str, role: str,
-                   bias: np.ndarray | None) -> str:
+    def _emit_rowq(
+        self,
+        gb,
+        x: str,
+        w: np.ndarray,
+        parts: list[int],
+        name: str,
+        role: str,
+        bias: np.ndarray | None,
+    ) -> str:
         """int8 weights (one scale per output column) x int8 activations (one scale per row).
 
         Every row is quantised on its own, so a row's result does not depend on the other rows of
@@ -392,34 +484,85 @@ class QuantLinear:
         q = np.empty((K, N), np.int8)
         step = max(1, QUANT_CHUNK // K)  # column chunks: no full-size float temporaries
         for n0 in range(0, N, step):
-            wc = w[:, n0:n0 + step]
+            wc = w[:, n0 : n0 + step]
             c = np.abs(wc).max(axis=0) / 127.0
             c[c == 0] = 1.0
-            col[n0:n0 + step] = c
-            q[:, n0:n0 + step] = np.clip(np.round(wc / c), -127, 127)
-        amax = gb.node("ReduceMax", [gb.node("Abs", [x], name=f"{name}/abs")], name=f"{name}/row_max",
-                       axes=[-1], keepdims=1)
-        row = gb.node("Max", [gb.node("Mul", [amax, gb.const_f32(1.0 / 127.0)], name=f"{name}/row_scale0"),
-                              gb.const_f32(1e-30)], name=f"{name}/row_scale")
-        xr = gb.node("Round", [gb.node("Div", [x, row], name=f"{name}/x_div")], name=f"{name}/x_round")
-        xq = gb.node("Cast", [gb.node("Add", [xr, gb.const_f32(128.0)], name=f"{name}/x_shift")],
-                     name=f"{name}/x_u8", to=TensorProto_UINT8)
+            col[n0 : n0 + step] = c
+            q[:, n0 : n0 + step] = np.clip(np.round(wc / c), -127, 127)
+        amax = gb.node(
+            "ReduceMax",
+            [gb.node("Abs", [x], name=f"{name}/abs")],
+            name=f"{name}/row_max",
+            axes=[-1],
+            keepdims=1,
+        )
+        row = gb.node(
+            "Max",
+            [
+                gb.node("Mul", [amax, gb.const_f32(1.0 / 127.0)], name=f"{name}/row_scale0"),
+                gb.const_f32(1e-30),
+            ],
+            name=f"{name}/row_scale",
+        )
+        xr = gb.node(
+            "Round", [gb.node("Div", [x, row], name=f"{name}/x_div")], name=f"{name}/x_round"
+        )
+        xq = gb.node(
+            "Cast",
+            [gb.node("Add", [xr, gb.const_f32(128.0)], name=f"{name}/x_shift")],
+            name=f"{name}/x_u8",
+            to=TensorProto_UINT8,
+        )
         zp = gb.initializer(f"{name}.x_zero_point", np.array(128, np.uint8))
         if self.form == "fused" or len(parts) == 1:
-            acc = gb.node("MatMulInteger", [xq, gb.initializer(f"{name}.q8", q), zp], name=f"{name}/matmul_int8")
+            acc = gb.node(
+                "MatMulInteger",
+                [xq, gb.initializer(f"{name}.q8", q), zp],
+                name=f"{name}/matmul_int8",
+            )
         else:
             offs = np.cumsum([0] + parts)
-            xs = gb.node("Split", [xq, gb.const_i64(parts)], n_out=len(parts), name=f"{name}/split_k", axis=-1)
+            xs = gb.node(
+                "Split",
+                [xq, gb.const_i64(parts)],
+                n_out=len(parts),
+                name=f"{name}/split_k",
+                axis=-1,
+            )
             acc = None
             for p in range(len(parts)):
-                qp = gb.initializer(f"{name}.line{p}.q8", np.ascontiguousarray(q[offs[p]:offs[p + 1]]))
+                qp = gb.initializer(
+                    f"{name}.line{p}.q8", np.ascontiguousarray(q[offs[p] : offs[p + 1]])
+                )
                 part = gb.node("MatMulInteger", [xs[p], qp, zp], name=f"{name}/line{p}_int8")
-                acc = part if acc is None else gb.node("Add", [acc, part], name=f"{name}/line{p}_reduce")
-        scale = gb.node("Mul", [row, gb.initializer(f"{name}.col_scale", col.astype(np.float32))], name=f"{name}/scale")
-        y = gb.node("Mul", [gb.node("Cast", [acc], name=f"{name}/acc_f32", to=TensorProto_FLOAT), scale],
-                    name=f"{name}/dequant")
-        self.layout[name] = {"role": role, "shape": (K, N), "k_tiles": parts, "bits": 8, "block_size": K,
-                             "form": self.form if len(parts) > 1 else "fused", "op": "rowq"}
+                acc = (
+                    part
+                    if acc is None
+                    else gb.node("Add", [acc, part], name=f"{name}/line{p}_reduce")
+                )
+        scale = gb.node(
+            "Mul",
+            [row, gb.initializer(f"{name}.col_scale", col.astype(np.float32))],
+            name=f"{name}/scale",
+        )
+        y = gb.node(
+            "Mul",
+            [gb.node("Cast", [acc], name=f"{name}/acc_f32", to=TensorProto_FLOAT), scale],
+            name=f"{name}/dequant",
+        )
+        self.layout[name] = {
+            "role": role,
+            "shape": (K, N),
+            "k_tiles": parts,
+            "bits": 8,
+            "block_size": K,
+            "form": self.form if len(parts) > 1 else "fused",
+            "op": "rowq",
+        }
         if bias is not None:
-            y = gb.node("Add", [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))], name=f"{name}/bias")
+            y = gb.node(
+                "Add",
+                [y, gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))],
+                name=f"{name}/bias",
+            )
         return y

@@ -31,15 +31,24 @@ def physical_cores() -> int:
     cores = set()
     for cpu in allowed:
         try:
-            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+            siblings = (
+                Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+                .read_text()
+                .strip()
+            )
         except OSError:
             siblings = str(cpu)
         cores.add(siblings)
     return max(1, len(cores))
 
 
-def session_options(threads: int | None = None, *, spinning: bool = False,
-                    profile: str | None = None, custom_ops: tuple[str, ...] = ()) -> ort.SessionOptions:
+def session_options(
+    threads: int | None = None,
+    *,
+    spinning: bool = False,
+    profile: str | None = None,
+    custom_ops: tuple[str, ...] = (),
+) -> ort.SessionOptions:
     """Session options for low-latency decoding (see :class:`Runtime` for when to spin);
     ``profile``: write ONNX Runtime's per-node profile (Chrome trace JSON) to files with this prefix;
     ``custom_ops``: op libraries the graph needs (e.g. the wafer package's MeshLinear)."""
@@ -105,20 +114,30 @@ class _Target:
 class KVBuffers:
     """One sequence's preallocated KV cache plus the IOBindings (per session) that use it."""
 
-    def __init__(self, runtime: "Runtime") -> None:
+    def __init__(self, runtime: Runtime) -> None:
         rt = runtime
         shape = [1, rt.kv_heads, rt.max_len, rt.head_dim]
         self.values = {}
         for i in range(rt.num_layers):
             for t in ("key", "value"):
-                self.values[i, t] = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
+                self.values[i, t] = ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, np.float32, "cpu", 0
+                )
         # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays.
         self.step_ids = np.zeros([1, 1], np.int64)
         self.step_seqlens = np.zeros([1], np.int32)
         self.step_total = np.zeros([], np.int32)
         self.step_logits = np.zeros([1, 1, rt.vocab_size], np.float32)
-        self._step_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in
-                             (self.step_ids, self.step_seqlens, self.step_total, rt.zero_i64, self.step_logits)]
+        self._step_values = [
+            ort.OrtValue.ortvalue_from_numpy(a)
+            for a in (
+                self.step_ids,
+                self.step_seqlens,
+                self.step_total,
+                rt.zero_i64,
+                self.step_logits,
+            )
+        ]
         self._step: dict[_Target, ort.IOBinding] = {}
         self._general: dict[_Target, ort.IOBinding] = {}
 
@@ -169,9 +188,18 @@ class Runtime:
     Spinning threads stop shortly after a generation, so an idle editor keeps its CPU.
     """
 
-    def __init__(self, model_path: str | Path, config, *, max_len: int, threads: int | None = None,
-                 decode_threads: int | None = None, spinning: bool | None = None,
-                 profile: str | None = None, custom_ops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config,
+        *,
+        max_len: int,
+        threads: int | None = None,
+        decode_threads: int | None = None,
+        spinning: bool | None = None,
+        profile: str | None = None,
+        custom_ops: tuple[str, ...] = (),
+    ) -> None:
         self.config = config
         self.max_len = int(max_len)
         self.num_layers = config.num_hidden_layers
@@ -181,14 +209,24 @@ class Runtime:
         self.custom_ops = tuple(custom_ops)
         self.decode_threads = min(int(decode_threads or self.threads), self.threads)
         model_path = Path(model_path)
-        size = sum(p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file())
+        size = sum(
+            p.stat().st_size for p in model_path.parent.glob(model_path.name + "*") if p.is_file()
+        )
 
         def target(n: int, spin: bool) -> _Target:
             so = session_options(n, spinning=spin, profile=profile, custom_ops=custom_ops)
-            return _Target(ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]), n, spin)
+            return _Target(
+                ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]),
+                n,
+                spin,
+            )
 
         self.wide = target(self.threads, bool(spinning))  # long prefills
-        self.busy = self.wide if self.decode_threads == self.threads else target(self.decode_threads, bool(spinning))
+        self.busy = (
+            self.wide
+            if self.decode_threads == self.threads
+            else target(self.decode_threads, bool(spinning))
+        )
         self.calm = self.busy
         if spinning is None and size <= SMALL_MODEL_BYTES:
             self.calm = target(self.decode_threads, True)
@@ -196,7 +234,9 @@ class Runtime:
         self.session = self.wide.session
         self.zero_i64 = np.zeros([1], np.int64)
         # KV head size as built (the graph pads it to a multiple of 16).
-        self.head_dim = int(next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key"))
+        self.head_dim = int(
+            next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key")
+        )
 
     def end_profiling(self) -> list[str]:
         """Stop profiling (``profile=``) and return the profile files, one per session."""
@@ -217,10 +257,18 @@ class Runtime:
 
     def _check_span(self, pos: int, n: int) -> None:
         if pos < 0 or n < 1 or pos + n > self.max_len:
-            raise ModelError(f"sequence of {pos + n} tokens exceeds the context of {self.max_len} tokens")
+            raise ModelError(
+                f"sequence of {pos + n} tokens exceeds the context of {self.max_len} tokens"
+            )
 
-    def forward(self, kv: KVBuffers, tokens, pos: int, num_logits: int = 1,
-                run_options: ort.RunOptions | None = None) -> np.ndarray:
+    def forward(
+        self,
+        kv: KVBuffers,
+        tokens,
+        pos: int,
+        num_logits: int = 1,
+        run_options: ort.RunOptions | None = None,
+    ) -> np.ndarray:
         """Write KV for ``tokens`` at positions ``pos..``; return logits [num_logits, vocab] (a new array)."""
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
@@ -229,14 +277,21 @@ class Runtime:
         target = self.target if n <= SMALL_RUN_TOKENS else self.wide
         b = kv.binding(target)
         logits = np.empty([1, num_logits, self.vocab_size], np.float32)
-        feeds = (ids, np.array([pos + n - 1], np.int32), np.array(pos + n, np.int32), np.array([n - num_logits], np.int64))
+        feeds = (
+            ids,
+            np.array([pos + n - 1], np.int32),
+            np.array(pos + n, np.int32),
+            np.array([n - num_logits], np.int64),
+        )
         for name, arr in zip(INPUTS, feeds):
             b.bind_cpu_input(name, arr)
         b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         target.run(b, run_options)
         return logits[0]
 
-    def decode(self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None) -> np.ndarray:
+    def decode(
+        self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None
+    ) -> np.ndarray:
         """One decode step; returns the logits row [vocab] (a view valid until the next step on ``kv``)."""
         if pos + 1 > self.max_len:
             self._check_span(pos, 1)

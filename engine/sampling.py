@@ -3,7 +3,7 @@ optionally constrained so the output begins with a given text (:class:`Healing`)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,7 +23,9 @@ class Sampler:
     ``top_k == 0`` and ``top_p == 1`` disable those filters.
     """
 
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+    def __init__(
+        self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
+    ) -> None:
         if not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} must be >= 0")
         if top_k < 0:
@@ -75,7 +77,7 @@ def nucleus(x: np.ndarray, top_p: float) -> np.ndarray:
         cum = np.cumsum(e[cand]) / total
         keep = int(np.searchsorted(cum, top_p) + 1)  # smallest prefix with mass >= top_p
         if keep <= cand.shape[0] or cand.shape[0] == n:
-            return cand[:min(keep, cand.shape[0])]
+            return cand[: min(keep, cand.shape[0])]
         k = min(n, 4 * k)
 
 
@@ -106,7 +108,7 @@ class Healing:
         if not self.pending:
             return None
         ids = self.index.consistent(self.pending)
-        return ids[:np.searchsorted(ids, vocab)]
+        return ids[: np.searchsorted(ids, vocab)]
 
     def advance(self, token: int) -> None:
         """``token`` was chosen: consume the pending bytes it spells."""
@@ -114,7 +116,7 @@ class Healing:
         if b and b.startswith(self.pending):
             self.pending = b""
         elif b and self.pending.startswith(b):
-            self.pending = self.pending[len(b):]
+            self.pending = self.pending[len(b) :]
         elif self.pending:
             self.pending, self.abandoned = b"", True
 
@@ -130,5 +132,7 @@ class Healing:
         masked = np.full(logits.shape, -np.inf, dtype=logits.dtype)  # the sampler sees a whole row
         masked[ids] = logits[ids]
         token = int(choose(masked))
-        self.advance(token)  # a sampler that ignores the row (tests' scripted ones) abandons the constraint
+        self.advance(
+            token
+        )  # a sampler that ignores the row (tests' scripted ones) abandons the constraint
         return token

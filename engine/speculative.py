@@ -32,8 +32,8 @@ import os
 import re
 import time
 import weakref
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from .sampling import token_logprob
 #: engine is calibrated once (:func:`verify_margin`).
 DEFAULT_VERIFY_MARGIN = 1e-5
 CALIBRATION_SAFETY = 4.0
-_margins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_margins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def verify_margin(engine: Model, sample: Sequence[int]) -> float:
@@ -61,7 +61,9 @@ def verify_margin(engine: Model, sample: Sequence[int]) -> float:
     return _calibration(engine, sample)[0]
 
 
-def _calibration(engine: Model, sample: Sequence[int]) -> tuple[float, float | None, float | None, int]:
+def _calibration(
+    engine: Model, sample: Sequence[int]
+) -> tuple[float, float | None, float | None, int]:
     """(margin, single-step seconds, pass seconds, pass width) — see :func:`verify_margin`."""
     if engine in _margins:
         return _margins[engine]
@@ -84,7 +86,7 @@ def _calibration(engine: Model, sample: Sequence[int]) -> tuple[float, float | N
                     steps.append(time.perf_counter() - t0)
                 single = np.stack(rows)
                 t0 = time.perf_counter()
-                batch = rt.forward(kv_b, ids[start:start + width], start, num_logits=width)
+                batch = rt.forward(kv_b, ids[start : start + width], start, num_logits=width)
                 passes.append(time.perf_counter() - t0)
                 scale = np.maximum(np.abs(single).max(1), 1.0)
                 worst = max(worst, float((np.abs(batch - single).max(1) / scale).max()))
@@ -106,14 +108,14 @@ class _Tokens:
         need = self.n + len(tokens)
         if need > self.buf.shape[0]:
             grown = np.zeros(max(need, 2 * self.buf.shape[0]), np.int64)
-            grown[:self.n] = self.buf[:self.n]
+            grown[: self.n] = self.buf[: self.n]
             self.buf = grown
-        self.buf[self.n:need] = tokens
+        self.buf[self.n : need] = tokens
         self.n = need
 
     @property
     def view(self) -> np.ndarray:
-        return self.buf[:self.n]
+        return self.buf[: self.n]
 
 
 def ngram_matches(hay: np.ndarray, tail: np.ndarray, end: int | None = None) -> np.ndarray:
@@ -126,7 +128,7 @@ def ngram_matches(hay: np.ndarray, tail: np.ndarray, end: int | None = None) -> 
     end = hay.shape[0] if end is None else end
     if n == 0 or end <= n:
         return np.zeros(0, np.int64)
-    last = hay[n - 1:end - 1]  # candidate occurrence ends: n-1 .. end-2
+    last = hay[n - 1 : end - 1]  # candidate occurrence ends: n-1 .. end-2
     cand = np.flatnonzero(last == tail[-1]) + (n - 1)
     for j in range(1, n):
         if cand.size == 0:
@@ -161,11 +163,13 @@ class PromptLookup:
         ctx = context.view
         L = ctx.shape[0]
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            hits = ngram_matches(ctx, ctx[L - n:], L)
+            hits = ngram_matches(ctx, ctx[L - n :], L)
             if hits.size:
                 c = int(hits[-1])
-                draft = ctx[c:min(c + k, L)].tolist()
-                while len(draft) < k:  # the match runs into the present: the text repeats with period L - c
+                draft = ctx[c : min(c + k, L)].tolist()
+                while (
+                    len(draft) < k
+                ):  # the match runs into the present: the text repeats with period L - c
                     draft.append(draft[len(draft) - (L - c)])
                 return draft
         return []
@@ -192,8 +196,16 @@ class EditDrafter:
     #: lost in the original, the cursor may be re-found at the very next step: never pause
     pause_when_empty = False
 
-    def __init__(self, source: Sequence[int], *, max_ngram: int = 4, min_ngram: int = 1, window: int = 24,
-                 fallback: PromptLookup | None = None, tokenizer=None) -> None:
+    def __init__(
+        self,
+        source: Sequence[int],
+        *,
+        max_ngram: int = 4,
+        min_ngram: int = 1,
+        window: int = 24,
+        fallback: PromptLookup | None = None,
+        tokenizer=None,
+    ) -> None:
         self.source = np.asarray(list(source), np.int64)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -216,7 +228,11 @@ class EditDrafter:
         base = (self._context.n if self._context is not None else len(tokens)) - len(tokens)
         for j in range(from_draft, len(tokens)):
             t = tokens[j]
-            if self.cursor is not None and self.cursor < self.source.shape[0] and self.source[self.cursor] == t:
+            if (
+                self.cursor is not None
+                and self.cursor < self.source.shape[0]
+                and self.source[self.cursor] == t
+            ):
                 self.cursor += 1
             elif self.cursor is not None:
                 self._last, self.cursor = self.cursor, None
@@ -225,15 +241,17 @@ class EditDrafter:
     def _resync(self, ctx: np.ndarray) -> int | None:
         L = ctx.shape[0]
         for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
-            hits = ngram_matches(self.source, ctx[L - n:])
+            hits = ngram_matches(self.source, ctx[L - n :])
             if n == 1:
                 hits = hits[(hits >= self._last) & (hits <= self._last + self.window)]
             if hits.size:
                 after = hits[hits >= self._last]
                 cursor = int(after[0]) if after.size else int(hits[-1])
                 try:
-                    self._learn_rename(self._last, cursor - n, ctx[self._lost_at:L - n], cursor)
-                except ValueError:  # ids the tokenizer cannot decode (a caller's token draft): no renames
+                    self._learn_rename(self._last, cursor - n, ctx[self._lost_at : L - n], cursor)
+                except (
+                    ValueError
+                ):  # ids the tokenizer cannot decode (a caller's token draft): no renames
                     pass
                 return cursor
         return None
@@ -243,12 +261,20 @@ class EditDrafter:
         one whole identifier (or attribute name) into another, rename it in the source after
         ``cursor``."""
         max_old, max_new = self.MAX_RENAME_TOKENS
-        if self.tokenizer is None or not (1 <= end - start <= max_old and 1 <= new.shape[0] <= max_new):
+        if self.tokenizer is None or not (
+            1 <= end - start <= max_old and 1 <= new.shape[0] <= max_new
+        ):
             return
         decode = self.tokenizer.decode
         # the changed text with a few tokens either side, to see the whole word it belongs to
-        left, right = decode(self.source[max(0, start - 4):start].tolist()), decode(self.source[end:end + 4].tolist())
-        old_text, new_text = left + decode(self.source[start:end].tolist()) + right, left + decode(new.tolist()) + right
+        left, right = (
+            decode(self.source[max(0, start - 4) : start].tolist()),
+            decode(self.source[end : end + 4].tolist()),
+        )
+        old_text, new_text = (
+            left + decode(self.source[start:end].tolist()) + right,
+            left + decode(new.tolist()) + right,
+        )
         p = len(os.path.commonprefix([old_text, new_text]))
         q = len(os.path.commonprefix([old_text[p:][::-1], new_text[p:][::-1]]))
         i, j = p, len(old_text) - q
@@ -258,7 +284,7 @@ class EditDrafter:
             j += 1
         if i == 0 or j == len(old_text):  # the word may go on beyond what was decoded: not sure
             return
-        a, b = old_text[i:j], new_text[i:len(new_text) - (len(old_text) - j)]
+        a, b = old_text[i:j], new_text[i : len(new_text) - (len(old_text) - j)]
         if a == b or not (_IDENTIFIER.fullmatch(a) and _IDENTIFIER.fullmatch(b)):
             return
         # an attribute (``self._items``) is renamed only after dots, a name only where no dot precedes
@@ -271,17 +297,21 @@ class EditDrafter:
         self.renames[("." if attribute else "") + a] = b
         # encoded whole, as the model's output is (a string encoded from its middle can split its
         # first word differently); the part before the cursor must keep its tokens
-        whole = np.asarray(self.tokenizer.encode(decode(self.source[:cursor].tolist()) + renamed), np.int64)
+        whole = np.asarray(
+            self.tokenizer.encode(decode(self.source[:cursor].tolist()) + renamed), np.int64
+        )
         if whole.shape[0] >= cursor and np.array_equal(whole[:cursor], self.source[:cursor]):
             self.source = whole
         else:
-            self.source = np.concatenate([self.source[:cursor], np.asarray(self.tokenizer.encode(renamed), np.int64)])
+            self.source = np.concatenate(
+                [self.source[:cursor], np.asarray(self.tokenizer.encode(renamed), np.int64)]
+            )
 
     def propose(self, context: _Tokens, k: int) -> list[int]:
         if self.cursor is None:
             self.cursor = self._resync(context.view)
         if self.cursor is not None and self.cursor < self.source.shape[0]:
-            return self.source[self.cursor:self.cursor + k].tolist()
+            return self.source[self.cursor : self.cursor + k].tolist()
         return self.fallback.propose(context, k)
 
 
@@ -290,6 +320,7 @@ _WORD = re.compile(r"\w")
 
 
 # -- adaptive draft length -----------------------------------------------------------------------
+
 
 @dataclass
 class DraftPolicy:
@@ -315,12 +346,14 @@ class DraftPolicy:
     max_misses: int = 2
     backoff: int = 4
     max_backoff: int = 64
-    alpha: float = 0.7       # prior acceptance probability per drafted token
-    beta: float = 0.15       # prior cost of one extra token in a pass, in plain steps
+    alpha: float = 0.7  # prior acceptance probability per drafted token
+    beta: float = 0.15  # prior cost of one extra token in a pass, in plain steps
     min_gain: float = 1.05
     decay: float = 0.9
-    min_rate: float = 0.95    # drafting must keep at least this share of plain decoding's measured speed
-    empty_pause: int = 2      # plain steps after the drafter had nothing to offer (see empty)
+    min_rate: float = (
+        0.95  # drafting must keep at least this share of plain decoding's measured speed
+    )
+    empty_pause: int = 2  # plain steps after the drafter had nothing to offer (see empty)
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k_max:
@@ -337,7 +370,10 @@ class DraftPolicy:
         self._wait = self.backoff
         self._step_s: float | None = None  # plain step time (EMA)
         self._extra_s: float | None = None  # extra time per drafted token (EMA)
-        self._rate = {"draft": [0.0, 0.0], "plain": [0.0, 0.0]}  # decayed [tokens, seconds] per mode
+        self._rate = {
+            "draft": [0.0, 0.0],
+            "plain": [0.0, 0.0],
+        }  # decayed [tokens, seconds] per mode
 
     @staticmethod
     def expected_tokens(alpha: float, k: int) -> float:
@@ -360,7 +396,7 @@ class DraftPolicy:
         """(k, expected speed-up over plain decoding) for the current estimates, k at most ``cap``
         (vectorised: it runs before every step that could draft)."""
         a, c = self.acceptance, self.cost_per_token
-        ks = self._ks if cap is None else self._ks[:max(1, cap - self.k_min + 1)]
+        ks = self._ks if cap is None else self._ks[: max(1, cap - self.k_min + 1)]
         tokens = ks + 1.0 if a >= 1.0 else (1.0 - a ** (ks + 1.0)) / (1.0 - a)
         gains = tokens / (1.0 + c * ks)
         i = int(gains.argmax())
@@ -373,7 +409,9 @@ class DraftPolicy:
             return self.k_min if self._off == 0 else 0  # the last step of a back-off probes
         k, gain = self.best(self._cap)
         self.k = k
-        if gain < self.min_gain or self.losing():  # drafting does not pay now: plain steps, then probe
+        if (
+            gain < self.min_gain or self.losing()
+        ):  # drafting does not pay now: plain steps, then probe
             self._off = self._wait
             self._wait = min(self.max_backoff, self._wait * 2)
             return 0
@@ -383,7 +421,9 @@ class DraftPolicy:
         """A pass drafted ``drafted`` tokens and ``accepted`` of them matched the model."""
         if drafted == 0:
             return
-        self._cap = min(self.k_max, 2 * self._cap) if accepted == drafted else max(self.k_min, accepted + 1)
+        self._cap = (
+            min(self.k_max, 2 * self._cap) if accepted == drafted else max(self.k_min, accepted + 1)
+        )
         self._hits = self._hits * self.decay + accepted
         self._fails = self._fails * self.decay + (1.0 if accepted < drafted else 0.0)
         if accepted == 0:
@@ -438,6 +478,7 @@ class DraftPolicy:
 
 # -- the generation ------------------------------------------------------------------------------
 
+
 class SpeculativeGeneration(Generation):
     """A greedy :class:`Generation` that verifies drafted tokens in batches (see module docstring).
 
@@ -445,13 +486,29 @@ class SpeculativeGeneration(Generation):
     ``model_runs`` (decoder passes after the prefill) and ``tokens_per_run``.
     """
 
-    def __init__(self, engine: Model, prompt: list[int], params: GenerationParams, slot: Hashable = None, *,
-                 drafter=None, policy: DraftPolicy | None = None, cancel: CancelToken | None = None) -> None:
+    def __init__(
+        self,
+        engine: Model,
+        prompt: list[int],
+        params: GenerationParams,
+        slot: Hashable = None,
+        *,
+        drafter=None,
+        policy: DraftPolicy | None = None,
+        cancel: CancelToken | None = None,
+    ) -> None:
         super().__init__(engine, prompt, params, slot, cancel)
         self.drafter = drafter if drafter is not None else PromptLookup()
         self.policy = policy if policy is not None else DraftPolicy()
-        self.stats.update({"drafted_tokens": 0, "accepted_tokens": 0, "acceptance": 0.0, "model_runs": 0,
-                           "tokens_per_run": 0.0})
+        self.stats.update(
+            {
+                "drafted_tokens": 0,
+                "accepted_tokens": 0,
+                "acceptance": 0.0,
+                "model_runs": 0,
+                "tokens_per_run": 0.0,
+            }
+        )
 
     def _run(self) -> Iterator[Chunk]:
         if not self._sampler.greedy:
@@ -491,7 +548,9 @@ class SpeculativeGeneration(Generation):
                     self.stats["ttft_ms"] = (now - self._t0) * 1e3
                 for i, token in enumerate(decided):
                     t_last = now
-                    chunk, done = emitter.emit(token, time.perf_counter(), lps[i] if want_lp else None)
+                    chunk, done = emitter.emit(
+                        token, time.perf_counter(), lps[i] if want_lp else None
+                    )
                     if chunk is not None:
                         yield chunk
                     if done:
@@ -534,7 +593,9 @@ class SpeculativeGeneration(Generation):
                 with eng.lock:
                     self._check(slot)
                     t_run = time.perf_counter()
-                    logits = self._run_model(rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1)
+                    logits = self._run_model(
+                        rt.forward, slot.kv, [token] + draft, pos, len(draft) + 1
+                    )
                     rows = logits[:, :nv]
                     picks = rows.argmax(-1)
                     a = 0
@@ -542,7 +603,7 @@ class SpeculativeGeneration(Generation):
                         a += 1
                     sure = np.ones(a + 1, bool)
                     if guard > 0:  # margins of the rows we are about to use
-                        top, margin = _top2_margin(rows[:a + 1], picks[:a + 1])
+                        top, margin = _top2_margin(rows[: a + 1], picks[: a + 1])
                         sure = margin >= guard * np.maximum(np.abs(top), 1.0)
                         a = int(np.argmin(sure)) if not sure.all() else a
                     # what the policy weighs: drafting, the pass and its verification (argmaxes, margins)
@@ -557,7 +618,7 @@ class SpeculativeGeneration(Generation):
                     else:  # a near-tie in a batched pass: decide this position with a single step
                         if a:
                             slot.tokens.append(token)
-                            slot.tokens.extend(draft[:a - 1])
+                            slot.tokens.extend(draft[: a - 1])
                             pos += a
                         decided = draft[:a]
                         recheck = True
@@ -574,9 +635,16 @@ class SpeculativeGeneration(Generation):
             self.finish_reason = "cancelled"
         finally:
             self._finish(slot, t_first, t_last)
-            self.stats.update({"drafted_tokens": drafted, "accepted_tokens": accepted_total, "rechecks": rechecks,
-                               "acceptance": accepted_total / drafted if drafted else 0.0, "model_runs": runs,
-                               "tokens_per_run": (len(self.tokens) - 1) / runs if runs else 0.0})
+            self.stats.update(
+                {
+                    "drafted_tokens": drafted,
+                    "accepted_tokens": accepted_total,
+                    "rechecks": rechecks,
+                    "acceptance": accepted_total / drafted if drafted else 0.0,
+                    "model_runs": runs,
+                    "tokens_per_run": (len(self.tokens) - 1) / runs if runs else 0.0,
+                }
+            )
 
 
 def _argmax(row: np.ndarray) -> int:
@@ -598,9 +666,17 @@ def _top2_margin(rows: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.nd
     return top, top - second
 
 
-def generate(engine: Model, prompt: str | Sequence[int], params: GenerationParams | None = None,
-             slot: Hashable = None, *, draft: str | Sequence[int] | None = None, ngram: bool = True,
-             policy: DraftPolicy | None = None, cancel: CancelToken | None = None) -> Generation:
+def generate(
+    engine: Model,
+    prompt: str | Sequence[int],
+    params: GenerationParams | None = None,
+    slot: Hashable = None,
+    *,
+    draft: str | Sequence[int] | None = None,
+    ngram: bool = True,
+    policy: DraftPolicy | None = None,
+    cancel: CancelToken | None = None,
+) -> Generation:
     """Like ``engine.generate`` but speculative (greedy only; sampling runs the plain loop).
 
     ``draft``: the text (or token ids) being rewritten — speculative edits; ``None`` drafts by
@@ -615,15 +691,22 @@ def generate(engine: Model, prompt: str | Sequence[int], params: GenerationParam
     if params.max_new_tokens > room:
         params = replace(params, max_new_tokens=max(1, room))
     if draft is not None:
-        src = engine.tokenizer.encode(params.healed_prefix + draft) if isinstance(draft, str) \
+        src = (
+            engine.tokenizer.encode(params.healed_prefix + draft)
+            if isinstance(draft, str)
             else [int(t) for t in draft]
-        drafter = EditDrafter(src, fallback=PromptLookup() if ngram else _NoDraft(), tokenizer=engine.tokenizer)
+        )
+        drafter = EditDrafter(
+            src, fallback=PromptLookup() if ngram else _NoDraft(), tokenizer=engine.tokenizer
+        )
         policy = policy or DraftPolicy(alpha=0.9)
     elif ngram:
         drafter = PromptLookup()
     else:
         drafter = _NoDraft()
-    return SpeculativeGeneration(engine, ids, params, slot, drafter=drafter, policy=policy, cancel=cancel)
+    return SpeculativeGeneration(
+        engine, ids, params, slot, drafter=drafter, policy=policy, cancel=cancel
+    )
 
 
 class _NoDraft(PromptLookup):

@@ -13,14 +13,14 @@ from __future__ import annotations
 import bisect
 import json
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from .config import ModelError, model_path
 from .fim import FimFormat
-
 
 _EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<EOT>")
 
@@ -48,7 +48,11 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
 
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2 byte-level BPE: the printable character that stands for each byte, inverted."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -88,7 +92,11 @@ class ByteIndex:
             raise ValueError("pending text is empty: every token is consistent")
         lo = bisect.bisect_left(self._keys, pending)
         succ = pending.rstrip(b"\xff")  # the smallest byte string above every extension of pending
-        hi = len(self._keys) if not succ else bisect.bisect_left(self._keys, succ[:-1] + bytes([succ[-1] + 1]), lo)
+        hi = (
+            len(self._keys)
+            if not succ
+            else bisect.bisect_left(self._keys, succ[:-1] + bytes([succ[-1] + 1]), lo)
+        )
         parts = [self._ids[lo:hi]]
         for k in range(1, len(pending)):
             ids = self._exact.get(pending[:k])
@@ -100,8 +108,15 @@ class ByteIndex:
 class Tokenizer:
     """Encode/decode plus the special tokens the engine and the prompt builder need."""
 
-    def __init__(self, tok: Any, *, eos_ids: Iterable[int] = (), bos_id: int | None = None,
-                 pad_id: int | None = None, name: str = "tokenizer") -> None:
+    def __init__(
+        self,
+        tok: Any,
+        *,
+        eos_ids: Iterable[int] = (),
+        bos_id: int | None = None,
+        pad_id: int | None = None,
+        name: str = "tokenizer",
+    ) -> None:
         self._tok = tok
         self.name = name
         self.special_tokens: dict[str, int] = {
@@ -118,18 +133,22 @@ class Tokenizer:
         self._byte_index: ByteIndex | None = None
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "Tokenizer":
+    def load(cls, model_dir: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` and the special-token files of a model folder."""
         from tokenizers import Tokenizer as HFTokenizer
 
         folder = model_path(model_dir)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise ModelError(f"{path}: file not found (a tokenizers-format tokenizer.json is required)")
+            raise ModelError(
+                f"{path}: file not found (a tokenizers-format tokenizer.json is required)"
+            )
         try:
             tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on corrupt files
-            raise ModelError(f"tokenizer.json: cannot load: {str(e).splitlines()[0] if str(e) else e!r}") from None
+            raise ModelError(
+                f"tokenizer.json: cannot load: {str(e).splitlines()[0] if str(e) else e!r}"
+            ) from None
 
         tcfg = _read_optional_json(folder / "tokenizer_config.json")
         smap = _read_optional_json(folder / "special_tokens_map.json")
@@ -142,7 +161,9 @@ class Tokenizer:
                 if content is not None:
                     tid = tok.token_to_id(content)
                     if tid is None:
-                        raise ModelError(f"{fname}: {key}={content!r} is not in the vocabulary of tokenizer.json")
+                        raise ModelError(
+                            f"{fname}: {key}={content!r} is not in the vocabulary of tokenizer.json"
+                        )
                     return tid
             return None
 
@@ -152,13 +173,20 @@ class Tokenizer:
             eos.append(e)
         for cfg, fname in ((gcfg, "generation_config.json"), (mcfg, "config.json")):
             v = cfg.get("eos_token_id")
-            for x in (v if isinstance(v, list) else [v]):
+            for x in v if isinstance(v, list) else [v]:
                 if isinstance(x, int) and not isinstance(x, bool):
                     if not 0 <= x < vocab:
-                        raise ModelError(f"{fname}: eos_token_id={x} is outside the tokenizer vocabulary ({vocab})")
+                        raise ModelError(
+                            f"{fname}: eos_token_id={x} is outside the tokenizer vocabulary ({vocab})"
+                        )
                     eos.append(x)
-        return cls(tok, eos_ids=eos, bos_id=special("bos_token"), pad_id=special("pad_token"),
-                   name=folder.name)
+        return cls(
+            tok,
+            eos_ids=eos,
+            bos_id=special("bos_token"),
+            pad_id=special("pad_token"),
+            name=folder.name,
+        )
 
     # -- vocabulary ----------------------------------------------------------------------------
     @property
@@ -186,10 +214,16 @@ class Tokenizer:
 
     def _spell_tokens(self) -> list[bytes | None]:
         try:
-            decoder = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
+            decoder = (
+                json.loads(self._tok.decoder.__getstate__())
+                if self._tok.decoder is not None
+                else {}
+            )
         except Exception:  # an exotic decoder: fall back to the SentencePiece/literal spelling
             decoder = {}
-        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", ()) if isinstance(d, dict)}
+        kinds = {decoder.get("type")} | {
+            d.get("type") for d in decoder.get("decoders", ()) if isinstance(d, dict)
+        }
         byte_level = "ByteLevel" in kinds
         added = self._tok.get_added_tokens_decoder()
         out: list[bytes | None] = []
@@ -224,7 +258,7 @@ class Tokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary (0..{vocab - 1})")
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def stream(self) -> "StreamDecoder":
+    def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
 
 
@@ -248,15 +282,21 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         token_id = int(token_id)
-        if not 0 <= token_id < self._tok.vocab_size:  # checked once here, not on every window decode
-            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self._tok.vocab_size - 1})")
+        if (
+            not 0 <= token_id < self._tok.vocab_size
+        ):  # checked once here, not on every window decode
+            raise ValueError(
+                f"token id {token_id} is outside the vocabulary (0..{self._tok.vocab_size - 1})"
+            )
         self._ids.append(token_id)
         decode = self._tok._tok.decode  # ids already checked: the raw decoder, once per window
-        prefix_text = decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
-        new_text = decode(self._ids[self._prefix:], skip_special_tokens=False)
+        prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=False)
+        new_text = decode(self._ids[self._prefix :], skip_special_tokens=False)
         held = len(self._ids) - self._read
-        if len(new_text) > len(prefix_text) and (not new_text.endswith("\ufffd") or held >= self.MAX_HELD):
-            out = new_text[len(prefix_text):]
+        if len(new_text) > len(prefix_text) and (
+            not new_text.endswith("\ufffd") or held >= self.MAX_HELD
+        ):
+            out = new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)
             return out
         return ""
@@ -265,7 +305,7 @@ class StreamDecoder:
         """Text still held back (e.g. a truncated UTF-8 sequence, as U+FFFD) at the end of a stream."""
         if self._read >= len(self._ids):
             return ""
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-        new_text = self._tok.decode(self._ids[self._prefix:])
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]

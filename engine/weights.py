@@ -13,8 +13,8 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -35,34 +35,52 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if config.mlp_gated:
-            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                           p + "mlp.down_proj.weight": (h, i)})
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (i, h),
+                    p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i),
+                }
+            )
             if config.mlp_bias:
-                shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
-                               p + "mlp.down_proj.bias": (h,)})
+                shapes.update(
+                    {
+                        p + "mlp.gate_proj.bias": (i,),
+                        p + "mlp.up_proj.bias": (i,),
+                        p + "mlp.down_proj.bias": (h,),
+                    }
+                )
         else:
             shapes.update({p + "mlp.c_fc.weight": (i, h), p + "mlp.c_proj.weight": (h, i)})
             if config.mlp_bias:
                 shapes.update({p + "mlp.c_fc.bias": (i,), p + "mlp.c_proj.bias": (h,)})
         if config.norm == "layer":
-            shapes.update({p + "input_layernorm.bias": (h,), p + "post_attention_layernorm.bias": (h,)})
+            shapes.update(
+                {p + "input_layernorm.bias": (h,), p + "post_attention_layernorm.bias": (h,)}
+            )
         if config.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+            shapes.update(
+                {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+            )
         if config.attention_bias:
-            shapes.update({
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            })
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
         if config.attention_out_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
     shapes["model.norm.weight"] = (h,)
@@ -82,7 +100,9 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     single = folder / SINGLE_FILE
     if single.is_file():
         return [single]
-    raise ModelError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+    raise ModelError(
+        f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)"
+    )
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -110,7 +130,9 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
             raise ModelError(f"{path.name}: truncated safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, _MAX_HEADER):
-            raise ModelError(f"{path.name}: corrupt safetensors header (length {n} > file size {size})")
+            raise ModelError(
+                f"{path.name}: corrupt safetensors header (length {n} > file size {size})"
+            )
         try:
             header = json.loads(f.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -130,8 +152,10 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
             )
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if not (0 <= a <= b <= data_len) or b - a != count * _ITEMSIZE[dtype]:
-            raise ModelError(f"{path.name}: tensor {name}: data offsets {a}..{b} do not match shape {shape} "
-                             f"and dtype {dtype} within a {data_len}-byte data section (truncated file?)")
+            raise ModelError(
+                f"{path.name}: tensor {name}: data offsets {a}..{b} do not match shape {shape} "
+                f"and dtype {dtype} within a {data_len}-byte data section (truncated file?)"
+            )
     return header, 8 + n
 
 
@@ -161,7 +185,7 @@ def read_tensors(path: Path, names: Iterable[str] | None = None) -> dict[str, np
             for name in wanted:
                 info = header[name]
                 a, b = info["data_offsets"]
-                out[name] = _to_float32(view[start + a:start + b], info["dtype"], info["shape"])
+                out[name] = _to_float32(view[start + a : start + b], info["dtype"], info["shape"])
         finally:
             view.release()
     return out
@@ -184,15 +208,15 @@ def _read_float32(f, offset: int, dtype: str, shape: list[int]) -> np.ndarray:
     f.seek(offset)
     for i in range(0, count, _CHUNK):
         n = min(_CHUNK, count - i)
-        dst = out[i:i + n] if buf is None else buf[:n]
+        dst = out[i : i + n] if buf is None else buf[:n]
         if f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
             raise ModelError(f"{Path(f.name).name}: unexpected end of file")
         if dtype == "BF16":
-            wide = out[i:i + n].view(np.uint32)
+            wide = out[i : i + n].view(np.uint32)
             wide[...] = dst
             wide <<= 16
         elif buf is not None:
-            out[i:i + n] = dst
+            out[i : i + n] = dst
     return out.reshape(shape)
 
 
@@ -206,8 +230,12 @@ class WeightStore(Mapping[str, np.ndarray]):
     :meth:`close`) to close the files.
     """
 
-    def __init__(self, folder: Path, entries: dict[str, tuple[Path, str, list[int], int, int]],
-                 aliases: dict[str, str]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        entries: dict[str, tuple[Path, str, list[int], int, int]],
+        aliases: dict[str, str],
+    ) -> None:
         self.folder = folder
         self._entries = entries
         self._aliases = aliases
@@ -221,7 +249,7 @@ class WeightStore(Mapping[str, np.ndarray]):
         arr = _read_float32(self._files[path], a, dtype, shape)
         flat = arr.reshape(-1)
         for i in range(0, flat.size, _CHUNK):
-            if not np.isfinite(flat[i:i + _CHUNK]).all():
+            if not np.isfinite(flat[i : i + _CHUNK]).all():
                 raise ModelError(f"{path.name}: tensor {key} contains NaN or infinite values")
         return arr
 
@@ -244,7 +272,7 @@ class WeightStore(Mapping[str, np.ndarray]):
             f.close()
         self._files.clear()
 
-    def __enter__(self) -> "WeightStore":
+    def __enter__(self) -> WeightStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -289,8 +317,10 @@ def open_weights(model_dir: str | Path, config: ModelConfig) -> WeightStore:
     for name, shape in shapes.items():
         got = entries[name][2]
         if tuple(got) != shape:
-            raise ModelError(f"{entries[name][0].name}: tensor {name} has shape {list(got)}, "
-                             f"expected {list(shape)} from config.json")
+            raise ModelError(
+                f"{entries[name][0].name}: tensor {name} has shape {list(got)}, "
+                f"expected {list(shape)} from config.json"
+            )
     aliases = {}
     if config.tie_word_embeddings:
         entries.pop("lm_head.weight", None)
@@ -353,16 +383,29 @@ def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
     return a
 
 
-def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "F32",
-                     metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    path: str | Path,
+    tensors: Mapping[str, np.ndarray],
+    dtype: str = "F32",
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write tensors to a safetensors file in F32, F16 or BF16 (round-to-nearest-even), with numpy."""
-    write_safetensors(path, {k: tuple(np.shape(v)) for k, v in tensors.items()}, tensors.__getitem__,
-                      dtype, metadata)
+    write_safetensors(
+        path,
+        {k: tuple(np.shape(v)) for k, v in tensors.items()},
+        tensors.__getitem__,
+        dtype,
+        metadata,
+    )
 
 
-def write_safetensors(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
-                      tensor: Callable[[str], np.ndarray], dtype: str = "F32",
-                      metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    tensor: Callable[[str], np.ndarray],
+    dtype: str = "F32",
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write a safetensors file one tensor at a time: ``tensor(name)`` makes each in turn (a model
     larger than RAM can be written).  Written to a temporary name and renamed into place."""
     if dtype not in ("F32", "F16", "BF16"):

@@ -9,14 +9,21 @@ minimal TextEdits, never a whole-file replacement.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from . import edit_checks, postprocess
 from .backends.base import TextPrompt
 from .documents import indentation, split_lines
 
-REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = "rewrite", "complete", "docstring", "test", "instruct"
+REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = (
+    "rewrite",
+    "complete",
+    "docstring",
+    "test",
+    "instruct",
+)
 TITLES = {
     REWRITE: "Spark: Rewrite selection",
     COMPLETE: "Spark: Complete this function / block",
@@ -24,8 +31,13 @@ TITLES = {
     TEST: "Spark: Generate a test for this function",
     INSTRUCT: "Spark: Edit selection with instruction…",
 }
-KINDS = {REWRITE: "refactor.rewrite", COMPLETE: "refactor.rewrite", DOCSTRING: "refactor.rewrite",
-         TEST: "refactor.extract", INSTRUCT: "refactor.rewrite"}
+KINDS = {
+    REWRITE: "refactor.rewrite",
+    COMPLETE: "refactor.rewrite",
+    DOCSTRING: "refactor.rewrite",
+    TEST: "refactor.extract",
+    INSTRUCT: "refactor.rewrite",
+}
 ACTIONS = tuple(TITLES)
 
 #: the second decoding of a result the checks refused: sampled, reproducibly
@@ -51,21 +63,21 @@ class EditRefused(ActionError):
 @dataclass
 class EditPlan:
     action: str
-    start: int                     # region to replace: document offsets [start, end)
+    start: int  # region to replace: document offsets [start, end)
     end: int
-    prefix: str                    # FIM prefix text (ends where the generated text begins)
-    suffix: str                    # FIM suffix text
+    prefix: str  # FIM prefix text (ends where the generated text begins)
+    suffix: str  # FIM suffix text
     stop: tuple[str, ...] = ()
     max_tokens: int = 256
-    head: str = ""                 # fixed text written before the generated text
-    tail: str = ""                 # fixed text written after it
+    head: str = ""  # fixed text written before the generated text
+    tail: str = ""  # fixed text written after it
     finish: Callable[[str], str] = field(default=lambda s: s)  # raw output -> generated body
-    multiline_ctx: postprocess.Context | None = None           # cut like a block when set
-    prompt_text: str | None = None     # a complete (chat) prompt instead of FIM prefix/suffix
+    multiline_ctx: postprocess.Context | None = None  # cut like a block when set
+    prompt_text: str | None = None  # a complete (chat) prompt instead of FIM prefix/suffix
     partial: Callable[[str], str] = field(default=lambda s: s)  # raw output -> body mid-stream
-    done: Callable[[str], bool] | None = None                   # early stop on raw output
-    draft: str | None = None           # text the output probably repeats (speculative decoding)
-    retry_lead: str = ""               # output empty: generate once more, made to begin with this
+    done: Callable[[str], bool] | None = None  # early stop on raw output
+    draft: str | None = None  # text the output probably repeats (speculative decoding)
+    retry_lead: str = ""  # output empty: generate once more, made to begin with this
     messages: list[dict] | None = None  # chat messages, for a model that takes them (remote chat)
     check: Callable[[str], str | None] | None = None  # final region text -> why not to apply it
 
@@ -84,12 +96,12 @@ class EditPlan:
 
 @dataclass
 class Block:
-    header_line: int               # line index of the `def` / `class` line
-    body_end_line: int             # exclusive
+    header_line: int  # line index of the `def` / `class` line
+    body_end_line: int  # exclusive
     indent: str
     kind: str
     name: str
-    header_end_line: int           # line index where the header ends (the line with the ':')
+    header_end_line: int  # line index where the header ends (the line with the ':')
 
 
 def enclosing_block(lines: list[str], line: int, kinds=("def", "class")) -> Block | None:
@@ -134,7 +146,9 @@ def available(text: str, start: int, end: int, cursor_line: int) -> list[str]:
 
 
 def _has_docstring(lines: list[str], block: Block) -> bool:
-    nxt = next((ln for ln in lines[block.header_end_line + 1:block.body_end_line] if ln.strip()), "")
+    nxt = next(
+        (ln for ln in lines[block.header_end_line + 1 : block.body_end_line] if ln.strip()), ""
+    )
     return nxt.strip().startswith(('"""', "'''", 'r"""', "r'''"))
 
 
@@ -142,16 +156,36 @@ def _ends_newline(s: str) -> str:
     return s if s.endswith("\n") or not s else s + "\n"
 
 
-def plan(action: str, text: str, start: int, end: int, cursor_line: int,
-         max_tokens: int, instruction: str | None = None, count_tokens: Callable[[str], int] | None = None,
-         chat: Any = None, python: bool | None = None, chat_messages: bool = False) -> EditPlan:
+def plan(
+    action: str,
+    text: str,
+    start: int,
+    end: int,
+    cursor_line: int,
+    max_tokens: int,
+    instruction: str | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+    chat: Any = None,
+    python: bool | None = None,
+    chat_messages: bool = False,
+) -> EditPlan:
     """The EditPlan of `action` for the selection [start, end) (a cursor when start == end);
     an instruction edit asks a chat model when there is one: `chat`, the engine's chat template,
     or `chat_messages`, a remote model that takes chat messages;
     `python`: the document is Python (None: guessed from the text). Its result is checked by
     `edit_checks` before it is applied."""
-    p = _plan(action, text, start, end, cursor_line, max_tokens, instruction, count_tokens, chat,
-              chat_messages)
+    p = _plan(
+        action,
+        text,
+        start,
+        end,
+        cursor_line,
+        max_tokens,
+        instruction,
+        count_tokens,
+        chat,
+        chat_messages,
+    )
     if python is None:
         python = looks_like_python(text)
     lines = split_lines(text)
@@ -164,13 +198,27 @@ def plan(action: str, text: str, start: int, end: int, cursor_line: int,
         fn_name = f.name if f is not None else None
 
     def check(region: str) -> str | None:
-        return edit_checks.check(edit_checks.Edit(action, text, p.start, p.end, region, python,
-                                                  instruction=instruction, function=fn_name, block=block))
+        return edit_checks.check(
+            edit_checks.Edit(
+                action,
+                text,
+                p.start,
+                p.end,
+                region,
+                python,
+                instruction=instruction,
+                function=fn_name,
+                block=block,
+            )
+        )
+
     p.check = check
     return p
 
 
-_PY_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\)[ \t]*(?:->.*)?:[ \t]*(?:#.*)?$", re.MULTILINE)
+_PY_DEF = re.compile(
+    r"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\)[ \t]*(?:->.*)?:[ \t]*(?:#.*)?$", re.MULTILINE
+)
 
 
 def looks_like_python(text: str) -> bool:
@@ -178,9 +226,18 @@ def looks_like_python(text: str) -> bool:
     return edit_checks.parse(text) is not None or bool(_PY_DEF.search(text))
 
 
-def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_tokens: int,
-          instruction: str | None, count_tokens: Callable[[str], int] | None, chat: Any,
-          chat_messages: bool = False) -> EditPlan:
+def _plan(
+    action: str,
+    text: str,
+    start: int,
+    end: int,
+    cursor_line: int,
+    max_tokens: int,
+    instruction: str | None,
+    count_tokens: Callable[[str], int] | None,
+    chat: Any,
+    chat_messages: bool = False,
+) -> EditPlan:
     lines = split_lines(text)
     line_starts = [0]
     for ln in lines:
@@ -193,11 +250,15 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
         selected = text[start:end]
         if not selected.strip():
             raise ActionError("the selection is empty; select the code to rewrite")
-        budget = max(32, int((count_tokens(selected) if count_tokens else len(selected) // 3) * 1.5) + 32)
+        budget = max(
+            32, int((count_tokens(selected) if count_tokens else len(selected) // 3) * 1.5) + 32
+        )
         prefix, suffix = text[:start], text[end:]
         if action == INSTRUCT:
             if not instruction or not instruction.strip():
-                raise ActionError("an instruction is required (third argument of spark.editWithInstruction)")
+                raise ActionError(
+                    "an instruction is required (third argument of spark.editWithInstruction)"
+                )
             first = selected.split("\n", 1)[0]
             at_line_start = start == 0 or text[start - 1] == "\n"
             ind = indentation(first) if at_line_start else ""
@@ -209,9 +270,10 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
         def finish(raw: str, keep_nl=keep_nl) -> str:
             out = postprocess.cut_loops(raw).rstrip()
             if out != raw.rstrip():  # a rewrite cut short by a loop is not the whole rewrite
-                loop = raw[len(out):].strip().split("\n", 1)[0]
+                loop = raw[len(out) :].strip().split("\n", 1)[0]
                 raise ActionError(f"the model's rewrite went into a loop (repeating {loop[:40]!r})")
             return out + "\n" if keep_nl and out else out
+
         if action == INSTRUCT and (chat is not None or chat_messages):
             from . import chat as chatmod
 
@@ -223,32 +285,67 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
                 if not code.strip():
                     raise ActionError("the model's reply held no code")
                 return code + "\n" if keep_nl else code
-            return EditPlan(action, start, end, "", "", stop=(), max_tokens=min(budget * 2, max_tokens),
-                            finish=chat_finish, prompt_text=prompt,
-                            messages=None if chat is not None else messages,
-                            partial=lambda raw: chatmod.extract_code(raw, final=False),
-                            done=lambda raw: raw.lstrip().startswith("```") and raw.count("```") >= 2,
-                            draft=selected)
-        return EditPlan(action, start, end, prefix, suffix, stop=(), max_tokens=min(budget, max_tokens),
-                        finish=finish, draft=selected)
+
+            return EditPlan(
+                action,
+                start,
+                end,
+                "",
+                "",
+                stop=(),
+                max_tokens=min(budget * 2, max_tokens),
+                finish=chat_finish,
+                prompt_text=prompt,
+                messages=None if chat is not None else messages,
+                partial=lambda raw: chatmod.extract_code(raw, final=False),
+                done=lambda raw: raw.lstrip().startswith("```") and raw.count("```") >= 2,
+                draft=selected,
+            )
+        return EditPlan(
+            action,
+            start,
+            end,
+            prefix,
+            suffix,
+            stop=(),
+            max_tokens=min(budget, max_tokens),
+            finish=finish,
+            draft=selected,
+        )
 
     if action == COMPLETE:
         at = end
         cursor_line = text.count("\n", 0, at)
-        ctx_line = text[line_starts[cursor_line]:at] if cursor_line < len(lines) else ""
-        nxt = tuple(ln.rstrip("\r\n") for ln in lines[cursor_line + 1:cursor_line + 7])
-        prv = tuple(ln.rstrip("\r\n") for ln in lines[max(0, cursor_line - 6):cursor_line])
-        after = lines[cursor_line][len(ctx_line):].rstrip("\r\n") if cursor_line < len(lines) else ""
-        ctx = postprocess.Context(ctx_line, after, nxt, prv, python=True)  # the actions find Python blocks
+        ctx_line = text[line_starts[cursor_line] : at] if cursor_line < len(lines) else ""
+        nxt = tuple(ln.rstrip("\r\n") for ln in lines[cursor_line + 1 : cursor_line + 7])
+        prv = tuple(ln.rstrip("\r\n") for ln in lines[max(0, cursor_line - 6) : cursor_line])
+        after = (
+            lines[cursor_line][len(ctx_line) :].rstrip("\r\n") if cursor_line < len(lines) else ""
+        )
+        ctx = postprocess.Context(
+            ctx_line, after, nxt, prv, python=True
+        )  # the actions find Python blocks
         fn = enclosing_block(lines, cursor_line, kinds=("def",))
         if fn is not None and edit_checks.block_is_complete(text, fn.header_line, fn.body_end_line):
-            raise ActionError(f"function {fn.name!r} is already complete (it ends with a return); "
-                              "there is nothing to add")
+            raise ActionError(
+                f"function {fn.name!r} is already complete (it ends with a return); "
+                "there is nothing to add"
+            )
 
         def finish(raw: str, ctx=ctx) -> str:
             return postprocess.clean(raw, ctx, multiline=True, max_lines=200)
-        return EditPlan(action, at, at, text[:at], text[at:], stop=("\n\n\n",), max_tokens=max_tokens,
-                        finish=finish, multiline_ctx=ctx)
+
+        return EditPlan(
+            action,
+            at,
+            at,
+            text[:at],
+            text[at:],
+            stop=("\n\n\n",),
+            max_tokens=max_tokens,
+            finish=finish,
+            multiline_ctx=ctx,
+        )
 
     if action == DOCSTRING:
         block = enclosing_block(lines, cursor_line)
@@ -257,7 +354,7 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
         if _has_docstring(lines, block):
             raise ActionError(f"{block.kind} {block.name!r} already has a docstring")
         body_line = block.header_end_line + 1
-        nxt_body = next((ln for ln in lines[body_line:block.body_end_line] if ln.strip()), None)
+        nxt_body = next((ln for ln in lines[body_line : block.body_end_line] if ln.strip()), None)
         ind = indentation(nxt_body) if nxt_body is not None else block.indent + "    "
         at = line_starts[body_line] if body_line < len(lines) else len(text)
         prefix = _ends_newline(text[:at]) + ind + '"""'
@@ -268,10 +365,22 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
             if not body.strip():
                 raise ActionError("the model produced an empty docstring")
             return body + ("\n" + ind if "\n" in body else "")
+
         # A model may close the quotes at once (an empty docstring); it is then asked again with
         # its text made to start on the next line, a summary it rarely declines (run_plan_steps).
-        return EditPlan(action, at, at, prefix, text[at:], stop=('"""',), max_tokens=min(max_tokens, 160),
-                        head=head, tail='"""\n', finish=finish, retry_lead="\n" + ind)
+        return EditPlan(
+            action,
+            at,
+            at,
+            prefix,
+            text[at:],
+            stop=('"""',),
+            max_tokens=min(max_tokens, 160),
+            head=head,
+            tail='"""\n',
+            finish=finish,
+            retry_lead="\n" + ind,
+        )
 
     if action == TEST:
         fn = enclosing_block(lines, cursor_line, kinds=("def",))
@@ -288,8 +397,19 @@ def _plan(action: str, text: str, start: int, end: int, cursor_line: int, max_to
             if not body.strip():
                 raise ActionError("the model produced an empty test")
             return body + "\n"
-        return EditPlan(action, at, at, prefix, "", stop=("\n\n\n",), max_tokens=max_tokens,
-                        head=head, finish=finish, multiline_ctx=ctx)
+
+        return EditPlan(
+            action,
+            at,
+            at,
+            prefix,
+            "",
+            stop=("\n\n\n",),
+            max_tokens=max_tokens,
+            head=head,
+            finish=finish,
+            multiline_ctx=ctx,
+        )
 
     raise ActionError(f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
 
@@ -305,11 +425,20 @@ def generated_is_done(p: EditPlan, raw: str) -> bool:
 def run_plan(*args: Any, **kw: Any) -> tuple[str, dict]:
     """run_plan_steps run to its end."""
     from .completions import drive
+
     return drive(run_plan_steps(*args, **kw))
 
 
-def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: Any, context_tokens: int,
-                   on_text: Callable[[str], None] | None = None, speculative: bool = False):
+def run_plan_steps(
+    model: Any,
+    builder: Any,
+    job: Any,
+    p: EditPlan,
+    params_cls: Any,
+    context_tokens: int,
+    on_text: Callable[[str], None] | None = None,
+    speculative: bool = False,
+):
     """Generate the region's final text for plan `p` (engine thread, a step generator returning
     (region text, stats))."""
     from .completions import control_ids, generate_steps
@@ -330,15 +459,31 @@ def run_plan_steps(model: Any, builder: Any, job: Any, p: EditPlan, params_cls: 
     stop = p.stop + tuple(builder.stop_strings)
 
     def attempt(lead: str, sampled: bool = False):
-        decoding = {"temperature": RETRY_TEMPERATURE, "top_p": 0.95, "seed": RETRY_SEED} if sampled \
+        decoding = (
+            {"temperature": RETRY_TEMPERATURE, "top_p": 0.95, "seed": RETRY_SEED}
+            if sampled
             else {"temperature": 0.0}
-        params = params_cls(max_new_tokens=p.max_tokens, stop=stop, stop_ids=control_ids(builder),
-                            healed_prefix=healed + lead, **decoding)  # generated, not emitted: put back below
+        )
+        params = params_cls(
+            max_new_tokens=p.max_tokens,
+            stop=stop,
+            stop_ids=control_ids(builder),
+            healed_prefix=healed + lead,
+            **decoding,
+        )  # generated, not emitted: put back below
         raw, stats, finish = yield from generate_steps(
-            model, job, ids, params, done=(lambda s: generated_is_done(p, lead + s)),
+            model,
+            job,
+            ids,
+            params,
+            done=(lambda s: generated_is_done(p, lead + s)),
             on_text=(lambda s: on_text(lead + s)) if on_text is not None and lead else on_text,
-            speculative=speculative, draft=p.draft,
-            text_prompt=replace(text, prefix=text.prefix + lead) if lead and text.messages is None else text)
+            speculative=speculative,
+            draft=p.draft,
+            text_prompt=replace(text, prefix=text.prefix + lead)
+            if lead and text.messages is None
+            else text,
+        )
         return lead + raw, {**stats, "finish_reason": finish}
 
     raw, stats = yield from attempt("")

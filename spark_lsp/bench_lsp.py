@@ -25,32 +25,73 @@ DEFAULT_FILE = "functools.py"  # ~1,000 lines of real stdlib Python
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR",
-                   help="model folder, a synthetic model name (e.g. synthetic-qwen2.5-coder-0.5b) or anything "
-                        "the server's model setting takes (default: the bundled model)")
-    p.add_argument("--precision", default=None, metavar="P",
-                   help="server setting precision: fp32, int8, int8-rowq, int4 or auto (default: the server's)")
-    p.add_argument("--file", metavar="PY", help=f"Python file to type into (default: stdlib {DEFAULT_FILE})")
-    p.add_argument("--function", metavar="NAME", help="function whose body is typed (default: a 8-40 line "
-                                                      "function in the middle of the file)")
-    p.add_argument("--cps", type=float, default=10.0, help="typing speed, characters per second (default 10)")
-    p.add_argument("--line-pause", type=float, default=0.6, help="pause after each line, seconds (default 0.6)")
-    p.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (tests: 10)")
-    p.add_argument("--max-chars", type=int, default=None, help="stop after typing this many characters")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model folder, a synthetic model name (e.g. synthetic-qwen2.5-coder-0.5b) or anything "
+        "the server's model setting takes (default: the bundled model)",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        metavar="P",
+        help="server setting precision: fp32, int8, int8-rowq, int4 or auto (default: the server's)",
+    )
+    p.add_argument(
+        "--file", metavar="PY", help=f"Python file to type into (default: stdlib {DEFAULT_FILE})"
+    )
+    p.add_argument(
+        "--function",
+        metavar="NAME",
+        help="function whose body is typed (default: a 8-40 line "
+        "function in the middle of the file)",
+    )
+    p.add_argument(
+        "--cps", type=float, default=10.0, help="typing speed, characters per second (default 10)"
+    )
+    p.add_argument(
+        "--line-pause", type=float, default=0.6, help="pause after each line, seconds (default 0.6)"
+    )
+    p.add_argument(
+        "--speed", type=float, default=1.0, help="replay this many times faster (tests: 10)"
+    )
+    p.add_argument(
+        "--max-chars", type=int, default=None, help="stop after typing this many characters"
+    )
     p.add_argument("--context-tokens", type=int, default=None, help="server setting contextTokens")
     p.add_argument("--max-tokens", type=int, default=None, help="server setting maxTokens")
-    p.add_argument("--cancels", type=int, default=30,
-                   help="after the replay, cancel this many running suggestions to time cancellation (default 30)")
-    p.add_argument("--backend", default="local", choices=("local", "llamacpp", "ollama", "openai"),
-                   help="where suggestions are generated (server setting 'backend'; default local)")
+    p.add_argument(
+        "--cancels",
+        type=int,
+        default=30,
+        help="after the replay, cancel this many running suggestions to time cancellation (default 30)",
+    )
+    p.add_argument(
+        "--backend",
+        default="local",
+        choices=("local", "llamacpp", "ollama", "openai"),
+        help="where suggestions are generated (server setting 'backend'; default local)",
+    )
     p.add_argument("--backend-url", default=None, metavar="URL", help="server setting backendUrl")
-    p.add_argument("--engine", default=None, metavar="WHERE",
-                   help="server setting engine: local, auto (the shared daemon) or ws://HOST:PORT")
-    p.add_argument("--backend-model", default=None, metavar="NAME", help="server setting backendModel")
-    p.add_argument("--fim-template", default=None, metavar="NAME", help="server setting fimTemplate")
+    p.add_argument(
+        "--engine",
+        default=None,
+        metavar="WHERE",
+        help="server setting engine: local, auto (the shared daemon) or ws://HOST:PORT",
+    )
+    p.add_argument(
+        "--backend-model", default=None, metavar="NAME", help="server setting backendModel"
+    )
+    p.add_argument(
+        "--fim-template", default=None, metavar="NAME", help="server setting fimTemplate"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="also draw the headline figures into a PNG (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the headline figures into a PNG (needs matplotlib)",
+    )
 
 
 def main(argv: list[str] | None = None, plot=None) -> int:
@@ -70,20 +111,33 @@ def pick_function(source: str, name: str | None) -> tuple[int, int, str]:
     if name:
         funcs = [f for f in funcs if f.name == name]
         if not funcs:
-            raise SystemExit(f"spark-lsp bench lsp: --function {name}: no such function in the file")
+            raise SystemExit(
+                f"spark-lsp bench lsp: --function {name}: no such function in the file"
+            )
     else:
-        funcs = [f for f in funcs if 8 <= (f.end_lineno - f.lineno) <= 40 and f.col_offset == 0] or \
-            [f for f in funcs if 4 <= (f.end_lineno - f.lineno) <= 60]
+        funcs = [
+            f for f in funcs if 8 <= (f.end_lineno - f.lineno) <= 40 and f.col_offset == 0
+        ] or [f for f in funcs if 4 <= (f.end_lineno - f.lineno) <= 60]
         if not funcs:
-            raise SystemExit("spark-lsp bench lsp: no function of a suitable size in the file; use --function")
+            raise SystemExit(
+                "spark-lsp bench lsp: no function of a suitable size in the file; use --function"
+            )
         funcs.sort(key=lambda f: f.lineno)
         funcs = [funcs[len(funcs) // 2]]
     f = funcs[0]
     first = f.body[0]
-    if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
-            and isinstance(first.value.value, str) and len(f.body) > 1:
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(getattr(first, "value", None), ast.Constant)
+        and isinstance(first.value.value, str)
+        and len(f.body) > 1
+    ):
         first = f.body[1]  # keep the docstring: it is context the user already wrote
-    body_start = starts[first.lineno - 1] + len(lines[first.lineno - 1]) - len(lines[first.lineno - 1].lstrip())
+    body_start = (
+        starts[first.lineno - 1]
+        + len(lines[first.lineno - 1])
+        - len(lines[first.lineno - 1].lstrip())
+    )
     body_end = starts[f.end_lineno]
     return body_start, body_end, f.name
 
@@ -116,8 +170,10 @@ def cancel_phase(client, uri: str, n: int) -> list[float]:
 
     if n <= 0:
         return []
-    client.call("workspace/executeCommand", {"command": "spark.configure",
-                                             "arguments": [{"maxTokens": 128, "maxLines": 40}]})
+    client.call(
+        "workspace/executeCommand",
+        {"command": "spark.configure", "arguments": [{"maxTokens": 128, "maxLines": 40}]},
+    )
     text = client.docs[uri].text
     openers = [i + 1 for i, ln in enumerate(text.splitlines()) if ln.rstrip().endswith(":")]
     rng = random.Random(0)
@@ -125,9 +181,14 @@ def cancel_phase(client, uri: str, n: int) -> list[float]:
     for k in range(n):
         line = openers[k % len(openers)] - 1
         col = len(text.splitlines()[line])
-        fut = client.request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": {"line": line, "character": col},
-            "context": {"triggerKind": 1}})
+        fut = client.request(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": uri},
+                "position": {"line": line, "character": col},
+                "context": {"triggerKind": 1},
+            },
+        )
         time.sleep(rng.uniform(0.005, 0.03))
         t = time.perf_counter()
         client.cancel(fut)
@@ -177,11 +238,11 @@ def run(args, plot=None) -> int:
     keys = keystrokes(body)
     if args.max_chars:
         acc, cut = 0, 0
-        for cut, k in enumerate(keys):
+        for cut, k in enumerate(keys):  # noqa: B007 (the index is read after the loop)
             acc += len(k)
             if acc >= args.max_chars:
                 break
-        keys = keys[:cut + 1]
+        keys = keys[: cut + 1]
     text = source[:start] + source[end:]
     # no background measuring skews the run; every suggestion is shown (no confidence gate), so the
     # replay's work (typing-through, model calls) is the same whatever a model's probabilities
@@ -198,8 +259,12 @@ def run(args, plot=None) -> int:
     if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
         model = str(synthetic_model(model))
     if args.backend != "local":
-        options.update(backend=args.backend, backendUrl=args.backend_url, backendModel=args.backend_model,
-                       fimTemplate=args.fim_template)
+        options.update(
+            backend=args.backend,
+            backendUrl=args.backend_url,
+            backendModel=args.backend_model,
+            fimTemplate=args.fim_template,
+        )
 
     client = LspClient(server_cmd(model))
     try:
@@ -250,41 +315,70 @@ def run(args, plot=None) -> int:
         cancel_rtt = cancel_phase(client, uri, args.cancels)
         final = client.call("spark/metrics", {})
         t_start_replay = t_warm
-        engine_ms = [p.get("totalMs") for t, m, p in client.notifications
-                     if m == "spark/status" and t >= t_start_replay and p.get("kind") == "completion"
-                     and p.get("totalMs") is not None]
+        engine_ms = [
+            p.get("totalMs")
+            for t, m, p in client.notifications
+            if m == "spark/status"
+            and t >= t_start_replay
+            and p.get("kind") == "completion"
+            and p.get("totalMs") is not None
+        ]
     finally:
         client.shutdown()
 
     lat = [r[0] for r in results]
     cancel_ms = list(final.get("cancelLatencyMs") or [])
     b0, b1 = base.get("backend") or {}, final.get("backend") or {}
-    backend = {k: b1[k] - b0.get(k, 0) for k in ("requests", "cancelled", "tokens", "wasted_tokens") if k in b1}
-    served = {k: final[k] - base.get(k, 0) for k in ("inlineRequests", "typingThrough", "joinedGeneration",
-                                                     "modelCalls",
-                                                     "prefixCacheHits", "promptTokens", "reusedTokens")}
+    backend = {
+        k: b1[k] - b0.get(k, 0)
+        for k in ("requests", "cancelled", "tokens", "wasted_tokens")
+        if k in b1
+    }
+    served = {
+        k: final[k] - base.get(k, 0)
+        for k in (
+            "inlineRequests",
+            "typingThrough",
+            "joinedGeneration",
+            "modelCalls",
+            "prefixCacheHits",
+            "promptTokens",
+            "reusedTokens",
+        )
+    }
     out = {
-        "file": str(path), "lines": source.count("\n"), "function": fname, "model": info.get("model"),
-        "keystrokes": len(keys), "chars": sum(len(k) for k in keys),
-        "cps": args.cps, "speed": args.speed, "load_s": round(load_s, 2),
+        "file": str(path),
+        "lines": source.count("\n"),
+        "function": fname,
+        "model": info.get("model"),
+        "keystrokes": len(keys),
+        "chars": sum(len(k) for k in keys),
+        "cps": args.cps,
+        "speed": args.speed,
+        "load_s": round(load_s, 2),
         "precision": (info.get("engine") or {}).get("precision"),
         "first_suggestion_ms": round(first.latency_ms, 1),
-        "answered": len(lat), "cancelled_or_superseded": cancelled,
+        "answered": len(lat),
+        "cancelled_or_superseded": cancelled,
         "with_suggestion": sum(1 for r in results if r[1]),
         "latency_ms_median": round(statistics.median(lat), 2) if lat else None,
         "latency_ms_p95": round(_pct(lat, 95), 2) if lat else None,
         "latency_ms_max": round(max(lat), 2) if lat else None,
         "inline_requests": served["inlineRequests"],
-        "typing_through": served["typingThrough"], "joined_generation": served["joinedGeneration"],
+        "typing_through": served["typingThrough"],
+        "joined_generation": served["joinedGeneration"],
         "model_calls": served["modelCalls"],
         "prefix_cache_hits": served["prefixCacheHits"],
-        "prompt_tokens": served["promptTokens"], "reused_prompt_tokens": served["reusedTokens"],
+        "prompt_tokens": served["promptTokens"],
+        "reused_prompt_tokens": served["reusedTokens"],
         # $/cancelRequest (or a superseding didChange) -> the engine stopped, measured in the server
         "cancel_latency_ms_median": round(statistics.median(cancel_ms), 3) if cancel_ms else None,
         "cancel_latency_ms_p95": round(_pct(cancel_ms, 95), 3) if cancel_ms else None,
         "cancels_measured": len(cancel_ms),
         # $/cancelRequest sent -> -32800 received, measured in the client
-        "cancel_round_trip_ms_median": round(statistics.median(cancel_rtt), 3) if cancel_rtt else None,
+        "cancel_round_trip_ms_median": round(statistics.median(cancel_rtt), 3)
+        if cancel_rtt
+        else None,
         "ttft_ms_median": final.get("ttftMsMedian"),
         # engine time of the model calls (prefill + decode), to tell model time from server overhead
         "engine_ms_median": round(statistics.median(engine_ms), 2) if engine_ms else None,
@@ -299,25 +393,39 @@ def run(args, plot=None) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"bench lsp: typed {out['chars']} chars of {fname}() into {path.name} ({out['lines']} lines) "
-              f"with {out['model']} ({out['backend']} backend), {args.cps:g} chars/s x{args.speed:g}")
-        rows = [("start to ready (s)", out["load_s"]),
-                ("first suggestion, whole prompt (ms)", out["first_suggestion_ms"]),
-                ("requests answered", out["answered"]), ("cancelled / superseded", cancelled),
-                ("latency median (ms)", out["latency_ms_median"]), ("latency p95 (ms)", out["latency_ms_p95"]),
-                ("latency max (ms)", out["latency_ms_max"]),
-                ("served by typing-through", out["typing_through"]),
-                ("served by joining a running generation", out["joined_generation"]),
-                ("model calls", out["model_calls"]),
-                ("model calls reusing the prefix cache", out["prefix_cache_hits"]),
-                ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),
-                ("cancel -> engine stopped, median / p95 (ms)",
-                 f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']} ({out['cancels_measured']})"),
-                ("cancel round trip in the client, median (ms)", out["cancel_round_trip_ms_median"]),
-                ("TTFT median (ms)", out["ttft_ms_median"]),
-                ("engine time per model call, median (ms)", out["engine_ms_median"]),
-                ("backend requests / cancelled", f"{out['backend_requests']} / {out['backend_cancelled']}"),
-                ("backend tokens / wasted (never shown)", f"{out['backend_tokens']} / {out['wasted_tokens']}")]
+        print(
+            f"bench lsp: typed {out['chars']} chars of {fname}() into {path.name} ({out['lines']} lines) "
+            f"with {out['model']} ({out['backend']} backend), {args.cps:g} chars/s x{args.speed:g}"
+        )
+        rows = [
+            ("start to ready (s)", out["load_s"]),
+            ("first suggestion, whole prompt (ms)", out["first_suggestion_ms"]),
+            ("requests answered", out["answered"]),
+            ("cancelled / superseded", cancelled),
+            ("latency median (ms)", out["latency_ms_median"]),
+            ("latency p95 (ms)", out["latency_ms_p95"]),
+            ("latency max (ms)", out["latency_ms_max"]),
+            ("served by typing-through", out["typing_through"]),
+            ("served by joining a running generation", out["joined_generation"]),
+            ("model calls", out["model_calls"]),
+            ("model calls reusing the prefix cache", out["prefix_cache_hits"]),
+            ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),
+            (
+                "cancel -> engine stopped, median / p95 (ms)",
+                f"{out['cancel_latency_ms_median']} / {out['cancel_latency_ms_p95']} ({out['cancels_measured']})",
+            ),
+            ("cancel round trip in the client, median (ms)", out["cancel_round_trip_ms_median"]),
+            ("TTFT median (ms)", out["ttft_ms_median"]),
+            ("engine time per model call, median (ms)", out["engine_ms_median"]),
+            (
+                "backend requests / cancelled",
+                f"{out['backend_requests']} / {out['backend_cancelled']}",
+            ),
+            (
+                "backend tokens / wasted (never shown)",
+                f"{out['backend_tokens']} / {out['wasted_tokens']}",
+            ),
+        ]
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {val}")

@@ -7,8 +7,9 @@ producers; matplotlib (the `plot` extra) is imported only here, and only when a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 #: Issue targets drawn as dashed lines (keystroke-to-suggestion latency, in ms).
 LSP_TARGETS_MS = {"median": 25.0, "p95": 60.0}
@@ -25,8 +26,13 @@ def _bars(ax, labels: list[str], values: list[float], title: str, ylabel: str, c
     ax.set_title(title, fontsize=10)
     ax.set_ylabel(ylabel, fontsize=8)
     for b, v in zip(bars, values):
-        ax.annotate(f"{v:,.0f}" if v >= 10 else f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                    ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            f"{v:,.0f}" if v >= 10 else f"{v:.2f}",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
 
 
 def _vs_peers(eng: dict[str, Any], key: str) -> tuple[list[str], list[float]]:
@@ -38,7 +44,9 @@ def _vs_peers(eng: dict[str, Any], key: str) -> tuple[list[str], list[float]]:
     return labels, values
 
 
-def panels(results: dict[str, Any], detail: bool = False) -> list[tuple[str, list[str], list[float], str, str]]:
+def panels(
+    results: dict[str, Any], detail: bool = False
+) -> list[tuple[str, list[str], list[float], str, str]]:
     """The (name, labels, values, title, ylabel) of each panel that `results` has data for.
 
     Each benchmark's first panel is its headline (the `bench all` figure); ``detail`` adds the
@@ -48,20 +56,49 @@ def panels(results: dict[str, Any], detail: bool = False) -> list[tuple[str, lis
     out = []
     eng = results.get("engine")
     if eng:
-        out.append(("engine", *_vs_peers(eng, "decode_tok_s"), "decode, same weights (tok/s)", "tokens/s"))
+        out.append(
+            ("engine", *_vs_peers(eng, "decode_tok_s"), "decode, same weights (tok/s)", "tokens/s")
+        )
         e = eng["engine"]
         if detail and e.get("prefill_tok_s"):
-            out.append(("engine-prefill", *_vs_peers(eng, "prefill_tok_s"), "prefill, same weights (tok/s)",
-                        "tokens/s"))
+            out.append(
+                (
+                    "engine-prefill",
+                    *_vs_peers(eng, "prefill_tok_s"),
+                    "prefill, same weights (tok/s)",
+                    "tokens/s",
+                )
+            )
         if detail and e.get("ttft_cold_ms") is not None and e.get("ttft_reused_ms") is not None:
-            out.append(("engine-ttft", ["cold", "prefix\nreused"], [e["ttft_cold_ms"], e["ttft_reused_ms"]],
-                        "time to first token (ms)", "ms"))
+            out.append(
+                (
+                    "engine-ttft",
+                    ["cold", "prefix\nreused"],
+                    [e["ttft_cold_ms"], e["ttft_reused_ms"]],
+                    "time to first token (ms)",
+                    "ms",
+                )
+            )
         rows = eng.get("precisions") or {}
         if rows:
-            out.append(("engine-precision", list(rows), [r["decode_tok_s"] for r in rows.values()],
-                        "decode per precision (dashed: 2x fp32)", "tokens/s"))
-            out.append(("engine-agreement", list(rows), [100 * r["greedy_agreement_rate"] for r in rows.values()],
-                        "greedy agreement with fp32 (dashed: 95%)", "%"))
+            out.append(
+                (
+                    "engine-precision",
+                    list(rows),
+                    [r["decode_tok_s"] for r in rows.values()],
+                    "decode per precision (dashed: 2x fp32)",
+                    "tokens/s",
+                )
+            )
+            out.append(
+                (
+                    "engine-agreement",
+                    list(rows),
+                    [100 * r["greedy_agreement_rate"] for r in rows.values()],
+                    "greedy agreement with fp32 (dashed: 95%)",
+                    "%",
+                )
+            )
     edits = results.get("edits")
     if edits and edits.get("summary"):
         s = edits["summary"]
@@ -70,24 +107,62 @@ def panels(results: dict[str, Any], detail: bool = False) -> list[tuple[str, lis
         out.append(("edits", labels, values, "speculative / plain decode", "ratio"))
         tasks = [t for t in edits.get("tasks") or [] if t.get("ratio") is not None]
         if detail and tasks:
-            out.append(("edits-tasks", [t["task"].replace("-", "\n", 1) for t in tasks], [t["ratio"] for t in tasks],
-                        "speculative / plain, per task", "ratio"))
+            out.append(
+                (
+                    "edits-tasks",
+                    [t["task"].replace("-", "\n", 1) for t in tasks],
+                    [t["ratio"] for t in tasks],
+                    "speculative / plain, per task",
+                    "ratio",
+                )
+            )
     lsp = results.get("lsp")
     if lsp and lsp.get("latency_ms_median") is not None:
-        out.append(("lsp", ["median", "p95"], [lsp["latency_ms_median"], lsp["latency_ms_p95"]],
-                    "keystroke -> suggestion (ms)", "ms"))
+        out.append(
+            (
+                "lsp",
+                ["median", "p95"],
+                [lsp["latency_ms_median"], lsp["latency_ms_p95"]],
+                "keystroke -> suggestion (ms)",
+                "ms",
+            )
+        )
         if detail and lsp.get("cancel_latency_ms_median") is not None:
-            out.append(("lsp-cancel", ["median", "p95"],
-                        [lsp["cancel_latency_ms_median"], lsp["cancel_latency_ms_p95"]],
-                        "cancel -> engine stopped (ms)", "ms"))
+            out.append(
+                (
+                    "lsp-cancel",
+                    ["median", "p95"],
+                    [lsp["cancel_latency_ms_median"], lsp["cancel_latency_ms_p95"]],
+                    "cancel -> engine stopped (ms)",
+                    "ms",
+                )
+            )
     wafer = results.get("wafer")
     if wafer and wafer.get("dense_decode_tok_s"):
-        out.append(("wafer", ["partitioned", "dense"], [wafer["partitioned_decode_tok_s"], wafer["dense_decode_tok_s"]],
-                    f"emulated {wafer.get('grid', '')} mesh vs plain (tok/s)", "tokens/s"))
-        keys = {"ratio_of_medians": "median\ntok/s", "median_round_ratio": "per\nround", "cpu_ratio": "per\nCPU-s"}
+        out.append(
+            (
+                "wafer",
+                ["partitioned", "dense"],
+                [wafer["partitioned_decode_tok_s"], wafer["dense_decode_tok_s"]],
+                f"emulated {wafer.get('grid', '')} mesh vs plain (tok/s)",
+                "tokens/s",
+            )
+        )
+        keys = {
+            "ratio_of_medians": "median\ntok/s",
+            "median_round_ratio": "per\nround",
+            "cpu_ratio": "per\nCPU-s",
+        }
         if detail and all(wafer.get(k) is not None for k in keys):
-            out.append(("wafer-ratios", list(keys.values()), [wafer[k] for k in keys],
-                        "partitioned / dense", "ratio"))
+            out.append(
+                (
+                    "wafer-ratios",
+                    list(keys.values()),
+                    [wafer[k] for k in keys],
+                    "partitioned / dense",
+                    "ratio",
+                )
+            )
     return out
 
 
@@ -102,14 +177,22 @@ def require() -> None:
 
 def plotter(name: str) -> Callable[[dict[str, Any], str | Path], Path]:
     """``plot(results, path)`` for one benchmark's JSON (what ``bench NAME --plot`` passes to it)."""
+
     def plot(res: dict[str, Any], path: str | Path) -> Path:
         model = res.get("model")
-        return draw({name: res}, path, title=f"spark-lsp bench {name}" + (f" - {Path(str(model)).name}" if model else ""),
-                    detail=True)
+        return draw(
+            {name: res},
+            path,
+            title=f"spark-lsp bench {name}" + (f" - {Path(str(model)).name}" if model else ""),
+            detail=True,
+        )
+
     return plot
 
 
-def draw(results: dict[str, Any], path: str | Path, title: str | None = None, detail: bool = False) -> Path:
+def draw(
+    results: dict[str, Any], path: str | Path, title: str | None = None, detail: bool = False
+) -> Path:
     """Write the PNG; raises RuntimeError when matplotlib is missing or there is nothing to draw."""
     require()
     import matplotlib
@@ -124,17 +207,28 @@ def draw(results: dict[str, Any], path: str | Path, title: str | None = None, de
     cols = -(-len(ps) // rows)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.4 * rows), squeeze=False)
     flat = list(axes.flat)
-    for ax in flat[len(ps):]:
+    for ax in flat[len(ps) :]:
         ax.set_visible(False)
     for ax, (name, labels, values, title_, ylabel) in zip(flat, ps):
-        _bars(ax, labels, values, title_, ylabel, ["#d9480f"] * len(values) if name in _ALL_OURS else None)
+        _bars(
+            ax,
+            labels,
+            values,
+            title_,
+            ylabel,
+            ["#d9480f"] * len(values) if name in _ALL_OURS else None,
+        )
         if name == "lsp":
             for i, key in enumerate(("median", "p95")):
-                ax.hlines(LSP_TARGETS_MS[key], i - 0.4, i + 0.4, colors="#1c7ed6", linestyles="dashed")
+                ax.hlines(
+                    LSP_TARGETS_MS[key], i - 0.4, i + 0.4, colors="#1c7ed6", linestyles="dashed"
+                )
         if name in ("edits", "edits-tasks", "wafer-ratios"):
             ax.axhline(1.0, color="#1c7ed6", linestyle="dashed", linewidth=1)
         if name == "engine-precision" and labels and labels[0] == "fp32":
-            ax.axhline(QUANT_TARGET_SPEEDUP * values[0], color="#1c7ed6", linestyle="dashed", linewidth=1)
+            ax.axhline(
+                QUANT_TARGET_SPEEDUP * values[0], color="#1c7ed6", linestyle="dashed", linewidth=1
+            )
         if name == "engine-agreement":
             ax.axhline(QUANT_TARGET_AGREEMENT, color="#1c7ed6", linestyle="dashed", linewidth=1)
     if title is None:

@@ -33,8 +33,9 @@ class ChatTemplate:
         self.bos, self.eos = bos or "", eos or ""
 
     def render(self, messages: list[dict]) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=True,
-                                     bos_token=self.bos, eos_token=self.eos)
+        return self._template.render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos, eos_token=self.eos
+        )
 
 
 def _token(v: Any) -> str | None:
@@ -45,7 +46,9 @@ def _token(v: Any) -> str | None:
     return None
 
 
-def load_chat_template(model_dir: str | Path | None, name: str, has_fim: bool) -> ChatTemplate | None:
+def load_chat_template(
+    model_dir: str | Path | None, name: str, has_fim: bool
+) -> ChatTemplate | None:
     """The model's chat template if it is a chat model: it has a template and either no FIM tokens
     or 'instruct' / 'chat' in its name (base code models often ship a template they were not
     trained on). None otherwise, or when Jinja2 is not installed."""
@@ -58,7 +61,10 @@ def load_chat_template(model_dir: str | Path | None, name: str, has_fim: bool) -
         return None
     tpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
     if isinstance(tpl, list):  # [{"name": "default", "template": "..."}, ...]
-        tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        tpl = next(
+            (t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"),
+            None,
+        )
     if not isinstance(tpl, str) or not tpl.strip():
         return None
     lowered = name.lower()
@@ -67,21 +73,26 @@ def load_chat_template(model_dir: str | Path | None, name: str, has_fim: bool) -
     try:
         return ChatTemplate(tpl, _token(cfg.get("bos_token")), _token(cfg.get("eos_token")))
     except ImportError:
-        log.info("%s has a chat template but Jinja2 is not installed; instruction edits use FIM", name)
+        log.info(
+            "%s has a chat template but Jinja2 is not installed; instruction edits use FIM", name
+        )
     except Exception as exc:
         log.warning("%s: cannot parse the chat template: %s", path, exc)
     return None
 
 
-def instruction_messages(instruction: str, selected: str, before: str, after: str, language: str = "python"
-                         ) -> list[dict]:
+def instruction_messages(
+    instruction: str, selected: str, before: str, after: str, language: str = "python"
+) -> list[dict]:
     ctx_before = before[-1500:]
     ctx_after = after[:800]
-    user = (f"Context before the code:\n```{language}\n{ctx_before}\n```\n"
-            f"Context after the code:\n```{language}\n{ctx_after}\n```\n"
-            f"Code to edit:\n```{language}\n{selected}```\n"
-            f"Instruction: {instruction.strip()}\n"
-            "Reply with the edited code only.")
+    user = (
+        f"Context before the code:\n```{language}\n{ctx_before}\n```\n"
+        f"Context after the code:\n```{language}\n{ctx_after}\n```\n"
+        f"Code to edit:\n```{language}\n{selected}```\n"
+        f"Instruction: {instruction.strip()}\n"
+        "Reply with the edited code only."
+    )
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -90,7 +101,7 @@ def extract_code(reply: str, final: bool) -> str:
     Mid-stream, an opening fence is hidden and nothing after a closing fence is shown."""
     m = _FENCE_OPEN.match(reply)
     if m:
-        body = reply[m.end():]
+        body = reply[m.end() :]
         close = body.find("```")
         if close >= 0:
             return body[:close]

@@ -15,10 +15,23 @@ from importlib import metadata
 from . import __version__
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "demo", "editor", "models", "engine", "generate", "eval", "tune", "wafer", "bench")
+COMMANDS = (
+    "serve",
+    "demo",
+    "editor",
+    "models",
+    "engine",
+    "generate",
+    "eval",
+    "tune",
+    "wafer",
+    "bench",
+)
 
 
-DESCRIPTION = "AI inline completions and code-action edits for VS Code and Neovim, from a local model."
+DESCRIPTION = (
+    "AI inline completions and code-action edits for VS Code and Neovim, from a local model."
+)
 EPILOG = """first steps:
   spark-lsp demo                 see it work in the terminal (bundled demo model)
   spark-lsp editor vscode        install the VS Code extension
@@ -36,8 +49,12 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spark-lsp", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="spark-lsp",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"spark-lsp {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -59,9 +76,11 @@ def foreign_engine() -> str | None:
     engine = importlib.import_module("engine")  # cheap: its public names load lazily
     if getattr(engine, "DISTRIBUTION", None) != "spark-lsp":
         where = spec.origin or ", ".join(spec.submodule_search_locations or []) or "?"
-        return (f"the 'engine' package imported from {where} is not spark-lsp's engine "
-                "(another installed package uses the name 'engine'); install spark-lsp in its own "
-                "virtual environment, e.g. `pipx install spark-lsp`, or uninstall the other package")
+        return (
+            f"the 'engine' package imported from {where} is not spark-lsp's engine "
+            "(another installed package uses the name 'engine'); install spark-lsp in its own "
+            "virtual environment, e.g. `pipx install spark-lsp`, or uninstall the other package"
+        )
     return None
 
 

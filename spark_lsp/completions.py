@@ -9,28 +9,29 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from . import postprocess
-from .documents import line_at, split_lines
 from .backends.base import FileChunk, TextPrompt
+from .documents import line_at, split_lines
 from .prompt import PromptBuilder
 from .scheduler import Cancelled, Job
 from .settings import Settings
 
 INVOKED, AUTOMATIC = 1, 2
-EXTRA_SEEDS = (1, 2)          # sampled alternatives for an Invoked request
+EXTRA_SEEDS = (1, 2)  # sampled alternatives for an Invoked request
 ALT_TEMPERATURE = 0.8
-SINGLE_LINE_TOKENS = 24      # the rest of a line rarely needs more; bounds the latency of a miss
+SINGLE_LINE_TOKENS = 24  # the rest of a line rarely needs more; bounds the latency of a miss
 
 
 @dataclass
 class Shown:
     """The last suggestion shown for a document: what typing-through answers from."""
 
-    text: str                 # document text when it was computed
-    offset: int               # cursor offset then
+    text: str  # document text when it was computed
+    offset: int  # cursor offset then
     items: list[str]
 
 
@@ -38,7 +39,7 @@ class Shown:
 class Result:
     items: list[str]
     stats: dict = field(default_factory=dict)
-    source: str = "model"     # 'model' | 'typing-through'
+    source: str = "model"  # 'model' | 'typing-through'
 
 
 LINE_CONTEXT = 4000  # characters of the cursor line kept on each side for post-processing
@@ -48,14 +49,16 @@ def context_at(text: str, offset: int, n: int = 6, python: bool = False) -> post
     before, after = line_at(text, offset)
     line_start = offset - len(before)
     line_end = offset + len(after)
-    prev = split_lines(text[max(0, line_start - 2000):line_start])[:-1]
-    nxt = split_lines(text[line_end:line_end + 2000])[1:]
+    prev = split_lines(text[max(0, line_start - 2000) : line_start])[:-1]
+    nxt = split_lines(text[line_end : line_end + 2000])[1:]
     strip = lambda ls: tuple(x.rstrip("\r\n")[:LINE_CONTEXT] for x in ls)  # noqa: E731
     # of a very long line (minified code) only the part near the cursor: post-processing looks at
     # what is next to the suggestion, and its work must not grow with the line
     if len(before) > LINE_CONTEXT:
         before = before[-LINE_CONTEXT:]
-    return postprocess.Context(before, after[:LINE_CONTEXT], strip(nxt[:n]), strip(prev[-n:]), python=python)
+    return postprocess.Context(
+        before, after[:LINE_CONTEXT], strip(nxt[:n]), strip(prev[-n:]), python=python
+    )
 
 
 class TypingThrough:
@@ -82,9 +85,9 @@ class TypingThrough:
         typed_len = offset - s.offset
         if typed_len < 0 or len(text) != len(s.text) + typed_len:
             return None
-        if text[offset:] != s.text[s.offset:] or text[:s.offset] != s.text[:s.offset]:
+        if text[offset:] != s.text[s.offset :] or text[: s.offset] != s.text[: s.offset]:
             return None
-        typed = text[s.offset:offset]
+        typed = text[s.offset : offset]
         rest = []
         for item in s.items:
             if item.startswith(typed) and len(item) > typed_len:
@@ -101,17 +104,19 @@ class Inflight:
 
     def __init__(self, job: Job, text: str, offset: int):
         self.job, self.text, self.offset = job, text, offset
-        self.partial = ""     # raw output so far of the first generation (written by the engine thread)
-        self.waiters = 0      # requests awaiting it; the job is cancelled when the last one is
+        self.partial = (
+            ""  # raw output so far of the first generation (written by the engine thread)
+        )
+        self.waiters = 0  # requests awaiting it; the job is cancelled when the last one is
         self.expect_join = False  # a didChange typed along with it: the next request will join
 
     def typed(self, text: str) -> str | None:
         """The characters inserted at the request's cursor since it started, if nothing else changed."""
         n = len(text) - len(self.text)
         o = self.offset
-        if n < 0 or text[:o] != self.text[:o] or text[o + n:] != self.text[o:]:
+        if n < 0 or text[:o] != self.text[:o] or text[o + n :] != self.text[o:]:
             return None
-        return text[o:o + n]
+        return text[o : o + n]
 
     def followed_by(self, text: str) -> str | None:
         """`typed` when it matches the output so far, else None."""
@@ -128,17 +133,30 @@ def drive(steps: Any) -> Any:
         return stop.value
 
 
-def generate_steps(model: Any, job: Job, ids: list[int], params: Any,
-                   done: Callable[[str], bool] | None = None,
-                   on_text: Callable[[str], None] | None = None,
-                   speculative: bool = False, draft: str | None = None,
-                   text_prompt: TextPrompt | None = None):
+def generate_steps(
+    model: Any,
+    job: Job,
+    ids: list[int],
+    params: Any,
+    done: Callable[[str], bool] | None = None,
+    on_text: Callable[[str], None] | None = None,
+    speculative: bool = False,
+    draft: str | None = None,
+    text_prompt: TextPrompt | None = None,
+):
     """One generation of `model` (a model_host.Model), yielding after every decode step so the
     scheduler can interleave documents; stops early once `done(text)` says the output is
     complete. `text_prompt`: what `ids` encode, for a remote model. Returns (text, stats,
     finish_reason); raises Cancelled if the job was, BackendError if a remote model failed."""
-    gen = model.generate(ids, params, job.slot, cancel=job.token, speculative=speculative, draft=draft,
-                         text=text_prompt)
+    gen = model.generate(
+        ids,
+        params,
+        job.slot,
+        cancel=job.token,
+        speculative=speculative,
+        draft=draft,
+        text=text_prompt,
+    )
     text = ""
     early = False
     line_logprob, line_done = None, False  # the first line's log-probability, when asked for
@@ -183,7 +201,9 @@ def control_ids(builder: Any) -> frozenset[int]:
     """Token ids the engine must stop at before decoding them: the FIM format's stop tokens and
     every special (control) token of the tokenizer, so no "<fim_suffix>" ever becomes text."""
     specials = getattr(builder.tokenizer, "special_tokens", None) or {}
-    return frozenset(getattr(getattr(builder, "fim", None), "stop_ids", ()) or ()) | frozenset(specials.values())
+    return frozenset(getattr(getattr(builder, "fim", None), "stop_ids", ()) or ()) | frozenset(
+        specials.values()
+    )
 
 
 def prompt_budget(model: Any, context_tokens: int, max_new: int) -> int:
@@ -208,10 +228,19 @@ def complete(*args: Any, **kw: Any) -> Result:
     return drive(complete_steps(*args, **kw))
 
 
-def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offset: int,
-                   settings: Settings, trigger: int, params_cls: Any,
-                   on_partial: Callable[[str], None] | None = None, python: bool = False,
-                   neighbours: Callable[[int, Callable[[str], int]], list] | None = None):
+def complete_steps(
+    model: Any,
+    builder: PromptBuilder,
+    job: Job,
+    text: str,
+    offset: int,
+    settings: Settings,
+    trigger: int,
+    params_cls: Any,
+    on_partial: Callable[[str], None] | None = None,
+    python: bool = False,
+    neighbours: Callable[[int, Callable[[str], int]], list] | None = None,
+):
     """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result);
     `python`: the document is Python (its indentation rules cut multi-line suggestions);
     `neighbours(budget, count)`: other files' chunks within a token budget
@@ -230,29 +259,55 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
     else:
         prompt = builder.build(text, offset, budget, key=job.slot)
     stop = (("\n",) if not multiline else ("\n\n\n",)) + builder.stop_strings
-    done = (lambda s: postprocess.block_done(s, ctx, settings.max_lines)) if multiline else postprocess.ends_in_loop
+    done = (
+        (lambda s: postprocess.block_done(s, ctx, settings.max_lines))
+        if multiline
+        else postprocess.ends_in_loop
+    )
     # the text the ids encode (healed part included), for a model that tokenises on its side
-    text_prompt = TextPrompt(prompt.prefix, prompt.suffix if prompt.fim else None,
-                             extra=tuple(FileChunk(str(p), str(t)) for p, t in files))
+    text_prompt = TextPrompt(
+        prompt.prefix,
+        prompt.suffix if prompt.fim else None,
+        extra=tuple(FileChunk(str(p), str(t)) for p, t in files),
+    )
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
     gate = trigger != INVOKED and settings.min_confidence > 0  # the user asked: always shown
     items: list[str] = []
     stats: dict = {}
     for k in range(n):
         if k == 0:
-            params = params_cls(max_new_tokens=max_new, temperature=settings.temperature,
-                                seed=0 if settings.temperature > 0 else None, stop=stop,
-                                stop_ids=control_ids(builder))
+            params = params_cls(
+                max_new_tokens=max_new,
+                temperature=settings.temperature,
+                seed=0 if settings.temperature > 0 else None,
+                stop=stop,
+                stop_ids=control_ids(builder),
+            )
         else:
-            params = params_cls(max_new_tokens=max_new, temperature=max(settings.temperature, ALT_TEMPERATURE),
-                                top_p=0.95, seed=EXTRA_SEEDS[k - 1], stop=stop, stop_ids=control_ids(builder))
-        if prompt.healed:  # the answer starts by re-spelling the partial word; only the rest is emitted
+            params = params_cls(
+                max_new_tokens=max_new,
+                temperature=max(settings.temperature, ALT_TEMPERATURE),
+                top_p=0.95,
+                seed=EXTRA_SEEDS[k - 1],
+                stop=stop,
+                stop_ids=control_ids(builder),
+            )
+        if (
+            prompt.healed
+        ):  # the answer starts by re-spelling the partial word; only the rest is emitted
             params = replace(params, healed_prefix=prompt.healed)
         if gate:
             params = replace(params, logprobs=True)
-        raw, st, finish = yield from generate_steps(model, job, prompt.ids, params, done,
-                                                    on_text=on_partial if k == 0 else None,
-                                                    speculative=settings.speculative, text_prompt=text_prompt)
+        raw, st, finish = yield from generate_steps(
+            model,
+            job,
+            prompt.ids,
+            params,
+            done,
+            on_text=on_partial if k == 0 else None,
+            speculative=settings.speculative,
+            text_prompt=text_prompt,
+        )
         if k == 0:
             stats = {**st, "finish_reason": finish}
         item = postprocess.clean(raw, ctx, multiline, settings.max_lines)
@@ -262,7 +317,13 @@ def complete_steps(model: Any, builder: PromptBuilder, job: Job, text: str, offs
                 item, stats["hidden"] = "", "low confidence"
         if item and item not in items:
             items.append(item)
-    stats.update(multiline=multiline, items=len(items), fim=prompt.fim,
-                 server_ms=(time.perf_counter() - t0) * 1e3, prompt_len=len(prompt.ids),
-                 healed=len(prompt.healed), context_tokens=getattr(prompt, "context_tokens", 0))
+    stats.update(
+        multiline=multiline,
+        items=len(items),
+        fim=prompt.fim,
+        server_ms=(time.perf_counter() - t0) * 1e3,
+        prompt_len=len(prompt.ids),
+        healed=len(prompt.healed),
+        context_tokens=getattr(prompt, "context_tokens", 0),
+    )
     return Result(items, stats)

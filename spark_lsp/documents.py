@@ -124,7 +124,9 @@ class LineIndex:
             ends = np.flatnonzero(codes == 10) + 1
         else:
             ends = np.fromiter((m.end() for m in _EOL_RE.finditer(text)), dtype=np.int64)
-        return cls(text, np.concatenate((np.zeros(1, dtype=np.int64), ends.astype(np.int64))), has_cr)
+        return cls(
+            text, np.concatenate((np.zeros(1, dtype=np.int64), ends.astype(np.int64))), has_cr
+        )
 
     def line_start(self, line: int) -> int | None:
         return int(self.starts[line]) if line < len(self.starts) else None
@@ -146,9 +148,17 @@ class LineIndex:
         k = int(np.searchsorted(self.starts, s, side="right"))
         m = int(np.searchsorted(self.starts, e, side="right"))
         inserted = [s + i + 1 for i, ch in enumerate(new) if ch == "\n"] if "\n" in new else []
-        return LineIndex(new_text, np.concatenate((
-            self.starts[:k], np.asarray(inserted, dtype=np.int64), self.starts[m:] + (len(new) - (e - s)))),
-            False)
+        return LineIndex(
+            new_text,
+            np.concatenate(
+                (
+                    self.starts[:k],
+                    np.asarray(inserted, dtype=np.int64),
+                    self.starts[m:] + (len(new) - (e - s)),
+                )
+            ),
+            False,
+        )
 
 
 _INDEXES: OrderedDict[int, LineIndex] = OrderedDict()
@@ -197,8 +207,15 @@ def _line_start(text: str, line: int) -> int | None:
     return start
 
 
-def offset_at(text: str, line: int, character: int, *, lines: list[str] | None = None,
-              strict: bool = True, enc: str = "utf-16") -> int:
+def offset_at(
+    text: str,
+    line: int,
+    character: int,
+    *,
+    lines: list[str] | None = None,
+    strict: bool = True,
+    enc: str = "utf-16",
+) -> int:
     """String offset of an LSP position, read the way the specification says: a character past
     the end of its line means the line's end (Neovim's visual-line ranges and `v:maxcol` send
     such characters) and a line past the last line means the end of the document. A negative or
@@ -249,15 +266,19 @@ def in_document(text: str, line: int, character: int, enc: str = "utf-16") -> bo
     return character <= utf16_len(content, enc)
 
 
-def apply_change(text: str, start: Pos, end: Pos, new_text: str, enc: str = "utf-16") -> tuple[str, bool]:
+def apply_change(
+    text: str, start: Pos, end: Pos, new_text: str, enc: str = "utf-16"
+) -> tuple[str, bool]:
     """(`text` with the range start..end replaced by `new_text`, whether the range had to be read
     leniently). Positions past a line's end or the document's end are clamped as the specification
     says; a range whose end comes before its start is read with the two swapped. Negative or
     non-integer positions raise PositionError: such a change cannot be applied."""
     _check_position(start.line, start.character)
     _check_position(end.line, end.character)
-    lenient = not (in_document(text, start.line, start.character, enc)
-                   and in_document(text, end.line, end.character, enc))
+    lenient = not (
+        in_document(text, start.line, start.character, enc)
+        and in_document(text, end.line, end.character, enc)
+    )
     s = offset_at(text, start.line, start.character, enc=enc)
     e = offset_at(text, end.line, end.character, enc=enc) if end != start else s
     if e < s:
@@ -276,7 +297,7 @@ def position_at(text: str, offset: int, enc: str = "utf-16") -> Pos:
     if idx is not None:
         line = idx.line_of(offset)
         start = int(idx.starts[line])
-        if offset > start and text[offset - 1] == "\r" and text[offset:offset + 1] == "\n":
+        if offset > start and text[offset - 1] == "\r" and text[offset : offset + 1] == "\n":
             pass  # inside a "\r\n": the same as the general path below
         else:
             return Pos(line, utf16_len(text[start:offset], enc))
@@ -319,9 +340,11 @@ def minimal_edit(old: str, new: str, base: int = 0) -> Edit | None:
     # Never split a "\r\n" pair or a surrogate-sensitive boundary across the edit.
     while p > 0 and old[p - 1] == "\r" and p < len(old) and old[p] == "\n":
         p -= 1
-    while s > 0 and old[len(old) - s] == "\n" and len(old) - s > p and old[len(old) - s - 1] == "\r":
+    while (
+        s > 0 and old[len(old) - s] == "\n" and len(old) - s > p and old[len(old) - s - 1] == "\r"
+    ):
         s -= 1  # (an LSP range cannot end between the two either: it would take the whole break)
-    return Edit(base + p, base + len(old) - s, new[p:len(new) - s])
+    return Edit(base + p, base + len(old) - s, new[p : len(new) - s])
 
 
 def minimal_edits(old: str, new: str, base: int = 0) -> list[Edit]:
@@ -352,7 +375,7 @@ def apply_edits(text: str, edits: list[Edit]) -> str:
     for e in sorted(edits, key=lambda e: e.start):
         if e.start < last:
             raise ValueError("overlapping edits")
-        out.append(text[last:e.start])
+        out.append(text[last : e.start])
         out.append(e.new_text)
         last = e.end
     out.append(text[last:])

@@ -73,7 +73,8 @@ class Edits:
                 instruction,
                 count_tokens=lambda s: len(builder.tokenizer.encode(s)),
                 chat=st.host.chat if name == actions.INSTRUCT else None,
-                chat_messages=name == actions.INSTRUCT and st.host.chat is None
+                chat_messages=name == actions.INSTRUCT
+                and st.host.chat is None
                 and bool(getattr(st.host.model, "supports_chat", False)),
                 python=t.python,
             )

@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Callable
 
 from . import completions
-from .completions import AUTOMATIC, INVOKED, Inflight, TypingThrough
 from .backends import BackendError
+from .completions import AUTOMATIC, INVOKED, Inflight, TypingThrough
 from .errors import ContentModified, InvalidParams, RequestCancelled
 from .scheduler import Cancelled, Job
 from .state import ServerState

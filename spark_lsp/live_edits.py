@@ -48,7 +48,11 @@ def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
     rest = "".join(orig_lines[covered:])
     # a partial last line is closed with a line break whenever the region's text goes on after it:
     # more original lines, or the line after the region (an interrupted rewrite must not join them)
-    if generated and not generated.endswith(("\n", "\r")) and (rest or original.endswith(("\n", "\r"))):
+    if (
+        generated
+        and not generated.endswith(("\n", "\r"))
+        and (rest or original.endswith(("\n", "\r")))
+    ):
         return generated + eol + rest
     return generated + rest
 
@@ -56,8 +60,16 @@ def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
 class LiveEdit:
     """State of one streamed edit: the region, what it shows, and the texts our edits produce."""
 
-    def __init__(self, uri: str, doc_text: str, start: int, end: int, start_pos: Pos,
-                 enc: str = "utf-16", version: int | None = None):
+    def __init__(
+        self,
+        uri: str,
+        doc_text: str,
+        start: int,
+        end: int,
+        start_pos: Pos,
+        enc: str = "utf-16",
+        version: int | None = None,
+    ):
         self.uri = uri
         # the document version our next edit applies to: the last one seen, or the one our last
         # applied edit produced when its didChange has not arrived yet (clients count one per edit)
@@ -66,12 +78,12 @@ class LiveEdit:
         self.region_start = start
         self.start_pos = start_pos
         self.original = doc_text[start:end]
-        self.eol = line_ending(doc_text)    # what generated line breaks are written as
-        self.shown = self.original          # region text as the document has it now
-        self._doc = doc_text                # document text once all our sent edits apply
+        self.eol = line_ending(doc_text)  # what generated line breaks are written as
+        self.shown = self.original  # region text as the document has it now
+        self._doc = doc_text  # document text once all our sent edits apply
         self._expected: collections.deque[str] = collections.deque()
         self.stopped_by_user = False
-        self.cancelled: str | None = None   # why the user cancelled the edit, once they did
+        self.cancelled: str | None = None  # why the user cancelled the edit, once they did
         # cancelled when the user types or cancels: the parent of the edit's engine job
         self.token = CancelToken()
         self.flushes = 0
@@ -103,11 +115,11 @@ class LiveEdit:
         edits = [edit]
         out = []
         for e in edits:
-            s = advance(self.start_pos, self.shown[:e.start], self.enc)
-            t = advance(self.start_pos, self.shown[:e.end], self.enc)
+            s = advance(self.start_pos, self.shown[: e.start], self.enc)
+            t = advance(self.start_pos, self.shown[: e.end], self.enc)
             out.append(RangeEdit(s, t, e.new_text))
         a = self.region_start
-        self._doc = self._doc[:a] + region_text + self._doc[a + len(self.shown):]
+        self._doc = self._doc[:a] + region_text + self._doc[a + len(self.shown) :]
         self.shown = region_text
         self._expected.append(self._doc)
         self.flushes += 1
@@ -126,7 +138,9 @@ class LiveEdit:
     def on_did_change(self, doc_text: str, version: int | None = None) -> bool:
         """Feed every didChange of the document; returns True if it was ours. A change that is
         not ours is the user's: the session stops (once)."""
-        if doc_text not in self._expected and ("\r" in doc_text or any("\r" in e for e in self._expected)):
+        if doc_text not in self._expected and (
+            "\r" in doc_text or any("\r" in e for e in self._expected)
+        ):
             # a client that converted our line breaks otherwise than to the document's line ending
             norm = normalize_eol(doc_text)
             doc_text = next((e for e in self._expected if normalize_eol(e) == norm), doc_text)

@@ -64,7 +64,9 @@ class LspEditor:
         self.ls.window_show_message(T.ShowMessageParams(type=T.MessageType.Error, message=message))
 
     def show_warning(self, message: str) -> None:
-        self.ls.window_show_message(T.ShowMessageParams(type=T.MessageType.Warning, message=message))
+        self.ls.window_show_message(
+            T.ShowMessageParams(type=T.MessageType.Warning, message=message)
+        )
 
     def notify_status(self, payload: dict) -> None:
         self.ls.protocol.notify(STATUS_METHOD, payload)

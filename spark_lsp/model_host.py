@@ -105,7 +105,9 @@ class LocalModel:
         self._speculative = speculative
 
     @classmethod
-    def load(cls, model_dir: str | None, precision: str = "auto", progress: Any = None) -> LocalModel:
+    def load(
+        cls, model_dir: str | None, precision: str = "auto", progress: Any = None
+    ) -> LocalModel:
         """Load `model_dir` (None: the bundled default; a folder, a .gguf file, a catalogue name
         or hf:ORG/REPO[:FILE], downloaded on first use with `progress` reports) and warm it up."""
         from engine import Engine
@@ -231,9 +233,13 @@ class ModelHost:
                         model = LocalModel.load(model_dir, precision, progress)
                     else:
                         model = engine_ws.load(
-                            engine, model_dir, lambda: LocalModel.load(model_dir, precision, progress)
+                            engine,
+                            model_dir,
+                            lambda: LocalModel.load(model_dir, precision, progress),
                         )
-                fim = FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None
+                fim = (
+                    FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None
+                )
                 builder = PromptBuilder(model.tokenizer, fim=fim)
                 chat = load_chat_template(
                     getattr(model, "model_dir", None) or model_dir,
@@ -268,8 +274,9 @@ class ModelHost:
 
         threading.Thread(target=work, name="spark-model-load", daemon=True).start()
 
-    def start_remote(self, settings: Settings,
-                     on_done: Callable[[bool, str], None] | None = None) -> None:
+    def start_remote(
+        self, settings: Settings, on_done: Callable[[bool, str], None] | None = None
+    ) -> None:
         """Generate with the remote backend the settings name (`spark_lsp.backends`): its client
         is made at once; the server is first contacted by the first request."""
         from engine import GenerationParams

@@ -57,8 +57,12 @@ def similarity(a: str, b: str) -> float:
 class Neighbours:
     """The chunk ring buffer (see the module docstring)."""
 
-    def __init__(self, max_chunks: int = MAX_CHUNKS, chunk_lines: int = CHUNK_LINES,
-                 per_document: int = PER_DOCUMENT) -> None:
+    def __init__(
+        self,
+        max_chunks: int = MAX_CHUNKS,
+        chunk_lines: int = CHUNK_LINES,
+        per_document: int = PER_DOCUMENT,
+    ) -> None:
         self.max_chunks = max_chunks
         self.chunk_lines = chunk_lines
         self.per_document = per_document
@@ -69,20 +73,24 @@ class Neighbours:
         """Note activity at ``line`` of a document (an edit, the cursor, an open at line 0): take
         the chunk around it unless one near it was taken already.  True when the buffer changed."""
         last = self._last.get(uri)
-        if last is not None and abs(line - last) < MOVE_LINES and any(c.uri == uri for c in self.chunks):
+        if (
+            last is not None
+            and abs(line - last) < MOVE_LINES
+            and any(c.uri == uri for c in self.chunks)
+        ):
             return False
         lines = text.splitlines(keepends=True)
         start = max(0, min(line - self.chunk_lines // 2, len(lines) - self.chunk_lines))
-        body = "".join(lines[start:start + self.chunk_lines])
+        body = "".join(lines[start : start + self.chunk_lines])
         self._last[uri] = line
         if sum(1 for ln in body.splitlines() if ln.strip()) < MIN_LINES:
             return False
         self.chunks = [c for c in self.chunks if similarity(c.text, body) < SIMILAR]
         self.chunks.append(Chunk(uri, path, start, body))
         mine = [c for c in self.chunks if c.uri == uri]
-        for old in mine[:-self.per_document] if len(mine) > self.per_document else []:
+        for old in mine[: -self.per_document] if len(mine) > self.per_document else []:
             self.chunks.remove(old)
-        del self.chunks[:-self.max_chunks]
+        del self.chunks[: -self.max_chunks]
         return True
 
     def forget(self, uri: str) -> None:

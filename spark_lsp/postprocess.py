@@ -39,11 +39,11 @@ _WORD = re.compile(r"\w")
 class Context:
     """What the cursor sits in: the text of its line around it and the lines after it."""
 
-    line_before: str          # cursor line, before the cursor
-    line_after: str           # cursor line, after the cursor (no line ending)
+    line_before: str  # cursor line, before the cursor
+    line_after: str  # cursor line, after the cursor (no line ending)
     next_lines: tuple[str, ...] = ()  # a few following lines, without line endings
     prev_lines: tuple[str, ...] = ()  # a few preceding lines (nearest last), without line endings
-    python: bool = False      # indentation is syntax: a block ends at an unexpected indent
+    python: bool = False  # indentation is syntax: a block ends at an unexpected indent
 
     @property
     def mid_line(self) -> bool:
@@ -62,8 +62,11 @@ def choose_multiline(ctx: Context) -> bool:
         prev = next((p for p in reversed(ctx.prev_lines) if p.strip()), "")
         if not prev:
             return True  # empty file or top of file: a whole definition is welcome
-        return bool(indentation(ctx.line_before)) or prev.rstrip().endswith(BLOCK_OPENERS) \
+        return (
+            bool(indentation(ctx.line_before))
+            or prev.rstrip().endswith(BLOCK_OPENERS)
             or bool(indentation(prev))
+        )
     return False
 
 
@@ -110,7 +113,9 @@ def _strip_suffix_overlap(text: str, line_after: str) -> str:
     # the model re-typed the start of the rest of the line: keep the part before it
     for j in range(len(lead), MIN_WORD_OVERLAP - 1, -1):
         head = lead[:j]
-        if text.endswith(head) and (j == len(lead) or not (_WORD.match(lead[j]) and _WORD.match(head[-1]))):
+        if text.endswith(head) and (
+            j == len(lead) or not (_WORD.match(lead[j]) and _WORD.match(head[-1]))
+        ):
             return text[: len(text) - j]
     return text
 
@@ -127,7 +132,7 @@ def _nests(unit: list[str]) -> bool:
 def _loop_unit(words: list[str], i: int, p: int) -> bool:
     """Whether words[i:i+p] repeats from i: LINE_LOOP_REPEATS times holding two different words,
     or NEST_REPEATS times opening a bracket it does not close."""
-    unit = words[i:i + p]
+    unit = words[i : i + p]
     if _nests(unit):
         repeats = NEST_REPEATS
     elif len({w for w in unit if _WORD.match(w)}) >= 2:
@@ -136,14 +141,17 @@ def _loop_unit(words: list[str], i: int, p: int) -> bool:
         return False
     if len(words) < i + repeats * p:
         return False
-    return all(words[i + k * p:i + (k + 1) * p] == unit for k in range(1, repeats))
+    return all(words[i + k * p : i + (k + 1) * p] == unit for k in range(1, repeats))
 
 
 def nesting_loop(line: str) -> bool:
     """Whether ``line`` holds a unit that nests itself (``list[List[List[List[``)."""
     words = _TOKEN.findall(line)
-    return any(_nests(words[i:i + p]) and _loop_unit(words, i, p)
-               for i in range(len(words)) for p in range(1, min(LOOP_UNIT_TOKENS, len(words) - i) + 1))
+    return any(
+        _nests(words[i : i + p]) and _loop_unit(words, i, p)
+        for i in range(len(words))
+        for p in range(1, min(LOOP_UNIT_TOKENS, len(words) - i) + 1)
+    )
 
 
 def line_loop_start(line: str) -> int | None:
@@ -162,9 +170,11 @@ def line_loop_start(line: str) -> int | None:
 def line_loops(line: str) -> bool:
     """Whether ``line`` ends in a looping phrase: the cheap check streaming output runs per token."""
     words = _TOKEN.findall(line)
-    return any(_loop_unit(words, len(words) - n * p, p)
-               for n in (LINE_LOOP_REPEATS, NEST_REPEATS)
-               for p in range(1, min(LOOP_UNIT_TOKENS, len(words) // n) + 1))
+    return any(
+        _loop_unit(words, len(words) - n * p, p)
+        for n in (LINE_LOOP_REPEATS, NEST_REPEATS)
+        for p in range(1, min(LOOP_UNIT_TOKENS, len(words) // n) + 1)
+    )
 
 
 def _block_loop(lines: list[str]) -> int:
@@ -176,8 +186,9 @@ def _block_loop(lines: list[str]) -> int:
         if len(lines) < repeats * p:
             continue
         unit = lines[-p:]
-        if any(_WORD.search(ln) for ln in unit) and \
-                all(lines[-(k + 1) * p:len(lines) - k * p] == unit for k in range(1, repeats)):
+        if any(_WORD.search(ln) for ln in unit) and all(
+            lines[-(k + 1) * p : len(lines) - k * p] == unit for k in range(1, repeats)
+        ):
             return (repeats - 1) * p
     return 0
 
@@ -193,9 +204,11 @@ def cut_loops(text: str) -> str:
             return "\n".join(lines[:n] + [line[:loop].rstrip()])
         if line.strip():
             filled.append(n)
-            drop = _block_loop([lines[i].strip() for i in filled[-BLOCK_LOOP_REPEATS * LOOP_UNIT_LINES:]])
+            drop = _block_loop(
+                [lines[i].strip() for i in filled[-BLOCK_LOOP_REPEATS * LOOP_UNIT_LINES :]]
+            )
             if drop:  # cut where the first repeated line starts
-                return "\n".join(lines[:filled[-drop]]).rstrip()
+                return "\n".join(lines[: filled[-drop]]).rstrip()
     return text
 
 
@@ -203,7 +216,7 @@ def ends_in_loop(text: str) -> bool:
     """Whether streamed output has just started to loop (checked per token, so only its end):
     generation can stop, nothing after a loop is kept."""
     nl = text.rfind("\n")
-    if line_loops(text[nl + 1:]):
+    if line_loops(text[nl + 1 :]):
         return True
     if nl < 0:
         return False
@@ -219,7 +232,7 @@ class _Lexer:
     A rough scan, no tokenizer: enough to count brackets and find block openers."""
 
     def __init__(self) -> None:
-        self.quote: str | None = None   # inside '...' or "..."
+        self.quote: str | None = None  # inside '...' or "..."
         self.triple: str | None = None  # inside '''...''' or """..."""
 
     def marks(self, text: str):
@@ -239,7 +252,7 @@ class _Lexer:
                 if ch == self.quote or ch == "\n":
                     self.quote = None
             elif text.startswith(('"""', "'''"), i):
-                self.triple = text[i:i + 3]
+                self.triple = text[i : i + 3]
                 i += 3
                 continue
             elif ch in "'\"":
@@ -307,7 +320,9 @@ class _PythonLines:
                 break
             self.depth = self.depth + 1 if ch in OPENERS else max(0, self.depth - 1)
         self.lexer.quote = None  # a one-line string ends with its line
-        self.opens_block = self.lexer.triple is None and line[:code_end].rstrip().endswith((":", "\\"))
+        self.opens_block = self.lexer.triple is None and line[:code_end].rstrip().endswith(
+            (":", "\\")
+        )
 
 
 def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
@@ -341,9 +356,18 @@ def _cut_block(text: str, ctx: Context, max_lines: int) -> str:
                     break  # a block opener must be followed by an indented body
             elif ind < first_indent:
                 break
-            if next_line is not None and line.strip() == next_line and line.strip() not in ("", ")", "]", "}"):
+            if (
+                next_line is not None
+                and line.strip() == next_line
+                and line.strip() not in ("", ")", "]", "}")
+            ):
                 break
-            if py is not None and prev_indent is not None and ind > prev_indent and not py.deeper_ok():
+            if (
+                py is not None
+                and prev_indent is not None
+                and ind > prev_indent
+                and not py.deeper_ok()
+            ):
                 break  # an unexpected indent
         elif ctx.line_before.strip() == "" and line.strip():
             first_indent = len(indentation(full))
@@ -378,7 +402,7 @@ def _strip_stray_indent(text: str, ctx: Context) -> str:
     unit = indent_unit((*ctx.prev_lines, ctx.line_before, *ctx.next_lines))
     if len(lead.expandtabs(4)) % unit == 0:
         return text
-    return text[len(lead):]
+    return text[len(lead) :]
 
 
 def _repeats_previous_line(text: str, ctx: Context) -> bool:
@@ -386,8 +410,13 @@ def _repeats_previous_line(text: str, ctx: Context) -> bool:
     first = (ctx.line_before + text.split("\n", 1)[0] + ctx.line_after).strip()
     prev = next((p.strip() for p in reversed(ctx.prev_lines) if p.strip()), None)
     typed = ctx.line_before.strip() + ctx.line_after.strip()
-    return bool(prev) and first == prev and first != typed and bool(_WORD.search(first)) \
+    return (
+        bool(prev)
+        and first == prev
+        and first != typed
+        and bool(_WORD.search(first))
         and len(first) > 3
+    )
 
 
 def clean(raw: str, ctx: Context, multiline: bool, max_lines: int = 12) -> str:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from engine.fim import Context, FimFormat, heal as heal_ids
+from engine.fim import Context, FimFormat
+from engine.fim import heal as heal_ids
 
 from .documents import split_lines
 
@@ -31,11 +33,11 @@ from .documents import split_lines
 @dataclass
 class Prompt:
     ids: list[int]
-    prefix: str          # the prefix text actually in the prompt
-    suffix: str          # the suffix text actually in the prompt
-    prefix_start: int    # document offset where the prefix text begins
-    fim: bool            # False: no FIM tokens in this tokenizer, plain left-to-right prompt
-    healed: str = ""     # end of `prefix` left out of `ids`: the answer must begin with it (not shown)
+    prefix: str  # the prefix text actually in the prompt
+    suffix: str  # the suffix text actually in the prompt
+    prefix_start: int  # document offset where the prefix text begins
+    fim: bool  # False: no FIM tokens in this tokenizer, plain left-to-right prompt
+    healed: str = ""  # end of `prefix` left out of `ids`: the answer must begin with it (not shown)
     context_tokens: int = 0  # ids of other files' chunks at the start (spark_lsp.neighbours)
 
 
@@ -62,7 +64,9 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any, fim: Any | None = None, heal: bool = True):
         self.tokenizer = tokenizer
-        self.heal = heal  # token-heal prompts: a partial word (`build`), a final line break (code actions)
+        self.heal = (
+            heal  # token-heal prompts: a partial word (`build`), a final line break (code actions)
+        )
         if heal and callable(getattr(tokenizer, "byte_index", None)):
             tokenizer.byte_index()  # built once here, at model load, not in the first completion
         self.fim: FimFormat | None = fim if fim is not None else FimFormat.detect(tokenizer)
@@ -71,8 +75,11 @@ class PromptBuilder:
         # special tokens that end a middle (e.g. <file_sep>) decode as text: stop on them too
         stop_ids = self.fim.stop_ids if self.fim is not None else ()
         eos = set(getattr(tokenizer, "eos_ids", ()) or ())
-        names = (tokenizer.id_to_token(i) for i in sorted(stop_ids) if i not in eos) \
-            if hasattr(tokenizer, "id_to_token") else ()
+        names = (
+            (tokenizer.id_to_token(i) for i in sorted(stop_ids) if i not in eos)
+            if hasattr(tokenizer, "id_to_token")
+            else ()
+        )
         self.stop_strings: tuple[str, ...] = tuple(t for t in names if t)
         self.counter = TokenCounter(tokenizer.encode)
         self._anchors: dict[str, int] = {}
@@ -101,8 +108,9 @@ class PromptBuilder:
             return list(self.tokenizer.encode(prefix))
         return self.fim.build(prefix, suffix, spm=self.spm, context=context)
 
-    def encode_healed(self, prefix: str, suffix: str, *, line_break: bool = False,
-                      context: Context | None = None) -> tuple[list[int], str]:
+    def encode_healed(
+        self, prefix: str, suffix: str, *, line_break: bool = False, context: Context | None = None
+    ) -> tuple[list[int], str]:
         """`encode_fim` with the prefix token-healed: (ids, healed text). A left-to-right prompt
         keeps at least one token (the engine needs something to start from). A final line break
         is always healed (a cursor at column 0: tokenizers that merge a newline with the next
@@ -111,14 +119,23 @@ class PromptBuilder:
         if not self.heal:
             return self.encode_fim(prefix, suffix, context), ""
         rule = {"run": None, "newline": True} if line_break else {"newline": True}
-        ids, healed = heal_ids(self.tokenizer, prefix, keep=0 if self.fim is not None else 1, **rule)
+        ids, healed = heal_ids(
+            self.tokenizer, prefix, keep=0 if self.fim is not None else 1, **rule
+        )
         if self.fim is None:
             return ids, healed
         suffix_ids = list(self.tokenizer.encode(suffix)) if suffix else []
         return self.fim.layout(ids, suffix_ids, self.spm, context=context), healed
 
-    def build(self, text: str, offset: int, budget: int, key: str | None = None,
-              suffix_share: float | None = None, context: Context | None = None) -> Prompt:
+    def build(
+        self,
+        text: str,
+        offset: int,
+        budget: int,
+        key: str | None = None,
+        suffix_share: float | None = None,
+        context: Context | None = None,
+    ) -> Prompt:
         """Prompt for the cursor at string offset `offset` of `text`, at most about `budget` tokens
         of document text (a few FIM tokens come on top).  `context`: other files' ids
         (`context()`), first in the prompt, on top of `budget`."""
@@ -138,8 +155,8 @@ class PromptBuilder:
         line_start = starts[line_no]
         # the cursor line before and after the cursor; of a very long line (minified code, a
         # 1 MB line) only the part near the cursor, so the work stays bounded by the budget
-        head = text[max(line_start, offset - reach):offset]
-        tail = lines[line_no][offset - line_start:][:reach]
+        head = text[max(line_start, offset - reach) : offset]
+        tail = lines[line_no][offset - line_start :][:reach]
 
         if suffix_share is None:
             # PSM prompts re-prefill the whole suffix on every keystroke: keep it short there
@@ -156,7 +173,7 @@ class PromptBuilder:
                 break
             used += n
             end += 1
-        suffix = (tail + "".join(lines[line_no + 1:end])) if suffix_budget else ""
+        suffix = (tail + "".join(lines[line_no + 1 : end])) if suffix_budget else ""
         prefix_budget = max(budget - used, 8)
 
         # prefix: anchored start line (kept as a document offset)

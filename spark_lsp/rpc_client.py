@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from .documents import Edit, apply_edits, offset_at, position_at
 
@@ -35,10 +36,20 @@ class Doc:
 class LspClient:
     """Spawn `cmd` and speak LSP with it. Thread-safe; responses resolve concurrent Futures."""
 
-    def __init__(self, cmd: list[str], env: dict | None = None, stderr: Any = subprocess.DEVNULL,
-                 apply_edits: bool = True):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     env={**os.environ, **(env or {})})
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict | None = None,
+        stderr: Any = subprocess.DEVNULL,
+        apply_edits: bool = True,
+    ):
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env={**os.environ, **(env or {})},
+        )
         self._ids = itertools.count(1)
         self._pending: dict[Any, Future] = {}
         self._sent_at: dict[Any, float] = {}
@@ -46,7 +57,7 @@ class LspClient:
         self._wlock = threading.Lock()
         self._cond = threading.Condition()
         self.notifications: list[tuple[float, str, Any]] = []
-        self.orphans: list[dict] = []           # responses with an unknown or null id
+        self.orphans: list[dict] = []  # responses with an unknown or null id
         self.docs: dict[str, Doc] = {}
         self.apply_edits = apply_edits
         self.applied_edits: list[tuple[float, dict]] = []
@@ -165,12 +176,25 @@ class LspClient:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, options: dict | None = None, timeout: float = 60.0) -> dict:
-        caps = {"window": {"workDoneProgress": True},
-                "workspace": {"applyEdit": True, "configuration": True},
-                "textDocument": {"inlineCompletion": {}, "codeAction": {"resolveSupport": {"properties": ["edit"]}},
-                                 "synchronization": {"didSave": False}}}
-        res = self.call("initialize", {"processId": os.getpid(), "rootUri": None, "capabilities": caps,
-                                       "initializationOptions": options or {}}, timeout)
+        caps = {
+            "window": {"workDoneProgress": True},
+            "workspace": {"applyEdit": True, "configuration": True},
+            "textDocument": {
+                "inlineCompletion": {},
+                "codeAction": {"resolveSupport": {"properties": ["edit"]}},
+                "synchronization": {"didSave": False},
+            },
+        }
+        res = self.call(
+            "initialize",
+            {
+                "processId": os.getpid(),
+                "rootUri": None,
+                "capabilities": caps,
+                "initializationOptions": options or {},
+            },
+            timeout,
+        )
         self.notify("initialized", {})
         return res
 
@@ -223,8 +247,10 @@ class LspClient:
     # -- documents -----------------------------------------------------------------------------
     def open(self, uri: str, text: str, language: str = "python") -> Doc:
         doc = self.docs[uri] = Doc(uri, text, 1)
-        self.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": language,
-                                                              "version": 1, "text": text}})
+        self.notify(
+            "textDocument/didOpen",
+            {"textDocument": {"uri": uri, "languageId": language, "version": 1, "text": text}},
+        )
         return doc
 
     def edit(self, uri: str, changes: list[tuple[dict, str]]) -> None:
@@ -237,14 +263,19 @@ class LspClient:
             doc.text = apply_edits(doc.text, [Edit(s, e, new)])
             content.append({"range": rng, "text": new})
         doc.version += 1
-        self.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": doc.version},
-                                               "contentChanges": content})
+        self.notify(
+            "textDocument/didChange",
+            {"textDocument": {"uri": uri, "version": doc.version}, "contentChanges": content},
+        )
 
     def type_text(self, uri: str, offset: int, s: str) -> int:
         """Insert `s` at `offset` (one didChange); returns the new cursor offset."""
         doc = self.docs[uri]
         p = position_at(doc.text, offset)
-        rng = {"start": {"line": p.line, "character": p.character}, "end": {"line": p.line, "character": p.character}}
+        rng = {
+            "start": {"line": p.line, "character": p.character},
+            "end": {"line": p.line, "character": p.character},
+        }
         self.edit(uri, [(rng, s)])
         return offset + len(s)
 
@@ -253,9 +284,14 @@ class LspClient:
         return {"line": p.line, "character": p.character}
 
     def inline(self, uri: str, offset: int, trigger: int = 2) -> Future:
-        return self.request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": self.position(uri, offset),
-            "context": {"triggerKind": trigger}})
+        return self.request(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": uri},
+                "position": self.position(uri, offset),
+                "context": {"triggerKind": trigger},
+            },
+        )
 
 
 def server_cmd(model: str | None = None, extra: list[str] | None = None) -> list[str]:

@@ -19,8 +19,8 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from engine.cancel import Cancelled, CancelToken
 
@@ -35,10 +35,17 @@ class Job:
     `parent`: a token whose cancel cancels the job too (a live edit's session); the job's own
     token is passed to the engine, which stops within one decode step."""
 
-    def __init__(self, key: str, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop,
-                 kind: str = "completion", slot: str | None = None, parent: CancelToken | None = None):
+    def __init__(
+        self,
+        key: str,
+        fn: Callable[[Job], Any],
+        loop: asyncio.AbstractEventLoop,
+        kind: str = "completion",
+        slot: str | None = None,
+        parent: CancelToken | None = None,
+    ):
         self.key = key
-        self.slot = slot if slot is not None else key   # engine prefix-cache slot
+        self.slot = slot if slot is not None else key  # engine prefix-cache slot
         self.kind = kind
         self.fn = fn
         self.loop = loop
@@ -48,7 +55,7 @@ class Job:
         self.t_submit = time.perf_counter()
         self.t_start: float | None = None
         self.t_cancel: float | None = None
-        self.t_stopped: float | None = None   # when the engine stopped after a cancel
+        self.t_stopped: float | None = None  # when the engine stopped after a cancel
         self.token = parent.child() if parent is not None else CancelToken()
         self.token.on_cancel(self._cancelled_at)
 
@@ -90,6 +97,7 @@ class Job:
                 self.future.set_exception(exc)
             else:
                 self.future.set_result(result)
+
         self.call_soon(settle)
 
 
@@ -197,7 +205,7 @@ class Scheduler:
                 while not self._queue and not self._active and not self._stop:
                     self._cond.wait()
                 if self._stop:
-                    for job, gen in list(self._active.values()):
+                    for _job, gen in list(self._active.values()):
                         if inspect.isgenerator(gen):
                             gen.close()
                     return

@@ -199,7 +199,9 @@ class Settings:
         None, "string", "Environment variable holding the remote backend's API key (never logged)."
     )
     backend_api_key_file: str | None = setting(
-        None, "string", "File holding the remote backend's API key on its first line (never logged)."
+        None,
+        "string",
+        "File holding the remote backend's API key on its first line (never logged).",
     )
     backend_timeout_s: float = setting(
         30.0,
@@ -358,8 +360,7 @@ def _untrusted(current: Settings, changes: dict[str, Any]) -> list[str]:
     chip = changes.get("wafer_chip")
     if chip is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", chip):
         errors.append(
-            "setting 'waferChip' must name a built-in chip over a network connection, "
-            f"got {chip!r}"
+            f"setting 'waferChip' must name a built-in chip over a network connection, got {chip!r}"
         )
     return errors
 

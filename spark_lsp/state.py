@@ -34,7 +34,9 @@ def edit_key(uri: str) -> str:
 class ServerState:
     """Settings, the model host, the engine thread and the counters, for every service."""
 
-    def __init__(self, editor: Editor, model_dir: str | None = None, engine: str | None = None) -> None:
+    def __init__(
+        self, editor: Editor, model_dir: str | None = None, engine: str | None = None
+    ) -> None:
         self.editor = editor
         self.settings = Settings(model=model_dir, engine=engine or "local")
         self.host = ModelHost()
@@ -123,18 +125,24 @@ class ServerState:
                     self.editor.show_warning(NO_FIM_MESSAGE.format(name=self.host.name))
                 if hasattr(self.host.model, "on_health"):  # the engine service: failures told once
                     self.host.model.on_health = lambda up, message: loop.call_soon_threadsafe(
-                        self._backend_health, up, message)
+                        self._backend_health, up, message
+                    )
                 self.wafer.get(self.host.model, self.settings)  # start the projection early
                 self._maybe_tune()
             else:
                 self.editor.log(msg, "error")
                 self.editor.show_error(msg)
 
-        self.host.start(loop, self.settings.model, done, precision=self.settings.precision,
-                        progress=_download_reporter(loop, progress),
-                        fim_format=self.settings.fim_format,
-                        steps=_step_reporter(loop, progress, self.editor),
-                        engine=self.settings.engine)
+        self.host.start(
+            loop,
+            self.settings.model,
+            done,
+            precision=self.settings.precision,
+            progress=_download_reporter(loop, progress),
+            fim_format=self.settings.fim_format,
+            steps=_step_reporter(loop, progress, self.editor),
+            engine=self.settings.engine,
+        )
 
     def _maybe_tune(self) -> None:
         """Measure the precision decision in the background if the model ran the static rule."""
@@ -159,6 +167,7 @@ class ServerState:
 
         def health(up: bool, message: str) -> None:  # from the engine thread
             loop.call_soon_threadsafe(self._backend_health, up, message)
+
         backend.on_health = health
         self.editor.log(f"generating with {backend.name} ({backend.kind} backend)")
 
@@ -171,8 +180,14 @@ class ServerState:
             self.editor.show_error(f"spark-lsp: {message}")
         backend = self.host.model
         if isinstance(backend, RemoteBackend):
-            self.editor.notify_status({"model": self.host.name, "kind": "backend",
-                                       "backend": backend.status(), "error": None if up else message})
+            self.editor.notify_status(
+                {
+                    "model": self.host.name,
+                    "kind": "backend",
+                    "backend": backend.status(),
+                    "error": None if up else message,
+                }
+            )
 
     def backend_failed(self, exc: BackendError) -> ServerError:
         """The request's error for a failed backend (the editor was told once, see `_backend_health`)."""
@@ -202,7 +217,8 @@ class ServerState:
             "engine": host.model.status() if host.model is not None else None,
             "enabled": self.enabled,
             "chatModel": host.chat is not None or bool(getattr(host.model, "supports_chat", False)),
-            "backend": host.model.status() if isinstance(host.model, RemoteBackend)
+            "backend": host.model.status()
+            if isinstance(host.model, RemoteBackend)
             else {"kind": self.settings.backend},
             "settings": to_json(self.settings),
             **self.metrics.snapshot(lat),
@@ -212,7 +228,6 @@ class ServerState:
         self.tuner.stop()
         if self.scheduler is not None:
             self.scheduler.shutdown()
-
 
     def wait_stopped(self, timeout: float) -> None:
         """After `shutdown`: wait for the engine thread to leave the model (see Scheduler.join)."""
@@ -229,17 +244,21 @@ def document_path(uri: str, root: str | None) -> str:
         return uri
     path = unquote(parsed.path)
     if root and path.startswith(root.rstrip("/") + "/"):
-        return path[len(root.rstrip("/")) + 1:]
+        return path[len(root.rstrip("/")) + 1 :]
     return "/".join(path.rstrip("/").split("/")[-2:])
 
 
 #: Shown when the loaded model has no fill-in-the-middle tokens (engine.fim finds no family).
-NO_FIM_MESSAGE = ("spark-lsp: model {name} has no fill-in-the-middle tokens, so inline completions "
-                  "only see the text before the cursor; use a FIM model for them (e.g. "
-                  "qwen2.5-coder-0.5b, see `spark-lsp models list`). Code actions still work.")
+NO_FIM_MESSAGE = (
+    "spark-lsp: model {name} has no fill-in-the-middle tokens, so inline completions "
+    "only see the text before the cursor; use a FIM model for them (e.g. "
+    "qwen2.5-coder-0.5b, see `spark-lsp models list`). Code actions still work."
+)
 
 
-def _step_reporter(loop: asyncio.AbstractEventLoop, progress, editor: Editor) -> Callable[[str], None]:
+def _step_reporter(
+    loop: asyncio.AbstractEventLoop, progress, editor: Editor
+) -> Callable[[str], None]:
     """What the model load does (from the loading thread), in the editor's progress indicator and
     its log: the first load of a model builds its graph and may compile the native op."""
 
@@ -248,6 +267,7 @@ def _step_reporter(loop: asyncio.AbstractEventLoop, progress, editor: Editor) ->
             editor.log(f"loading: {line.strip()}")
             if progress is not None and hasattr(progress, "report"):
                 progress.report(line.strip())
+
         try:
             loop.call_soon_threadsafe(show)
         except RuntimeError:
@@ -256,7 +276,9 @@ def _step_reporter(loop: asyncio.AbstractEventLoop, progress, editor: Editor) ->
     return report
 
 
-def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[int, int | None, str], None]:
+def _download_reporter(
+    loop: asyncio.AbstractEventLoop, progress
+) -> Callable[[int, int | None, str], None]:
     """A download progress callback (engine.hub.Progress, called from the loading thread) that
     reports to the editor's indicator on the event loop, once per percent, never going back
     (parallel file downloads each report their own bar)."""
@@ -264,10 +286,16 @@ def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[i
 
     def report(done: int, total: int | None, what: str) -> None:
         pct = min(100, done * 100 // total) if total else None
-        if progress is None or not hasattr(progress, "report") or (pct is not None and pct <= last[0]):
+        if (
+            progress is None
+            or not hasattr(progress, "report")
+            or (pct is not None and pct <= last[0])
+        ):
             return
         last[0] = pct if pct is not None else last[0]
-        msg = f"downloading {what}: {done / 1e6:.1f}" + (f" of {total / 1e6:.1f} MB" if total else " MB")
+        msg = f"downloading {what}: {done / 1e6:.1f}" + (
+            f" of {total / 1e6:.1f} MB" if total else " MB"
+        )
         try:
             loop.call_soon_threadsafe(progress.report, msg, pct)
         except RuntimeError:
@@ -278,8 +306,19 @@ def _download_reporter(loop: asyncio.AbstractEventLoop, progress) -> Callable[[i
 
 def _backend_settings(s) -> tuple:
     """The settings that choose what generates: a change means a reload or a new backend."""
-    return (s.backend, s.engine, s.model, s.precision, s.fim_format, s.backend_url, s.backend_model,
-            s.backend_api_key_env, s.backend_api_key_file, s.backend_timeout_s, s.fim_template)
+    return (
+        s.backend,
+        s.engine,
+        s.model,
+        s.precision,
+        s.fim_format,
+        s.backend_url,
+        s.backend_model,
+        s.backend_api_key_env,
+        s.backend_api_key_file,
+        s.backend_timeout_s,
+        s.fim_template,
+    )
 
 
 __all__ = ["EDIT_SUFFIX", "ServerState", "SettingsError", "edit_key"]

@@ -51,19 +51,28 @@ class WaferProjector:
             if key in self._cache:
                 return self._cache[key]
             self._cache[key] = None
-        threading.Thread(target=self._compute, args=(key, model, settings), daemon=True,
-                         name="spark-wafer-projection").start()
+        threading.Thread(
+            target=self._compute,
+            args=(key, model, settings),
+            daemon=True,
+            name="spark-wafer-projection",
+        ).start()
         return None
 
     def _compute(self, key: tuple, model: Any, settings: Settings) -> None:
         try:  # background work: yield the CPU to the engine and the editor's requests (Linux)
             import os
+
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
         try:
-            out = project_model(model.config, chip=settings.wafer_chip or "wse3",
-                                grid=settings.wafer_region, name=model.name)
+            out = project_model(
+                model.config,
+                chip=settings.wafer_chip or "wse3",
+                grid=settings.wafer_region,
+                name=model.name,
+            )
         except Exception as exc:  # a projection must never break a completion
             log.warning("wafer projection failed: %s", exc)
             out = {"error": str(exc)}
@@ -104,11 +113,11 @@ class Metrics:
 
     inline_requests: int = 0
     typing_through: int = 0
-    joined: int = 0                   # requests answered by joining a generation already running
-    accepted: int = 0                 # suggestions the user accepted (the items' command ran)
+    joined: int = 0  # requests answered by joining a generation already running
+    accepted: int = 0  # suggestions the user accepted (the items' command ran)
     accepted_chars: int = 0
     model_calls: int = 0
-    prefix_cache_hits: int = 0        # model calls whose prompt reused cached tokens
+    prefix_cache_hits: int = 0  # model calls whose prompt reused cached tokens
     prompt_tokens: int = 0
     reused_tokens: int = 0
     cancelled: int = 0

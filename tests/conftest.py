@@ -33,7 +33,10 @@ def tiny_models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tiny_models_dir) -> dict[str, Path]:
     paths = {a: tiny_models_dir / f"tiny_{a}" for a in _tm.ARCHS}
-    if all((p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file() for p in paths.values()):
+    if all(
+        (p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file()
+        for p in paths.values()
+    ):
         return paths
     _tm.require_reference()
     return _tm.build_all(tiny_models_dir)
@@ -55,12 +58,19 @@ def tiny_mistral(tiny_models) -> Path:
 
 
 try:  # property tests: a fixed seed and a bounded number of examples, so CI is fast and repeatable
-    from hypothesis import HealthCheck, settings as _hyp_settings
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hyp_settings
 
-    _hyp_settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
-    _hyp_settings.register_profile("long", max_examples=2000, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
+    _hyp_settings.register_profile(
+        "ci",
+        derandomize=True,
+        max_examples=60,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    _hyp_settings.register_profile(
+        "long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     _hyp_settings.load_profile(os.environ.get("SPARK_LSP_HYPOTHESIS", "ci"))
 except ImportError:  # the test extra installs it; without it only the property tests are skipped
     pass

@@ -47,7 +47,11 @@ class FakeHub:
 
     def gets(self, name: str) -> list[dict]:
         """Headers of the GET requests for files named ``name``."""
-        return [h for m, p, h in self.requests if m == "GET" and "/resolve/" in p and p.endswith("/" + name)]
+        return [
+            h
+            for m, p, h in self.requests
+            if m == "GET" and "/resolve/" in p and p.endswith("/" + name)
+        ]
 
     def __enter__(self) -> FakeHub:
         hub = self
@@ -75,7 +79,9 @@ class FakeHub:
             def _missing(self, what: str) -> None:
                 body = json.dumps({"error": what}).encode()
                 self.send_response(404)
-                self.send_header("X-Error-Code", "RepoNotFound" if "repo" in what else "EntryNotFound")
+                self.send_header(
+                    "X-Error-Code", "RepoNotFound" if "repo" in what else "EntryNotFound"
+                )
                 self.send_header("X-Error-Message", what)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -93,12 +99,26 @@ class FakeHub:
                     if rev not in ("main", repo["commit"]):
                         return self._missing("revision not found")
                     if len(parts) > 4 and parts[4] == "tree":
-                        return self._json([{"type": "file", "path": f, "size": len(b),
-                                            "oid": hashlib.sha1(b).hexdigest()}
-                                           for f, b in sorted(repo["files"].items())])
-                    return self._json({"id": "/".join(parts[2:4]), "modelId": "/".join(parts[2:4]),
-                                       "sha": repo["commit"], "private": False,
-                                       "siblings": [{"rfilename": f} for f in sorted(repo["files"])]})
+                        return self._json(
+                            [
+                                {
+                                    "type": "file",
+                                    "path": f,
+                                    "size": len(b),
+                                    "oid": hashlib.sha1(b).hexdigest(),
+                                }
+                                for f, b in sorted(repo["files"].items())
+                            ]
+                        )
+                    return self._json(
+                        {
+                            "id": "/".join(parts[2:4]),
+                            "modelId": "/".join(parts[2:4]),
+                            "sha": repo["commit"],
+                            "private": False,
+                            "siblings": [{"rfilename": f} for f in sorted(repo["files"])],
+                        }
+                    )
                 if len(parts) >= 5 and parts[2] == "resolve":
                     repo = hub.repos.get("/".join(parts[:2]))
                     name = "/".join(parts[4:])
@@ -134,7 +154,9 @@ class FakeHub:
                 self.send_header("Accept-Ranges", "bytes")
                 self.send_header("Content-Length", str(len(body)))
                 if rng:
-                    self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+                    self.send_header(
+                        "Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}"
+                    )
                 self.end_headers()
                 if head:
                     return

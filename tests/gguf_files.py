@@ -18,12 +18,29 @@ import numpy as np
 from engine.gguf import permute_rotary
 from engine.weights import read_tensors, weight_files
 
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Starcoder2ForCausalLM": "starcoder2", "GemmaForCausalLM": "gemma"}
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Starcoder2ForCausalLM": "starcoder2",
+    "GemmaForCausalLM": "gemma",
+}
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
+}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -62,7 +79,10 @@ def write_gguf(folder: Path, path: Path, qtype: str = "F32", pre: str = "gpt-2")
     tensors: dict[str, np.ndarray] = {}
     for f in weight_files(folder):
         tensors.update(read_tensors(f))
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    heads, kv_heads = (
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+    )
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
 
@@ -101,7 +121,11 @@ def write_gguf(folder: Path, path: Path, qtype: str = "F32", pre: str = "gpt-2")
         if arch == "gemma" and hf.endswith("norm.weight"):
             arr = arr + np.float32(1.0)
         name = gguf_name(hf)
-        if arr.ndim == 2 and qtype != "F32" and (hf != "model.embed_tokens.weight" or qtype in ("F16", "BF16")):
+        if (
+            arr.ndim == 2
+            and qtype != "F32"
+            and (hf != "model.embed_tokens.weight" or qtype in ("F16", "BF16"))
+        ):
             if qtype == "F16":
                 w.add_tensor(name, arr.astype(np.float16))
             else:

@@ -22,8 +22,22 @@ def _sdist() -> Path:
     if found:
         return found[0]
     sdist_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(sdist_dir), f"llama-cpp-python=={SDIST_VERSION}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(sdist_dir),
+            f"llama-cpp-python=={SDIST_VERSION}",
+        ],
+        check=True,
+    )
     return sdist_dir / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 
 
@@ -36,7 +50,9 @@ def vocab_dir() -> Path:
     with tarfile.open(_sdist()) as tar:
         for m in tar.getmembers():
             base = m.name.rsplit("/", 1)[-1]
-            if "/vendor/llama.cpp/models/" in m.name and any(base.startswith(f"ggml-vocab-{n}.gguf") for n in NAMES):
+            if "/vendor/llama.cpp/models/" in m.name and any(
+                base.startswith(f"ggml-vocab-{n}.gguf") for n in NAMES
+            ):
                 src = tar.extractfile(m)
                 if src is not None:
                     (out / base).write_bytes(src.read())
@@ -46,6 +62,10 @@ def vocab_dir() -> Path:
 def cases(name: str) -> list[tuple[str, list[int]]]:
     """(text, Hugging Face token ids) pairs of one vocabulary's test file."""
     d = vocab_dir()
-    texts = (d / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    texts = (
+        (d / f"ggml-vocab-{name}.gguf.inp")
+        .read_text(encoding="utf-8")
+        .split("\n__ggml_vocab_test__\n")
+    )
     ids = (d / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
     return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, ids)]

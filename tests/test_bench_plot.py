@@ -10,15 +10,24 @@ import types
 import pytest
 
 from spark_lsp import bench_plot
-from spark_lsp.commands import bench
 from spark_lsp.cli import build_parser
+from spark_lsp.commands import bench
 
 RESULTS = {
     "model": None,
-    "engine": {"engine": {"decode_tok_s": 1979.0},
-               "peers": {"transformers": {"decode_tok_s": 253.0}, "onnxruntime-genai": {"decode_tok_s": 1780.0}}},
-    "edits": {"summary": {"edit": {"median_ratio": 1.18, "min_ratio": 0.88},
-                          "fresh": {"median_ratio": 1.43, "min_ratio": 1.42}}},
+    "engine": {
+        "engine": {"decode_tok_s": 1979.0},
+        "peers": {
+            "transformers": {"decode_tok_s": 253.0},
+            "onnxruntime-genai": {"decode_tok_s": 1780.0},
+        },
+    },
+    "edits": {
+        "summary": {
+            "edit": {"median_ratio": 1.18, "min_ratio": 0.88},
+            "fresh": {"median_ratio": 1.43, "min_ratio": 1.42},
+        }
+    },
     "lsp": {"latency_ms_median": 7.9, "latency_ms_p95": 18.4},
     "wafer": {"grid": "2x2", "dense_decode_tok_s": 1691.0, "partitioned_decode_tok_s": 1262.0},
 }
@@ -54,6 +63,7 @@ def test_bench_all_collects_json_and_plots(monkeypatch, tmp_path, capsys):
                 return 1
             print(json.dumps(RESULTS[name]))
             return 0
+
         return types.SimpleNamespace(main=main)
 
     monkeypatch.setattr(bench, "_load", fake)
@@ -70,28 +80,55 @@ def test_bench_all_collects_json_and_plots(monkeypatch, tmp_path, capsys):
 
 ENGINE_PRECISIONS = {
     "model": "/models/spark-code-mini",
-    "engine": {"decode_tok_s": 1000.0, "prefill_tok_s": 9000.0, "ttft_cold_ms": 110.0, "ttft_reused_ms": 1.5},
-    "peers": {"transformers": {"decode_tok_s": 250.0, "prefill_tok_s": 4000.0},
-              "onnxruntime-genai": {"skipped": "not installed"}},
-    "precisions": {"fp32": {"decode_tok_s": 1000.0, "greedy_agreement_rate": 1.0},
-                   "int8": {"decode_tok_s": 2100.0, "greedy_agreement_rate": 0.97},
-                   "int4": {"decode_tok_s": 2600.0, "greedy_agreement_rate": 0.81}},
+    "engine": {
+        "decode_tok_s": 1000.0,
+        "prefill_tok_s": 9000.0,
+        "ttft_cold_ms": 110.0,
+        "ttft_reused_ms": 1.5,
+    },
+    "peers": {
+        "transformers": {"decode_tok_s": 250.0, "prefill_tok_s": 4000.0},
+        "onnxruntime-genai": {"skipped": "not installed"},
+    },
+    "precisions": {
+        "fp32": {"decode_tok_s": 1000.0, "greedy_agreement_rate": 1.0},
+        "int8": {"decode_tok_s": 2100.0, "greedy_agreement_rate": 0.97},
+        "int4": {"decode_tok_s": 2600.0, "greedy_agreement_rate": 0.81},
+    },
 }
 
 
 def test_single_benchmark_panels():
-    ps = {name: (labels, values) for name, labels, values, _, _ in
-          bench_plot.panels({"engine": ENGINE_PRECISIONS}, detail=True)}
-    assert list(ps) == ["engine", "engine-prefill", "engine-ttft", "engine-precision", "engine-agreement"]
-    assert ps["engine-prefill"] == (["spark-lsp", "transformers"], [9000.0, 4000.0])  # skipped peer left out
+    ps = {
+        name: (labels, values)
+        for name, labels, values, _, _ in bench_plot.panels(
+            {"engine": ENGINE_PRECISIONS}, detail=True
+        )
+    }
+    assert list(ps) == [
+        "engine",
+        "engine-prefill",
+        "engine-ttft",
+        "engine-precision",
+        "engine-agreement",
+    ]
+    assert ps["engine-prefill"] == (
+        ["spark-lsp", "transformers"],
+        [9000.0, 4000.0],
+    )  # skipped peer left out
     assert ps["engine-precision"] == (["fp32", "int8", "int4"], [1000.0, 2100.0, 2600.0])
     assert ps["engine-agreement"][1] == pytest.approx([100.0, 97.0, 81.0])
     # `bench all` keeps one headline panel per benchmark
     assert [p[0] for p in bench_plot.panels(RESULTS)] == ["engine", "edits", "lsp", "wafer"]
-    edits = dict(RESULTS["edits"], tasks=[{"task": "rename-arg", "ratio": 1.2}, {"task": "fresh-fim", "ratio": 1.4}])
+    edits = dict(
+        RESULTS["edits"],
+        tasks=[{"task": "rename-arg", "ratio": 1.2}, {"task": "fresh-fim", "ratio": 1.4}],
+    )
     wafer = dict(RESULTS["wafer"], ratio_of_medians=0.75, median_round_ratio=0.76, cpu_ratio=1.01)
     lsp = dict(RESULTS["lsp"], cancel_latency_ms_median=0.4, cancel_latency_ms_p95=1.1)
-    detail = [p[0] for p in bench_plot.panels({"edits": edits, "wafer": wafer, "lsp": lsp}, detail=True)]
+    detail = [
+        p[0] for p in bench_plot.panels({"edits": edits, "wafer": wafer, "lsp": lsp}, detail=True)
+    ]
     assert detail == ["edits", "edits-tasks", "lsp", "lsp-cancel", "wafer", "wafer-ratios"]
 
 
@@ -102,10 +139,15 @@ def test_plotter_draws_one_benchmark(tmp_path):
 
 def test_missing_matplotlib_fails_before_the_run(monkeypatch, tmp_path, capsys):
     ran = []
-    monkeypatch.setattr(bench, "_load", lambda name: types.SimpleNamespace(main=lambda *a, **k: ran.append(a)))
+    monkeypatch.setattr(
+        bench, "_load", lambda name: types.SimpleNamespace(main=lambda *a, **k: ran.append(a))
+    )
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
-    for argv in (["wafer", "--plot", str(tmp_path / "w.png")], ["lsp", "--plot=" + str(tmp_path / "l.png")],
-                 ["engine", "--model", "/nonexistent", "--plot", str(tmp_path / "e.png")]):
+    for argv in (
+        ["wafer", "--plot", str(tmp_path / "w.png")],
+        ["lsp", "--plot=" + str(tmp_path / "l.png")],
+        ["engine", "--model", "/nonexistent", "--plot", str(tmp_path / "e.png")],
+    ):
         args = build_parser().parse_args(["bench", *argv])
         assert args.func(args) == 2
         assert "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
@@ -122,7 +164,9 @@ def test_dispatcher_hands_a_plotter_to_the_module(monkeypatch, tmp_path, capsys)
         return 0 if plot is None else (plot(RESULTS["wafer"], tmp_path / "w.png") and 0)
 
     monkeypatch.setattr(bench, "_load", lambda name: types.SimpleNamespace(main=main))
-    args = build_parser().parse_args(["bench", "wafer", "--rounds", "1", "--plot", str(tmp_path / "w.png")])
+    args = build_parser().parse_args(
+        ["bench", "wafer", "--rounds", "1", "--plot", str(tmp_path / "w.png")]
+    )
     assert args.func(args) == 0
     assert seen["argv"] == ["--rounds", "1", "--plot", str(tmp_path / "w.png")]
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
@@ -130,10 +174,13 @@ def test_dispatcher_hands_a_plotter_to_the_module(monkeypatch, tmp_path, capsys)
 
 def test_engine_modules_need_the_plotter_from_spark_lsp(tmp_path, capsys):
     """Run directly (python -m), the engine-side benchmarks cannot draw: a clear error, no run."""
-    from engine.lab import bench as engine_bench, bench_edits
+    from engine.lab import bench as engine_bench
+    from engine.lab import bench_edits
     from engine.lab import bench_wafer as wafer_bench
 
     for name, mod in (("engine", engine_bench), ("edits", bench_edits), ("wafer", wafer_bench)):
-        assert mod.main(["--model", str(tmp_path / "missing"), "--plot", str(tmp_path / "x.png")]) == 2
+        assert (
+            mod.main(["--model", str(tmp_path / "missing"), "--plot", str(tmp_path / "x.png")]) == 2
+        )
         err = capsys.readouterr().err
         assert f"run `spark-lsp bench {name} --plot FILE`" in err and "not found" not in err

@@ -13,8 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def spark_lsp(*argv: str, path: list[Path]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path))}
     code = "import sys; from spark_lsp.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=path[0],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        env=env,
+        cwd=path[0],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_foreign_engine_package_is_named_at_cli_start(tmp_path):

@@ -32,14 +32,31 @@ from pathlib import Path
 
 import pytest
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<pad>", "<file_sep>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<fim_prefix>",
+    "<fim_middle>",
+    "<fim_suffix>",
+    "<pad>",
+    "<file_sep>",
+]
 TOKENIZER_VOCAB = 640
 CONTEXT = 512
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_STDLIB_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py", "string.py", "json/encoder.py")
+_STDLIB_SOURCES = (
+    "textwrap.py",
+    "shlex.py",
+    "fnmatch.py",
+    "bisect.py",
+    "heapq.py",
+    "string.py",
+    "json/encoder.py",
+)
 
-REFERENCE = ("needs the reference extra (transformers on torch, which also builds the tiny test models): "
-             "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e '.[ref]'")
+REFERENCE = (
+    "needs the reference extra (transformers on torch, which also builds the tiny test models): "
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e '.[ref]'"
+)
 
 
 def require_reference() -> None:
@@ -54,7 +71,9 @@ ARCHS = ("llama", "qwen2", "mistral", "qwen3", "starcoder2", "gemma")
 def training_text() -> str:
     """Python source to train the tokenizer on (stdlib files; deterministic for one Python)."""
     lib = Path(sysconfig.get_paths()["stdlib"])
-    return "\n".join((lib / f).read_text(encoding="utf-8") for f in _STDLIB_SOURCES if (lib / f).is_file())
+    return "\n".join(
+        (lib / f).read_text(encoding="utf-8") for f in _STDLIB_SOURCES if (lib / f).is_file()
+    )
 
 
 def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
@@ -78,8 +97,12 @@ def save_tokenizer(tok, out_dir: Path) -> None:
     """Save as transformers would (tokenizer.json + tokenizer_config.json with eos/pad)."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>",
-                                   additional_special_tokens=SPECIAL_TOKENS[1:4] + SPECIAL_TOKENS[5:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[1:4] + SPECIAL_TOKENS[5:],
+    )
     fast.save_pretrained(str(out_dir))
 
 
@@ -94,27 +117,67 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
         Starcoder2Config,
     )
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  max_position_embeddings=CONTEXT, rms_norm_eps=1e-5, initializer_range=0.2,
-                  eos_token_id=eos_id, bos_token_id=None, pad_token_id=pad_id)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        max_position_embeddings=CONTEXT,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        pad_token_id=pad_id,
+    )
     if arch == "llama":
-        return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, **common)
+        return LlamaConfig(
+            num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, **common
+        )
     if arch == "qwen2":
-        return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                           rope_theta=1_000_000.0, **common)
+        return Qwen2Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=1_000_000.0,
+            **common,
+        )
     if arch == "mistral":
-        return MistralConfig(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-                             sliding_window=4096, **common)
+        return MistralConfig(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=4096,
+            **common,
+        )
     if arch == "qwen3":
-        return Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
-                           rope_theta=1_000_000.0, **common)
+        return Qwen3Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=False,
+            rope_theta=1_000_000.0,
+            **common,
+        )
     if arch == "starcoder2":
         common = {k: v for k, v in common.items() if k != "rms_norm_eps"}
-        return Starcoder2Config(num_attention_heads=4, num_key_value_heads=2, norm_epsilon=1e-5, use_bias=True,
-                                tie_word_embeddings=True, sliding_window=4096, rope_theta=100_000.0, **common)
+        return Starcoder2Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            norm_epsilon=1e-5,
+            use_bias=True,
+            tie_word_embeddings=True,
+            sliding_window=4096,
+            rope_theta=100_000.0,
+            **common,
+        )
     if arch == "gemma":
-        return GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                           **common)
+        return GemmaConfig(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            tie_word_embeddings=True,
+            **common,
+        )
     raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHS}")
 
 
@@ -126,13 +189,17 @@ def build_model(arch: str, out_dir: Path, tokenizer=None, seed: int = 0) -> Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or build_tokenizer()
-    cfg = model_config(arch, tok.get_vocab_size(), tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>"))
+    cfg = model_config(
+        arch, tok.get_vocab_size(), tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and arch == "gemma" and name.endswith(".weight"):
-                p.uniform_(-0.5, 0.5)  # Gemma scales by 1 + weight: the same 0.5..1.5 gains as the others
+                p.uniform_(
+                    -0.5, 0.5
+                )  # Gemma scales by 1 + weight: the same 0.5..1.5 gains as the others
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
@@ -146,10 +213,15 @@ def build_model(arch: str, out_dir: Path, tokenizer=None, seed: int = 0) -> Path
 def build_all(root: Path, seed: int = 0) -> dict[str, Path]:
     """All the tiny models under ``root`` (one tokenizer training for all)."""
     tok = build_tokenizer()
-    return {arch: build_model(arch, Path(root) / f"tiny_{arch}", tok, seed=seed + i) for i, arch in enumerate(ARCHS)}
+    return {
+        arch: build_model(arch, Path(root) / f"tiny_{arch}", tok, seed=seed + i)
+        for i, arch in enumerate(ARCHS)
+    }
 
 
-def write_variant(src: Path, dst: Path, *, dtype: str = "float32", max_shard_size: str | None = None) -> Path:
+def write_variant(
+    src: Path, dst: Path, *, dtype: str = "float32", max_shard_size: str | None = None
+) -> Path:
     """Re-save a model folder in another dtype ('float16' / 'bfloat16') and/or sharded, with transformers.
 
     E.g. ``write_variant(tiny_llama, tmp/"bf16_sharded", dtype="bfloat16", max_shard_size="50KB")``

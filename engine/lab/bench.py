@@ -27,9 +27,10 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,6 @@ from .bandwidth import gguf_bytes_per_token, graph_bytes_per_token, read_bandwid
 from .llama_cpp import GGUF_TYPES, LlamaCppPeer
 from .models import bench_root, resolve_model
 from .tune import choose_precision
-
-
 
 #: Peers by name, in the order they take their turns.
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
@@ -67,7 +66,6 @@ class BenchOptions:
     precisions: tuple[str, ...] = ("fp32",)  # see parse_precisions; fp32 is always first
     peer_names: tuple[str, ...] = PEERS  # which peers run (when ``peers``)
     gguf: tuple[str, ...] = tuple(GGUF_TYPES)  # llama.cpp's files, one runner each
-
 
 
 def parse_list(spec: str, known, what: str) -> tuple[str, ...]:
@@ -101,7 +99,9 @@ def parse_precisions(spec: str) -> tuple[str, ...]:
         raise ValueError("--precision: expected a comma-separated list, e.g. fp32,int8,int4")
     for x in names:
         if x not in PRECISIONS and x != "auto":
-            raise ValueError(f"--precision: unknown precision {x!r}; known: {', '.join(PRECISIONS)}, auto")
+            raise ValueError(
+                f"--precision: unknown precision {x!r}; known: {', '.join(PRECISIONS)}, auto"
+            )
     return tuple(dict.fromkeys(["fp32", *names]))
 
 
@@ -127,7 +127,9 @@ class _Ours:
         self.stats: list[dict] = []
 
     def run(self, prompt: list[int], new_tokens: int, slot: Any = "bench"):
-        gen = self.eng.generate(prompt, self._params(max_new_tokens=new_tokens, ignore_eos=True), slot=slot)
+        gen = self.eng.generate(
+            prompt, self._params(max_new_tokens=new_tokens, ignore_eos=True), slot=slot
+        )
         for _ in gen:
             pass
         return gen
@@ -177,9 +179,16 @@ def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, An
         t1, tn = _median(t1s[i]), _median(tns[i])
         in_loop = all(spans[i])
         decode = (n - 1) / (_median(spans[i]) if in_loop else max(tn - t1, 1e-9))
-        out.append({"ttft_ms": t1 * 1e3, "prefill_tok_s": len(prompts[0]) / t1,
-                    "decode_tok_s": decode, "decode_timed": "in-loop" if in_loop else "TN-T1",
-                    "tokens": tokens[i][0], "all_tokens": tokens[i]})
+        out.append(
+            {
+                "ttft_ms": t1 * 1e3,
+                "prefill_tok_s": len(prompts[0]) / t1,
+                "decode_tok_s": decode,
+                "decode_timed": "in-loop" if in_loop else "TN-T1",
+                "tokens": tokens[i][0],
+                "all_tokens": tokens[i],
+            }
+        )
     return out
 
 
@@ -188,14 +197,20 @@ def _teacher_forced(eng, prompts: list[list[int]], refs: list[list[int]]) -> tup
     each prompt followed by its reference continuation in one pass."""
     agree = total = 0
     for p, ref in zip(prompts, refs):
-        logits = eng.forward_logits(list(p) + list(ref[:-1]))[len(p) - 1:]
-        agree += int((logits[:, :eng.sample_vocab].argmax(-1) == np.asarray(ref)).sum())
+        logits = eng.forward_logits(list(p) + list(ref[:-1]))[len(p) - 1 :]
+        agree += int((logits[:, : eng.sample_vocab].argmax(-1) == np.asarray(ref)).sum())
         total += len(ref)
     return agree, total
 
 
-def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, phase: str, cold_ms: float,
-                    rng: np.random.Generator) -> dict[str, Any]:
+def _cancel_latency(
+    eng,
+    prompt_for: Callable[[int], list[int]],
+    count: int,
+    phase: str,
+    cold_ms: float,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
     """Cancel from the main thread while another thread iterates; ms until the iterator stops."""
 
     lat, reasons = [], []
@@ -203,7 +218,9 @@ def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, pha
         prompt = prompt_for(k)
         eng.reset()
         room = eng.context - len(prompt) - 1
-        gen = eng.generate(prompt, GenerationParams(max_new_tokens=room, ignore_eos=True), slot="bench")
+        gen = eng.generate(
+            prompt, GenerationParams(max_new_tokens=room, ignore_eos=True), slot="bench"
+        )
         started = threading.Event()
         want = int(rng.integers(2, 20))
         stopped: list[float] = []
@@ -230,8 +247,12 @@ def _cancel_latency(eng, prompt_for: Callable[[int], list[int]], count: int, pha
             raise RuntimeError("a cancelled generation did not stop within 30 s")
         lat.append(max(0.0, stopped[0] - t_cancel) * 1e3)
         reasons.append(gen.finish_reason)
-    return {"median_ms": _median(lat), "p95_ms": _p95(lat), "n": len(lat),
-            "cancelled": sum(r == "cancelled" for r in reasons)}
+    return {
+        "median_ms": _median(lat),
+        "p95_ms": _p95(lat),
+        "n": len(lat),
+        "cancelled": sum(r == "cancelled" for r in reasons),
+    }
 
 
 def _agree(a: list[int] | None, b: list[int] | None) -> int:
@@ -243,16 +264,22 @@ def _agree(a: list[int] | None, b: list[int] | None) -> int:
     return n
 
 
-def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def bench_engine(
+    model: str | Path | None, opts: BenchOptions, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run the whole engine benchmark; returns the figures (see ``format_table``)."""
     if opts.repeats < 1 or opts.new_tokens < 2 or opts.prompt_tokens < 2 or opts.cancels < 0:
-        raise ValueError("--repeats must be >= 1, --new-tokens >= 2, --prompt-tokens >= 2, --cancels >= 0")
+        raise ValueError(
+            "--repeats must be >= 1, --new-tokens >= 2, --prompt-tokens >= 2, --cancels >= 0"
+        )
     folder = resolve_model(str(model) if model is not None else None)
     threads = opts.threads or physical_cores()
     cfg = load_config(folder)
     precisions, auto = list(dict.fromkeys(["fp32", *opts.precisions])), None
     if "auto" in precisions:
-        auto = choose_precision(folder, wafer=opts.wafer, grid=opts.grid, threads=threads, log_fn=log)
+        auto = choose_precision(
+            folder, wafer=opts.wafer, grid=opts.grid, threads=threads, log_fn=log
+        )
         log(f"auto precision: {auto.precision} ({auto.reason})")
         precisions = list(dict.fromkeys(auto.precision if x == "auto" else x for x in precisions))
     bandwidth = read_bandwidth(threads)
@@ -261,10 +288,18 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
 
     def load(x: str):
         before = _rss()
-        e = Engine.load(folder, threads=threads, wafer=opts.wafer, grid=opts.grid, spinning=opts.spinning,
-                        precision=x)
+        e = Engine.load(
+            folder,
+            threads=threads,
+            wafer=opts.wafer,
+            grid=opts.grid,
+            spinning=opts.spinning,
+            precision=x,
+        )
         warm = [16 + i % max(1, e.sample_vocab - 16) for i in range(64)]
-        for _ in e.generate(warm, GenerationParams(max_new_tokens=8, ignore_eos=True), slot="warm-up"):
+        for _ in e.generate(
+            warm, GenerationParams(max_new_tokens=8, ignore_eos=True), slot="warm-up"
+        ):
             pass  # every weight page a step reads is resident now, as for the peers after their warm-up
         rss[x] = max(0, _rss() - before)
         return e
@@ -274,7 +309,9 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     n_new = opts.new_tokens
     plen = opts.prompt_tokens
     if plen + n_new + 1 > eng.context:
-        raise ModelError(f"--prompt-tokens {plen} + --new-tokens {n_new} exceed the model context ({eng.context})")
+        raise ModelError(
+            f"--prompt-tokens {plen} + --new-tokens {n_new} exceed the model context ({eng.context})"
+        )
 
     rng = np.random.default_rng(opts.seed)
     avoid = set(eng.tokenizer.special_tokens.values()) | set(eng.eos_ids)
@@ -287,15 +324,24 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     prompts = [prompt_for(k) for k in range(opts.repeats)]
     n_params = int(sum(np.prod(s) for s in expected_shapes(cfg).values()))
     result: dict[str, Any] = {
-        "model": str(folder), "architecture": cfg.architecture, "parameters": n_params,
-        "prompt_tokens": plen, "new_tokens": n_new, "repeats": opts.repeats, "threads": threads,
-        "emitter": emitter_key(eng.linear), "spinning": opts.spinning,
-        "load_average_start": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "model": str(folder),
+        "architecture": cfg.architecture,
+        "parameters": n_params,
+        "prompt_tokens": plen,
+        "new_tokens": n_new,
+        "repeats": opts.repeats,
+        "threads": threads,
+        "emitter": emitter_key(eng.linear),
+        "spinning": opts.spinning,
+        "load_average_start": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
         "bandwidth_gb_s": bandwidth / 1e9,
     }
-    log(f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
+    log(
+        f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
         f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads"
-        + (f", precisions {', '.join(precisions)}" if len(precisions) > 1 else ""))
+        + (f", precisions {', '.join(precisions)}" if len(precisions) > 1 else "")
+    )
 
     ours = _Ours(eng)
     runners: list = [ours, *(_Ours(e, f"spark-lsp {x}") for x, e in variants.items())]
@@ -304,11 +350,21 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     if opts.peers:
         factories = {
             "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
-            "onnxruntime-genai": lambda: peer_mod.GenaiPeer(folder, threads, weights_digest(folder), bench_root(), log),
+            "onnxruntime-genai": lambda: peer_mod.GenaiPeer(
+                folder, threads, weights_digest(folder), bench_root(), log
+            ),
         }
         for t in opts.gguf:
-            factories[f"llama.cpp {t}"] = (lambda t=t: LlamaCppPeer(
-                folder, threads, weights_digest(folder), bench_root(), t, cfg.architecture, plen + n_new + 16, log))
+            factories[f"llama.cpp {t}"] = lambda t=t: LlamaCppPeer(
+                folder,
+                threads,
+                weights_digest(folder),
+                bench_root(),
+                t,
+                cfg.architecture,
+                plen + n_new + 16,
+                log,
+            )
         for name, make in factories.items():
             if name.split(" ")[0] not in opts.peer_names:
                 continue
@@ -331,25 +387,41 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     n_ours = 1 + len(variants)
     variant_rates = dict(zip(precisions, rates[:n_ours]))
     for runner, pr in zip(runners[n_ours:], rates[n_ours:]):
-        peers[runner.name] = {"version": runner.version, "prefill_tok_s": pr["prefill_tok_s"],
-                              "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
-                              "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}",
-                              "rss_mb": rss.get(runner.name, 0) / 1e6, "bits": getattr(runner, "bits", 32)}
+        peers[runner.name] = {
+            "version": runner.version,
+            "prefill_tok_s": pr["prefill_tok_s"],
+            "decode_tok_s": pr["decode_tok_s"],
+            "ttft_ms": pr["ttft_ms"],
+            "greedy_agreement": f"{_agree(r['tokens'], pr['tokens'])}/{n_new}",
+            "rss_mb": rss.get(runner.name, 0) / 1e6,
+            "bits": getattr(runner, "bits", 32),
+        }
         if isinstance(runner, LlamaCppPeer):
-            peers[runner.name].update(_bandwidth_share(pr["decode_tok_s"], gguf_bytes_per_token(runner.path),
-                                                       bandwidth))
+            peers[runner.name].update(
+                _bandwidth_share(pr["decode_tok_s"], gguf_bytes_per_token(runner.path), bandwidth)
+            )
             runner.close()
-        log(f"{runner.name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s")
+        log(
+            f"{runner.name}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s"
+        )
     del runners
     precision_rows = None
     if variants or auto is not None:
         measured = {n: p for n, p in peers.items() if "skipped" not in p}
-        precision_rows = _precision_rows({"fp32": eng, **variants}, variant_rates, prompts, measured, log)
+        precision_rows = _precision_rows(
+            {"fp32": eng, **variants}, variant_rates, prompts, measured, log
+        )
     for x, e in {"fp32": eng, **variants}.items():
-        row = {"prefill_tok_s": variant_rates[x]["prefill_tok_s"], "decode_tok_s": variant_rates[x]["decode_tok_s"],
-               "ttft_ms": variant_rates[x]["ttft_ms"], "rss_mb": rss[x] / 1e6,
-               "bits": {"fp32": 32, "int8": 8, "int8-rowq": 8, "int4": 4}.get(x, 32),
-               **_bandwidth_share(variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth)}
+        row = {
+            "prefill_tok_s": variant_rates[x]["prefill_tok_s"],
+            "decode_tok_s": variant_rates[x]["decode_tok_s"],
+            "ttft_ms": variant_rates[x]["ttft_ms"],
+            "rss_mb": rss[x] / 1e6,
+            "bits": {"fp32": 32, "int8": 8, "int8-rowq": 8, "int4": 4}.get(x, 32),
+            **_bandwidth_share(
+                variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth
+            ),
+        }
         result.setdefault("ours", {})[x] = row
     del variants
 
@@ -364,24 +436,40 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
         warm.append(g.stats["ttft_ms"])
         reused.append(g.stats["reused_tokens"])
     engine_res = {
-        "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"],
+        "prefill_tok_s": r["prefill_tok_s"],
+        "decode_tok_s": r["decode_tok_s"],
         "decode_tok_s_internal": _median(internal) if internal else None,
-        "ttft_cold_ms": _median(cold), "ttft_reused_ms": _median(warm), "reused_tokens": int(_median(reused)),
-        "reused_over_cold": _median(warm) / _median(cold), "load_s": eng.load_s,
+        "ttft_cold_ms": _median(cold),
+        "ttft_reused_ms": _median(warm),
+        "reused_tokens": int(_median(reused)),
+        "reused_over_cold": _median(warm) / _median(cold),
+        "load_s": eng.load_s,
     }
-    log(f"spark-lsp: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, "
-        f"TTFT cold {engine_res['ttft_cold_ms']:.1f} ms / reused {engine_res['ttft_reused_ms']:.2f} ms")
+    log(
+        f"spark-lsp: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, "
+        f"TTFT cold {engine_res['ttft_cold_ms']:.1f} ms / reused {engine_res['ttft_reused_ms']:.2f} ms"
+    )
     if opts.cancels:
-        engine_res["cancel_decode"] = _cancel_latency(eng, prompt_for, opts.cancels, "decode", 0.0, rng)
-        engine_res["cancel_prefill"] = _cancel_latency(eng, lambda k: prompt_for(100 + k), opts.cancels, "prefill",
-                                                       engine_res["ttft_cold_ms"], rng)
+        engine_res["cancel_decode"] = _cancel_latency(
+            eng, prompt_for, opts.cancels, "decode", 0.0, rng
+        )
+        engine_res["cancel_prefill"] = _cancel_latency(
+            eng,
+            lambda k: prompt_for(100 + k),
+            opts.cancels,
+            "prefill",
+            engine_res["ttft_cold_ms"],
+            rng,
+        )
     result["engine"] = engine_res
 
     result["peers"] = peers
     result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["ratios"] = {
         f"{k}_vs_{name}": engine_res[k] / p[k]
-        for name, p in peers.items() if "skipped" not in p for k in ("decode_tok_s", "prefill_tok_s")
+        for name, p in peers.items()
+        if "skipped" not in p
+        for k in ("decode_tok_s", "prefill_tok_s")
     }
     if precision_rows is not None:
         result["precisions"] = precision_rows
@@ -390,15 +478,25 @@ def bench_engine(model: str | Path | None, opts: BenchOptions, log: Callable[[st
     return result
 
 
-def _bandwidth_share(decode_tok_s: float, bytes_per_token: int, bandwidth: float) -> dict[str, float]:
+def _bandwidth_share(
+    decode_tok_s: float, bytes_per_token: int, bandwidth: float
+) -> dict[str, float]:
     """Weight MB read per token, the decode bound that sets (bandwidth / bytes), and the share of it."""
     limit = bandwidth / max(bytes_per_token, 1)
-    return {"weight_mb_per_token": bytes_per_token / 1e6, "bandwidth_limit_tok_s": limit,
-            "bandwidth_pct": 100.0 * decode_tok_s / limit}
+    return {
+        "weight_mb_per_token": bytes_per_token / 1e6,
+        "bandwidth_limit_tok_s": limit,
+        "bandwidth_pct": 100.0 * decode_tok_s / limit,
+    }
 
 
-def _precision_rows(engines: dict[str, Any], rates: dict[str, dict], prompts: list[list[int]],
-                    peers: dict[str, dict], log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+def _precision_rows(
+    engines: dict[str, Any],
+    rates: dict[str, dict],
+    prompts: list[list[int]],
+    peers: dict[str, dict],
+    log: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
     """Per precision: rates, ratios to our fp32 and to each peer, greedy agreement with fp32."""
 
     ref = rates["fp32"]["all_tokens"]
@@ -407,15 +505,31 @@ def _precision_rows(engines: dict[str, Any], rates: dict[str, dict], prompts: li
         pr = rates[x]
         agree, total = _teacher_forced(eng, prompts, ref)
         same = sum(_agree(a, b) for a, b in zip(ref, pr["all_tokens"]))
-        ratios = {f"{k}_vs_fp32": pr[k] / rates["fp32"][k] for k in ("decode_tok_s", "prefill_tok_s")}
-        ratios.update({f"{k}_vs_{name}": pr[k] / p[k] for name, p in peers.items()
-                       for k in ("decode_tok_s", "prefill_tok_s")})
-        rows[x] = {"prefill_tok_s": pr["prefill_tok_s"], "decode_tok_s": pr["decode_tok_s"], "ttft_ms": pr["ttft_ms"],
-                   "emitter": emitter_key(eng.linear), "load_s": eng.load_s, "ratios": ratios,
-                   "greedy_agreement": f"{agree}/{total}", "greedy_agreement_rate": agree / max(total, 1),
-                   "identical_prefix": f"{same}/{total}"}
-        log(f"spark-lsp {x}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s "
-            f"({ratios['decode_tok_s_vs_fp32']:.2f}x fp32), greedy agreement {agree}/{total}")
+        ratios = {
+            f"{k}_vs_fp32": pr[k] / rates["fp32"][k] for k in ("decode_tok_s", "prefill_tok_s")
+        }
+        ratios.update(
+            {
+                f"{k}_vs_{name}": pr[k] / p[k]
+                for name, p in peers.items()
+                for k in ("decode_tok_s", "prefill_tok_s")
+            }
+        )
+        rows[x] = {
+            "prefill_tok_s": pr["prefill_tok_s"],
+            "decode_tok_s": pr["decode_tok_s"],
+            "ttft_ms": pr["ttft_ms"],
+            "emitter": emitter_key(eng.linear),
+            "load_s": eng.load_s,
+            "ratios": ratios,
+            "greedy_agreement": f"{agree}/{total}",
+            "greedy_agreement_rate": agree / max(total, 1),
+            "identical_prefix": f"{same}/{total}",
+        }
+        log(
+            f"spark-lsp {x}: prefill {pr['prefill_tok_s']:.0f} tok/s, decode {pr['decode_tok_s']:.0f} tok/s "
+            f"({ratios['decode_tok_s_vs_fp32']:.2f}x fp32), greedy agreement {agree}/{total}"
+        )
     return rows
 
 
@@ -432,23 +546,37 @@ def format_precisions(res: dict[str, Any]) -> list[str]:
         return []
     peers = [n for n, p in res["peers"].items() if "skipped" not in p]
     short = {n: n.replace("onnxruntime-genai", "ort-genai") for n in peers}
-    head = (f"{'precision':<12}{'prefill tok/s':>15}{'decode tok/s':>15}{'vs fp32':>9}"
-            + "".join(f"{'vs ' + short[n]:>17}" for n in peers) + "  greedy agreement with fp32")
-    lines = ["", "our engine per precision (decode ratios; agreement: teacher-forced tokens over all prompts, "
-                 "identical prefix when generating freely)", head]
+    head = (
+        f"{'precision':<12}{'prefill tok/s':>15}{'decode tok/s':>15}{'vs fp32':>9}"
+        + "".join(f"{'vs ' + short[n]:>17}" for n in peers)
+        + "  greedy agreement with fp32"
+    )
+    lines = [
+        "",
+        "our engine per precision (decode ratios; agreement: teacher-forced tokens over all prompts, "
+        "identical prefix when generating freely)",
+        head,
+    ]
     for x, row in rows.items():
         rt = row["ratios"]
-        meets = (x != "fp32" and rt["decode_tok_s_vs_fp32"] >= TARGET_SPEEDUP
-                 and row["greedy_agreement_rate"] >= TARGET_AGREEMENT)
-        lines.append(f"{x:<12}{row['prefill_tok_s']:>15.0f}{row['decode_tok_s']:>15.0f}"
-                     f"{rt['decode_tok_s_vs_fp32']:>8.2f}x"
-                     + "".join(f"{rt[f'decode_tok_s_vs_{n}']:>16.2f}x" for n in peers)
-                     + f"  {row['greedy_agreement']} ({100 * row['greedy_agreement_rate']:.1f}%), "
-                       f"identical prefix {row['identical_prefix']}"
-                     + (f"  [>= {TARGET_SPEEDUP:g}x and >= {100 * TARGET_AGREEMENT:.0f}%]" if meets else ""))
+        meets = (
+            x != "fp32"
+            and rt["decode_tok_s_vs_fp32"] >= TARGET_SPEEDUP
+            and row["greedy_agreement_rate"] >= TARGET_AGREEMENT
+        )
+        lines.append(
+            f"{x:<12}{row['prefill_tok_s']:>15.0f}{row['decode_tok_s']:>15.0f}"
+            f"{rt['decode_tok_s_vs_fp32']:>8.2f}x"
+            + "".join(f"{rt[f'decode_tok_s_vs_{n}']:>16.2f}x" for n in peers)
+            + f"  {row['greedy_agreement']} ({100 * row['greedy_agreement_rate']:.1f}%), "
+            f"identical prefix {row['identical_prefix']}"
+            + (f"  [>= {TARGET_SPEEDUP:g}x and >= {100 * TARGET_AGREEMENT:.0f}%]" if meets else "")
+        )
     auto = res.get("precision_auto")
     if auto:
-        lines.append(f"auto: {auto['precision']} ({auto['reason']}{', cached decision' if auto.get('cached') else ''})")
+        lines.append(
+            f"auto: {auto['precision']} ({auto['reason']}{', cached decision' if auto.get('cached') else ''})"
+        )
     return lines
 
 
@@ -459,19 +587,28 @@ def format_classes(res: dict[str, Any]) -> list[str]:
     rows += [(n, p) for n, p in res["peers"].items() if "skipped" not in p]
     if not rows:
         return []
-    lines = ["", f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s measured at start; "
-                 "RSS: resident memory the runner added by its load and warm-up, approximate: one process)",
-             f"{'bits':<6}{'runner':<26}{'prefill tok/s':>14}{'decode tok/s':>13}{'TTFT ms':>10}{'RSS MB':>9}"
-             f"{'MB/token':>10}{'% of bound':>11}{'decode vs llama.cpp':>21}"]
+    lines = [
+        "",
+        f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s measured at start; "
+        "RSS: resident memory the runner added by its load and warm-up, approximate: one process)",
+        f"{'bits':<6}{'runner':<26}{'prefill tok/s':>14}{'decode tok/s':>13}{'TTFT ms':>10}{'RSS MB':>9}"
+        f"{'MB/token':>10}{'% of bound':>11}{'decode vs llama.cpp':>21}",
+    ]
     for bits in (32, 16, 8, 4):
         group = [(n, r) for n, r in rows if r.get("bits", 32) == bits]
         llama = [r["decode_tok_s"] for n, r in group if n.startswith("llama.cpp")]
         for n, r in group:
             pct = f"{r['bandwidth_pct']:.0f}%" if "bandwidth_pct" in r else "-"
             mb = f"{r['weight_mb_per_token']:.0f}" if "weight_mb_per_token" in r else "-"
-            vs = f"{r['decode_tok_s'] / max(llama):.2f}x" if llama and n.startswith("spark-lsp") else ""
-            lines.append(f"{bits:<6}{n:<26}{r['prefill_tok_s']:>14.0f}{r['decode_tok_s']:>13.1f}{r['ttft_ms']:>10.0f}"
-                         f"{r.get('rss_mb', 0):>9.0f}{mb:>10}{pct:>11}{vs:>21}")
+            vs = (
+                f"{r['decode_tok_s'] / max(llama):.2f}x"
+                if llama and n.startswith("spark-lsp")
+                else ""
+            )
+            lines.append(
+                f"{bits:<6}{n:<26}{r['prefill_tok_s']:>14.0f}{r['decode_tok_s']:>13.1f}{r['ttft_ms']:>10.0f}"
+                f"{r.get('rss_mb', 0):>9.0f}{mb:>10}{pct:>11}{vs:>21}"
+            )
     return lines
 
 
@@ -483,8 +620,11 @@ def format_table(res: dict[str, Any]) -> str:
         f"prompt {res['prompt_tokens']} tokens, {res['new_tokens']} new tokens (greedy), medians of "
         f"{res['repeats']}, {res['threads']} threads, emitter {res['emitter']}",
         f"machine load average {res['load_average_start']} -> {res['load_average_end']} on {res['cpus']} CPUs"
-        + ("  (busy machine: figures are noisy; the runners take turns so ratios stay comparable)"
-           if max(res["load_average_start"], res["load_average_end"]) > 0.5 * (res["cpus"] or 1) else ""),
+        + (
+            "  (busy machine: figures are noisy; the runners take turns so ratios stay comparable)"
+            if max(res["load_average_start"], res["load_average_end"]) > 0.5 * (res["cpus"] or 1)
+            else ""
+        ),
         "",
         f"{'runner':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'TTFT ms':>10}{'ours/peer':>14}  notes",
         f"{'spark-lsp':<20}{e['prefill_tok_s']:>15.0f}{e['decode_tok_s']:>15.0f}{e['ttft_cold_ms']:>10.1f}"
@@ -495,8 +635,10 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"{name:<20}{'skipped':>15}  {p['skipped']}")
             continue
         ratio = e["decode_tok_s"] / p["decode_tok_s"]
-        lines.append(f"{name:<20}{p['prefill_tok_s']:>15.0f}{p['decode_tok_s']:>15.0f}{p['ttft_ms']:>10.1f}"
-                     f"{ratio:>13.2f}x  greedy agreement {p['greedy_agreement']}; {p['version']}")
+        lines.append(
+            f"{name:<20}{p['prefill_tok_s']:>15.0f}{p['decode_tok_s']:>15.0f}{p['ttft_ms']:>10.1f}"
+            f"{ratio:>13.2f}x  greedy agreement {p['greedy_agreement']}; {p['version']}"
+        )
     lines += [
         "",
         f"TTFT cold {e['ttft_cold_ms']:.2f} ms; last token changed (reused {e['reused_tokens']} tokens): "
@@ -505,8 +647,10 @@ def format_table(res: dict[str, Any]) -> str:
     for phase in ("decode", "prefill"):
         c = e.get(f"cancel_{phase}")
         if c:
-            lines.append(f"cancel latency during {phase}: median {c['median_ms']:.2f} ms, p95 {c['p95_ms']:.2f} ms "
-                         f"({c['cancelled']}/{c['n']} cancelled)")
+            lines.append(
+                f"cancel latency during {phase}: median {c['median_ms']:.2f} ms, p95 {c['p95_ms']:.2f} ms "
+                f"({c['cancelled']}/{c['n']} cancelled)"
+            )
     if res["ratios"]:
         lines.append("ours/peer: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
     lines += format_classes(res)
@@ -523,34 +667,77 @@ def main(argv: list[str] | None = None, plot: Callable[[dict, str], Any] | None 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder, or a synthetic model: synthetic-8m, synthetic-qwen2.5-coder-0.5b, "
-                        "synthetic-qwen2.5-coder-1.5b, synthetic-qwen2.5-coder-3b (default: the bundled model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model folder, or a synthetic model: synthetic-8m, synthetic-qwen2.5-coder-0.5b, "
+        "synthetic-qwen2.5-coder-1.5b, synthetic-qwen2.5-coder-3b (default: the bundled model)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--prompt-tokens", type=int, default=1000, metavar="N")
     p.add_argument("--new-tokens", type=int, default=128, metavar="N")
     p.add_argument("--repeats", type=int, default=5, metavar="R")
-    p.add_argument("--cancels", type=int, default=10, metavar="N", help="cancels per phase for the latency figures")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op threads for every runner")
-    p.add_argument("--precision", default="fp32", metavar="LIST",
-                   help="our engine's weights, comma-separated: fp32, int8, int8-rowq, int4, auto (the measured "
-                        "choice); each is loaded once and takes turns with the peers; fp32 always runs "
-                        "(the peers' weights, the agreement reference; default: fp32)")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
+    p.add_argument(
+        "--cancels",
+        type=int,
+        default=10,
+        metavar="N",
+        help="cancels per phase for the latency figures",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="intra-op threads for every runner"
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        metavar="LIST",
+        help="our engine's weights, comma-separated: fp32, int8, int8-rowq, int4, auto (the measured "
+        "choice); each is loaded once and takes turns with the peers; fp32 always runs "
+        "(the peers' weights, the agreement reference; default: fp32)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)",
+    )
     p.add_argument("--no-peers", action="store_true", help="skip every peer")
-    p.add_argument("--peers", default=",".join(PEERS), metavar="LIST",
-                   help=f"peers to run, comma-separated (default: {','.join(PEERS)}); a missing one is skipped")
-    p.add_argument("--gguf", default=",".join(GGUF_TYPES), metavar="LIST",
-                   help=f"llama.cpp's GGUF types, one runner each (default: {','.join(GGUF_TYPES)})")
-    p.add_argument("--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter")
-    p.add_argument("--grid", default=None, metavar="RxC", help="emulated PE grid (default: the wafer default)")
+    p.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        metavar="LIST",
+        help=f"peers to run, comma-separated (default: {','.join(PEERS)}); a missing one is skipped",
+    )
+    p.add_argument(
+        "--gguf",
+        default=",".join(GGUF_TYPES),
+        metavar="LIST",
+        help=f"llama.cpp's GGUF types, one runner each (default: {','.join(GGUF_TYPES)})",
+    )
+    p.add_argument(
+        "--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter"
+    )
+    p.add_argument(
+        "--grid", default=None, metavar="RxC", help="emulated PE grid (default: the wafer default)"
+    )
     spin = p.add_mutually_exclusive_group()
-    spin.add_argument("--spinning", dest="spinning", action="store_const", const=True, default=None,
-                      help="force ORT threads to spin between steps (default: the engine's auto mode, "
-                           "which spins only while the CPU is calm)")
-    spin.add_argument("--no-spinning", dest="spinning", action="store_const", const=False,
-                      help="never spin (leaves the CPU to the editor)")
+    spin.add_argument(
+        "--spinning",
+        dest="spinning",
+        action="store_const",
+        const=True,
+        default=None,
+        help="force ORT threads to spin between steps (default: the engine's auto mode, "
+        "which spins only while the CPU is calm)",
+    )
+    spin.add_argument(
+        "--no-spinning",
+        dest="spinning",
+        action="store_const",
+        const=False,
+        help="never spin (leaves the CPU to the editor)",
+    )
 
 
 def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
@@ -567,19 +754,33 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
                 r, c = (int(x) for x in str(args.grid).lower().split("x"))
                 assert r > 0 and c > 0
             except (ValueError, AssertionError):
-                raise ValueError(f"--grid {args.grid!r}: expected RxC with positive integers, e.g. 4x4") from None
+                raise ValueError(
+                    f"--grid {args.grid!r}: expected RxC with positive integers, e.g. 4x4"
+                ) from None
             grid = (r, c)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be a positive integer")
         if getattr(args, "plot", None) and plot is None:
-            raise ValueError("--plot is drawn by spark-lsp: run `spark-lsp bench engine --plot FILE`")
-        opts = BenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-                            cancels=args.cancels, threads=args.threads, peers=not args.no_peers,
-                            wafer=not args.no_wafer, grid=grid, spinning=args.spinning,
-                            precisions=parse_precisions(getattr(args, "precision", "fp32")),
-                            peer_names=parse_list(getattr(args, "peers", ",".join(PEERS)), PEERS, "--peers"),
-                            gguf=parse_list(getattr(args, "gguf", ",".join(GGUF_TYPES)), GGUF_TYPES, "--gguf"))
-        log = (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))
+            raise ValueError(
+                "--plot is drawn by spark-lsp: run `spark-lsp bench engine --plot FILE`"
+            )
+        opts = BenchOptions(
+            prompt_tokens=args.prompt_tokens,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            cancels=args.cancels,
+            threads=args.threads,
+            peers=not args.no_peers,
+            wafer=not args.no_wafer,
+            grid=grid,
+            spinning=args.spinning,
+            precisions=parse_precisions(getattr(args, "precision", "fp32")),
+            peer_names=parse_list(getattr(args, "peers", ",".join(PEERS)), PEERS, "--peers"),
+            gguf=parse_list(getattr(args, "gguf", ",".join(GGUF_TYPES)), GGUF_TYPES, "--gguf"),
+        )
+        log = (
+            (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))
+        )
         res = bench_engine(args.model, opts, log=log)
     except (ModelError, ValueError, OSError) as e:
         print(f"spark-lsp bench engine: error: {e}", file=sys.stderr)
@@ -592,15 +793,19 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
     return plot_results(plot, res, getattr(args, "plot", None), "engine")
 
 
-def plot_results(plot: Callable[[dict, str], Any] | None, res: dict, path: str | None, name: str) -> int:
+def plot_results(
+    plot: Callable[[dict, str], Any] | None, res: dict, path: str | None, name: str
+) -> int:
     """Draw ``res`` into ``path`` when asked; 0, or 2 with the reason on stderr.
 
     Shared by the benchmarks that run behind ``spark-lsp bench`` (edits, wafer, lsp)."""
     if not path:
         return 0
     if plot is None:
-        print(f"spark-lsp bench {name}: --plot is drawn by spark-lsp: run `spark-lsp bench {name} --plot FILE`",
-              file=sys.stderr)
+        print(
+            f"spark-lsp bench {name}: --plot is drawn by spark-lsp: run `spark-lsp bench {name} --plot FILE`",
+            file=sys.stderr,
+        )
         return 2
     try:
         print(f"plot: {plot(res, path)}", file=sys.stderr)

@@ -26,8 +26,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -112,10 +113,10 @@ def _body(src: str) -> str:
 @dataclass(frozen=True)
 class Task:
     name: str
-    kind: str                   # "edit" | "fresh"
-    prefix: str                 # the prompt (text before the generated text)
-    draft: str | None = None    # the original text being rewritten (edits)
-    suffix: str | None = None   # text after the cursor: a fill-in-the-middle prompt when set
+    kind: str  # "edit" | "fresh"
+    prefix: str  # the prompt (text before the generated text)
+    draft: str | None = None  # the original text being rewritten (edits)
+    suffix: str | None = None  # text after the cursor: a fill-in-the-middle prompt when set
     new_tokens: int = 128
 
     def prompt(self, engine) -> tuple[list[int], str]:
@@ -124,7 +125,13 @@ class Task:
         (``engine.fim.heal(newline=True)``: the output's first token spells it)."""
         fim = FimFormat.detect(engine.tokenizer) if self.suffix is not None else None
         if fim is None:  # left to right (also a model without FIM tokens)
-            return heal(engine.tokenizer, self.prefix, engine.tokenizer.encode(self.prefix), keep=1, newline=True)
+            return heal(
+                engine.tokenizer,
+                self.prefix,
+                engine.tokenizer.encode(self.prefix),
+                keep=1,
+                newline=True,
+            )
         return fim.build_healed(self.prefix, self.suffix, newline=True)
 
     def max_new_tokens(self, engine) -> int:
@@ -134,18 +141,46 @@ class Task:
 
 
 TASKS: tuple[Task, ...] = (
-    Task("rename-arg", "edit", MOVING_AVG + "\n\n" + "def moving_average(samples, window):\n", _body(MOVING_AVG)),
-    Task("type-hints", "edit",
-         MERGE + "\n\n" + "def merge_counts(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:\n",
-         _body(MERGE)),
-    Task("add-param", "edit", READ_CONFIG + "\n\n" + 'def read_config(path, encoding="utf-8"):\n', _body(READ_CONFIG)),
+    Task(
+        "rename-arg",
+        "edit",
+        MOVING_AVG + "\n\n" + "def moving_average(samples, window):\n",
+        _body(MOVING_AVG),
+    ),
+    Task(
+        "type-hints",
+        "edit",
+        MERGE
+        + "\n\n"
+        + "def merge_counts(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:\n",
+        _body(MERGE),
+    ),
+    Task(
+        "add-param",
+        "edit",
+        READ_CONFIG + "\n\n" + 'def read_config(path, encoding="utf-8"):\n',
+        _body(READ_CONFIG),
+    ),
     Task("rename-class", "edit", STACK + "\n\n" + "class LifoStack:\n", _body(STACK)),
-    Task("fim-rewrite", "edit", "import os\nimport sys\n\n\n", READ_CONFIG,
-         suffix="\n\ndef main(argv):\n    settings = read_config(argv[1])\n    print(settings)\n"),
-    Task("fresh-function", "fresh", "import os\n\n\ndef find_python_files(root):\n", new_tokens=128),
+    Task(
+        "fim-rewrite",
+        "edit",
+        "import os\nimport sys\n\n\n",
+        READ_CONFIG,
+        suffix="\n\ndef main(argv):\n    settings = read_config(argv[1])\n    print(settings)\n",
+    ),
+    Task(
+        "fresh-function", "fresh", "import os\n\n\ndef find_python_files(root):\n", new_tokens=128
+    ),
     Task("fresh-class", "fresh", "import threading\n\n\nclass RateLimiter:\n", new_tokens=128),
-    Task("fresh-fim", "fresh", "import json\n\n\ndef load_records(path):\n    ", suffix="\n\n\ndef save_records(path, records):\n"
-         "    with open(path, 'w') as f:\n        json.dump(records, f)\n", new_tokens=128),
+    Task(
+        "fresh-fim",
+        "fresh",
+        "import json\n\n\ndef load_records(path):\n    ",
+        suffix="\n\n\ndef save_records(path, records):\n"
+        "    with open(path, 'w') as f:\n        json.dump(records, f)\n",
+        new_tokens=128,
+    ),
 )
 
 
@@ -156,7 +191,9 @@ def _median(xs: list[float]) -> float:
 def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
     """Plain and speculative runs of one task, alternated; medians, acceptance, identity."""
     ids, healed = task.prompt(eng)
-    params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed)
+    params = GenerationParams(
+        max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed
+    )
     plain_rates, spec_rates, plain_ms, spec_ms, stats = [], [], [], [], []
     plain_cpu, spec_cpu = [], []
     identical = True
@@ -185,29 +222,51 @@ def run_task(eng, task: Task, repeats: int) -> dict[str, Any]:
             spec_cpu.append(c2 - c1)
             stats.append(s.stats)
     plain, spec = _median(plain_rates), _median(spec_rates)
-    return {"task": task.name, "kind": task.kind, "prompt_tokens": len(ids), "new_tokens": len(ref_tokens or []),
-            "plain_tok_s": plain, "spec_tok_s": spec, "ratio": spec / plain if plain else 0.0,
-            "plain_total_ms": _median(plain_ms), "spec_total_ms": _median(spec_ms),
-            "plain_cpu_ms": _median(plain_cpu) * 1e3, "spec_cpu_ms": _median(spec_cpu) * 1e3,
-            "cpu_ratio": _median(plain_cpu) / _median(spec_cpu) if _median(spec_cpu) else 0.0,
-            "acceptance": _median([s["acceptance"] for s in stats]),
-            "tokens_per_run": _median([s["tokens_per_run"] for s in stats]),
-            "drafted": int(_median([s["drafted_tokens"] for s in stats])), "identical": identical,
-            "first_divergence": divergence}
+    return {
+        "task": task.name,
+        "kind": task.kind,
+        "prompt_tokens": len(ids),
+        "new_tokens": len(ref_tokens or []),
+        "plain_tok_s": plain,
+        "spec_tok_s": spec,
+        "ratio": spec / plain if plain else 0.0,
+        "plain_total_ms": _median(plain_ms),
+        "spec_total_ms": _median(spec_ms),
+        "plain_cpu_ms": _median(plain_cpu) * 1e3,
+        "spec_cpu_ms": _median(spec_cpu) * 1e3,
+        "cpu_ratio": _median(plain_cpu) / _median(spec_cpu) if _median(spec_cpu) else 0.0,
+        "acceptance": _median([s["acceptance"] for s in stats]),
+        "tokens_per_run": _median([s["tokens_per_run"] for s in stats]),
+        "drafted": int(_median([s["drafted_tokens"] for s in stats])),
+        "identical": identical,
+        "first_divergence": divergence,
+    }
 
 
 def _divergence(eng, ids: list[int], plain: list[int], spec: list[int]) -> dict[str, Any]:
     """Where the outputs first differ and the top-2 logit margin there (a near-tie shows ~1e-6:
     two kernels summing in a different order, not a wrong draft acceptance)."""
     i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    row = eng.forward_logits(list(ids) + list(plain[:i]))[-1][:eng.sample_vocab]
+    row = eng.forward_logits(list(ids) + list(plain[:i]))[-1][: eng.sample_vocab]
     top = np.sort(row)[-2:]
-    return {"index": i, "plain": plain[i] if i < len(plain) else None, "spec": spec[i] if i < len(spec) else None,
-            "top2_margin": float(top[1] - top[0])}
+    return {
+        "index": i,
+        "plain": plain[i] if i < len(plain) else None,
+        "spec": spec[i] if i < len(spec) else None,
+        "top2_margin": float(top[1] - top[0]),
+    }
 
 
-def bench_edits(model=None, *, precision: str = "fp32", wafer: bool = True, threads: int | None = None,
-                repeats: int = 3, tasks: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def bench_edits(
+    model=None,
+    *,
+    precision: str = "fp32",
+    wafer: bool = True,
+    threads: int | None = None,
+    repeats: int = 3,
+    tasks: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Load the model (``precision``: one of ``engine.linears.PRECISIONS`` or 'auto') and run the tasks."""
     folder = resolve_model(model)
     chosen = None
@@ -216,28 +275,48 @@ def bench_edits(model=None, *, precision: str = "fp32", wafer: bool = True, thre
         precision = chosen.precision
     t0 = time.perf_counter()
     eng = load_engine(folder, make_linear(precision, wafer=wafer), threads=threads)
-    log(f"loaded {eng.name} ({precision}, {'wafer-tiled' if wafer else 'dense'}) in {time.perf_counter() - t0:.1f} s")
+    log(
+        f"loaded {eng.name} ({precision}, {'wafer-tiled' if wafer else 'dense'}) in {time.perf_counter() - t0:.1f} s"
+    )
     selected = [t for t in TASKS if tasks is None or t.name in tasks]
     if tasks:
         unknown = set(tasks) - {t.name for t in TASKS}
         if unknown:
-            raise ValueError(f"--tasks: unknown task(s) {sorted(unknown)}; known: {[t.name for t in TASKS]}")
+            raise ValueError(
+                f"--tasks: unknown task(s) {sorted(unknown)}; known: {[t.name for t in TASKS]}"
+            )
     rows = []
     for task in selected:
         row = run_task(eng, task, repeats)
         rows.append(row)
-        log(f"  {row['task']:15s} plain {row['plain_tok_s']:7.0f} tok/s  speculative {row['spec_tok_s']:7.0f} tok/s  "
-            f"x{row['ratio']:.2f}  acceptance {row['acceptance']:.2f}  identical {row['identical']}")
+        log(
+            f"  {row['task']:15s} plain {row['plain_tok_s']:7.0f} tok/s  speculative {row['spec_tok_s']:7.0f} tok/s  "
+            f"x{row['ratio']:.2f}  acceptance {row['acceptance']:.2f}  identical {row['identical']}"
+        )
     summary = {}
     for kind in ("edit", "fresh"):
         rs = [r["ratio"] for r in rows if r["kind"] == kind]
         cs = [r["cpu_ratio"] for r in rows if r["kind"] == kind]
         if rs:
-            summary[kind] = {"median_ratio": _median(rs), "min_ratio": min(rs), "median_cpu_ratio": _median(cs),
-                             "min_cpu_ratio": min(cs), "tasks": len(rs)}
-    return {"model": eng.name, "precision": precision, "load_avg": _loadavg(), "wafer": wafer, "threads": eng.runtime.threads,
-            "repeats": repeats, "precision_choice": chosen.to_dict() if chosen else None, "tasks": rows,
-            "summary": summary, "all_identical": all(r["identical"] for r in rows)}
+            summary[kind] = {
+                "median_ratio": _median(rs),
+                "min_ratio": min(rs),
+                "median_cpu_ratio": _median(cs),
+                "min_cpu_ratio": min(cs),
+                "tasks": len(rs),
+            }
+    return {
+        "model": eng.name,
+        "precision": precision,
+        "load_avg": _loadavg(),
+        "wafer": wafer,
+        "threads": eng.runtime.threads,
+        "repeats": repeats,
+        "precision_choice": chosen.to_dict() if chosen else None,
+        "tasks": rows,
+        "summary": summary,
+        "all_identical": all(r["identical"] for r in rows),
+    }
 
 
 def _loadavg() -> list[float] | None:
@@ -248,34 +327,68 @@ def _loadavg() -> list[float] | None:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    head = (f"spark-lsp bench edits — {res['model']} ({res['precision']}, {'wafer' if res['wafer'] else 'dense'}, "
-            f"{res['threads']} threads, median of {res['repeats']}, load average {res.get('load_avg')})")
-    lines = [head, "",
-             f"{'task':15s} {'kind':5s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'ratio':>6s} "
-             f"{'cpu x':>6s} {'accept':>6s} {'tok/run':>7s} identical"]
+    head = (
+        f"spark-lsp bench edits — {res['model']} ({res['precision']}, {'wafer' if res['wafer'] else 'dense'}, "
+        f"{res['threads']} threads, median of {res['repeats']}, load average {res.get('load_avg')})"
+    )
+    lines = [
+        head,
+        "",
+        f"{'task':15s} {'kind':5s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'ratio':>6s} "
+        f"{'cpu x':>6s} {'accept':>6s} {'tok/run':>7s} identical",
+    ]
     for r in res["tasks"]:
         d = r.get("first_divergence")
-        ident = "yes" if r["identical"] else f"NO (token {d['index']}, top-2 margin {d['top2_margin']:.1e})" if d else "NO"
-        lines.append(f"{r['task']:15s} {r['kind']:5s} {r['new_tokens']:6d} {r['plain_tok_s']:11.0f} {r['spec_tok_s']:10.0f} "
-                     f"{r['ratio']:6.2f} {r['cpu_ratio']:6.2f} {r['acceptance']:6.2f} {r['tokens_per_run']:7.2f} {ident}")
+        ident = (
+            "yes"
+            if r["identical"]
+            else f"NO (token {d['index']}, top-2 margin {d['top2_margin']:.1e})"
+            if d
+            else "NO"
+        )
+        lines.append(
+            f"{r['task']:15s} {r['kind']:5s} {r['new_tokens']:6d} {r['plain_tok_s']:11.0f} {r['spec_tok_s']:10.0f} "
+            f"{r['ratio']:6.2f} {r['cpu_ratio']:6.2f} {r['acceptance']:6.2f} {r['tokens_per_run']:7.2f} {ident}"
+        )
     for kind, s in res["summary"].items():
-        lines.append(f"{kind}: median ratio {s['median_ratio']:.2f}, worst {s['min_ratio']:.2f}; by CPU time "
-                     f"{s['median_cpu_ratio']:.2f}, worst {s['min_cpu_ratio']:.2f} ({s['tasks']} tasks)")
+        lines.append(
+            f"{kind}: median ratio {s['median_ratio']:.2f}, worst {s['min_ratio']:.2f}; by CPU time "
+            f"{s['median_cpu_ratio']:.2f}, worst {s['min_cpu_ratio']:.2f} ({s['tasks']} tasks)"
+        )
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder or 'synthetic-8m' (default: the bundled model)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int8-rowq", "int4", "auto"),
-                   help="weights to run (auto: the stored decision, measured if missing; see spark-lsp tune)")
-    p.add_argument("--no-wafer", dest="wafer", action="store_false", help="dense MatMuls instead of wafer tiles")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model folder or 'synthetic-8m' (default: the bundled model)",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "int8", "int8-rowq", "int4", "auto"),
+        help="weights to run (auto: the stored decision, measured if missing; see spark-lsp tune)",
+    )
+    p.add_argument(
+        "--no-wafer",
+        dest="wafer",
+        action="store_false",
+        help="dense MatMuls instead of wafer tiles",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads (default: physical cores)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per task and mode (median)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)",
+    )
 
 
 def run(args: argparse.Namespace, plot: Callable[[dict, str], Any] | None = None) -> int:
@@ -289,10 +402,21 @@ def run(args: argparse.Namespace, plot: Callable[[dict, str], Any] | None = None
         print("spark-lsp bench edits: error: --threads must be >= 1", file=sys.stderr)
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    log = (
+        (lambda s: print(s, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda s: print(s, flush=True))
+    )
     try:
-        res = bench_edits(args.model, precision=args.precision, wafer=args.wafer, threads=args.threads,
-                          repeats=args.repeats, tasks=tasks, log=log)
+        res = bench_edits(
+            args.model,
+            precision=args.precision,
+            wafer=args.wafer,
+            threads=args.threads,
+            repeats=args.repeats,
+            tasks=tasks,
+            log=log,
+        )
     except (ModelError, ValueError, OSError) as e:
         print(f"spark-lsp bench edits: error: {e}", file=sys.stderr)
         return 2

@@ -18,8 +18,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import ModelError, load_config
 from ..engine import Engine
@@ -44,7 +45,14 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
                 runs.append((ev["ts"], ev["dur"]))
             elif ev.get("cat") == "Node" and str(ev.get("name", "")).endswith("_kernel_time"):
                 args = ev.get("args", {})
-                nodes.append((ev["ts"], ev["dur"], args.get("op_name", "?"), args.get("input_type_shape", [])))
+                nodes.append(
+                    (
+                        ev["ts"],
+                        ev["dur"],
+                        args.get("op_name", "?"),
+                        args.get("input_type_shape", []),
+                    )
+                )
     runs.sort()
     nodes.sort()
     per_op: dict[str, float] = defaultdict(float)
@@ -58,8 +66,12 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
         while j < len(nodes) and nodes[j][0] <= ts + dur:
             inside.append(nodes[j])
             j += 1
-        if not inside or any(prompt_tokens in dims for *_, shapes in inside
-                             for shape in shapes for dims in shape.values()):
+        if not inside or any(
+            prompt_tokens in dims
+            for *_, shapes in inside
+            for shape in shapes
+            for dims in shape.values()
+        ):
             continue  # a prefill run (or one with no node events)
         steps += 1
         step_us.append(dur)
@@ -72,19 +84,35 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
             count[op] = max(count[op], c)
     if not steps:
         raise ValueError("the profile holds no decode step")
-    ops = {op: {"us_per_step": round(t / steps, 1), "nodes": count[op]}
-           for op, t in sorted(per_op.items(), key=lambda kv: -kv[1])}
-    return {"steps": steps, "nodes": sum(count.values()), "ops": ops,
-            "step_us": round(statistics.fmean(step_us), 1), "kernel_us": round(statistics.fmean(kernel_us), 1)}
+    ops = {
+        op: {"us_per_step": round(t / steps, 1), "nodes": count[op]}
+        for op, t in sorted(per_op.items(), key=lambda kv: -kv[1])
+    }
+    return {
+        "steps": steps,
+        "nodes": sum(count.values()),
+        "ops": ops,
+        "step_us": round(statistics.fmean(step_us), 1),
+        "kernel_us": round(statistics.fmean(kernel_us), 1),
+    }
 
 
 class _Ours:
     """Our engine with the profiler on; ``round()`` decodes once, ``end()`` returns the files."""
 
-    def __init__(self, model: Path, wafer: bool, prefix: str, prompt: list[int], tokens: int,
-                 threads: int | None, precision: str = "fp32") -> None:
-        self.eng = Engine.load(model, wafer=wafer, threads=threads, spinning=True, profile=prefix,
-                               precision=precision)
+    def __init__(
+        self,
+        model: Path,
+        wafer: bool,
+        prefix: str,
+        prompt: list[int],
+        tokens: int,
+        threads: int | None,
+        precision: str = "fp32",
+    ) -> None:
+        self.eng = Engine.load(
+            model, wafer=wafer, threads=threads, spinning=True, profile=prefix, precision=precision
+        )
         self.prompt, self.params = prompt, GenerationParams(max_new_tokens=tokens, ignore_eos=True)
 
     def round(self) -> float:
@@ -100,9 +128,18 @@ class _Ours:
 class _Genai:
     """onnxruntime-genai's generator with the profiler on (same interface as :class:`_Ours`)."""
 
-    def __init__(self, model: Path, prefix: str, prompt: list[int], tokens: int, threads: int,
-                 log: Callable[[str], None]) -> None:
-        self.peer = GenaiPeer(model, threads, weights_digest(model), bench_root(), log, profile=prefix)
+    def __init__(
+        self,
+        model: Path,
+        prefix: str,
+        prompt: list[int],
+        tokens: int,
+        threads: int,
+        log: Callable[[str], None],
+    ) -> None:
+        self.peer = GenaiPeer(
+            model, threads, weights_digest(model), bench_root(), log, profile=prefix
+        )
         self.prompt, self.tokens = prompt, tokens
 
     def round(self) -> float:
@@ -120,16 +157,29 @@ def bench_profile(args, log: Callable[[str], None] = print) -> dict[str, Any]:
     model = resolve_model(args.model)
     threads = args.threads or physical_cores()
     vocab = min(load_config(model).vocab_size, Tokenizer.load(model).vocab_size)
-    prompt = [(7 + 31 * i) % (vocab - 16) + 16 for i in range(PROMPT_TOKENS)]  # past the special tokens
-    res: dict[str, Any] = {"model": str(model), "threads": threads, "tokens": args.tokens,
-                           "rounds": args.rounds, "runners": {}}
+    prompt = [
+        (7 + 31 * i) % (vocab - 16) + 16 for i in range(PROMPT_TOKENS)
+    ]  # past the special tokens
+    res: dict[str, Any] = {
+        "model": str(model),
+        "threads": threads,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "runners": {},
+    }
     with tempfile.TemporaryDirectory(prefix="spark-profile-") as tmp:
         makers: dict[str, Callable[[str], Any]] = {
-            "ours, dense": lambda p: _Ours(model, False, p, prompt, args.tokens, threads, args.precision),
-            "ours, partitioned": lambda p: _Ours(model, True, p, prompt, args.tokens, threads, args.precision),
+            "ours, dense": lambda p: _Ours(
+                model, False, p, prompt, args.tokens, threads, args.precision
+            ),
+            "ours, partitioned": lambda p: _Ours(
+                model, True, p, prompt, args.tokens, threads, args.precision
+            ),
         }
         if not args.no_peers:
-            makers["onnxruntime-genai"] = lambda p: _Genai(model, p, prompt, args.tokens, threads, log)
+            makers["onnxruntime-genai"] = lambda p: _Genai(
+                model, p, prompt, args.tokens, threads, log
+            )
         runners = {}
         for k, (name, make) in enumerate(makers.items()):
             try:
@@ -139,36 +189,52 @@ def bench_profile(args, log: Callable[[str], None] = print) -> dict[str, Any]:
         rates: dict[str, list[float]] = {n: [] for n in runners}
         for r in range(args.rounds):
             log(f"round {r + 1}/{args.rounds}")
-            for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
+            for name in list(runners) if r % 2 == 0 else list(runners)[::-1]:
                 rates[name].append(runners[name].round())
         for name, runner in runners.items():
-            res["runners"][name] = {"decode_tok_s_profiled": round(statistics.median(rates[name]), 1),
-                                    **step_profile(runner.end())}
+            res["runners"][name] = {
+                "decode_tok_s_profiled": round(statistics.median(rates[name]), 1),
+                **step_profile(runner.end()),
+            }
     return res
 
 
 def format_result(res: dict[str, Any]) -> str:
     ran = {n: r for n, r in res["runners"].items() if "skipped" not in r}
     names = list(ran)
-    ops = sorted({op for r in ran.values() for op in r["ops"]},
-                 key=lambda op: -max(r["ops"].get(op, {}).get("us_per_step", 0) for r in ran.values()))
+    ops = sorted(
+        {op for r in ran.values() for op in r["ops"]},
+        key=lambda op: -max(r["ops"].get(op, {}).get("us_per_step", 0) for r in ran.values()),
+    )
     w = 24
-    lines = [f"decode step profile, {res['model']}, {res['threads']} thread(s), {res['rounds']} x "
-             f"{res['tokens']} tokens (mean us per decode step; nodes of that type)",
-             f"{'operator':<34}" + "".join(f"{n:>{w}}" for n in names)]
+    lines = [
+        f"decode step profile, {res['model']}, {res['threads']} thread(s), {res['rounds']} x "
+        f"{res['tokens']} tokens (mean us per decode step; nodes of that type)",
+        f"{'operator':<34}" + "".join(f"{n:>{w}}" for n in names),
+    ]
     for op in ops:
         cells = []
         for n in names:
             o = ran[n]["ops"].get(op)
-            cells.append(f"{o['us_per_step']:>{w - 6}.1f} ({o['nodes']:>2})" if o else f"{'-':>{w}}")
+            cells.append(
+                f"{o['us_per_step']:>{w - 6}.1f} ({o['nodes']:>2})" if o else f"{'-':>{w}}"
+            )
         lines.append(f"{op:<34}" + "".join(cells))
-    lines.append(f"{'all kernels':<34}" + "".join(f"{ran[n]['kernel_us']:>{w - 6}.1f} ({ran[n]['nodes']:>2})"
-                                                  for n in names))
-    lines.append(f"{'whole step (model_run)':<34}" + "".join(f"{ran[n]['step_us']:>{w}.1f}" for n in names))
-    lines.append(f"{'executor overhead (step - kernels)':<34}"
-                 + "".join(f"{ran[n]['step_us'] - ran[n]['kernel_us']:>{w}.1f}" for n in names))
-    lines.append(f"{'decode tok/s while profiled':<34}" + "".join(f"{ran[n]['decode_tok_s_profiled']:>{w},.0f}"
-                                                                   for n in names))
+    lines.append(
+        f"{'all kernels':<34}"
+        + "".join(f"{ran[n]['kernel_us']:>{w - 6}.1f} ({ran[n]['nodes']:>2})" for n in names)
+    )
+    lines.append(
+        f"{'whole step (model_run)':<34}" + "".join(f"{ran[n]['step_us']:>{w}.1f}" for n in names)
+    )
+    lines.append(
+        f"{'executor overhead (step - kernels)':<34}"
+        + "".join(f"{ran[n]['step_us'] - ran[n]['kernel_us']:>{w}.1f}" for n in names)
+    )
+    lines.append(
+        f"{'decode tok/s while profiled':<34}"
+        + "".join(f"{ran[n]['decode_tok_s_profiled']:>{w},.0f}" for n in names)
+    )
     for n, r in res["runners"].items():
         if "skipped" in r:
             lines.append(f"{n}: skipped ({r['skipped']})")
@@ -176,15 +242,29 @@ def format_result(res: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder or a synthetic model name, e.g. synthetic-qwen2.5-coder-0.5b "
-                        "(default: the bundled model)")
-    p.add_argument("--tokens", type=int, default=96, metavar="N", help="new tokens per round (default 96)")
-    p.add_argument("--rounds", type=int, default=4, metavar="N", help="generations per runner (default 4)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op threads (default: cores)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model folder or a synthetic model name, e.g. synthetic-qwen2.5-coder-0.5b "
+        "(default: the bundled model)",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=96, metavar="N", help="new tokens per round (default 96)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=4, metavar="N", help="generations per runner (default 4)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="intra-op threads (default: cores)"
+    )
     p.add_argument("--no-peers", action="store_true", help="profile our engine only")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int8-rowq", "int4"),
-                   help="our engine's weights (default fp32; the peer runs fp32)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "int8", "int8-rowq", "int4"),
+        help="our engine's weights (default fp32; the peer runs fp32)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -192,7 +272,11 @@ def main(argv: list[str] | None = None, plot=None) -> int:
     p = argparse.ArgumentParser(prog="spark-lsp bench profile", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)  # (no --plot: a profile is a table)
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    log = (
+        (lambda s: print(s, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda s: print(s, flush=True))
+    )
     t0 = time.perf_counter()
     try:
         res = bench_profile(args, log)

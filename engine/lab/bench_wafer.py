@@ -38,33 +38,76 @@ from .models import resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder, or 'synthetic-8m' (default: the bundled model, else synthetic-8m)")
-    p.add_argument("--grid", default=None, metavar="RxC",
-                   help="emulated execution grid of the partitioned model (default: the engine's default)")
-    p.add_argument("--tokens", type=int, default=64, metavar="N", help="new tokens per round (default 64)")
-    p.add_argument("--rounds", type=int, default=9, metavar="N", help="alternating rounds (default 9)")
-    p.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model folder, or 'synthetic-8m' (default: the bundled model, else synthetic-8m)",
+    )
+    p.add_argument(
+        "--grid",
+        default=None,
+        metavar="RxC",
+        help="emulated execution grid of the partitioned model (default: the engine's default)",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=64, metavar="N", help="new tokens per round (default 64)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=9, metavar="N", help="alternating rounds (default 9)"
+    )
+    p.add_argument(
+        "--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads"
+    )
     spin = p.add_mutually_exclusive_group()
-    spin.add_argument("--spinning", dest="spinning", action="store_true", default=None,
-                      help="force ORT threads to spin between steps (both engines)")
-    spin.add_argument("--no-spinning", dest="spinning", action="store_false",
-                      help="never spin; with the default (auto) each generation picks by CPU pressure, "
-                           "which can flip between rounds and make single rounds swing")
-    p.add_argument("--tile", default=None, metavar="ROLES",
-                   help="tile only these linears (comma-separated of qkv,o,gate_up,down,lm_head; the rest stay "
-                        "plain MatMuls): what each part of the partitioning costs (default: all)")
-    p.add_argument("--form", default=None, choices=("op", "graph"),
-                   help="ONNX form of the partitioned linears: op (the MeshLinear op, the default where it "
-                        "builds) or graph (standard ops: Split + chained Gemm per mesh line)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int4"),
-                   help="fp32: partitioned vs dense (default); int8/int4: the partitioned quantised linears "
-                        "(MeshLinearQ) vs the fused MatMulNBits form, same per-tile weights")
-    p.add_argument("--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection")
+    spin.add_argument(
+        "--spinning",
+        dest="spinning",
+        action="store_true",
+        default=None,
+        help="force ORT threads to spin between steps (both engines)",
+    )
+    spin.add_argument(
+        "--no-spinning",
+        dest="spinning",
+        action="store_false",
+        help="never spin; with the default (auto) each generation picks by CPU pressure, "
+        "which can flip between rounds and make single rounds swing",
+    )
+    p.add_argument(
+        "--tile",
+        default=None,
+        metavar="ROLES",
+        help="tile only these linears (comma-separated of qkv,o,gate_up,down,lm_head; the rest stay "
+        "plain MatMuls): what each part of the partitioning costs (default: all)",
+    )
+    p.add_argument(
+        "--form",
+        default=None,
+        choices=("op", "graph"),
+        help="ONNX form of the partitioned linears: op (the MeshLinear op, the default where it "
+        "builds) or graph (standard ops: Split + chained Gemm per mesh line)",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "int8", "int4"),
+        help="fp32: partitioned vs dense (default); int8/int4: the partitioned quantised linears "
+        "(MeshLinearQ) vs the fused MatMulNBits form, same per-tile weights",
+    )
+    p.add_argument(
+        "--chip", default="wse3", metavar="wse2|wse3|FILE", help="chip for the projection"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the headline figures into a PNG (spark-lsp bench; needs matplotlib)",
+    )
 
 
 def _resolve(spec):
@@ -92,20 +135,36 @@ def bench_wafer(args, log=print) -> dict:
     if precision == "fp32":
         base_name = "dense"
         dense = Engine.load(model, wafer=False, threads=args.threads, spinning=spinning)
-        tiled = Engine.load(model, linear=TiledLinear(grid, roles=roles, form=form),
-                            threads=args.threads, spinning=spinning)
+        tiled = Engine.load(
+            model,
+            linear=TiledLinear(grid, roles=roles, form=form),
+            threads=args.threads,
+            spinning=spinning,
+        )
     else:  # the same per-tile quantised weights, fused into MatMulNBits vs the partition executed
         if roles is not None:
-            raise ValueError("--tile is for --precision fp32 (quantised linears are all tiled or all fused)")
+            raise ValueError(
+                "--tile is for --precision fp32 (quantised linears are all tiled or all fused)"
+            )
         base_name = "fused"
         bits = int(precision[3:])
         qform = {"op": "op", "graph": "mesh", None: "op"}[form]
-        dense = Engine.load(model, linear=QuantLinear(bits, inner=TiledLinear(grid), form="fused"),
-                            threads=args.threads, spinning=spinning)
-        tiled = Engine.load(model, linear=QuantLinear(bits, inner=TiledLinear(grid), form=qform),
-                            threads=args.threads, spinning=spinning)
-    log(f"loaded {model} twice in {time.perf_counter() - t0:.1f}s ({base_name}, and tiled over {grid[0]}x{grid[1]}, "
-        f"{precision})")
+        dense = Engine.load(
+            model,
+            linear=QuantLinear(bits, inner=TiledLinear(grid), form="fused"),
+            threads=args.threads,
+            spinning=spinning,
+        )
+        tiled = Engine.load(
+            model,
+            linear=QuantLinear(bits, inner=TiledLinear(grid), form=qform),
+            threads=args.threads,
+            spinning=spinning,
+        )
+    log(
+        f"loaded {model} twice in {time.perf_counter() - t0:.1f}s ({base_name}, and tiled over {grid[0]}x{grid[1]}, "
+        f"{precision})"
+    )
     vocab = dense.sample_vocab
     prompt = [(7 + 31 * i) % vocab for i in range(args.prompt_tokens)]
     params = GenerationParams(max_new_tokens=args.tokens, ignore_eos=True)
@@ -125,14 +184,20 @@ def bench_wafer(args, log=print) -> dict:
     cpu_rates = {"dense": [], "partitioned": []}
     ratios = []
     for r in range(args.rounds):
-        order = (("dense", dense), ("partitioned", tiled)) if r % 2 == 0 else (("partitioned", tiled), ("dense", dense))
+        order = (
+            (("dense", dense), ("partitioned", tiled))
+            if r % 2 == 0
+            else (("partitioned", tiled), ("dense", dense))
+        )
         rnd = {}
         for name, eng in order:
             rnd[name], cpu_rate, _ = decode(eng)
             rates[name].append(rnd[name])
             cpu_rates[name].append(cpu_rate)
         ratios.append(rnd["partitioned"] / rnd["dense"])
-        log(f"round {r + 1}: {base_name} {rnd['dense']:.0f} tok/s, partitioned {rnd['partitioned']:.0f} tok/s")
+        log(
+            f"round {r + 1}: {base_name} {rnd['dense']:.0f} tok/s, partitioned {rnd['partitioned']:.0f} tok/s"
+        )
     med = {k: statistics.median(v) for k, v in rates.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
     shape = ModelShape.from_config(dense.config, name=dense.name)
@@ -172,32 +237,43 @@ def format_result(res: dict) -> str:
     p = res["projection"]
     partial = set(res["tiled_roles"]) != set(ROLES)
     base = res.get("baseline", "dense")
-    return "\n".join([
-        f"partitioned execution ({res['grid']} emulated grid, {res.get('form', 'graph')} form"
-        f"{', tiled: ' + ','.join(res['tiled_roles']) if partial else ''}, {res.get('precision', 'fp32')}) "
-        f"vs {base}, {res['model']}, "
-        f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
-        f"  {'':24}{base:>12}{'partitioned':>14}{'ratio':>8}",
-        f"  {'decode tok/s (median)':24}{res['dense_decode_tok_s']:>12,.1f}{res['partitioned_decode_tok_s']:>14,.1f}"
-        f"{res['ratio_of_medians']:>8.3f}",
-        f"  {'decode tok/s (best)':24}{res['best_dense_tok_s']:>12,.1f}{res['best_partitioned_tok_s']:>14,.1f}"
-        f"{res['best_partitioned_tok_s'] / res['best_dense_tok_s']:>8.3f}",
-        f"  median per-round ratio {res['median_round_ratio']:.3f}; tokens per CPU-second ratio "
-        f"{res['cpu_ratio']:.3f} (load-independent); greedy tokens identical: {res['greedy_tokens_identical']}",
-        f"  machine load average during the run: {res['load_average']}",
-        f"projection on {p['chip']}: {p['grid']} PEs per layer, {p['wafers']} wafer(s), {p['pes_used']:,} PEs, "
-        f"decode {p['decode_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms']:,.2f} ms ({p['prompt_tokens']}-token prompt)",
-    ])
+    return "\n".join(
+        [
+            f"partitioned execution ({res['grid']} emulated grid, {res.get('form', 'graph')} form"
+            f"{', tiled: ' + ','.join(res['tiled_roles']) if partial else ''}, {res.get('precision', 'fp32')}) "
+            f"vs {base}, {res['model']}, "
+            f"{res['threads']} thread(s), {res['rounds']} alternating rounds of {res['tokens_per_round']} tokens",
+            f"  {'':24}{base:>12}{'partitioned':>14}{'ratio':>8}",
+            f"  {'decode tok/s (median)':24}{res['dense_decode_tok_s']:>12,.1f}{res['partitioned_decode_tok_s']:>14,.1f}"
+            f"{res['ratio_of_medians']:>8.3f}",
+            f"  {'decode tok/s (best)':24}{res['best_dense_tok_s']:>12,.1f}{res['best_partitioned_tok_s']:>14,.1f}"
+            f"{res['best_partitioned_tok_s'] / res['best_dense_tok_s']:>8.3f}",
+            f"  median per-round ratio {res['median_round_ratio']:.3f}; tokens per CPU-second ratio "
+            f"{res['cpu_ratio']:.3f} (load-independent); greedy tokens identical: {res['greedy_tokens_identical']}",
+            f"  machine load average during the run: {res['load_average']}",
+            f"projection on {p['chip']}: {p['grid']} PEs per layer, {p['wafers']} wafer(s), {p['pes_used']:,} PEs, "
+            f"decode {p['decode_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms']:,.2f} ms ({p['prompt_tokens']}-token prompt)",
+        ]
+    )
 
 
 def run(args, plot=None) -> int:
     """``plot``: draws the results for ``--plot FILE`` (see ``engine.lab.bench.run``)."""
     if args.plot and plot is None:
         return bench.plot_results(None, {}, args.plot, "wafer")
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    log = (
+        (lambda s: print(s, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda s: print(s, flush=True))
+    )
     try:
         res = bench_wafer(args, log)
-    except (ModelError, ChipError, PlacementError, ValueError) as e:  # incl. --form op where it cannot build
+    except (
+        ModelError,
+        ChipError,
+        PlacementError,
+        ValueError,
+    ) as e:  # incl. --form op where it cannot build
         print(f"spark-lsp bench wafer: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=2) if args.json else format_result(res))

@@ -33,9 +33,9 @@ import math
 import random
 import re
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -43,8 +43,8 @@ from ..engine import Engine
 from ..fim import FimFormat
 from ..generate import GenerationParams
 
-PREFIX_CHARS = 2000   # prompt budget per side, cut at line boundaries; the bundled model was
-SUFFIX_CHARS = 1000   # trained on FIM examples of at most 3,000 characters
+PREFIX_CHARS = 2000  # prompt budget per side, cut at line boundaries; the bundled model was
+SUFFIX_CHARS = 1000  # trained on FIM examples of at most 3,000 characters
 
 
 def resolve_files(specs: Iterable[str]) -> list[Path]:
@@ -84,14 +84,21 @@ def read_texts(files: list[Path]) -> dict[Path, str]:
 @dataclass(frozen=True)
 class Position:
     file: str
-    line: int        # 0-based
+    line: int  # 0-based
     prefix: str
     suffix: str
-    target: str      # the real rest of the line after the cursor
+    target: str  # the real rest of the line after the cursor
 
 
-def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: bool = False,
-                     mid_line: bool = False, after_indent: bool = False) -> list[Position]:
+def sample_positions(
+    texts: dict[Path, str],
+    n: int,
+    seed: int,
+    *,
+    line_start: bool = False,
+    mid_line: bool = False,
+    after_indent: bool = False,
+) -> list[Position]:
     """``n`` cursors drawn uniformly over all non-blank lines of the files, then uniformly
     inside the line after its indentation (leaving at least one character to complete); with
     ``line_start`` over the indented lines only, each at column 0; with ``mid_line`` over lines
@@ -108,25 +115,32 @@ def sample_positions(texts: dict[Path, str], n: int, seed: int, *, line_start: b
                 lines.append((path, i, start, line))
             start += len(line) + 1
     if not lines:
-        raise ValueError("the files have no " + ("indented lines" if line_start else "non-blank lines"))
+        raise ValueError(
+            "the files have no " + ("indented lines" if line_start else "non-blank lines")
+        )
     rng = random.Random(seed)
     picks = [lines[rng.randrange(len(lines))] for _ in range(n)]
     out = []
     for path, i, start, line in picks:
         body = line.rstrip()
         indent = len(line) - len(line.lstrip())
-        cursor = start if line_start else start + indent if after_indent else \
-            start + rng.randint(indent, len(body) - 1)
+        cursor = (
+            start
+            if line_start
+            else start + indent
+            if after_indent
+            else start + rng.randint(indent, len(body) - 1)
+        )
         text = texts[path]
         end = start + len(line)
         prefix = text[:cursor]
         if len(prefix) > PREFIX_CHARS:
             cut = prefix.find("\n", len(prefix) - PREFIX_CHARS)
-            prefix = prefix[cut + 1:] if cut != -1 else prefix[-PREFIX_CHARS:]
+            prefix = prefix[cut + 1 :] if cut != -1 else prefix[-PREFIX_CHARS:]
         suffix = text[end:]
         if len(suffix) > SUFFIX_CHARS:
             cut = suffix.rfind("\n", 0, SUFFIX_CHARS)
-            suffix = suffix[:cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
+            suffix = suffix[: cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
         out.append(Position(str(path), i, prefix, suffix, text[cursor:end]))
     return out
 
@@ -163,14 +177,14 @@ def _mid_line_positions(texts: dict[Path, str], n: int, seed: int) -> list[Posit
 def _clip_prefix(prefix: str) -> str:
     if len(prefix) > PREFIX_CHARS:
         cut = prefix.find("\n", len(prefix) - PREFIX_CHARS)
-        prefix = prefix[cut + 1:] if cut != -1 else prefix[-PREFIX_CHARS:]
+        prefix = prefix[cut + 1 :] if cut != -1 else prefix[-PREFIX_CHARS:]
     return prefix
 
 
 def _clip_suffix(suffix: str) -> str:
     if len(suffix) > SUFFIX_CHARS:
         cut = suffix.rfind("\n", 0, SUFFIX_CHARS)
-        suffix = suffix[:cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
+        suffix = suffix[: cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
     return suffix
 
 
@@ -185,9 +199,15 @@ def gate_table(samples: list[dict], thresholds=GATE_THRESHOLDS) -> list[dict]:
     for t in thresholds:
         shown = [s for s in samples if s["prediction"] and s["confidence"] >= t]
         k = len(shown)
-        rows.append({"threshold": t, "coverage": k / len(samples) if samples else 0.0, "shown": k,
-                     "exact_match": sum(s["exact"] for s in shown) / k if k else None,
-                     "edit_similarity": sum(s["edit_similarity"] for s in shown) / k if k else None})
+        rows.append(
+            {
+                "threshold": t,
+                "coverage": k / len(samples) if samples else 0.0,
+                "shown": k,
+                "exact_match": sum(s["exact"] for s in shown) / k if k else None,
+                "edit_similarity": sum(s["edit_similarity"] for s in shown) / k if k else None,
+            }
+        )
     return rows
 
 
@@ -216,10 +236,16 @@ class CompletionResult:
     samples: list[dict] = field(default_factory=list)
 
 
-def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | None = None,
-                   max_new_tokens: int = 48, heal: bool = True,
-                   finish: Callable[[Position, str], str] | None = None,
-                   context: Callable[[Position], list[tuple[str, str]]] | None = None) -> CompletionResult:
+def complete_lines(
+    engine: Engine,
+    positions: list[Position],
+    *,
+    spm: bool | None = None,
+    max_new_tokens: int = 48,
+    heal: bool = True,
+    finish: Callable[[Position, str], str] | None = None,
+    context: Callable[[Position], list[tuple[str, str]]] | None = None,
+) -> CompletionResult:
     """Greedy FIM line completion at every position (see the module docstring).
 
     ``finish(position, raw)``: what a client makes of the raw output before it is compared (the
@@ -230,25 +256,47 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
     if fim is None:
         raise ValueError(f"{engine.name}: the tokenizer has no fill-in-the-middle tokens")
     spm = fim.supports_spm if spm is None else spm
-    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",), logprobs=True)
+    params = GenerationParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",), logprobs=True
+    )
     samples, ttft, speed = [], [], []
     for pos in positions:
         engine.reset()  # cold prefill: TTFT without prefix reuse
-        ctx = fim.context_ids(context(pos), path=Path(pos.file).name) if context is not None else None
+        ctx = (
+            fim.context_ids(context(pos), path=Path(pos.file).name) if context is not None else None
+        )
         if ctx is not None and len(ctx.head) + len(ctx.lead) > engine.context // 2:
             ctx = None  # a context that leaves the file itself no room is not used
-        ids, healed = fim.build_healed(pos.prefix, pos.suffix, spm=spm, newline=True, context=ctx) if heal else \
-            (fim.build(pos.prefix, pos.suffix, spm=spm, context=ctx), "")
+        ids, healed = (
+            fim.build_healed(pos.prefix, pos.suffix, spm=spm, newline=True, context=ctx)
+            if heal
+            else (fim.build(pos.prefix, pos.suffix, spm=spm, context=ctx), "")
+        )
         gen = engine.generate(ids, replace(params, healed_prefix=healed) if healed else params)
         for _ in gen:
             pass
-        pred = (finish(pos, gen.text) if finish is not None else gen.text).split("\n", 1)[0].rstrip()
+        pred = (
+            (finish(pos, gen.text) if finish is not None else gen.text).split("\n", 1)[0].rstrip()
+        )
         target = pos.target.rstrip()
-        line_lp = sum(gen.logprobs) if gen.logprobs else float("-inf")  # the line, its break included
-        samples.append({"file": pos.file, "line": pos.line + 1, "target": target, "prediction": pred,
-                        "healed": healed, "prompt_tokens": len(ids), "exact": pred == target, "edit_similarity": edit_similarity(pred, target),
-                        "confidence": math.exp(line_lp), "ttft_ms": gen.stats["ttft_ms"],
-                        "new_tokens": gen.stats["new_tokens"]})
+        line_lp = (
+            sum(gen.logprobs) if gen.logprobs else float("-inf")
+        )  # the line, its break included
+        samples.append(
+            {
+                "file": pos.file,
+                "line": pos.line + 1,
+                "target": target,
+                "prediction": pred,
+                "healed": healed,
+                "prompt_tokens": len(ids),
+                "exact": pred == target,
+                "edit_similarity": edit_similarity(pred, target),
+                "confidence": math.exp(line_lp),
+                "ttft_ms": gen.stats["ttft_ms"],
+                "new_tokens": gen.stats["new_tokens"],
+            }
+        )
         ttft.append(gen.stats["ttft_ms"])
         if gen.stats["new_tokens"] >= 4:
             speed.append(gen.stats["decode_tok_s"])
@@ -263,8 +311,9 @@ def complete_lines(engine: Engine, positions: list[Position], *, spm: bool | Non
     )
 
 
-def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
-                  max_bytes: int | None = None) -> tuple[float, int]:
+def bits_per_byte(
+    engine: Engine, texts: Iterable[str], *, window: int = 1024, max_bytes: int | None = None
+) -> tuple[float, int]:
     """(bits per UTF-8 byte, bytes scored) over ``texts``; stops after ``max_bytes``."""
     eos = min(engine.tokenizer.eos_ids) if engine.tokenizer.eos_ids else None
     window = max(2, min(window, engine.context))
@@ -275,9 +324,11 @@ def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
         if not text:
             continue
         ids = engine.tokenizer.encode(text)
-        seq = ([eos] if eos is not None else []) + ids  # without eos the first token is context only
+        seq = (
+            [eos] if eos is not None else []
+        ) + ids  # without eos the first token is context only
         for start in range(0, len(seq) - 1, window - 1):
-            chunk = seq[start:start + window]
+            chunk = seq[start : start + window]
             if len(chunk) < 2:
                 break
             logits = engine.forward_logits(chunk).astype(np.float64)
@@ -291,11 +342,23 @@ def bits_per_byte(engine: Engine, texts: Iterable[str], *, window: int = 1024,
     return nats / math.log(2) / nbytes, nbytes
 
 
-def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, spm: bool | None = None,
-             max_new_tokens: int = 48, bpb_max_bytes: int | None = 400_000, window: int = 1024,
-             heal: bool = True, line_start: bool = False, mid_line: bool = False, after_indent: bool = False,
-             finish: Callable[[Position, str], str] | None = None,
-             context: Callable[[Position], list[tuple[str, str]]] | None = None) -> dict:
+def evaluate(
+    engine: Engine,
+    files: list[Path],
+    *,
+    n: int = 200,
+    seed: int = 0,
+    spm: bool | None = None,
+    max_new_tokens: int = 48,
+    bpb_max_bytes: int | None = 400_000,
+    window: int = 1024,
+    heal: bool = True,
+    line_start: bool = False,
+    mid_line: bool = False,
+    after_indent: bool = False,
+    finish: Callable[[Position, str], str] | None = None,
+    context: Callable[[Position], list[tuple[str, str]]] | None = None,
+) -> dict:
     """Both measures on ``files``; a JSON-ready dict (``finish``: see :func:`complete_lines`).
 
     With ``context`` the completions run twice, without and with the other files in the prompt
@@ -303,25 +366,59 @@ def evaluate(engine: Engine, files: list[Path], *, n: int = 200, seed: int = 0, 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_texts(files)
-    positions = sample_positions(texts, n, seed, line_start=line_start, mid_line=mid_line,
-                                 after_indent=after_indent)
-    comp = complete_lines(engine, positions, spm=spm,
-                          max_new_tokens=max_new_tokens, heal=heal, finish=finish)
-    with_ctx = complete_lines(engine, positions, spm=spm, max_new_tokens=max_new_tokens, heal=heal,
-                              finish=finish, context=context) if context is not None else None
+    positions = sample_positions(
+        texts, n, seed, line_start=line_start, mid_line=mid_line, after_indent=after_indent
+    )
+    comp = complete_lines(
+        engine, positions, spm=spm, max_new_tokens=max_new_tokens, heal=heal, finish=finish
+    )
+    with_ctx = (
+        complete_lines(
+            engine,
+            positions,
+            spm=spm,
+            max_new_tokens=max_new_tokens,
+            heal=heal,
+            finish=finish,
+            context=context,
+        )
+        if context is not None
+        else None
+    )
     order = sorted(texts)  # deterministic subset when capped
     random.Random(seed).shuffle(order)
-    bpb, scored = bits_per_byte(engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes)
-    out = {"model": engine.name, "files": len(files), "seed": seed, "heal": heal, "line_start": line_start,
-           "mid_line": mid_line, "after_indent": after_indent, **asdict(comp), "gate": gate_table(comp.samples),
-           "bits_per_byte": bpb, "bpb_bytes": scored, "bpb_window": window}
+    bpb, scored = bits_per_byte(
+        engine, (texts[p] for p in order), window=window, max_bytes=bpb_max_bytes
+    )
+    out = {
+        "model": engine.name,
+        "files": len(files),
+        "seed": seed,
+        "heal": heal,
+        "line_start": line_start,
+        "mid_line": mid_line,
+        "after_indent": after_indent,
+        **asdict(comp),
+        "gate": gate_table(comp.samples),
+        "bits_per_byte": bpb,
+        "bpb_bytes": scored,
+        "bpb_window": window,
+    }
     if with_ctx is not None:
         out["context"] = {
-            "without": {"exact_match": comp.exact_match, "edit_similarity": comp.edit_similarity,
-                        "ttft_ms_median": comp.ttft_ms_median},
-            "with": {"exact_match": with_ctx.exact_match, "edit_similarity": with_ctx.edit_similarity,
-                     "ttft_ms_median": with_ctx.ttft_ms_median,
-                     "prompt_tokens_median": statistics.median(s["prompt_tokens"] for s in with_ctx.samples)},
+            "without": {
+                "exact_match": comp.exact_match,
+                "edit_similarity": comp.edit_similarity,
+                "ttft_ms_median": comp.ttft_ms_median,
+            },
+            "with": {
+                "exact_match": with_ctx.exact_match,
+                "edit_similarity": with_ctx.edit_similarity,
+                "ttft_ms_median": with_ctx.ttft_ms_median,
+                "prompt_tokens_median": statistics.median(
+                    s["prompt_tokens"] for s in with_ctx.samples
+                ),
+            },
         }
         out["context_samples"] = with_ctx.samples
     out["samples"] = out.pop("samples")

@@ -17,27 +17,65 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models import default_model_dir
 from .. import hub
 from ..config import load_config
+from ..models import default_model_dir
 from ..weights import expected_shapes, write_safetensors
 
 #: Synthetic models by name: the architecture of a real model with random weights.  The Qwen2.5-Coder
 #: shapes are those models' own config.json (tied 151,936-row embedding, q/k/v biases, bf16).
 SYNTHETIC = {
-    "synthetic-8m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
-                         num_hidden_layers=4, intermediate_size=768, vocab_size=8192, num_attention_heads=4,
-                         num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32"),
-    "synthetic-qwen2.5-coder-0.5b": dict(_QWEN := dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
-        sliding_window=32768, use_sliding_window=False, max_window_layers=24),
-        hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2),
-    "synthetic-qwen2.5-coder-1.5b": dict(_QWEN, hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
-                                         num_attention_heads=12, num_key_value_heads=2),
-    "synthetic-qwen2.5-coder-3b": dict(_QWEN, hidden_size=2048, num_hidden_layers=36, intermediate_size=11008,
-                                       num_attention_heads=16, num_key_value_heads=2),
+    "synthetic-8m": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        vocab_size=8192,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    ),
+    "synthetic-qwen2.5-coder-0.5b": dict(
+        _QWEN := dict(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            torch_dtype="bfloat16",
+            sliding_window=32768,
+            use_sliding_window=False,
+            max_window_layers=24,
+        ),
+        hidden_size=896,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "synthetic-qwen2.5-coder-1.5b": dict(
+        _QWEN,
+        hidden_size=1536,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+    "synthetic-qwen2.5-coder-3b": dict(
+        _QWEN,
+        hidden_size=2048,
+        num_hidden_layers=36,
+        intermediate_size=11008,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+    ),
 }
 #: Tokens of the real Qwen2.5 vocabulary (the embedding has padding rows past them).
 _QWEN_TOKENS = 151643
@@ -57,16 +95,28 @@ def _synthetic_tokenizer(vocab_size: int, total: int | None = None):
     ``total``: pad the vocabulary with never-merged filler tokens up to this size, so per-token work
     that scales with the vocabulary (sampling, stop sets, healing masks) runs at the real size.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # (build time only)
+    from tokenizers import (  # (build time only)
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
 
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(lib.glob("*.py"))[:120]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer=trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        (f.read_text(encoding="utf-8", errors="replace") for f in files), trainer=trainer
+    )
     if total is not None and total > tok.get_vocab_size():
         data = json.loads(tok.to_str())
         vocab = data["model"]["vocab"]
@@ -99,20 +149,42 @@ def synthetic_model(name: str = "synthetic-8m", root: Path | None = None, seed: 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     qwen = spec["model_type"] == "qwen2"
-    tok = _synthetic_tokenizer(8192, _QWEN_TOKENS) if qwen else _synthetic_tokenizer(spec["vocab_size"])
+    tok = (
+        _synthetic_tokenizer(8192, _QWEN_TOKENS)
+        if qwen
+        else _synthetic_tokenizer(spec["vocab_size"])
+    )
     eos, pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")
     tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<pad>",
-        "model_max_length": spec["max_position_embeddings"]}, indent=2))
-    config = {"hidden_act": "silu", "attention_bias": qwen, "mlp_bias": False, "bos_token_id": None,
-              "eos_token_id": eos, "pad_token_id": pad, "initializer_range": 0.02, **spec}
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<pad>",
+                "model_max_length": spec["max_position_embeddings"],
+            },
+            indent=2,
+        )
+    )
+    config = {
+        "hidden_act": "silu",
+        "attention_bias": qwen,
+        "mlp_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "initializer_range": 0.02,
+        **spec,
+    }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     cfg = load_config(tmp)
     shapes = expected_shapes(cfg)
     rng = np.random.default_rng(seed)
     dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[spec["torch_dtype"]]
-    write_safetensors(tmp / "model.safetensors", shapes, lambda n: _normal_tensor(rng, n, shapes[n]), dtype)
+    write_safetensors(
+        tmp / "model.safetensors", shapes, lambda n: _normal_tensor(rng, n, shapes[n]), dtype
+    )
     if out.exists():  # another process won the race
         shutil.rmtree(tmp, ignore_errors=True)
         return out

@@ -55,12 +55,16 @@ class TransformersPeer:
             import torch
             import transformers
         except ImportError as e:
-            raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install torch --index-url https://download.pytorch.org/whl/cpu transformers") from None
+            raise PeerUnavailable(
+                f"transformers/torch not installed ({e.name}); pip install torch --index-url https://download.pytorch.org/whl/cpu transformers"
+            ) from None
         torch.set_num_threads(threads)
         transformers.utils.logging.disable_progress_bar()
         self._torch = torch
         self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        )
         self.model.eval()
         gc = self.model.generation_config
         gc.eos_token_id = None  # generate exactly new_tokens tokens, like the other runners
@@ -73,10 +77,17 @@ class TransformersPeer:
         clock = _TokenClock()
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, num_beams=1, streamer=clock)
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                num_beams=1,
+                streamer=clock,
+            )
             dt = time.perf_counter() - t0
-        return out[0, len(prompt):].tolist(), dt, clock.span()
+        return out[0, len(prompt) :].tolist(), dt, clock.span()
 
 
 def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -> Path:
@@ -87,8 +98,21 @@ def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="genai-", dir=cache_root))
     log(f"building the onnxruntime-genai model (once; cached in {out}) ...")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(tmp / "model"),
-           "-p", "fp32", "-e", "cpu", "-c", str(tmp / "hf_cache")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(model_dir),
+        "-o",
+        str(tmp / "model"),
+        "-p",
+        "fp32",
+        "-e",
+        "cpu",
+        "-c",
+        str(tmp / "hf_cache"),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not (tmp / "model" / "genai_config.json").is_file():
@@ -106,18 +130,29 @@ class GenaiPeer:
 
     name = "onnxruntime-genai"
 
-    def __init__(self, model_dir: Path, threads: int, digest: str, cache_root: Path, log=print,
-                 profile: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        threads: int,
+        digest: str,
+        cache_root: Path,
+        log=print,
+        profile: str | None = None,
+    ) -> None:
         """``profile``: record ONNX Runtime's per-node profile to files with this prefix (a copy of
         the built model's config turns it on; :meth:`end_profiling` returns the files)."""
         try:
             import onnxruntime_genai as og
         except ImportError as e:
-            raise PeerUnavailable(f"onnxruntime-genai not installed ({e.name}); pip install onnxruntime-genai onnx-ir") from None
+            raise PeerUnavailable(
+                f"onnxruntime-genai not installed ({e.name}); pip install onnxruntime-genai onnx-ir"
+            ) from None
         try:
             import onnx_ir  # noqa: F401  (the builder needs it)
         except ImportError:
-            raise PeerUnavailable("onnx-ir not installed (needed by the onnxruntime-genai builder)") from None
+            raise PeerUnavailable(
+                "onnx-ir not installed (needed by the onnxruntime-genai builder)"
+            ) from None
         self._og = og
         self.version = f"onnxruntime-genai {og.__version__}"
         path = genai_model_dir(model_dir, digest, cache_root, log)
@@ -145,7 +180,9 @@ class GenaiPeer:
         gc.collect()
         if not self._profile:
             return []
-        return sorted(str(p) for p in Path(self._profile).parent.glob(Path(self._profile).name + "*.json"))
+        return sorted(
+            str(p) for p in Path(self._profile).parent.glob(Path(self._profile).name + "*.json")
+        )
 
     @staticmethod
     def _set_threads(path: Path, threads: int) -> None:

@@ -19,15 +19,15 @@ class ChipError(ValueError):
 @dataclass(frozen=True)
 class Chip:
     name: str
-    mesh_rows: int          # PE rows visible to programs
-    mesh_cols: int          # PE columns visible to programs
-    sram_kb_per_pe: float   # SRAM per PE, KB (1 KB = 1024 bytes)
+    mesh_rows: int  # PE rows visible to programs
+    mesh_cols: int  # PE columns visible to programs
+    sram_kb_per_pe: float  # SRAM per PE, KB (1 KB = 1024 bytes)
     clock_ghz: float
-    simd_fp16: int          # fp16 multiply-accumulates per PE per cycle
-    link_bits: int = 32     # one word of this many bits crosses one link per cycle
+    simd_fp16: int  # fp16 multiply-accumulates per PE per cycle
+    link_bits: int = 32  # one word of this many bits crosses one link per cycle
     hop_cycles: float = 1.0  # cycles per router hop
     ramp_cycles: float = 2.0  # router <-> core latency, each way
-    io_tbps: float = 1.2    # off-wafer I/O bandwidth, Tb/s (12 x 100 GbE)
+    io_tbps: float = 1.2  # off-wafer I/O bandwidth, Tb/s (12 x 100 GbE)
     io_latency_us: float = 1.0  # one wafer-to-wafer activation hand-off (NIC + switch + NIC)
 
     @property
@@ -59,12 +59,16 @@ def _validate(data: dict, where: str) -> Chip:
     known = {f.name for f in fields(Chip)}
     unknown = sorted(set(data) - known - {"base"})
     if unknown:
-        raise ChipError(f"{where}: unknown field(s) {', '.join(unknown)}; known: base, {', '.join(sorted(known))}")
+        raise ChipError(
+            f"{where}: unknown field(s) {', '.join(unknown)}; known: base, {', '.join(sorted(known))}"
+        )
     base = None
     if "base" in data:
         base = BUILTIN.get(str(data["base"]).lower())
         if base is None:
-            raise ChipError(f"{where}: field 'base' must be one of {', '.join(BUILTIN)}, got {data['base']!r}")
+            raise ChipError(
+                f"{where}: field 'base' must be one of {', '.join(BUILTIN)}, got {data['base']!r}"
+            )
     missing = [k for k in _REQUIRED if k not in data] if base is None else []
     if missing:
         raise ChipError(f"{where}: required field(s) missing: {', '.join(missing)}")
@@ -103,7 +107,9 @@ def load_chip(spec: str | Path) -> Chip:
         return BUILTIN[key.lower()]
     path = Path(key)
     if not path.is_file():
-        raise ChipError(f"--chip {key!r}: not a built-in chip ({', '.join(BUILTIN)}) and no such file")
+        raise ChipError(
+            f"--chip {key!r}: not a built-in chip ({', '.join(BUILTIN)}) and no such file"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -112,7 +118,9 @@ def load_chip(spec: str | Path) -> Chip:
         try:
             import tomllib
         except ImportError:  # Python 3.10
-            raise ChipError(f"{path}: TOML chip specs need Python 3.11+; use a .json spec") from None
+            raise ChipError(
+                f"{path}: TOML chip specs need Python 3.11+; use a .json spec"
+            ) from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -121,7 +129,9 @@ def load_chip(spec: str | Path) -> Chip:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ChipError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+            raise ChipError(
+                f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+            ) from None
     else:
         raise ChipError(f"{path}: chip spec must be a .toml or .json file")
     if not isinstance(data, dict):

@@ -29,15 +29,22 @@ def draw(placement: Placement, out: str | Path, *, title: str | None = None) -> 
         import matplotlib.pyplot as plt
         from matplotlib import patches
     except ImportError:
-        raise MissingMatplotlib("drawing the wafer needs matplotlib: pip install matplotlib") from None
+        raise MissingMatplotlib(
+            "drawing the wafer needs matplotlib: pip install matplotlib"
+        ) from None
     p, chip = placement, placement.chip
     n = min(p.wafers, MAX_PANELS)
     cols = min(n, 3)
     rows = math.ceil(n / cols)
     aspect = chip.mesh_rows / chip.mesh_cols
     width = max(8.0, 4.6 * cols + 1.4)
-    fig, axes = plt.subplots(rows, cols, figsize=(width, (width - 1.4) / cols * aspect * rows + 1.0), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(width, (width - 1.4) / cols * aspect * rows + 1.0),
+        squeeze=False,
+        layout="constrained",
+    )
     cmap = plt.get_cmap("viridis").with_extremes(bad="#e9e9e9")  # grey: PEs no region uses
     im = None
     for w in range(rows * cols):
@@ -51,18 +58,36 @@ def draw(placement: Placement, out: str | Path, *, title: str | None = None) -> 
             if r.wafer != w:
                 continue
             colour = {"layer": "white", "embed": "#ff7f0e", "lm_head": "#d62728"}[r.kind]
-            ax.add_patch(patches.Rectangle((r.col - 0.5, r.row - 0.5), r.cols, r.rows, fill=False,
-                                           edgecolor=colour, linewidth=1.0))
+            ax.add_patch(
+                patches.Rectangle(
+                    (r.col - 0.5, r.row - 0.5),
+                    r.cols,
+                    r.rows,
+                    fill=False,
+                    edgecolor=colour,
+                    linewidth=1.0,
+                )
+            )
             label = f"L{r.layer}" if r.kind == "layer" else ("emb" if r.kind == "embed" else "head")
             size = max(5, min(12, 60 * min(r.rows / chip.mesh_rows, r.cols / chip.mesh_cols)))
-            ax.text(r.col + r.cols / 2, r.row + r.rows / 2, label, ha="center", va="center",
-                    fontsize=size, color="white" if r.kind == "layer" else colour, fontweight="bold")
+            ax.text(
+                r.col + r.cols / 2,
+                r.row + r.rows / 2,
+                label,
+                ha="center",
+                va="center",
+                fontsize=size,
+                color="white" if r.kind == "layer" else colour,
+                fontweight="bold",
+            )
         ax.set_title(f"wafer {w + 1} of {p.wafers}", fontsize=10)
         ax.set_xticks([])
         ax.set_yticks([])
     extra = f" (first {n} of {p.wafers} wafers shown)" if p.wafers > n else ""
-    fig.suptitle((title or f"{p.shape.name} on {chip.name}: {p.grid[0]}x{p.grid[1]} PEs per layer") + extra,
-                 fontsize=11)
+    fig.suptitle(
+        (title or f"{p.shape.name} on {chip.name}: {p.grid[0]}x{p.grid[1]} PEs per layer") + extra,
+        fontsize=11,
+    )
     cbar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
     cbar.set_label(f"SRAM fill, % of {chip.sram_kb_per_pe:g} KB per PE (budget {p.budget:.0%})")
     out = Path(out)

@@ -31,7 +31,15 @@ from pathlib import Path
 import numpy as np
 
 from .chips import WSE2, Chip, load_chip
-from .placement import DEFAULT_BUDGET, ModelShape, Placement, PlacementError, Region, load_shape, place
+from .placement import (
+    DEFAULT_BUDGET,
+    ModelShape,
+    Placement,
+    PlacementError,
+    Region,
+    load_shape,
+    place,
+)
 
 #: Published WaferLLM decode speeds, Llama-3-8B on WSE-2, one P x P region per layer.
 WAFERLLM_POINTS = ((420, 2700.0), (540, 2502.0), (660, 2243.0))
@@ -89,7 +97,7 @@ def allreduce_cycles(n: int, m: int, chip: Chip) -> float:
     fins = [np.zeros(s + 1) for s in sides]  # index: distance from the root
     t_root = 0.0
     for lv in range(tree_levels(max(sides))):
-        step = 2 ** lv
+        step = 2**lv
         cost = step * hop + (m - 1) + 2 * ramp
         arrivals = []
         for f, s in zip(fins, sides):
@@ -113,32 +121,72 @@ def layer_phases(shape, R: int, C: int, context: int, chip: Chip, k: Constants) 
     ``axis`` 'cols' reduces down a mesh column (a line of R PEs), 'rows' along a mesh row (C PEs).
     Shared with the mesh simulator so both model the same dataflow.
     """
-    d, f, hd = shape.hidden, shape.ffn, shape.head_dim
+    d, f = shape.hidden, shape.ffn
     d_r = math.ceil(d / R)
     q_c = math.ceil(shape.q_dim / C)
-    tok_r = math.ceil(context / R)          # shift-based KV: context spread over the rows
+    tok_r = math.ceil(context / R)  # shift-based KV: context spread over the rows
     heads_c = max(1, math.ceil(shape.heads / C))
     head_line = max(1, min(C, math.ceil(C / shape.heads)))  # columns one head spans
     vec = lambda e: math.ceil(e / chip.simd_fp16)  # noqa: E731 — elementwise SIMD pass
     return [
         {"name": "norm1", "compute": vec(d_r), "axis": "cols", "n": R, "words": 1},
-        {"name": "qkv", "compute": gemv_cycles(d_r * math.ceil(shape.qkv_out / C), chip, k.eta),
-         "axis": "cols", "n": R, "words": words(math.ceil(shape.qkv_out / C), chip)},
-        {"name": "scores", "compute": gemv_cycles(tok_r * q_c, chip, k.eta),
-         "axis": "rows", "n": head_line, "words": words(tok_r * heads_c, chip)},
-        {"name": "softmax_max", "compute": vec(tok_r * heads_c), "axis": "cols", "n": R,
-         "words": words(heads_c, chip)},
-        {"name": "softmax_sum", "compute": vec(tok_r * heads_c), "axis": "cols", "n": R,
-         "words": words(heads_c, chip)},
-        {"name": "attn_v", "compute": gemv_cycles(tok_r * q_c, chip, k.eta), "axis": "cols", "n": R,
-         "words": words(q_c, chip)},
-        {"name": "o", "compute": gemv_cycles(q_c * d_r, chip, k.eta), "axis": "rows", "n": C,
-         "words": words(d_r, chip)},
+        {
+            "name": "qkv",
+            "compute": gemv_cycles(d_r * math.ceil(shape.qkv_out / C), chip, k.eta),
+            "axis": "cols",
+            "n": R,
+            "words": words(math.ceil(shape.qkv_out / C), chip),
+        },
+        {
+            "name": "scores",
+            "compute": gemv_cycles(tok_r * q_c, chip, k.eta),
+            "axis": "rows",
+            "n": head_line,
+            "words": words(tok_r * heads_c, chip),
+        },
+        {
+            "name": "softmax_max",
+            "compute": vec(tok_r * heads_c),
+            "axis": "cols",
+            "n": R,
+            "words": words(heads_c, chip),
+        },
+        {
+            "name": "softmax_sum",
+            "compute": vec(tok_r * heads_c),
+            "axis": "cols",
+            "n": R,
+            "words": words(heads_c, chip),
+        },
+        {
+            "name": "attn_v",
+            "compute": gemv_cycles(tok_r * q_c, chip, k.eta),
+            "axis": "cols",
+            "n": R,
+            "words": words(q_c, chip),
+        },
+        {
+            "name": "o",
+            "compute": gemv_cycles(q_c * d_r, chip, k.eta),
+            "axis": "rows",
+            "n": C,
+            "words": words(d_r, chip),
+        },
         {"name": "norm2", "compute": vec(d_r), "axis": "cols", "n": R, "words": 1},
-        {"name": "gate_up", "compute": gemv_cycles(d_r * math.ceil(shape.up_out / C), chip, k.eta),
-         "axis": "cols", "n": R, "words": words(math.ceil(shape.up_out / C), chip)},
-        {"name": "down", "compute": gemv_cycles(math.ceil(f / C) * d_r, chip, k.eta), "axis": "rows",
-         "n": C, "words": words(d_r, chip)},
+        {
+            "name": "gate_up",
+            "compute": gemv_cycles(d_r * math.ceil(shape.up_out / C), chip, k.eta),
+            "axis": "cols",
+            "n": R,
+            "words": words(math.ceil(shape.up_out / C), chip),
+        },
+        {
+            "name": "down",
+            "compute": gemv_cycles(math.ceil(f / C) * d_r, chip, k.eta),
+            "axis": "rows",
+            "n": C,
+            "words": words(d_r, chip),
+        },
     ]
 
 
@@ -166,9 +214,14 @@ def head_cycles(shape, region: Region, chip: Chip, k: Constants) -> float:
     """Final norm + LM head GEMV + its reduction + the argmax along the row."""
     R, C = region.rows, region.cols
     d_r, v_c = math.ceil(shape.hidden / R), math.ceil(shape.vocab / C)
-    return (math.ceil(d_r / chip.simd_fp16) + allreduce_cycles(R, 1, chip)
-            + gemv_cycles(d_r * v_c, chip, k.eta) + allreduce_cycles(R, words(v_c, chip), chip)
-            + math.ceil(v_c / chip.simd_fp16) + allreduce_cycles(C, 2, chip))
+    return (
+        math.ceil(d_r / chip.simd_fp16)
+        + allreduce_cycles(R, 1, chip)
+        + gemv_cycles(d_r * v_c, chip, k.eta)
+        + allreduce_cycles(R, words(v_c, chip), chip)
+        + math.ceil(v_c / chip.simd_fp16)
+        + allreduce_cycles(C, 2, chip)
+    )
 
 
 def io_seconds(placement: Placement) -> float:
@@ -182,8 +235,8 @@ def io_seconds(placement: Placement) -> float:
 
 @dataclass
 class Projection:
-    decode_cycles: float       # on-wafer cycles per token (all layers + embed + head)
-    decode_s: float            # seconds per token, I/O included
+    decode_cycles: float  # on-wafer cycles per token (all layers + embed + head)
+    decode_s: float  # seconds per token, I/O included
     ttft_s: float
     prompt_tokens: int
     per_layer: list[dict]
@@ -193,8 +246,9 @@ class Projection:
         return 1.0 / self.decode_s
 
 
-def project(placement: Placement, *, prompt_tokens: int | None = None,
-            constants: Constants | None = None) -> Projection:
+def project(
+    placement: Placement, *, prompt_tokens: int | None = None, constants: Constants | None = None
+) -> Projection:
     """Decode speed and time to first token of a placement."""
     k = constants or Constants()
     p, chip, shape = placement, placement.chip, placement.shape
@@ -209,10 +263,18 @@ def project(placement: Placement, *, prompt_tokens: int | None = None,
         hand = handoff_cycles(r, nxt, m_out, chip)
         if r.kind == "layer":
             cyc = lc["total"] + hand
-            per_layer.append({"layer": r.layer, "wafer": r.wafer, "region": [r.row, r.col, r.rows, r.cols],
-                              "cycles": round(cyc, 1), "compute": round(lc["compute"], 1),
-                              "reduce": round(lc["reduce"], 1), "fixed": round(lc["fixed"], 1),
-                              "peak_kb": round(r.peak_bytes / 1024, 2)})
+            per_layer.append(
+                {
+                    "layer": r.layer,
+                    "wafer": r.wafer,
+                    "region": [r.row, r.col, r.rows, r.cols],
+                    "cycles": round(cyc, 1),
+                    "compute": round(lc["compute"], 1),
+                    "reduce": round(lc["reduce"], 1),
+                    "fixed": round(lc["fixed"], 1),
+                    "peak_kb": round(r.peak_bytes / 1024, 2),
+                }
+            )
         elif r.kind == "embed":  # fetch one row of the table (a column of PEs) and forward it
             cyc = r.rows * chip.hop_cycles + m_out + 2 * chip.ramp_cycles + hand
         else:
@@ -231,13 +293,19 @@ def prefill_seconds(p: Placement, T: int, k: Constants) -> float:
     R, C = p.grid
     flops_layer = 2 * shape.layer_params * T + 2 * T * T * shape.q_dim
     head = next(r for r in p.regions if r.kind == "lm_head")
-    return (shape.layers * flops_layer / (R * C * peak) + 2 * shape.hidden * shape.vocab / (head.pes * peak)
-            + io_seconds(p))
+    return (
+        shape.layers * flops_layer / (R * C * peak)
+        + 2 * shape.hidden * shape.vocab / (head.pes * peak)
+        + io_seconds(p)
+    )
 
 
 # -- calibration -------------------------------------------------------------------------------
 
-def calibrate(shape, chip: Chip, points=WAFERLLM_POINTS, context: int = CALIBRATION_CONTEXT) -> Constants:
+
+def calibrate(
+    shape, chip: Chip, points=WAFERLLM_POINTS, context: int = CALIBRATION_CONTEXT
+) -> Constants:
     """Fit ``eta`` and ``c0`` (least squares on relative time) to published (P, tok/s) points.
 
     Per-token seconds are linear in (c0, 1/eta) once the placement is fixed:
@@ -248,7 +316,7 @@ def calibrate(shape, chip: Chip, points=WAFERLLM_POINTS, context: int = CALIBRAT
         pl = place(shape, chip, (P, P), context=context)
         base = project(pl, constants=Constants(eta=1.0, c0=0.0))
         slow = project(pl, constants=Constants(eta=0.5, c0=0.0))
-        B = (slow.decode_cycles - base.decode_cycles)  # = B * (1/0.5 - 1/1)
+        B = slow.decode_cycles - base.decode_cycles  # = B * (1/0.5 - 1/1)
         A = base.decode_cycles - B
         f = chip.clock_ghz * 1e9
         target = 1.0 / tok_s
@@ -269,8 +337,15 @@ def calibration_table(shape, chip: Chip, constants: Constants | None = None) -> 
     for P, tok_s in WAFERLLM_POINTS:
         pl = place(shape, chip, (P, P), context=CALIBRATION_CONTEXT)
         proj = project(pl, constants=constants)
-        out.append({"grid": f"{P}x{P}", "published_tok_s": tok_s, "projected_tok_s": round(float(proj.decode_tok_s), 1),
-                    "error": round(float(proj.decode_tok_s / tok_s - 1), 4), "wafers": pl.wafers})
+        out.append(
+            {
+                "grid": f"{P}x{P}",
+                "published_tok_s": tok_s,
+                "projected_tok_s": round(float(proj.decode_tok_s), 1),
+                "error": round(float(proj.decode_tok_s / tok_s - 1), 4),
+                "wafers": pl.wafers,
+            }
+        )
     return out
 
 
@@ -287,9 +362,17 @@ def candidate_grids(chip: Chip, min_side: int = 8) -> list[tuple[int, int]]:
     return sorted(cands)
 
 
-def plan(shape, chip: Chip, *, grid: tuple[int, int] | None = None, context: int = 4096,
-         budget: float | None = None, max_wafers: int | None = None,
-         prompt_tokens: int | None = None, constants: Constants | None = None):
+def plan(
+    shape,
+    chip: Chip,
+    *,
+    grid: tuple[int, int] | None = None,
+    context: int = 4096,
+    budget: float | None = None,
+    max_wafers: int | None = None,
+    prompt_tokens: int | None = None,
+    constants: Constants | None = None,
+):
     """Placement + projection.  Without ``grid``, the region size with the fastest projected decode.
 
     The search is limited to ``max_wafers`` wafers — by default the fewest any region size needs
@@ -319,15 +402,20 @@ def plan(shape, chip: Chip, *, grid: tuple[int, int] | None = None, context: int
     return pl, proj
 
 
-def project_model(config, *, chip: str | Chip = "wse3", grid: tuple[int, int] | None = None,
-                  name: str = "model") -> dict:
+def project_model(
+    config, *, chip: str | Chip = "wse3", grid: tuple[int, int] | None = None, name: str = "model"
+) -> dict:
     """The status-bar projection for a loaded model's config: ``{"chip", "grid", "decode_tok_s",
     "ttft_ms"}`` on ``chip`` (a built-in name, a spec file, or a :class:`Chip`), at ``grid`` or
     the fastest region size.  Raises ChipError / PlacementError with a message."""
     spec = chip if isinstance(chip, Chip) else load_chip(chip)
     placement, proj = plan(ModelShape.from_config(config, name=name), spec, grid=grid)
-    return {"chip": spec.name, "grid": list(placement.grid), "decode_tok_s": round(float(proj.decode_tok_s), 1),
-            "ttft_ms": round(float(proj.ttft_s) * 1e3, 3)}
+    return {
+        "chip": spec.name,
+        "grid": list(placement.grid),
+        "decode_tok_s": round(float(proj.decode_tok_s), 1),
+        "ttft_ms": round(float(proj.ttft_s) * 1e3, 3),
+    }
 
 
 def summary(placement: Placement, proj: Projection) -> dict:
@@ -340,14 +428,28 @@ def summary(placement: Placement, proj: Projection) -> dict:
     layers = []
     for info in proj.per_layer:
         r = p.layer_regions()[info["layer"]]
-        layers.append({"layer": info["layer"], "region": region(r), "cycles": info["cycles"],
-                       "compute_cycles": info["compute"], "reduce_cycles": info["reduce"],
-                       "peak_sram_kb": info["peak_kb"]})
-    others = {r.kind: dict(region(r), peak_sram_kb=round(r.peak_bytes / 1024, 2))
-              for r in p.regions if r.kind != "layer"}
+        layers.append(
+            {
+                "layer": info["layer"],
+                "region": region(r),
+                "cycles": info["cycles"],
+                "compute_cycles": info["compute"],
+                "reduce_cycles": info["reduce"],
+                "peak_sram_kb": info["peak_kb"],
+            }
+        )
+    others = {
+        r.kind: dict(region(r), peak_sram_kb=round(r.peak_bytes / 1024, 2))
+        for r in p.regions
+        if r.kind != "layer"
+    }
     return {
-        "model": {"name": p.shape.name, "params": p.shape.params, "layers": p.shape.layers,
-                  "hidden": p.shape.hidden},
+        "model": {
+            "name": p.shape.name,
+            "params": p.shape.params,
+            "layers": p.shape.layers,
+            "hidden": p.shape.hidden,
+        },
         "chip": chip.name,
         "chip_spec": chip.to_dict(),
         "grid": f"{p.grid[0]}x{p.grid[1]}",

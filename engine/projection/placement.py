@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelError, load_config
-
 from .chips import Chip
 
 #: Fraction of each PE's SRAM the layout may fill: WaferLLM hit "out of PE memory" at link time
@@ -50,16 +49,25 @@ class ModelShape:
     vocab: int
     tied: bool = False
     max_context: int = 8192
-    gated: bool = True  # gate and up projections (SwiGLU / GeGLU); False: one up projection (Starcoder2)
+    gated: bool = (
+        True  # gate and up projections (SwiGLU / GeGLU); False: one up projection (Starcoder2)
+    )
 
     @classmethod
-    def from_config(cls, config, name: str = "model") -> "ModelShape":
-        return cls(name=name, hidden=config.hidden_size, ffn=config.intermediate_size,
-                   layers=config.num_hidden_layers, heads=config.num_attention_heads,
-                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                   vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
-                   max_context=config.max_position_embeddings,
-                   gated=bool(getattr(config, "mlp_gated", True)))
+    def from_config(cls, config, name: str = "model") -> ModelShape:
+        return cls(
+            name=name,
+            hidden=config.hidden_size,
+            ffn=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab=config.vocab_size,
+            tied=bool(config.tie_word_embeddings),
+            max_context=config.max_position_embeddings,
+            gated=bool(getattr(config, "mlp_gated", True)),
+        )
 
     @property
     def up_out(self) -> int:
@@ -77,8 +85,12 @@ class ModelShape:
     def matrices(self) -> dict[str, tuple[int, int, str]]:
         """name -> (K, N, reduction axis) of one layer's weights, in MeshGEMV layout."""
         d, f = self.hidden, self.ffn
-        return {"qkv": (d, self.qkv_out, "rows"), "o": (self.q_dim, d, "cols"),
-                "gate_up": (d, self.up_out, "rows"), "down": (f, d, "cols")}
+        return {
+            "qkv": (d, self.qkv_out, "rows"),
+            "o": (self.q_dim, d, "cols"),
+            "gate_up": (d, self.up_out, "rows"),
+            "down": (f, d, "cols"),
+        }
 
     @property
     def layer_params(self) -> int:
@@ -119,14 +131,14 @@ class Region:
     """One rectangle of PEs on one wafer."""
 
     name: str
-    kind: str          # 'embed' | 'layer' | 'lm_head'
+    kind: str  # 'embed' | 'layer' | 'lm_head'
     rows: int
     cols: int
-    peak_bytes: int    # the fullest PE of the region
+    peak_bytes: int  # the fullest PE of the region
     total_bytes: int
     layer: int | None = None
     wafer: int = 0
-    row: int = 0       # top-left corner on the wafer
+    row: int = 0  # top-left corner on the wafer
     col: int = 0
     parts: dict = field(default_factory=dict)  # what the fullest PE holds, bytes by kind
 
@@ -145,10 +157,10 @@ def layer_fill(shape: ModelShape, R: int, C: int, context: int, per_pe: bool = F
     fill = np.zeros((R, C), dtype=np.int64) if per_pe else None
     peak = {}
     for name, (K, N, axis) in shape.matrices().items():
-        if axis == "rows":   # PE (i, j) holds K-block i x N-block j
+        if axis == "rows":  # PE (i, j) holds K-block i x N-block j
             a, b = _blocks(K, R), _blocks(N, C)
             tile = np.outer(a, b)
-        else:                # stored transposed: K-block j x N-block i
+        else:  # stored transposed: K-block j x N-block i
             a, b = _blocks(N, R), _blocks(K, C)
             tile = np.outer(a, b)
         if per_pe:
@@ -157,7 +169,11 @@ def layer_fill(shape: ModelShape, R: int, C: int, context: int, per_pe: bool = F
         rb[name] = K * N * BYTES_FP16
     # Norm weights, residual and activation buffers: slices of d (along rows) and of the
     # qkv / gate_up outputs (along columns), double-buffered.
-    d_r, q_c, f_c = math.ceil(shape.hidden / R), math.ceil(shape.qkv_out / C), math.ceil(shape.up_out / C)
+    d_r, q_c, f_c = (
+        math.ceil(shape.hidden / R),
+        math.ceil(shape.qkv_out / C),
+        math.ceil(shape.up_out / C),
+    )
     vec = (2 * d_r + 2 * (2 * d_r + q_c + f_c)) * BYTES_FP16
     # Shift-based KV cache: K and V for `context` tokens, balanced over the region.
     kv_total = 2 * context * shape.kv_heads * shape.head_dim * BYTES_FP16
@@ -248,7 +264,7 @@ class Placement:
                 fn = head_fill if r.kind == "lm_head" else embed_fill
                 cell = _region_map(self.shape, r, fn)
                 f = cell
-            m[r.row:r.row + r.rows, r.col:r.col + r.cols] = f / sram
+            m[r.row : r.row + r.rows, r.col : r.col + r.cols] = f / sram
         return m
 
 
@@ -267,8 +283,10 @@ def _pack(regions: list[Region], chip: Chip) -> int:
     wafer, x, y, shelf = 0, 0, 0, 0
     for r in regions:
         if r.rows > chip.mesh_rows or r.cols > chip.mesh_cols:
-            raise PlacementError(f"{r.name}: a {r.rows}x{r.cols} region is larger than the "
-                                 f"{chip.mesh_rows}x{chip.mesh_cols} mesh of {chip.name}")
+            raise PlacementError(
+                f"{r.name}: a {r.rows}x{r.cols} region is larger than the "
+                f"{chip.mesh_rows}x{chip.mesh_cols} mesh of {chip.name}"
+            )
         if x + r.cols > chip.mesh_cols:  # next shelf
             x, y, shelf = 0, y + shelf, 0
         if y + r.rows > chip.mesh_rows:  # next wafer: the cut falls between two regions
@@ -279,8 +297,15 @@ def _pack(regions: list[Region], chip: Chip) -> int:
     return wafer + 1
 
 
-def place(shape: ModelShape, chip: Chip, grid: tuple[int, int], *, context: int = 4096,
-          budget: float = DEFAULT_BUDGET, max_wafers: int | None = None) -> Placement:
+def place(
+    shape: ModelShape,
+    chip: Chip,
+    grid: tuple[int, int],
+    *,
+    context: int = 4096,
+    budget: float = DEFAULT_BUDGET,
+    max_wafers: int | None = None,
+) -> Placement:
     """Place every layer on its own ``grid`` region; raise PlacementError if it cannot fit."""
     R, C = (int(v) for v in grid)
     if R <= 0 or C <= 0:
@@ -290,8 +315,9 @@ def place(shape: ModelShape, chip: Chip, grid: tuple[int, int], *, context: int 
     if not 0 < budget <= 1:
         raise PlacementError(f"budget={budget}: must be a fraction of the SRAM in (0, 1]")
     if R > chip.mesh_rows or C > chip.mesh_cols:
-        raise PlacementError(f"grid {R}x{C} is larger than the {chip.mesh_rows}x{chip.mesh_cols} "
-                             f"mesh of {chip.name}")
+        raise PlacementError(
+            f"grid {R}x{C} is larger than the {chip.mesh_rows}x{chip.mesh_cols} mesh of {chip.name}"
+        )
     cap = int(chip.sram_bytes_per_pe * budget)
     peak, total, parts = layer_fill(shape, R, C, context)
     if peak > cap:
@@ -302,7 +328,8 @@ def place(shape: ModelShape, chip: Chip, grid: tuple[int, int], *, context: int 
             f"KV cache for {context} tokens {parts['kv_cache'] / 1024:.1f} KB, buffers "
             f"{parts['vectors'] / 1024:.1f} KB) but the budget is {cap / 1024:.1f} KB "
             f"({budget:.0%} of {chip.sram_kb_per_pe:g} KB): missing {miss / 1024:.1f} KB per PE, "
-            f"{miss * R * C / 2**20:.1f} MB over the region; use a larger --grid or a shorter --context")
+            f"{miss * R * C / 2**20:.1f} MB over the region; use a larger --grid or a shorter --context"
+        )
     regions = []
     e_cols = _fit_cols(lambda r, c: embed_fill(shape, r, c), R, 1, cap, chip.mesh_cols)
     h_cols = _fit_cols(lambda r, c: head_fill(shape, r, c), R, C, cap, chip.mesh_cols)
@@ -310,9 +337,11 @@ def place(shape: ModelShape, chip: Chip, grid: tuple[int, int], *, context: int 
         if cols is None:
             fn = embed_fill if what == "embedding table" else head_fill
             need = fn(shape, R, chip.mesh_cols)[0]
-            raise PlacementError(f"{shape.name}: the {what} does not fit {R} rows x {chip.mesh_cols} columns "
-                                 f"({need / 1024:.1f} KB per PE, budget {cap / 1024:.1f} KB: missing "
-                                 f"{(need - cap) / 1024:.1f} KB per PE); use a larger --grid")
+            raise PlacementError(
+                f"{shape.name}: the {what} does not fit {R} rows x {chip.mesh_cols} columns "
+                f"({need / 1024:.1f} KB per PE, budget {cap / 1024:.1f} KB: missing "
+                f"{(need - cap) / 1024:.1f} KB per PE); use a larger --grid"
+            )
     ep, et = embed_fill(shape, R, e_cols)
     regions.append(Region("embed", "embed", R, e_cols, ep, et))
     for i in range(shape.layers):
@@ -321,7 +350,9 @@ def place(shape: ModelShape, chip: Chip, grid: tuple[int, int], *, context: int 
     regions.append(Region("lm_head", "lm_head", R, h_cols, hp, ht))
     wafers = _pack(regions, chip)
     if max_wafers is not None and wafers > max_wafers:
-        raise PlacementError(_too_many_wafers(shape, chip, (R, C), wafers, max_wafers, regions, budget))
+        raise PlacementError(
+            _too_many_wafers(shape, chip, (R, C), wafers, max_wafers, regions, budget)
+        )
     return Placement(chip, shape, (R, C), context, budget, regions, wafers)
 
 
@@ -329,10 +360,12 @@ def _too_many_wafers(shape, chip, grid, wafers, max_wafers, regions, budget) -> 
     need = sum(r.total_bytes for r in regions)
     have = max_wafers * chip.pes * chip.sram_bytes_per_pe * budget
     per_wafer = chip.pes * chip.sram_bytes_per_pe * budget
-    return (f"{shape.name} on {grid[0]}x{grid[1]} layer regions needs {wafers} {chip.name} wafers "
-            f"but at most {max_wafers} allowed: missing {wafers - max_wafers} wafer(s); "
-            f"it stores {need / 1e9:.1f} GB against {have / 1e9:.1f} GB of SRAM at the {budget:.0%} budget "
-            f"({per_wafer / 1e9:.1f} GB per wafer); raise --max-wafers or use a smaller --grid")
+    return (
+        f"{shape.name} on {grid[0]}x{grid[1]} layer regions needs {wafers} {chip.name} wafers "
+        f"but at most {max_wafers} allowed: missing {wafers - max_wafers} wafer(s); "
+        f"it stores {need / 1e9:.1f} GB against {have / 1e9:.1f} GB of SRAM at the {budget:.0%} budget "
+        f"({per_wafer / 1e9:.1f} GB per wafer); raise --max-wafers or use a smaller --grid"
+    )
 
 
 def min_wafers(shape: ModelShape, chip: Chip, context: int, budget: float = DEFAULT_BUDGET) -> int:

@@ -21,18 +21,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .chips import Chip
-from .perfmodel import ROOT_AT, Constants, allreduce_cycles, layer_cycles, layer_phases, tree_levels, words
+from .perfmodel import (
+    ROOT_AT,
+    Constants,
+    allreduce_cycles,
+    layer_cycles,
+    layer_phases,
+    tree_levels,
+    words,
+)
 from .placement import ModelShape, _blocks
 
 
 @dataclass
 class SimResult:
-    cycles: float                 # c0 + the simulated dataflow, up to the next region having the output
-    dataflow: float               # the simulated part (compute + messages)
-    phases: dict[str, float]      # phase -> time the last PE finished it
+    cycles: float  # c0 + the simulated dataflow, up to the next region having the output
+    dataflow: float  # the simulated part (compute + messages)
+    phases: dict[str, float]  # phase -> time the last PE finished it
     messages: int = 0
-    stall_cycles: float = 0.0     # cycles messages spent waiting for busy links
-    link_words: int = 0           # word-hops carried
+    stall_cycles: float = 0.0  # cycles messages spent waiting for busy links
+    link_words: int = 0  # word-hops carried
     extra: dict = field(default_factory=dict)
 
 
@@ -103,15 +111,17 @@ def _allreduce(mesh: Mesh, ready: np.ndarray, lines: list[list[tuple[int, int]]]
         root = ROOT_AT(n)
         acc = {p: float(ready[line[p]]) for p in range(n)}
         states.append((line, root, acc))
-    levels = max((tree_levels(max(root, len(line) - 1 - root)) for line, root, _ in states), default=0)
+    levels = max(
+        (tree_levels(max(root, len(line) - 1 - root)) for line, root, _ in states), default=0
+    )
     for lv in range(levels):
         msgs = []
         for line, root, acc in states:
             n = len(line)
             for side in (-1, 1):
                 span = root if side < 0 else n - 1 - root
-                for delta in range(2 ** lv, span + 1, 2 ** (lv + 1)):
-                    src, dst = root + side * delta, root + side * (delta - 2 ** lv)
+                for delta in range(2**lv, span + 1, 2 ** (lv + 1)):
+                    src, dst = root + side * delta, root + side * (delta - 2**lv)
                     msgs.append((acc[src], line, acc, src, dst))
         msgs.sort(key=lambda x: x[0])
         for t0, line, acc, src, dst in msgs:
@@ -126,8 +136,9 @@ def _allreduce(mesh: Mesh, ready: np.ndarray, lines: list[list[tuple[int, int]]]
                     ready[node] = when
 
 
-def _pe_compute(phase: str, shape: ModelShape, R: int, C: int, context: int, chip: Chip,
-                k: Constants) -> np.ndarray:
+def _pe_compute(
+    phase: str, shape: ModelShape, R: int, C: int, context: int, chip: Chip, k: Constants
+) -> np.ndarray:
     """Per-PE compute cycles of a phase from the PE's actual (uneven) block sizes."""
     d_r, q_c = _blocks(shape.hidden, R), _blocks(shape.q_dim, C)
     tok_r = _blocks(context, R)
@@ -151,8 +162,15 @@ def _pe_compute(phase: str, shape: ModelShape, R: int, C: int, context: int, chi
     raise ValueError(f"unknown phase {phase!r}")
 
 
-def simulate_layer(shape: ModelShape, grid: tuple[int, int], chip: Chip, *, context: int = 256,
-                   constants: Constants | None = None, handoff: str = "rows") -> SimResult:
+def simulate_layer(
+    shape: ModelShape,
+    grid: tuple[int, int],
+    chip: Chip,
+    *,
+    context: int = 256,
+    constants: Constants | None = None,
+    handoff: str = "rows",
+) -> SimResult:
     """Simulate one decode step of one layer on an ``R x C`` region and the hand-off of its
     output to the next region (placed to the east, as the shelf packer does).
 
@@ -174,13 +192,19 @@ def simulate_layer(shape: ModelShape, grid: tuple[int, int], chip: Chip, *, cont
             lines = [[(i, j) for i in range(R)] for j in range(C)]
         else:
             seg = ph["n"]  # along a row: one line per segment (a head's columns for 'scores')
-            lines = [[(i, j) for j in range(s, min(s + seg, C))] for i in range(R) for s in range(0, C, seg)]
+            lines = [
+                [(i, j) for j in range(s, min(s + seg, C))]
+                for i in range(R)
+                for s in range(0, C, seg)
+            ]
         _allreduce(mesh, ready, lines, ph["words"])
         phases[ph["name"]] = float(ready[:, :C].max())
     m = words(math.ceil(shape.hidden / R), chip)
     if handoff == "rows":
         for i in range(R):
-            for node, when in mesh.send((i, C - 1), (i, 2 * C - 1), ready[i, C - 1], m, multicast=True).items():
+            for node, when in mesh.send(
+                (i, C - 1), (i, 2 * C - 1), ready[i, C - 1], m, multicast=True
+            ).items():
                 if node[1] >= C:
                     ready[node] = when
     elif handoff == "corner":
@@ -197,18 +221,35 @@ def simulate_layer(shape: ModelShape, grid: tuple[int, int], chip: Chip, *, cont
         raise ValueError(f"handoff={handoff!r}: expected 'rows' or 'corner'")
     end = float(ready[:, C:].max())
     phases["handoff"] = end
-    return SimResult(cycles=k.c0 + end, dataflow=end, phases=phases, messages=mesh.messages,
-                     stall_cycles=mesh.stall, link_words=mesh.word_hops)
+    return SimResult(
+        cycles=k.c0 + end,
+        dataflow=end,
+        phases=phases,
+        messages=mesh.messages,
+        stall_cycles=mesh.stall,
+        link_words=mesh.word_hops,
+    )
 
 
-def analytic_layer(shape: ModelShape, grid: tuple[int, int], chip: Chip, *, context: int = 256,
-                   constants: Constants | None = None) -> dict:
+def analytic_layer(
+    shape: ModelShape,
+    grid: tuple[int, int],
+    chip: Chip,
+    *,
+    context: int = 256,
+    constants: Constants | None = None,
+) -> dict:
     """The analytic model's cycles for the same layer + east hand-off (for comparison)."""
     k = constants or Constants()
     R, C = grid
     lc = layer_cycles(shape, R, C, context, chip, k)
     m = words(math.ceil(shape.hidden / R), chip)
     hand = C * chip.hop_cycles + (m - 1) + 2 * chip.ramp_cycles  # to the far end of the next row
-    return {"cycles": lc["total"] + hand, "dataflow": lc["compute"] + lc["reduce"] + hand,
-            "compute": lc["compute"], "reduce": lc["reduce"], "handoff": hand,
-            "allreduce_check": allreduce_cycles(R, 1, chip)}
+    return {
+        "cycles": lc["total"] + hand,
+        "dataflow": lc["compute"] + lc["reduce"] + hand,
+        "compute": lc["compute"],
+        "reduce": lc["reduce"],
+        "handoff": hand,
+        "allreduce_check": allreduce_cycles(R, 1, chip),
+    }

@@ -24,27 +24,27 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from .tokenizer import EOS, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 
 
 @dataclass(frozen=True)
 class FimConfig:
-    rate: float = 0.5          # fraction of documents turned into FIM examples
-    spm_rate: float = 0.5      # of those, fraction in SPM order
-    line_rate: float = 0.5     # middle = rest of one line
-    lines_rate: float = 0.2    # middle = rest of a line + 1..4 more lines; else a random span
+    rate: float = 0.5  # fraction of documents turned into FIM examples
+    spm_rate: float = 0.5  # of those, fraction in SPM order
+    line_rate: float = 0.5  # middle = rest of one line
+    lines_rate: float = 0.2  # middle = rest of a line + 1..4 more lines; else a random span
 
 
 @dataclass(frozen=True)
 class EditConfig:
-    rate: float = 0.0          # edited-copy documents per file (on average; 0.3: 30% of files get one)
-    context_chars: int = 600   # file text kept before the original block
+    rate: float = 0.0  # edited-copy documents per file (on average; 0.3: 30% of files get one)
+    context_chars: int = 600  # file text kept before the original block
     max_block_chars: int = 1500
-    copy_rate: float = 0.0     # repeated-window documents per file (on average), see copy_document
+    copy_rate: float = 0.0  # repeated-window documents per file (on average), see copy_document
 
 
 def _draws(rate: float, rng: random.Random) -> int:
@@ -65,15 +65,46 @@ def copy_document(pool: list[int], rng: random.Random) -> list[int] | None:
     if len(pool) <= n:
         return None
     start = rng.randrange(len(pool) - n)
-    window = pool[start:start + n]
+    window = pool[start : start + n]
     rng.shuffle(window)
     return window * rng.randint(2, 3)
 
 
 _HEADER_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)(.*):[ \t]*$")
-_TYPES = ("int", "str", "float", "bool", "bytes", "list", "dict", "object", "list[str]", "dict[str, int]")
-_NAMES = ("value", "items", "data", "key", "name", "result", "count", "path", "text", "node", "obj",
-          "options", "timeout", "limit", "index", "source", "target", "callback", "default", "verbose")
+_TYPES = (
+    "int",
+    "str",
+    "float",
+    "bool",
+    "bytes",
+    "list",
+    "dict",
+    "object",
+    "list[str]",
+    "dict[str, int]",
+)
+_NAMES = (
+    "value",
+    "items",
+    "data",
+    "key",
+    "name",
+    "result",
+    "count",
+    "path",
+    "text",
+    "node",
+    "obj",
+    "options",
+    "timeout",
+    "limit",
+    "index",
+    "source",
+    "target",
+    "callback",
+    "default",
+    "verbose",
+)
 
 
 def code_blocks(text: str, max_chars: int = 1500) -> list[tuple[int, int]]:
@@ -89,7 +120,9 @@ def code_blocks(text: str, max_chars: int = 1500) -> list[tuple[int, int]]:
             continue
         ind = len(m.group(1).expandtabs())
         j = i + 1
-        while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > ind):
+        while j < len(lines) and (
+            not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > ind
+        ):
             j += 1
         while j > i + 1 and not lines[j - 1].strip():  # trailing blank lines stay outside
             j -= 1
@@ -123,9 +156,12 @@ def edit_block(block: str, rng: random.Random, words: list[str]) -> str | None:
     if not m:
         return None
     kind, name, rest = m.group(2), m.group(3), m.group(4)
-    params = rest[rest.find("(") + 1:rest.rfind(")")] if "(" in rest and ")" in rest else None
-    simple = [p.strip() for p in _split_params(params or "") if re.fullmatch(r"\s*[A-Za-z_]\w*\s*", p)
-              and p.strip() not in ("self", "cls")]
+    params = rest[rest.find("(") + 1 : rest.rfind(")")] if "(" in rest and ")" in rest else None
+    simple = [
+        p.strip()
+        for p in _split_params(params or "")
+        if re.fullmatch(r"\s*[A-Za-z_]\w*\s*", p) and p.strip() not in ("self", "cls")
+    ]
     choices = ["rename"]
     if kind == "def" and params is not None:
         choices += ["add_param", "hints"] + (["rename_param"] * 2 if simple else [])
@@ -137,9 +173,20 @@ def edit_block(block: str, rng: random.Random, words: list[str]) -> str | None:
 
     if op == "rename":
         if kind == "class":
-            new = rng.choice([f"New{name}", f"{name}V2", f"Base{name}", f"{name}Impl", f"Simple{name}"])
+            new = rng.choice(
+                [f"New{name}", f"{name}V2", f"Base{name}", f"{name}Impl", f"Simple{name}"]
+            )
         else:
-            new = rng.choice([f"{name}_v2", f"new_{name}", f"{name}_impl", f"_{name}", f"{name}2", f"safe_{name}"])
+            new = rng.choice(
+                [
+                    f"{name}_v2",
+                    f"new_{name}",
+                    f"{name}_impl",
+                    f"_{name}",
+                    f"{name}2",
+                    f"safe_{name}",
+                ]
+            )
         return re.sub(rf"(?<![.\w]){re.escape(name)}\b", new, block)
     if op == "rename_param":
         old = rng.choice(simple)
@@ -153,16 +200,22 @@ def edit_block(block: str, rng: random.Random, words: list[str]) -> str | None:
             return None
         cut = header.rfind(")")
         sep = ", " if params and params.strip() else ""
-        return header[:cut] + f"{sep}{new}={rng.choice(['None', 'False', '0', 'True'])}" + header[cut:] + "\n" + body
+        return (
+            header[:cut]
+            + f"{sep}{new}={rng.choice(['None', 'False', '0', 'True'])}"
+            + header[cut:]
+            + "\n"
+            + body
+        )
     # hints: annotate bare parameters, add a return annotation when there is none
     parts = _split_params(params or "")
     hinted = [f"{p.rstrip()}: {rng.choice(_TYPES)}" if p.strip() in simple else p for p in parts]
     new_params = ",".join(hinted)
     close = rest.rfind(")")
-    ret = rest[close + 1:]
+    ret = rest[close + 1 :]
     if "->" not in ret:
         ret = f" -> {rng.choice(_TYPES + ('None',))}" + ret
-    new_header = header[:header.find("(") + 1] + new_params + ")" + ret + ":"
+    new_header = header[: header.find("(") + 1] + new_params + ")" + ret + ":"
     if new_header == header.rstrip("\r"):
         return None
     return new_header + "\n" + body
@@ -175,7 +228,7 @@ def edit_document(text: str, rng: random.Random, cfg: EditConfig) -> str | None:
         return None
     s, e = rng.choice(spans)
     block = text[s:e]
-    words = sorted(set(re.findall(r"\b[a-z_][a-z0-9_]{2,15}\b", text[max(0, s - 2000):s])))
+    words = sorted(set(re.findall(r"\b[a-z_][a-z0-9_]{2,15}\b", text[max(0, s - 2000) : s])))
     edited = edit_block(block, rng, words)
     if edited is None or edited == block:
         return None
@@ -242,8 +295,13 @@ def split_segments(text: str, max_chars: int) -> list[str]:
 class DocumentEncoder:
     """Turns a file's text into the token ids of its training documents."""
 
-    def __init__(self, tokenizer, fim: FimConfig = FimConfig(), segment_chars: int = 3000,
-                 edit: EditConfig = EditConfig()):
+    def __init__(
+        self,
+        tokenizer,
+        fim: FimConfig = FimConfig(),
+        segment_chars: int = 3000,
+        edit: EditConfig = EditConfig(),
+    ):
         self.tok = tokenizer
         self.fim = fim
         self.edit = edit
@@ -253,8 +311,10 @@ class DocumentEncoder:
         self.suf = tokenizer.token_to_id(FIM_SUFFIX)
         self.mid = tokenizer.token_to_id(FIM_MIDDLE)
         if None in (self.eos, self.pre, self.suf, self.mid):
-            raise ValueError("tokenizer lacks the special tokens "
-                             f"{EOS}, {FIM_PREFIX}, {FIM_SUFFIX}, {FIM_MIDDLE}")
+            raise ValueError(
+                "tokenizer lacks the special tokens "
+                f"{EOS}, {FIM_PREFIX}, {FIM_SUFFIX}, {FIM_MIDDLE}"
+            )
 
     def _enc(self, s: str) -> list[int]:
         return self.tok.encode(s, add_special_tokens=False).ids if s else []
@@ -296,9 +356,16 @@ class DocumentEncoder:
         return out
 
 
-def packed_sequences(files: list[Path], tokenizer, seq_len: int, seed: int,
-                     fim: FimConfig = FimConfig(), segment_chars: int = 3000,
-                     epochs: int | None = None, edit: EditConfig = EditConfig()) -> Iterator[list[int]]:
+def packed_sequences(
+    files: list[Path],
+    tokenizer,
+    seq_len: int,
+    seed: int,
+    fim: FimConfig = FimConfig(),
+    segment_chars: int = 3000,
+    epochs: int | None = None,
+    edit: EditConfig = EditConfig(),
+) -> Iterator[list[int]]:
     """Endless (or ``epochs``-long) stream of ``seq_len``-token sequences: files shuffled per
     epoch, documents concatenated and cut into fixed lengths (no padding)."""
     texts = [p.read_text(encoding="utf-8") for p in files]
@@ -319,8 +386,10 @@ def packed_sequences(files: list[Path], tokenizer, seq_len: int, seed: int,
 
 def count_tokens(files: list[Path], tokenizer) -> int:
     """Tokens of the files as plain text (without FIM): the size of one epoch."""
-    return sum(len(tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
-               for p in files)
+    return sum(
+        len(tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
+        for p in files
+    )
 
 
 def shuffle_buffer(stream: Iterator[list[int]], size: int, seed: int) -> Iterator[list[int]]:

@@ -71,24 +71,35 @@ def export(run_dir: Path, out: Path, ckpt_name: str = "ckpt.pt") -> dict:
         "use_cache": True,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": eos, "eos_token_id": [eos, sep], "pad_token_id": pad,
-           "do_sample": False, "max_new_tokens": 64}
+    gen = {
+        "bos_token_id": eos,
+        "eos_token_id": [eos, sep],
+        "pad_token_id": pad,
+        "do_sample": False,
+        "max_new_tokens": 64,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config(cfg.max_position_embeddings), indent=2) + "\n")
+        json.dumps(tokenizer_config(cfg.max_position_embeddings), indent=2) + "\n"
+    )
     if (run_dir / "loss_curve.png").is_file():
         shutil.copyfile(run_dir / "loss_curve.png", out / "loss_curve.png")
     phase_tokens = ckpt["seqs"] * ckpt["args"]["seq_len"]
-    return {"step": ckpt["step"], "tokens": phase_tokens + (ckpt["args"].get("tokens_before") or 0),
-            "phase_tokens": phase_tokens,
-            "elapsed_min": round(ckpt["elapsed"] / 60, 1),
-            "params": sum(t.numel() for t in state.values()),
-            "bytes": (out / "model.safetensors").stat().st_size}
+    return {
+        "step": ckpt["step"],
+        "tokens": phase_tokens + (ckpt["args"].get("tokens_before") or 0),
+        "phase_tokens": phase_tokens,
+        "elapsed_min": round(ckpt["elapsed"] / 60, 1),
+        "params": sum(t.numel() for t in state.values()),
+        "bytes": (out / "model.safetensors").stat().st_size,
+    }
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
+    ap = argparse.ArgumentParser(
+        description="Export a training checkpoint to a Hugging Face model folder."
+    )
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ckpt", default="ckpt.pt", help="checkpoint file name inside --run-dir")

@@ -71,8 +71,9 @@ def list_stdlib_files(root: Path | None = None) -> list[Path]:
     return out
 
 
-def split_files(files: list[Path], seed: int = SPLIT_SEED,
-                holdout: float = HOLDOUT_FRACTION) -> tuple[list[Path], list[Path]]:
+def split_files(
+    files: list[Path], seed: int = SPLIT_SEED, holdout: float = HOLDOUT_FRACTION
+) -> tuple[list[Path], list[Path]]:
     """Deterministic by-file train/validation split."""
     order = sorted(files)
     random.Random(seed).shuffle(order)
@@ -95,10 +96,12 @@ def build_tokenizer(files: list[Path], vocab_size: int = 8192):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -149,8 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     tok.save(str(args.out / "tokenizer.json"))
     chars = sum(len(p.read_text(encoding="utf-8")) for p in val[:40])
     ntok = sum(len(tok.encode(p.read_text(encoding="utf-8")).ids) for p in val[:40])
-    info = {"files": len(files), "train_files": len(train), "val_files": len(val),
-            "vocab_size": tok.get_vocab_size(), "val_chars_per_token": round(chars / max(ntok, 1), 3)}
+    info = {
+        "files": len(files),
+        "train_files": len(train),
+        "val_files": len(val),
+        "vocab_size": tok.get_vocab_size(),
+        "val_chars_per_token": round(chars / max(ntok, 1), 3),
+    }
     (args.out / "tokenizer_info.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
 

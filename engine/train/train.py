@@ -79,7 +79,12 @@ def plot_history(run_dir: Path, history: list[dict]) -> None:
     if tr:
         ax.plot([h["tokens"] / 1e6 for h in tr], [h["loss"] for h in tr], lw=0.8, label="train")
     if va:
-        ax.plot([h["tokens"] / 1e6 for h in va], [h["loss"] for h in va], "o-", label="validation (held-out files)")
+        ax.plot(
+            [h["tokens"] / 1e6 for h in va],
+            [h["loss"] for h in va],
+            "o-",
+            label="validation (held-out files)",
+        )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title(f"{run_dir.name}: training loss")
@@ -91,9 +96,15 @@ def plot_history(run_dir: Path, history: list[dict]) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="Train the bundled FIM code model (Llama architecture).")
-    ap.add_argument("--run-dir", type=Path, required=True,
-                    help="holds tokenizer.json + train/val_files.txt (from engine.train.tokenizer); checkpoints go here")
+    ap = argparse.ArgumentParser(
+        description="Train the bundled FIM code model (Llama architecture)."
+    )
+    ap.add_argument(
+        "--run-dir",
+        type=Path,
+        required=True,
+        help="holds tokenizer.json + train/val_files.txt (from engine.train.tokenizer); checkpoints go here",
+    )
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -107,16 +118,31 @@ def parse_args(argv=None):
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup-steps", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--max-minutes", type=float, default=None, help="wall-clock training budget (drives the LR schedule)")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock training budget (drives the LR schedule)",
+    )
     ap.add_argument("--max-steps", type=int, default=None, help="step budget when no --max-minutes")
     ap.add_argument("--fim-rate", type=float, default=0.5)
     ap.add_argument("--spm-rate", type=float, default=0.5)
-    ap.add_argument("--edit-rate", type=float, default=0.0,
-                    help="edited-copy documents per file, on average (engine.train.data.EditConfig)")
-    ap.add_argument("--copy-rate", type=float, default=0.0,
-                    help="repeated shuffled-window documents per file, on average (engine.train.data.copy_document)")
+    ap.add_argument(
+        "--edit-rate",
+        type=float,
+        default=0.0,
+        help="edited-copy documents per file, on average (engine.train.data.EditConfig)",
+    )
+    ap.add_argument(
+        "--copy-rate",
+        type=float,
+        default=0.0,
+        help="repeated shuffled-window documents per file, on average (engine.train.data.copy_document)",
+    )
     ap.add_argument("--segment-chars", type=int, default=3000)
-    ap.add_argument("--shuffle-buffer", type=int, default=512, help="sequences mixed across files (1 = off)")
+    ap.add_argument(
+        "--shuffle-buffer", type=int, default=512, help="sequences mixed across files (1 = off)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype")
@@ -125,11 +151,19 @@ def parse_args(argv=None):
     ap.add_argument("--val-every", type=float, default=10.0, help="minutes")
     ap.add_argument("--val-seqs", type=int, default=16)
     ap.add_argument("--ckpt-every", type=float, default=5.0, help="minutes")
-    ap.add_argument("--init-from", type=Path, default=None,
-                    help="start a new phase from another run's checkpoint (warm restart): its weights, "
-                         "optimizer moments and loss history carry over; schedule, step and data order start afresh")
-    ap.add_argument("--bench-steps", type=int, default=0,
-                    help="only time this many steps (after 2 warm-up steps), print tokens/s and exit")
+    ap.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start a new phase from another run's checkpoint (warm restart): its weights, "
+        "optimizer moments and loss history carry over; schedule, step and data order start afresh",
+    )
+    ap.add_argument(
+        "--bench-steps",
+        type=int,
+        default=0,
+        help="only time this many steps (after 2 warm-up steps), print tokens/s and exit",
+    )
     args = ap.parse_args(argv)
     if args.max_minutes is None and args.max_steps is None and not args.bench_steps:
         ap.error("give --max-minutes or --max-steps")
@@ -149,7 +183,9 @@ def main(argv=None) -> None:
     run = args.run_dir
     tok_path = run / "tokenizer.json"
     if not tok_path.is_file():
-        sys.exit(f"error: {tok_path} missing: run `python -m engine.train.tokenizer --out {run}` first")
+        sys.exit(
+            f"error: {tok_path} missing: run `python -m engine.train.tokenizer --out {run}` first"
+        )
     tok = Tokenizer.from_file(str(tok_path))
     train_files = read_file_list(run / "train_files.txt")
     val_files = read_file_list(run / "val_files.txt")
@@ -158,16 +194,44 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt_path = run / "ckpt.pt"
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() and not args.bench_steps else None
+    ckpt = (
+        torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if ckpt_path.exists() and not args.bench_steps
+        else None
+    )
     init = None
     if ckpt is None and args.init_from is not None:
         init = torch.load(args.init_from, map_location="cpu", weights_only=False)
-        for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context"):  # the shape is the parent's
+        for k in (
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "ffn",
+            "context",
+        ):  # the shape is the parent's
             setattr(args, k, init["args"][k])
-        args.tokens_before = init["seqs"] * init["args"]["seq_len"] + init["args"].get("tokens_before", 0)
+        args.tokens_before = init["seqs"] * init["args"]["seq_len"] + init["args"].get(
+            "tokens_before", 0
+        )
     if ckpt:  # the model shape and data stream of a run are fixed by its first invocation
-        for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "context", "seq_len", "seed",
-                  "fim_rate", "spm_rate", "segment_chars", "shuffle_buffer", "tokens_before", "edit_rate", "copy_rate"):
+        for k in (
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "ffn",
+            "context",
+            "seq_len",
+            "seed",
+            "fim_rate",
+            "spm_rate",
+            "segment_chars",
+            "shuffle_buffer",
+            "tokens_before",
+            "edit_rate",
+            "copy_rate",
+        ):
             if k in ckpt["args"]:
                 setattr(args, k, ckpt["args"][k])
     tokens_before = getattr(args, "tokens_before", 0) or 0
@@ -177,54 +241,98 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
     step, seqs_done, elapsed, history = 0, 0, 0.0, []
     if ckpt:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        step, seqs_done, elapsed, history = ckpt["step"], ckpt["seqs"], ckpt["elapsed"], ckpt["history"]
-        print(f"resumed at step {step}, {seqs_done * args.seq_len / 1e6:.2f}M tokens, {elapsed / 60:.1f} min", flush=True)
+        step, seqs_done, elapsed, history = (
+            ckpt["step"],
+            ckpt["seqs"],
+            ckpt["elapsed"],
+            ckpt["history"],
+        )
+        print(
+            f"resumed at step {step}, {seqs_done * args.seq_len / 1e6:.2f}M tokens, {elapsed / 60:.1f} min",
+            flush=True,
+        )
     elif init:
         model.load_state_dict(init["model"])
         opt.load_state_dict(init["optimizer"])
         history = list(init["history"])
-        print(f"new phase from {args.init_from}: {tokens_before / 1e6:.2f}M tokens already trained", flush=True)
+        print(
+            f"new phase from {args.init_from}: {tokens_before / 1e6:.2f}M tokens already trained",
+            flush=True,
+        )
 
     fim = FimConfig(rate=args.fim_rate, spm_rate=args.spm_rate)
     edit = EditConfig(rate=args.edit_rate, copy_rate=args.copy_rate)
-    stream = shuffle_buffer(packed_sequences(train_files, tok, args.seq_len, args.seed, fim, args.segment_chars,
-                                             edit=edit),
-                            args.shuffle_buffer, args.seed)
+    stream = shuffle_buffer(
+        packed_sequences(
+            train_files, tok, args.seq_len, args.seed, fim, args.segment_chars, edit=edit
+        ),
+        args.shuffle_buffer,
+        args.seed,
+    )
     stream = itertools.islice(stream, seqs_done, None)
-    val_batch = torch.tensor(list(itertools.islice(
-        packed_sequences(val_files, tok, args.seq_len, 1, fim, args.segment_chars), args.val_seqs)))  # fixed: phases compare
+    val_batch = torch.tensor(
+        list(
+            itertools.islice(
+                packed_sequences(val_files, tok, args.seq_len, 1, fim, args.segment_chars),
+                args.val_seqs,
+            )
+        )
+    )  # fixed: phases compare
     amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with torch.autocast(
+            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        ):
             return model(input_ids=batch, labels=batch).loss
 
     @torch.no_grad()
     def validate() -> float:
         model.eval()
-        losses = [loss_of(val_batch[i:i + args.micro_batch].to(device)).item()
-                  for i in range(0, len(val_batch), args.micro_batch)]
+        losses = [
+            loss_of(val_batch[i : i + args.micro_batch].to(device)).item()
+            for i in range(0, len(val_batch), args.micro_batch)
+        ]
         model.train()
         return sum(losses) / len(losses)
 
     def checkpoint() -> None:
-        save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                    "step": step, "seqs": seqs_done, "elapsed": elapsed,
-                                    "history": history, "args": vars(args) | {"run_dir": str(run)},
-                                    "config": config.to_dict()})
+        save_checkpoint(
+            ckpt_path,
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "seqs": seqs_done,
+                "elapsed": elapsed,
+                "history": history,
+                "args": vars(args) | {"run_dir": str(run)},
+                "config": config.to_dict(),
+            },
+        )
         plot_history(run, history)
 
     budget_s = args.max_minutes * 60 if args.max_minutes else None
-    print(f"model: {n_params / 1e6:.2f}M params ({args.layers}x{args.hidden}, ffn {args.ffn}, "
-          f"vocab {config.vocab_size}); device {device}, {args.precision}, seq {args.seq_len}, "
-          f"batch {args.batch_size}; budget {args.max_minutes} min / {args.max_steps} steps", flush=True)
+    print(
+        f"model: {n_params / 1e6:.2f}M params ({args.layers}x{args.hidden}, ffn {args.ffn}, "
+        f"vocab {config.vocab_size}); device {device}, {args.precision}, seq {args.seq_len}, "
+        f"batch {args.batch_size}; budget {args.max_minutes} min / {args.max_steps} steps",
+        flush=True,
+    )
     model.train()
     accum = args.batch_size // args.micro_batch
     t_last_val = t_last_ckpt = time.monotonic()
@@ -237,8 +345,11 @@ def main(argv=None) -> None:
         progress = elapsed / budget_s if budget_s else step / max(args.max_steps or 1, 1)
         if args.bench_steps and step >= args.bench_steps + 2:
             dt = time.monotonic() - bench_t0
-            print(f"bench: {args.bench_steps * args.batch_size * args.seq_len / dt:.0f} tokens/s "
-                  f"({args.precision}, {args.threads} threads)", flush=True)
+            print(
+                f"bench: {args.bench_steps * args.batch_size * args.seq_len / dt:.0f} tokens/s "
+                f"({args.precision}, {args.threads} threads)",
+                flush=True,
+            )
             return
         if not args.bench_steps and progress >= 1.0:
             break
@@ -266,27 +377,53 @@ def main(argv=None) -> None:
         if step % args.log_every == 0:
             dt = time.monotonic() - t_log
             avg = sum(loss_log) / len(loss_log)
-            history.append({"kind": "train", "step": step, "tokens": tokens, "loss": avg, "lr": lr,
-                            "elapsed": elapsed})
+            history.append(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "tokens": tokens,
+                    "loss": avg,
+                    "lr": lr,
+                    "elapsed": elapsed,
+                }
+            )
             bar = "#" * int(20 * min(progress, 1)) + "." * (20 - int(20 * min(progress, 1)))
-            print(f"[{bar}] step {step} loss {avg:.4f} lr {lr:.2e} tok/s {tok_log / dt:.0f} "
-                  f"tokens {tokens / 1e6:.2f}M elapsed {elapsed / 60:.1f}m", flush=True)
+            print(
+                f"[{bar}] step {step} loss {avg:.4f} lr {lr:.2e} tok/s {tok_log / dt:.0f} "
+                f"tokens {tokens / 1e6:.2f}M elapsed {elapsed / 60:.1f}m",
+                flush=True,
+            )
             t_log, tok_log, loss_log = time.monotonic(), 0, []
         now = time.monotonic()
         if not args.bench_steps and now - t_last_val >= args.val_every * 60:
             v = validate()
-            history.append({"kind": "val", "step": step, "tokens": tokens, "loss": v, "elapsed": elapsed})
+            history.append(
+                {"kind": "val", "step": step, "tokens": tokens, "loss": v, "elapsed": elapsed}
+            )
             print(f"validation loss {v:.4f} at step {step}", flush=True)
             t_last_val = time.monotonic()
         if not args.bench_steps and now - t_last_ckpt >= args.ckpt_every * 60:
             checkpoint()
             t_last_ckpt = time.monotonic()
     v = validate()
-    history.append({"kind": "val", "step": step, "tokens": tokens_before + seqs_done * args.seq_len, "loss": v,
-                    "elapsed": elapsed})
+    history.append(
+        {
+            "kind": "val",
+            "step": step,
+            "tokens": tokens_before + seqs_done * args.seq_len,
+            "loss": v,
+            "elapsed": elapsed,
+        }
+    )
     checkpoint()
-    summary = {"step": step, "tokens": tokens_before + seqs_done * args.seq_len, "phase_tokens": seqs_done * args.seq_len, "elapsed_min": round(elapsed / 60, 2),
-               "final_val_loss": v, "params": n_params}
+    summary = {
+        "step": step,
+        "tokens": tokens_before + seqs_done * args.seq_len,
+        "phase_tokens": seqs_done * args.seq_len,
+        "elapsed_min": round(elapsed / 60, 2),
+        "final_val_loss": v,
+        "params": n_params,
+    }
     (run / "train_summary.json").write_text(json.dumps(summary, indent=1))
     print("done:", json.dumps(summary), flush=True)
 

@@ -110,24 +110,35 @@ def _self_test(path: str) -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((70, 130)).astype(np.float32)
     x = rng.standard_normal((7, 70)).astype(np.float32)
-    tiles = [numpy_helper.from_array(np.ascontiguousarray(w[:36]), "w0"),
-             numpy_helper.from_array(np.ascontiguousarray(w[36:]), "w1")]
-    graph = helper.make_graph([helper.make_node(OP, ["x", "w0", "w1"], ["y"], domain=DOMAIN)], "self_test",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [7, 70])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [7, 130])], tiles)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    tiles = [
+        numpy_helper.from_array(np.ascontiguousarray(w[:36]), "w0"),
+        numpy_helper.from_array(np.ascontiguousarray(w[36:]), "w1"),
+    ]
+    graph = helper.make_graph(
+        [helper.make_node(OP, ["x", "w0", "w1"], ["y"], domain=DOMAIN)],
+        "self_test",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [7, 70])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [7, 130])],
+        tiles,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    )
     model.ir_version = 8
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.register_custom_ops_library(path)
-    y = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    y = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )[0]
     err = float(np.abs(y - x @ w).max())
     if not err < 1e-3:
         raise RuntimeError(f"self-test: max error {err:g} against numpy")
 
 
-def pack_quantized(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
-                   bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_quantized(
+    codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One mesh line's block-quantised weights in ``MeshLinearQ``'s layout.
 
     ``codes`` uint8 [N, nb * block] (one code per byte, column-major like MatMulNBits, the line's
@@ -141,8 +152,10 @@ def pack_quantized(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarra
     N, kpad = codes.shape
     nb = scales.shape[1]
     if scales.shape != (N, nb) or zero_points.shape != (N, nb) or kpad % nb or (kpad // nb) % 16:
-        raise ValueError(f"codes {codes.shape}, scales {scales.shape}, zero points {zero_points.shape}: "
-                         "expected [N, nb*block], [N, nb], [N, nb] with block a multiple of 16")
+        raise ValueError(
+            f"codes {codes.shape}, scales {scales.shape}, zero points {zero_points.shape}: "
+            "expected [N, nb*block], [N, nb], [N, nb] with block a multiple of 16"
+        )
     panels = -(-N // PANEL)
     pad = panels * PANEL - N
     c = np.pad(codes, ((0, pad), (0, 0))).reshape(panels, PANEL, kpad)
@@ -169,20 +182,25 @@ def quantize_activations(x: np.ndarray, k: int, block: int) -> tuple[np.ndarray,
     xp[:, :k] = x
     xb = xp.reshape(M, nb, block)
     amax = np.abs(xb).max(-1)
-    inv = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    inv = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(
+        np.float32
+    )
     q = np.round(xb * inv[..., None]).astype(np.int64)  # float32 product, half-even: as the kernel
     return q.reshape(M, nb * block), (amax / np.float32(127.0)).astype(np.float32)
 
 
-def reference_quantized(x: np.ndarray, lines: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
-                        block: int) -> np.ndarray:
+def reference_quantized(
+    x: np.ndarray, lines: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]], block: int
+) -> np.ndarray:
     """numpy MeshLinearQ: ``lines`` of (codes [N, nb*block], scales [N, nb], zero points [N, nb],
     K extent), in the natural layout :func:`pack_quantized` takes; ``x`` [M, sum of extents]."""
     y, k0 = 0.0, 0
     for codes, scales, zps, k in lines:
-        q, xs = quantize_activations(x[:, k0:k0 + k], k, block)
+        q, xs = quantize_activations(x[:, k0 : k0 + k], k, block)
         M, nb = xs.shape
-        w = codes.astype(np.int64).reshape(-1, nb, block) - zps.astype(np.int64)[..., None]  # [N, nb, block]
+        w = (
+            codes.astype(np.int64).reshape(-1, nb, block) - zps.astype(np.int64)[..., None]
+        )  # [N, nb, block]
         dots = np.einsum("mbk,nbk->mnb", q.reshape(M, nb, block), w).astype(np.float64)
         y = y + (dots * scales.astype(np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(-1)
         k0 += k
@@ -206,8 +224,14 @@ def _self_test_quantized(path: str) -> None:
             nb = -(-k // 16)
             codes = rng.integers(0, 1 << bits, (70, nb * 16)).astype(np.uint8)
             codes[:, k:] = 0
-            lines.append((codes, rng.random((70, nb), np.float32) * 0.1,
-                          rng.integers(0, 1 << bits, (70, nb)).astype(np.uint8), k))
+            lines.append(
+                (
+                    codes,
+                    rng.random((70, nb), np.float32) * 0.1,
+                    rng.integers(0, 1 << bits, (70, nb)).astype(np.uint8),
+                    k,
+                )
+            )
         x = rng.standard_normal((5, 77)).astype(np.float32)
         y = _run_quantized(path, x, lines, bits, 16)
         want = reference_quantized(x, lines, 16)
@@ -225,10 +249,16 @@ def _run_quantized(path: str, x: np.ndarray, lines, bits: int, block: int) -> np
             inits.append(numpy_helper.from_array(a, f"{what}{p}"))
             names.append(f"{what}{p}")
     node = helper.make_node(QOP, names, ["y"], domain=DOMAIN, bits=bits, block_size=block)
-    graph = helper.make_graph([node], "self_test_q",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    graph = helper.make_graph(
+        [node],
+        "self_test_q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    )
     model.ir_version = 8
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
@@ -244,7 +274,12 @@ def library() -> str | None:
             return _state["path"]  # type: ignore[return-value]
         path, reason = None, None
         try:
-            if os.environ.get("SPARK_LSP_MESH_OP", "1").strip().lower() in ("0", "false", "no", "off"):
+            if os.environ.get("SPARK_LSP_MESH_OP", "1").strip().lower() in (
+                "0",
+                "false",
+                "no",
+                "off",
+            ):
                 reason = "disabled by SPARK_LSP_MESH_OP"
             elif _ort_version() < MIN_ORT:
                 reason = f"onnxruntime {'.'.join(map(str, _ort_version()))} is older than {'.'.join(map(str, MIN_ORT))}"
@@ -252,11 +287,17 @@ def library() -> str | None:
                 reason = "no C compiler found (set CC, or install gcc or clang)"
             else:
                 try:
-                    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+                    ver = subprocess.run(
+                        [cc, "--version"], capture_output=True, text=True, timeout=30
+                    ).stdout
                 except (OSError, subprocess.TimeoutExpired):
                     ver = ""
-                key = hashlib.sha256(b"\0".join(x.encode() for x in (SOURCE.read_text(), cc, ver, " ".join(FLAGS),
-                                                                      _cpu_id()))).hexdigest()[:16]
+                key = hashlib.sha256(
+                    b"\0".join(
+                        x.encode()
+                        for x in (SOURCE.read_text(), cc, ver, " ".join(FLAGS), _cpu_id())
+                    )
+                ).hexdigest()[:16]
                 out = ops_dir() / f"mesh_op-{key}.so"
                 if not out.exists():
                     log.info("compiling %s -> %s", SOURCE.name, out)
@@ -266,14 +307,19 @@ def library() -> str | None:
         except Exception as e:  # a failed build or self-test: fall back to the standard-op form
             reason = f"build failed: {e}"
         if reason:
-            log.warning("MeshLinear op unavailable (%s); partitioned linears use standard ONNX ops", reason)
+            log.warning(
+                "MeshLinear op unavailable (%s); partitioned linears use standard ONNX ops", reason
+            )
         q_reason = reason
         if path is not None:
             try:
                 _self_test_quantized(path)
             except Exception as e:  # only the quantised op is broken: fused MatMulNBits instead
                 q_reason = f"quantised self-test failed: {e}"
-                log.warning("MeshLinearQ op unavailable (%s); quantised linears use fused MatMulNBits", q_reason)
+                log.warning(
+                    "MeshLinearQ op unavailable (%s); quantised linears use fused MatMulNBits",
+                    q_reason,
+                )
         _state["path"], _state["reason"], _state["q_reason"] = path, reason, q_reason
         return path
 

@@ -65,7 +65,9 @@ def parse_grid(text: str, what: str = "--grid") -> tuple[int, int]:
     try:
         r, c = (int(p) for p in parts)
     except ValueError:
-        raise ValueError(f"{what} {text!r}: expected RxC with positive integers, e.g. 4x4") from None
+        raise ValueError(
+            f"{what} {text!r}: expected RxC with positive integers, e.g. 4x4"
+        ) from None
     if r <= 0 or c <= 0:
         raise ValueError(f"{what} {text!r}: rows and columns must be positive")
     return r, c
@@ -89,7 +91,9 @@ def block_sizes(n: int, parts: int) -> list[int]:
     return [min(b, n - p * b) for p in range(parts) if p * b < n]
 
 
-def pe_tiles(weight: np.ndarray, grid: tuple[int, int], role: str) -> dict[tuple[int, int], np.ndarray]:
+def pe_tiles(
+    weight: np.ndarray, grid: tuple[int, int], role: str
+) -> dict[tuple[int, int], np.ndarray]:
     """The block each PE (i, j) stores (a view into ``weight``); the reference for tests/reports."""
     R, C = grid
     K, N = weight.shape
@@ -100,7 +104,7 @@ def pe_tiles(weight: np.ndarray, grid: tuple[int, int], role: str) -> dict[tuple
     for a in range(len(ko) - 1):
         for b in range(len(no) - 1):
             pe = (a, b) if reduce_axis(role) == "rows" else (b, a)
-            tiles[pe] = weight[ko[a]:ko[a + 1], no[b]:no[b + 1]]
+            tiles[pe] = weight[ko[a] : ko[a + 1], no[b] : no[b + 1]]
     return tiles
 
 
@@ -114,7 +118,9 @@ class TiledLinear:
     ``layout`` records, per emitted linear, its role, shape, grid, reduction axis and block sizes.
     """
 
-    def __init__(self, grid: tuple[int, int] | None = None, roles=None, form: str | None = None) -> None:
+    def __init__(
+        self, grid: tuple[int, int] | None = None, roles=None, form: str | None = None
+    ) -> None:
         if form is None:
             form = "op" if mesh_op.library() else "graph"
         if form not in FORMS:
@@ -154,11 +160,20 @@ class TiledLinear:
 
     def cache_key(self) -> str:
         form = "meshop-v1" if self.form == "op" else "chain-v1"
-        return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + ("-only-" + "-".join(sorted(self.roles))
-                                                               if self.partial else "")
+        return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + (
+            "-only-" + "-".join(sorted(self.roles)) if self.partial else ""
+        )
 
-    def emit(self, gb, x: str, weight: np.ndarray, *, name: str, role: str,
-             bias: np.ndarray | None = None) -> str:
+    def emit(
+        self,
+        gb,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        role: str,
+        bias: np.ndarray | None = None,
+    ) -> str:
         weight = np.asarray(weight, dtype=np.float32)
         if weight.ndim != 2:
             raise ValueError(f"{name}: weight must be 2-D [K, N], got shape {weight.shape}")
@@ -169,22 +184,41 @@ class TiledLinear:
             return DenseLinear().emit(gb, x, weight, name=name, role=role, bias=bias)
         k_parts, n_parts = (R, C) if axis == "rows" else (C, R)
         k_sizes, n_sizes = block_sizes(K, k_parts), block_sizes(N, n_parts)
-        self.layout[name] = {"role": role, "shape": (K, N), "grid": (R, C), "reduce_axis": axis,
-                             "k_blocks": k_sizes, "n_blocks": n_sizes}
+        self.layout[name] = {
+            "role": role,
+            "shape": (K, N),
+            "grid": (R, C),
+            "reduce_axis": axis,
+            "k_blocks": k_sizes,
+            "n_blocks": n_sizes,
+        }
 
         # Mesh line p's tiles, side by side: the rows of W in its K-block.
         line = "row" if axis == "rows" else "col"
         k0 = np.cumsum([0] + k_sizes)
-        tiles = [gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p]:k0[p + 1]]))
-                 for p in range(len(k_sizes))]
+        tiles = [
+            gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p] : k0[p + 1]]))
+            for p in range(len(k_sizes))
+        ]
         if self.form == "op":  # every line's GEMVs and the chain reduction in one op
             y = gb.node(mesh_op.OP, [x, *tiles], domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
         else:
             # Split the input along the reduction axis: mesh line p receives x[:, K-block p].
-            xs = (gb.node("Split", [x, gb.const_i64(k_sizes)], n_out=len(k_sizes), name=f"{name}/to_mesh", axis=1)
-                  if len(k_sizes) > 1 else [x])
+            xs = (
+                gb.node(
+                    "Split",
+                    [x, gb.const_i64(k_sizes)],
+                    n_out=len(k_sizes),
+                    name=f"{name}/to_mesh",
+                    axis=1,
+                )
+                if len(k_sizes) > 1
+                else [x]
+            )
             y = gb.node("MatMul", [xs[0], tiles[0]], name=f"{name}/{line}0_gemv")
-            for p in range(1, len(k_sizes)):  # line p's partial products + the partial sum from line p-1
+            for p in range(
+                1, len(k_sizes)
+            ):  # line p's partial products + the partial sum from line p-1
                 y = gb.node("Gemm", [xs[p], tiles[p], y], name=f"{name}/{line}{p}_gemv_reduce")
         if bias is not None:
             b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))

@@ -51,8 +51,11 @@ HELP = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure speed (engine, edits, lsp, service, wafer, all; profile)",
-                       description=__doc__.splitlines()[0])
+    p = sub.add_parser(
+        "bench",
+        help="measure speed (engine, edits, lsp, service, wafer, all; profile)",
+        description=__doc__.splitlines()[0],
+    )
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
     eng = bsub.add_parser("engine", help=HELP["engine"], description=HELP["engine"])
@@ -64,10 +67,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("argv", nargs="*")
         q.set_defaults(func=run, bench_name=name)
     a = bsub.add_parser("all", help="every installed benchmark, with its defaults")
-    a.add_argument("--model", default=None, metavar="DIR",
-                   help="model folder for every benchmark (a synthetic-* name: the engine benchmark only)")
-    a.add_argument("--json", action="store_true", help="one JSON object with every benchmark's results")
-    a.add_argument("--plot", metavar="FILE", help="also draw the headline figures into a PNG (needs matplotlib)")
+    a.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model folder for every benchmark (a synthetic-* name: the engine benchmark only)",
+    )
+    a.add_argument(
+        "--json", action="store_true", help="one JSON object with every benchmark's results"
+    )
+    a.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the headline figures into a PNG (needs matplotlib)",
+    )
     a.set_defaults(func=_run_all)
 
 
@@ -114,8 +127,11 @@ def run(args: argparse.Namespace) -> int:
     name = args.bench_name
     mod = _load(name)
     if mod is None or not hasattr(mod, "main"):
-        print(f"spark-lsp bench {name}: error: not available in this installation "
-              f"({_module_path(name)}.main is missing)", file=sys.stderr)
+        print(
+            f"spark-lsp bench {name}: error: not available in this installation "
+            f"({_module_path(name)}.main is missing)",
+            file=sys.stderr,
+        )
         return 2
     argv = list(args.argv)
     wanted = any(a == "--plot" or a.startswith("--plot=") for a in argv)
@@ -135,8 +151,11 @@ def _run_all(args: argparse.Namespace) -> int:
             print(f"\n=== bench {name} ===", flush=True)
         mod = _load(name)
         if mod is None or not hasattr(mod, "main"):
-            print(f"(skipped: {MODULES[name]} is not available yet)", file=sys.stderr if collect else sys.stdout,
-                  flush=True)
+            print(
+                f"(skipped: {MODULES[name]} is not available yet)",
+                file=sys.stderr if collect else sys.stdout,
+                flush=True,
+            )
             continue
         # Every benchmark takes --model DIR; synthetic model names are known to the engine bench only.
         synthetic = bool(args.model) and args.model.startswith("synthetic-")
@@ -149,11 +168,18 @@ def _run_all(args: argparse.Namespace) -> int:
             try:
                 results[name] = json.loads(buf.getvalue())
             except ValueError:
-                results[name] = {"error": f"bench {name} printed no JSON", "output": buf.getvalue()[-2000:]}
+                results[name] = {
+                    "error": f"bench {name} printed no JSON",
+                    "output": buf.getvalue()[-2000:],
+                }
         else:
             code = int(mod.main(argv) or 0)
         if code:
-            print(f"(bench {name} exited with {code})", file=sys.stderr if collect else sys.stdout, flush=True)
+            print(
+                f"(bench {name} exited with {code})",
+                file=sys.stderr if collect else sys.stdout,
+                flush=True,
+            )
             rc = rc or code
     if args.plot:
         from spark_lsp.bench_plot import draw, panels
@@ -165,7 +191,10 @@ def _run_all(args: argparse.Namespace) -> int:
             rc = rc or 2
         if not args.json:
             for name, labels, values, title, _ in panels(results):
-                print(f"{name:7s} {title}: " + ", ".join(f"{l} {v:,.2f}" for l, v in zip(labels, values)))
+                print(
+                    f"{name:7s} {title}: "
+                    + ", ".join(f"{l} {v:,.2f}" for l, v in zip(labels, values))
+                )
     if args.json:
         print(json.dumps(results, indent=2))
     return rc

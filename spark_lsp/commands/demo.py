@@ -17,12 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-SAMPLE_TYPED = ("def most_valuable(inventory: Inventory) -> Item:\n"
-                "    return max(inventory.items.values(), key=lambda item: item.price * item.quantity)\n")
-GENERIC_TYPED = ("def first_or_none(values):\n"
-                 "    for value in values:\n"
-                 "        return value\n"
-                 "    return None\n")
+SAMPLE_TYPED = (
+    "def most_valuable(inventory: Inventory) -> Item:\n"
+    "    return max(inventory.items.values(), key=lambda item: item.price * item.quantity)\n"
+)
+GENERIC_TYPED = (
+    "def first_or_none(values):\n    for value in values:\n        return value\n    return None\n"
+)
 
 
 #: the model a user should try for real suggestions (downloaded once; any model folder works too)
@@ -38,11 +39,18 @@ ERRORS = {-32801: "content modified", -32800: "request cancelled", -32602: "inva
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="a scripted walk-through: ghost text, interruption, live edit",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("file", nargs="?", help="Python file to use (default: a bundled sample); it is not modified")
+    p = subparsers.add_parser(
+        "demo",
+        help="a scripted walk-through: ghost text, interruption, live edit",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument(
+        "file", nargs="?", help="Python file to use (default: a bundled sample); it is not modified"
+    )
     p.add_argument("--model", metavar="DIR", help="model folder (default: the bundled model)")
-    p.add_argument("--cps", type=float, default=15.0, help="typing speed in characters per second (default 15)")
+    p.add_argument(
+        "--cps", type=float, default=15.0, help="typing speed in characters per second (default 15)"
+    )
     p.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
     p.set_defaults(func=run)
 
@@ -85,8 +93,11 @@ def pick_function(text: str) -> tuple[str, int, str, int] | None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first, last = node.body[0].lineno, node.end_lineno or node.body[-1].lineno
             header_end = first - 1  # the header's lines are node.lineno .. first - 1 (1-based)
-            if 2 <= last - first + 1 <= 14 and header_end >= node.lineno \
-                    and all(ln.strip() for ln in lines[first - 1:last]):
+            if (
+                2 <= last - first + 1 <= 14
+                and header_end >= node.lineno
+                and all(ln.strip() for ln in lines[first - 1 : last])
+            ):
                 if best is None or node.lineno > best[0]:
                     best = (node.lineno, header_end, first, last)
     if best is None:
@@ -94,9 +105,14 @@ def pick_function(text: str) -> tuple[str, int, str, int] | None:
     lineno, header_end, first, last = best
     head = "".join(lines[:header_end])
     cursor = len(head) - 1 if head.endswith("\n") else len(head)
-    body = "".join(lines[first - 1:last]).rstrip("\r\n")
+    body = "".join(lines[first - 1 : last]).rstrip("\r\n")
     rest = "".join(lines[last:])
-    return head[:cursor] + "\n" + rest if rest else head[:cursor] + "\n", cursor, "\n" + body, lineno - 1
+    return (
+        head[:cursor] + "\n" + rest if rest else head[:cursor] + "\n",
+        cursor,
+        "\n" + body,
+        lineno - 1,
+    )
 
 
 def _ms(v) -> str:
@@ -134,14 +150,20 @@ def run(args) -> int:
         text += "\n\n"
         offset, fn_line = len(text), None
         typed = SAMPLE_TYPED if not args.file else GENERIC_TYPED
-        header2 = "def summarize(inventory: Inventory) -> str:" if not args.file else "def describe(values):"
+        header2 = (
+            "def summarize(inventory: Inventory) -> str:"
+            if not args.file
+            else "def describe(values):"
+        )
     uri = "file://" + str(path.resolve()) + ".demo"
 
     if not args.model:
         print(DEMO_NOTE + "\n")
     which = f"--model {args.model}" if args.model else "the bundled demo model"
-    print(scr.bold("spark-lsp demo") + f": starting the server over stdio ({which}); "
-          f"{'typing into a copy of ' + str(path) + ' (the file is not changed)' if args.file else 'on a sample file'}")
+    print(
+        scr.bold("spark-lsp demo") + f": starting the server over stdio ({which}); "
+        f"{'typing into a copy of ' + str(path) + ' (the file is not changed)' if args.file else 'on a sample file'}"
+    )
     client = LspClient(server_cmd(args.model))
     try:
         t0 = time.perf_counter()
@@ -183,14 +205,18 @@ def run(args) -> int:
             print()
         m1 = client.call("spark/metrics", {})
         if latencies:
-            print(f"{len(latencies)} suggestions: median {statistics.median(latencies):.1f} ms, "
-                  f"max {max(latencies):.1f} ms; {m1['typingThrough']} served by typing-through (no model "
-                  f"call), {m1['prefixCacheHits']} of {m1['modelCalls']} model calls reused the cached prompt prefix")
+            print(
+                f"{len(latencies)} suggestions: median {statistics.median(latencies):.1f} ms, "
+                f"max {max(latencies):.1f} ms; {m1['typingThrough']} served by typing-through (no model "
+                f"call), {m1['prefixCacheHits']} of {m1['modelCalls']} model calls reused the cached prompt prefix"
+            )
 
         # -- 2. a suggestion interrupted by typing -----------------------------------------------
         scr.title("2. A long suggestion, interrupted by typing")
-        client.call("workspace/executeCommand", {"command": "spark.configure",
-                                                 "arguments": [{"maxTokens": 256, "maxLines": 60}]})
+        client.call(
+            "workspace/executeCommand",
+            {"command": "spark.configure", "arguments": [{"maxTokens": 256, "maxLines": 60}]},
+        )
         header = header2
         end = len(client.docs[uri].text.rstrip("\n"))  # below the last line of the file
         offset = client.type_text(uri, end, "\n\n\n" + header)
@@ -201,21 +227,32 @@ def run(args) -> int:
         try:
             fut.result(60)
             if fut.received_at < t_type:
-                print(f"{header}  -> the suggestion finished before the keystroke ({fut.latency_ms:.0f} ms)")
+                print(
+                    f"{header}  -> the suggestion finished before the keystroke ({fut.latency_ms:.0f} ms)"
+                )
             else:  # the keystroke typed what the generation was writing: it went on (typing through)
-                print(f"{header}  -> the keystroke typed what the suggestion was writing, so it went on "
-                      f"({fut.latency_ms:.0f} ms)")
+                print(
+                    f"{header}  -> the keystroke typed what the suggestion was writing, so it went on "
+                    f"({fut.latency_ms:.0f} ms)"
+                )
         except RpcError as exc:
             after = (fut.received_at - t_type) * 1e3
             m2 = client.call("spark/metrics", {})
             lat = m2["cancelLatencyMs"][-1] if m2["cancelLatencyMs"] else None
             answer = ERRORS.get(exc.code, "an error")
-            stopped = f"the engine stopped {lat:.2f} ms after the cancel" if lat is not None \
+            stopped = (
+                f"the engine stopped {lat:.2f} ms after the cancel"
+                if lat is not None
                 else "the engine had nothing left to stop"
-            print(f"{header}\n  -> typing 40 ms later interrupted it: the request was answered "
-                  f"'{answer}' (JSON-RPC {exc.code}) {after:.1f} ms after the keystroke; {stopped}")
-        client.call("workspace/executeCommand", {"command": "spark.configure",
-                                                 "arguments": [{"maxTokens": 48, "maxLines": 12}]})
+            )
+            print(
+                f"{header}\n  -> typing 40 ms later interrupted it: the request was answered "
+                f"'{answer}' (JSON-RPC {exc.code}) {after:.1f} ms after the keystroke; {stopped}"
+            )
+        client.call(
+            "workspace/executeCommand",
+            {"command": "spark.configure", "arguments": [{"maxTokens": 48, "maxLines": 12}]},
+        )
 
         # -- 3. a code action streaming in -------------------------------------------------------
         scr.title("3. Code action 'Generate a test for this function', streamed into the file")
@@ -223,9 +260,14 @@ def run(args) -> int:
         if fn_line is None:
             fn_line = doc.text.splitlines().index(_first_line(typed))
         pos = {"line": fn_line + 1, "character": 4}
-        acts = client.call("textDocument/codeAction", {"textDocument": {"uri": uri},
-                                                       "range": {"start": pos, "end": pos},
-                                                       "context": {"diagnostics": []}})
+        acts = client.call(
+            "textDocument/codeAction",
+            {
+                "textDocument": {"uri": uri},
+                "range": {"start": pos, "end": pos},
+                "context": {"diagnostics": []},
+            },
+        )
         act = next((a for a in acts if (a.get("data") or {}).get("action") == "test"), None)
         if act is None:
             print("(no 'Generate a test' action here: the function is a test itself)")
@@ -234,10 +276,15 @@ def run(args) -> int:
         before_len = len(doc.text)
         flushes: list[tuple[float, int]] = []
         t_edit = time.perf_counter()
-        client.on_apply = lambda u: flushes.append((time.perf_counter() - t_edit, len(client.docs[u].text)))
+        client.on_apply = lambda u: flushes.append(
+            (time.perf_counter() - t_edit, len(client.docs[u].text))
+        )
         cmd = resolved["command"]
-        res = client.call("workspace/executeCommand", {"command": cmd["command"],
-                                                       "arguments": cmd["arguments"]}, 120)
+        res = client.call(
+            "workspace/executeCommand",
+            {"command": cmd["command"], "arguments": cmd["arguments"]},
+            120,
+        )
         for t, n in flushes:
             print(f"  +{t * 1e3:7.1f} ms  applyEdit: {n - before_len:+5d} chars in the file")
         inserted = doc.text[before_len:].strip("\n")
@@ -261,15 +308,27 @@ def run(args) -> int:
         cancel = m["cancelLatencyMsMedian"]
         rows = [
             ("model", m["model"]),
-            ("keystroke -> suggestion, median / p95", f"{statistics.median(latencies):.1f} / {p95:.1f} ms"
-             if latencies else "n/a"),
+            (
+                "keystroke -> suggestion, median / p95",
+                f"{statistics.median(latencies):.1f} / {p95:.1f} ms" if latencies else "n/a",
+            ),
             ("served by typing-through", m["typingThrough"]),
-            ("model calls / reusing the cached prefix", f"{m['modelCalls']} / {m['prefixCacheHits']}"),
+            (
+                "model calls / reusing the cached prefix",
+                f"{m['modelCalls']} / {m['prefixCacheHits']}",
+            ),
             ("prompt tokens / reused", f"{m['promptTokens']} / {m['reusedTokens']}"),
             ("time to first token, median", _ms(m["ttftMsMedian"])),
-            ("decode speed (last generation)", f"{tps:,.0f} tok/s" if isinstance(tps, (int, float)) else "n/a"),
-            ("cancel -> engine stopped, median", _ms(cancel) if cancel is not None
-             else "n/a (no generation was running when a cancel came)"),
+            (
+                "decode speed (last generation)",
+                f"{tps:,.0f} tok/s" if isinstance(tps, (int, float)) else "n/a",
+            ),
+            (
+                "cancel -> engine stopped, median",
+                _ms(cancel)
+                if cancel is not None
+                else "n/a (no generation was running when a cancel came)",
+            ),
         ]
         w = max(len(r[0]) for r in rows)
         print("  measured on this machine:")
@@ -277,9 +336,13 @@ def run(args) -> int:
             print(f"    {k:<{w}}  {v}")
         wafer = last.get("wafer") or {}
         if wafer.get("decode_tok_s"):
-            print("  projected (the performance model's estimate for a wafer-scale chip, not measured):")
-            print(f"    {'wafer decode':<{w}}  {wafer['decode_tok_s']:,} tok/s on {wafer['chip']} "
-                  f"({wafer['grid'][0]}x{wafer['grid'][1]} PEs per layer)")
+            print(
+                "  projected (the performance model's estimate for a wafer-scale chip, not measured):"
+            )
+            print(
+                f"    {'wafer decode':<{w}}  {wafer['decode_tok_s']:,} tok/s on {wafer['chip']} "
+                f"({wafer['grid'][0]}x{wafer['grid'][1]} PEs per layer)"
+            )
         if not args.model:
             print(f"\nFor real suggestions: spark-lsp serve --model {REAL_MODEL}")
     except (RpcError, TimeoutError, RuntimeError, ConnectionError, StopIteration) as exc:

@@ -17,37 +17,87 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="line-completion quality and bits per byte on files",
-                       description=__doc__.splitlines()[0])
-    p.add_argument("--model", metavar="MODEL", default=None,
-                   help="Hugging Face model folder (default: the bundled model)")
-    p.add_argument("--files", action="append", required=True, metavar="GLOB",
-                   help="files to evaluate on: a glob (** allowed) or @LIST (one path per line); repeatable")
-    p.add_argument("--n", type=int, default=200, metavar="N", help="completion positions (default 200)")
+    p = sub.add_parser(
+        "eval",
+        help="line-completion quality and bits per byte on files",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        default=None,
+        help="Hugging Face model folder (default: the bundled model)",
+    )
+    p.add_argument(
+        "--files",
+        action="append",
+        required=True,
+        metavar="GLOB",
+        help="files to evaluate on: a glob (** allowed) or @LIST (one path per line); repeatable",
+    )
+    p.add_argument(
+        "--n", type=int, default=200, metavar="N", help="completion positions (default 200)"
+    )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampled positions")
-    p.add_argument("--order", choices=["auto", "spm", "psm"], default="auto",
-                   help="FIM prompt order (auto: SPM where the model was trained on it)")
-    p.add_argument("--no-heal", dest="heal", action="store_false",
-                   help="no token healing: the prompt ends with the partial word's own tokens")
+    p.add_argument(
+        "--order",
+        choices=["auto", "spm", "psm"],
+        default="auto",
+        help="FIM prompt order (auto: SPM where the model was trained on it)",
+    )
+    p.add_argument(
+        "--no-heal",
+        dest="heal",
+        action="store_false",
+        help="no token healing: the prompt ends with the partial word's own tokens",
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--line-start", action="store_true",
-                       help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)")
-    where.add_argument("--after-indent", action="store_true",
-                       help="cursors right after the indentation of indented lines (the model writes the rest)")
-    where.add_argument("--mid-line", action="store_true",
-                       help="cursors inside a line with its rest kept after a hidden span (the model fills the span)")
-    p.add_argument("--context", choices=["none", "neighbours"], default="none",
-                   help="neighbours: also complete every cursor with chunks of the other files of its "
-                        "folder in the prompt (the server's ring buffer, in the model's repository "
-                        "format) and report both")
-    p.add_argument("--context-tokens", type=int, default=512, metavar="N",
-                   help="token budget of the neighbours' chunks (default 512)")
-    p.add_argument("--served", action="store_true",
-                   help="score the suggestion after the server's post-processing, not the raw line")
+    where.add_argument(
+        "--line-start",
+        action="store_true",
+        help="cursors at column 0 of indented lines (the model writes the whole line, indentation too)",
+    )
+    where.add_argument(
+        "--after-indent",
+        action="store_true",
+        help="cursors right after the indentation of indented lines (the model writes the rest)",
+    )
+    where.add_argument(
+        "--mid-line",
+        action="store_true",
+        help="cursors inside a line with its rest kept after a hidden span (the model fills the span)",
+    )
+    p.add_argument(
+        "--context",
+        choices=["none", "neighbours"],
+        default="none",
+        help="neighbours: also complete every cursor with chunks of the other files of its "
+        "folder in the prompt (the server's ring buffer, in the model's repository "
+        "format) and report both",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="token budget of the neighbours' chunks (default 512)",
+    )
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="score the suggestion after the server's post-processing, not the raw line",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48, metavar="N")
-    p.add_argument("--bpb-max-bytes", type=int, default=400_000, metavar="B",
-                   help="score bits per byte on at most this many bytes (0 = all)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
+    p.add_argument(
+        "--bpb-max-bytes",
+        type=int,
+        default=400_000,
+        metavar="B",
+        help="score bits per byte on at most this many bytes (0 = all)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (with every sample)")
     p.set_defaults(func=run)
 
@@ -104,36 +154,64 @@ def run(args: argparse.Namespace) -> int:
         files = resolve_files(args.files)
         eng = Engine.load(resolve_model(args.model), threads=args.threads)
         spm = None if args.order == "auto" else args.order == "spm"
-        context = neighbours_context(files, eng.tokenizer, args.context_tokens) \
-            if args.context == "neighbours" else None
-        res = evaluate(eng, files, n=args.n, seed=args.seed, spm=spm, max_new_tokens=args.max_new_tokens,
-                       bpb_max_bytes=args.bpb_max_bytes or None, heal=args.heal,
-                       line_start=args.line_start, mid_line=args.mid_line, after_indent=args.after_indent,
-                       finish=served if args.served else None, context=context)
+        context = (
+            neighbours_context(files, eng.tokenizer, args.context_tokens)
+            if args.context == "neighbours"
+            else None
+        )
+        res = evaluate(
+            eng,
+            files,
+            n=args.n,
+            seed=args.seed,
+            spm=spm,
+            max_new_tokens=args.max_new_tokens,
+            bpb_max_bytes=args.bpb_max_bytes or None,
+            heal=args.heal,
+            line_start=args.line_start,
+            mid_line=args.mid_line,
+            after_indent=args.after_indent,
+            finish=served if args.served else None,
+            context=context,
+        )
     except (ModelError, ValueError, OSError) as e:
         return fail(str(e))
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
     dec = res["decode_tok_s_median"]
-    print(f"model {res['model']}: {res['files']} files, {res['n']} positions (seed {res['seed']}"
-          f"{', at line starts' if res['line_start'] else ''}{', mid-line' if res['mid_line'] else ''}"
-          f"{', after the indentation' if res['after_indent'] else ''}"
-          f"{'' if res['heal'] else ', no token healing'}"
-          f"{', as served' if args.served else ''})")
+    print(
+        f"model {res['model']}: {res['files']} files, {res['n']} positions (seed {res['seed']}"
+        f"{', at line starts' if res['line_start'] else ''}{', mid-line' if res['mid_line'] else ''}"
+        f"{', after the indentation' if res['after_indent'] else ''}"
+        f"{'' if res['heal'] else ', no token healing'}"
+        f"{', as served' if args.served else ''})"
+    )
     print(f"  exact match      {res['exact_match']:.1%}")
     print(f"  edit similarity  {res['edit_similarity']:.3f}")
     print(f"  TTFT median      {res['ttft_ms_median']:.1f} ms")
-    print(f"  decode median    {dec:.0f} tok/s" if dec else "  decode median    n/a (completions too short)")
-    print(f"  bits per byte    {res['bits_per_byte']:.3f}  ({res['bpb_bytes']} bytes, window {res['bpb_window']})")
+    print(
+        f"  decode median    {dec:.0f} tok/s"
+        if dec
+        else "  decode median    n/a (completions too short)"
+    )
+    print(
+        f"  bits per byte    {res['bits_per_byte']:.3f}  ({res['bpb_bytes']} bytes, window {res['bpb_window']})"
+    )
     if "context" in res:
         w, wo = res["context"]["with"], res["context"]["without"]
-        print(f"  with the other files of each folder in the prompt (--context neighbours, "
-              f"median prompt {w['prompt_tokens_median']:.0f} tokens):")
+        print(
+            f"  with the other files of each folder in the prompt (--context neighbours, "
+            f"median prompt {w['prompt_tokens_median']:.0f} tokens):"
+        )
         print(f"    exact match      {wo['exact_match']:.1%} -> {w['exact_match']:.1%}")
         print(f"    edit similarity  {wo['edit_similarity']:.3f} -> {w['edit_similarity']:.3f}")
-        print(f"    TTFT median      {wo['ttft_ms_median']:.1f} -> {w['ttft_ms_median']:.1f} ms (cold prefill)")
-    print("  confidence gate  (shown: a non-empty suggestion whose line has at least that probability)")
+        print(
+            f"    TTFT median      {wo['ttft_ms_median']:.1f} -> {w['ttft_ms_median']:.1f} ms (cold prefill)"
+        )
+    print(
+        "  confidence gate  (shown: a non-empty suggestion whose line has at least that probability)"
+    )
     print("    threshold  coverage  exact match  edit similarity")
     for row in res["gate"]:
         em = "-" if row["exact_match"] is None else f"{row['exact_match']:.1%}"

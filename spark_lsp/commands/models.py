@@ -20,22 +20,32 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list, download, inspect and remove models",
-                       description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "models",
+        help="list, download, inspect and remove models",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cmds = p.add_subparsers(dest="models_command", metavar="ACTION")
     cmds.required = True
     ls = cmds.add_parser("list", help="downloaded models and the catalogue")
     ls.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     ls.set_defaults(func=run_list)
-    pull = cmds.add_parser("pull", help="download a model (catalogue NAME, ORG/REPO[@REV] or hf:ORG/REPO[:FILE])")
+    pull = cmds.add_parser(
+        "pull", help="download a model (catalogue NAME, ORG/REPO[@REV] or hf:ORG/REPO[:FILE])"
+    )
     pull.add_argument("model", metavar="MODEL")
     pull.set_defaults(func=run_pull)
     rm = cmds.add_parser("rm", help="delete a downloaded model from the cache")
     rm.add_argument("model", metavar="MODEL")
     rm.set_defaults(func=run_rm)
-    info = cmds.add_parser("info", help="architecture, size and memory per precision (before pulling)")
-    info.add_argument("model", metavar="MODEL", help="catalogue name, ORG/REPO, hf:…, a folder or a .gguf file")
+    info = cmds.add_parser(
+        "info", help="architecture, size and memory per precision (before pulling)"
+    )
+    info.add_argument(
+        "model", metavar="MODEL", help="catalogue name, ORG/REPO, hf:…, a folder or a .gguf file"
+    )
     info.add_argument("--json", action="store_true", help="one JSON object")
     info.set_defaults(func=run_info)
 
@@ -69,21 +79,49 @@ def run_list(args) -> int:
     except (ModelError, OSError) as e:
         return _fail(e)
     if args.json:
-        print(json.dumps({"cache": str(cache_dir()), "models": [
-            {"repo": m.repo, "revision": m.revision, "path": str(m.path), "size": m.size,
-             "architecture": m.architecture, "precision": m.precision, "files": m.files} for m in local],
-            "catalogue": catalogue_rows()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "cache": str(cache_dir()),
+                    "models": [
+                        {
+                            "repo": m.repo,
+                            "revision": m.revision,
+                            "path": str(m.path),
+                            "size": m.size,
+                            "architecture": m.architecture,
+                            "precision": m.precision,
+                            "files": m.files,
+                        }
+                        for m in local
+                    ],
+                    "catalogue": catalogue_rows(),
+                },
+                indent=2,
+            )
+        )
         return 0
     if local:
         print(f"Downloaded ({cache_dir()}):")
-        print(_table([["REPOSITORY", "SIZE", "ARCHITECTURE", "PRECISION", "PATH"]]
-                     + [[m.repo, _size(m.size), m.architecture, m.precision, str(m.path)] for m in local]))
+        print(
+            _table(
+                [["REPOSITORY", "SIZE", "ARCHITECTURE", "PRECISION", "PATH"]]
+                + [[m.repo, _size(m.size), m.architecture, m.precision, str(m.path)] for m in local]
+            )
+        )
     else:
         print(f"No downloaded models in {cache_dir()}.")
     print("\nCatalogue (spark-lsp models pull NAME; spark-lsp serve --model NAME):")
     rows = catalogue_rows()
-    print(_table([["NAME", "PARAMS", "ARCH", "FIM", "REPOSITORY"]]
-                 + [[r["name"], r["parameters"], r["architecture"], r["fim"], r["repository"]] for r in rows]))
+    print(
+        _table(
+            [["NAME", "PARAMS", "ARCH", "FIM", "REPOSITORY"]]
+            + [
+                [r["name"], r["parameters"], r["architecture"], r["fim"], r["repository"]]
+                for r in rows
+            ]
+        )
+    )
     return 0
 
 
@@ -123,15 +161,19 @@ def run_info(args) -> int:
         print(json.dumps(info.to_dict(), indent=2))
         return 0
     c = info.config
-    print(f"{info.name}: {c.architecture}, {info.parameters / 1e9:.2f}B parameters, "
-          f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, vocabulary {c.vocab_size}, "
-          f"context {c.max_position_embeddings}")
+    print(
+        f"{info.name}: {c.architecture}, {info.parameters / 1e9:.2f}B parameters, "
+        f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, vocabulary {c.vocab_size}, "
+        f"context {c.max_position_embeddings}"
+    )
     if info.file_size is not None:
         print(f"file: {_size(info.file_size)} ({info.file_precision} in the engine by default)")
     print("memory for the weights in the engine:")
     for precision, n in info.memory.items():
         print(f"  {precision:5} {_size(n)}")
-    print(f"KV cache: {_size(info.kv_bytes_per_token)} per token "
-          f"({_size(info.kv_bytes_per_token * min(c.max_position_embeddings, 8192))} per slot at "
-          f"{min(c.max_position_embeddings, 8192)} tokens)")
+    print(
+        f"KV cache: {_size(info.kv_bytes_per_token)} per token "
+        f"({_size(info.kv_bytes_per_token * min(c.max_position_embeddings, 8192))} per slot at "
+        f"{min(c.max_position_embeddings, 8192)} tokens)"
+    )
     return 0

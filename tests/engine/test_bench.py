@@ -33,13 +33,24 @@ def cli(argv, capsys):
 
 
 def test_synthetic_model_folder(tmp_path, monkeypatch):
-    spec = dict(lab_models.SYNTHETIC["synthetic-8m"], hidden_size=32, intermediate_size=48, vocab_size=400,
-                num_hidden_layers=2, max_position_embeddings=256)
+    spec = dict(
+        lab_models.SYNTHETIC["synthetic-8m"],
+        hidden_size=32,
+        intermediate_size=48,
+        vocab_size=400,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+    )
     monkeypatch.setitem(lab_models.SYNTHETIC, "synthetic-test", spec)
     folder = lab_models.synthetic_model("synthetic-test", root=tmp_path)
     assert lab_models.synthetic_model("synthetic-test", root=tmp_path) == folder  # cached
     cfg = load_config(folder)
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (32, 2, 400, False)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (
+        32,
+        2,
+        400,
+        False,
+    )
     w = load_weights(folder, cfg)
     assert abs(float(np.std(w["model.layers.0.mlp.up_proj.weight"])) - 0.02) < 0.003
     tok = Tokenizer.load(folder)
@@ -54,35 +65,93 @@ def test_reference_model_size():
     from engine.config import ModelConfig
 
     s = lab_models.SYNTHETIC["synthetic-8m"]
-    cfg = ModelConfig("llama", s["vocab_size"], s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"],
-                      s["num_attention_heads"], s["num_key_value_heads"], 64, 1e-5, 1e4, 2048, False, False, False,
-                      (0,), None, "float32", None)
+    cfg = ModelConfig(
+        "llama",
+        s["vocab_size"],
+        s["hidden_size"],
+        s["intermediate_size"],
+        s["num_hidden_layers"],
+        s["num_attention_heads"],
+        s["num_key_value_heads"],
+        64,
+        1e-5,
+        1e4,
+        2048,
+        False,
+        False,
+        False,
+        (0,),
+        None,
+        "float32",
+        None,
+    )
     n = sum(int(np.prod(x)) for x in expected_shapes(cfg).values())
     assert 7_000_000 < n < 9_000_000
 
 
 def test_engine_bench_without_peers(tiny_llama, capsys):
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--no-peers", "--prompt-tokens", "200",
-                        "--new-tokens", "8", "--repeats", "2", "--cancels", "3", "--no-wafer"], capsys)
+    rc, out, err = cli(
+        [
+            "engine",
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--no-peers",
+            "--prompt-tokens",
+            "200",
+            "--new-tokens",
+            "8",
+            "--repeats",
+            "2",
+            "--cancels",
+            "3",
+            "--no-wafer",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     res = json.loads(out)
     e = res["engine"]
-    assert res["prompt_tokens"] == 200 and res["new_tokens"] == 8 and res["peers"] == {} and res["ratios"] == {}
+    assert (
+        res["prompt_tokens"] == 200
+        and res["new_tokens"] == 8
+        and res["peers"] == {}
+        and res["ratios"] == {}
+    )
     assert e["reused_tokens"] == 199  # one token changed at the end
     for k in ("prefill_tok_s", "decode_tok_s", "ttft_cold_ms", "ttft_reused_ms"):
         assert e[k] > 0
     for phase in ("cancel_decode", "cancel_prefill"):
         c = e[phase]
         assert c["n"] == 3 and c["median_ms"] >= 0 and c["p95_ms"] >= c["median_ms"]
-    assert e["cancel_decode"]["cancelled"] == 3  # always mid-stream: the generation cannot end by itself
+    assert (
+        e["cancel_decode"]["cancelled"] == 3
+    )  # always mid-stream: the generation cannot end by itself
 
 
 def test_engine_bench_table_and_errors(tiny_llama, capsys):
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--no-peers", "--prompt-tokens", "64",
-                        "--new-tokens", "4", "--repeats", "1", "--cancels", "1"], capsys)
+    rc, out, err = cli(
+        [
+            "engine",
+            "--model",
+            str(tiny_llama),
+            "--no-peers",
+            "--prompt-tokens",
+            "64",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--cancels",
+            "1",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     assert "spark-lsp" in out and "TTFT cold" in out and "cancel latency during decode" in out
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--no-peers", "--prompt-tokens", "600"], capsys)
+    rc, out, err = cli(
+        ["engine", "--model", str(tiny_llama), "--no-peers", "--prompt-tokens", "600"], capsys
+    )
     assert rc == 2 and "exceed the model context (512)" in err and err.count("\n") == 1
     rc, out, err = cli(["engine", "--model", "/nonexistent", "--no-peers"], capsys)
     assert rc == 2 and "model folder not found" in err
@@ -93,9 +162,26 @@ def test_engine_bench_table_and_errors(tiny_llama, capsys):
 @pytest.mark.slow
 def test_engine_bench_with_peers(tiny_llama, capsys):
     """Both peers run on the same weights and agree with our greedy tokens."""
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--prompt-tokens", "100",
-                        "--new-tokens", "16", "--repeats", "1", "--cancels", "0", "--no-wafer",
-                        "--peers", "transformers,onnxruntime-genai"], capsys)
+    rc, out, err = cli(
+        [
+            "engine",
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--prompt-tokens",
+            "100",
+            "--new-tokens",
+            "16",
+            "--repeats",
+            "1",
+            "--cancels",
+            "0",
+            "--no-wafer",
+            "--peers",
+            "transformers,onnxruntime-genai",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     res = json.loads(out)
     for name in ("transformers", "onnxruntime-genai"):
@@ -109,13 +195,31 @@ def test_peer_unavailable_is_reported(tiny_llama, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--prompt-tokens", "32",
-                        "--new-tokens", "4", "--repeats", "1", "--cancels", "0"], capsys)
+    rc, out, err = cli(
+        [
+            "engine",
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--prompt-tokens",
+            "32",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--cancels",
+            "0",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     res = json.loads(out)
     assert "not installed" in res["peers"]["transformers"]["skipped"]
     assert "not installed" in res["peers"]["onnxruntime-genai"]["skipped"]
-    assert all("not installed" in res["peers"][f"llama.cpp {t}"]["skipped"] for t in ("F32", "Q8_0", "Q4_0"))
+    assert all(
+        "not installed" in res["peers"][f"llama.cpp {t}"]["skipped"]
+        for t in ("F32", "Q8_0", "Q4_0")
+    )
     assert "skipped" in err
 
 
@@ -145,28 +249,43 @@ def test_dispatcher_passes_arguments_through(capsys, monkeypatch):
     assert "=== bench lsp ===" in out and "no_such_module_for_bench is not available" in out
     calls.clear()
     rc, out, _ = cli(["all", "--model", "/models/m"], capsys)
-    assert calls == [("engine", ["--model", "/models/m"]), ("edits", ["--model", "/models/m"]),
-                     ("wafer", ["--model", "/models/m"])]
+    assert calls == [
+        ("engine", ["--model", "/models/m"]),
+        ("edits", ["--model", "/models/m"]),
+        ("wafer", ["--model", "/models/m"]),
+    ]
 
 
 @pytest.mark.slow
 def test_profile_splits_decode_steps_per_operator(tiny_llama, capsys):
     """`bench profile`: every decode step is profiled (prefill runs left out), per operator; the
     partitioned graph shows its mesh op (MeshLinear, one per linear) and the peer its own graph."""
-    rc, out, err = cli(["profile", "--model", str(tiny_llama), "--json", "--tokens", "6", "--rounds", "2"], capsys)
+    rc, out, err = cli(
+        ["profile", "--model", str(tiny_llama), "--json", "--tokens", "6", "--rounds", "2"], capsys
+    )
     assert rc == 0, err
     res = json.loads(out)
     dense, tiled = res["runners"]["ours, dense"], res["runners"]["ours, partitioned"]
     for r in (dense, tiled):
         assert r["steps"] == 2 * 5  # 6 tokens: 1 from the prefill, 5 decode steps, per round
         assert r["step_us"] >= r["kernel_us"] > 0
-        assert abs(sum(o["us_per_step"] for o in r["ops"].values()) - r["kernel_us"]) < 0.01 * r["kernel_us"] + 1
-    assert "MeshLinear" in tiled["ops"] and "MatMul" not in tiled["ops"] and "MeshLinear" not in dense["ops"]
+        assert (
+            abs(sum(o["us_per_step"] for o in r["ops"].values()) - r["kernel_us"])
+            < 0.01 * r["kernel_us"] + 1
+        )
+    assert (
+        "MeshLinear" in tiled["ops"]
+        and "MatMul" not in tiled["ops"]
+        and "MeshLinear" not in dense["ops"]
+    )
     assert tiled["ops"]["MeshLinear"]["nodes"] == dense["ops"]["MatMul"]["nodes"]
     genai = res["runners"]["onnxruntime-genai"]
     assert "skipped" not in genai, genai
     assert genai["steps"] == 2 * 5 and "MatMul" in genai["ops"]
-    rc, out, err = cli(["profile", "--model", str(tiny_llama), "--tokens", "3", "--rounds", "1", "--no-peers"], capsys)
+    rc, out, err = cli(
+        ["profile", "--model", str(tiny_llama), "--tokens", "3", "--rounds", "1", "--no-peers"],
+        capsys,
+    )
     assert rc == 0 and "executor overhead" in out and "onnxruntime-genai" not in out
     rc, out, err = cli(["profile", "--model", str(tiny_llama), "--tokens", "1"], capsys)
     assert rc == 2 and "--tokens" in err

@@ -24,7 +24,9 @@ def _load(model, cache):
     return Engine.load(model, wafer=False, cache_dir=cache)
 
 
-@pytest.mark.parametrize("damage", ["truncate data", "flip graph byte", "garbage meta", "graph missing bytes"])
+@pytest.mark.parametrize(
+    "damage", ["truncate data", "flip graph byte", "garbage meta", "graph missing bytes"]
+)
 def test_a_damaged_entry_is_rebuilt_with_one_log_line(tiny_llama, tmp_path, caplog, damage):
     cache = tmp_path / "graphs"
     expected = greedy(_load(tiny_llama, cache), PROMPT, 6).tokens

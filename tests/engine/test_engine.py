@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from engine_helpers import graph_cache_dir, load_engine, random_ids
 
 from engine import Engine, ModelError
-from engine_helpers import graph_cache_dir, load_engine, random_ids
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,10 @@ def test_attributes(eng, tiny_mistral):
     assert "mistral" in repr(eng)
 
 
-@pytest.mark.parametrize("kw,match", [({"threads": 0}, "threads"), ({"max_context": 1}, "max_context"),
-                                      ({"slots": 0}, "slots")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"threads": 0}, "threads"), ({"max_context": 1}, "max_context"), ({"slots": 0}, "slots")],
+)
 def test_bad_load_arguments(tiny_mistral, tmp_path_factory, kw, match):
     with pytest.raises(ValueError, match=match):
         Engine.load(tiny_mistral, cache_dir=graph_cache_dir(tmp_path_factory), wafer=False, **kw)
@@ -74,20 +76,29 @@ def test_explicit_linear_emitter(tiny_llama, tmp_path):
     eng = Engine.load(tiny_llama, cache_dir=tmp_path, linear=lin, wafer=True)
     assert eng.linear is lin and "counting" in repr(eng)
     n = eng.config.num_hidden_layers
-    assert sorted(set(lin.roles)) == ["down", "gate_up", "lm_head", "o", "qkv"] and len(lin.roles) == 4 * n + 1
+    assert (
+        sorted(set(lin.roles)) == ["down", "gate_up", "lm_head", "o", "qkv"]
+        and len(lin.roles) == 4 * n + 1
+    )
 
 
 @pytest.mark.parametrize("contended", [False, True])
 def test_spinning_session_only_while_calm(tiny_llama, tmp_path_factory, monkeypatch, contended):
     """Auto mode: a spinning decode session while the CPU is calm, the plain one when contended;
     both share the KV buffers and give the same tokens."""
-    import engine.runtime as runtime_mod
     from engine_helpers import greedy, hf_greedy
+
+    import engine.runtime as runtime_mod
 
     monkeypatch.setattr(runtime_mod, "cpu_contended", lambda *a: contended)
     eng = load_engine(tiny_llama, tmp_path_factory, threads=2)
     rt = eng.runtime
-    assert rt.calm is not rt.busy and rt.calm.spinning and not rt.busy.spinning and not rt.wide.spinning
+    assert (
+        rt.calm is not rt.busy
+        and rt.calm.spinning
+        and not rt.busy.spinning
+        and not rt.wide.spinning
+    )
     ids = random_ids(eng, 40, seed=51)  # > SMALL_RUN_TOKENS: prefill on the wide session
     gen = greedy(eng, ids, 24, slot="x")
     assert rt.target is (rt.busy if contended else rt.calm)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_helpers import greedy, hf_greedy, hf_logits, load_engine, random_ids
 
 from engine import GenerationParams
-from engine_helpers import greedy, hf_greedy, hf_logits, load_engine, random_ids
 
 ARCHS = ("llama", "qwen2", "mistral", "qwen3", "starcoder2", "gemma")
 STEPS = 64
@@ -55,9 +55,13 @@ def test_trailing_logits_and_kv_match(arch_engine):
     np.testing.assert_allclose(full, hf_logits(path, ids), atol=1e-4, rtol=0)
     for k in (1, 2, 17):
         kv = rt.new_kv()
-        np.testing.assert_allclose(rt.forward(kv, ids, 0, num_logits=k), full[-k:], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            rt.forward(kv, ids, 0, num_logits=k), full[-k:], atol=1e-5, rtol=0
+        )
         for key, v in kv.values.items():
-            np.testing.assert_array_equal(v.numpy()[:, :, :len(ids)], full_kv.values[key].numpy()[:, :, :len(ids)])
+            np.testing.assert_array_equal(
+                v.numpy()[:, :, : len(ids)], full_kv.values[key].numpy()[:, :, : len(ids)]
+            )
 
 
 def test_greedy_cold(arch_engine):
@@ -99,7 +103,9 @@ def test_greedy_same_prompt_twice(arch_engine):
     ids = random_ids(eng, 24, seed=8)
     a = greedy(eng, ids, 12, slot="doc")
     b = greedy(eng, ids, STEPS, slot="doc")
-    assert b.stats["reused_tokens"] == len(ids) - 1  # the last prompt token is re-run for its logits
+    assert (
+        b.stats["reused_tokens"] == len(ids) - 1
+    )  # the last prompt token is re-run for its logits
     assert b.tokens[:12] == a.tokens
     assert b.tokens == hf_greedy(path, ids, STEPS)
 
@@ -124,7 +130,9 @@ def test_wafer_emitter_matches(tiny_llama, tmp_path_factory):
     """The partitioned (wafer) linear emitter gives the same logits as transformers."""
     eng = load_engine(tiny_llama, tmp_path_factory, wafer=True, grid=(2, 2))
     ids = random_ids(eng, 32, seed=11)
-    np.testing.assert_allclose(eng.forward_logits(ids), hf_logits(tiny_llama, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        eng.forward_logits(ids), hf_logits(tiny_llama, ids), atol=1e-4, rtol=0
+    )
     assert greedy(eng, ids, 16).tokens == hf_greedy(tiny_llama, ids, 16)
 
 
@@ -132,7 +140,9 @@ def test_bf16_sharded_folder_matches(tiny_qwen2, tmp_path, tmp_path_factory):
     """bf16 weights in shards: the engine upcasts to fp32 like transformers loading them in fp32."""
     from tiny_models import write_variant
 
-    folder = write_variant(tiny_qwen2, tmp_path / "qwen2_bf16_sharded", dtype="bfloat16", max_shard_size="100KB")
+    folder = write_variant(
+        tiny_qwen2, tmp_path / "qwen2_bf16_sharded", dtype="bfloat16", max_shard_size="100KB"
+    )
     assert (folder / "model.safetensors.index.json").is_file()
     eng = load_engine(folder, tmp_path_factory)
     ids = random_ids(eng, 24, seed=12)

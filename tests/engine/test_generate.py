@@ -6,10 +6,10 @@ import threading
 import time
 
 import pytest
+from engine_helpers import greedy, hf_greedy, load_engine, random_ids
 
 from engine import GenerationParams, ModelError
 from engine.generate import _held_suffix
-from engine_helpers import greedy, hf_greedy, load_engine, random_ids
 
 
 @pytest.fixture(scope="module")
@@ -18,14 +18,21 @@ def eng(tiny_llama, tmp_path_factory):
 
 
 def test_streamed_text_is_the_decoded_tokens(eng):
-    gen = eng.generate("def add(a, b):\n    return", GenerationParams(max_new_tokens=24, ignore_eos=True))
+    gen = eng.generate(
+        "def add(a, b):\n    return", GenerationParams(max_new_tokens=24, ignore_eos=True)
+    )
     chunks = list(gen)
     assert [c.token_id for c in chunks] == gen.tokens
     assert "".join(c.text for c in chunks) == gen.text == eng.tokenizer.decode(gen.tokens)
     assert gen.finish_reason == "length"
     s = gen.stats
     assert s["prompt_tokens"] == len(eng.tokenizer.encode("def add(a, b):\n    return"))
-    assert s["new_tokens"] == 24 and s["ttft_ms"] > 0 and s["decode_tok_s"] > 0 and s["total_ms"] >= s["ttft_ms"]
+    assert (
+        s["new_tokens"] == 24
+        and s["ttft_ms"] > 0
+        and s["decode_tok_s"] > 0
+        and s["total_ms"] >= s["ttft_ms"]
+    )
 
 
 def _full_text(eng, ids, n=48):
@@ -38,7 +45,9 @@ def test_stop_string_cuts_text(eng):
     assert len(full) > 10
     stop = full[5:8]
     cut = full.find(stop)
-    gen = eng.generate(ids, GenerationParams(max_new_tokens=48, stop=(stop, "\x00never"), ignore_eos=True))
+    gen = eng.generate(
+        ids, GenerationParams(max_new_tokens=48, stop=(stop, "\x00never"), ignore_eos=True)
+    )
     streamed = "".join(c.text for c in gen)
     assert gen.finish_reason == "stop"
     assert gen.text == streamed == full[:cut]
@@ -78,12 +87,16 @@ def test_eos_stops(eng):
 
 def test_seeded_sampling_is_reproducible(eng):
     ids = random_ids(eng, 10, seed=24)
-    p = GenerationParams(max_new_tokens=32, temperature=1.0, top_k=50, top_p=0.95, seed=7, ignore_eos=True)
+    p = GenerationParams(
+        max_new_tokens=32, temperature=1.0, top_k=50, top_p=0.95, seed=7, ignore_eos=True
+    )
     a = eng.generate(ids, p)
     a.result()
     b = eng.generate(ids, p, slot="other")
     b.result()
-    c = eng.generate(ids, GenerationParams(max_new_tokens=32, temperature=1.0, seed=8, ignore_eos=True))
+    c = eng.generate(
+        ids, GenerationParams(max_new_tokens=32, temperature=1.0, seed=8, ignore_eos=True)
+    )
     c.result()
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
@@ -121,8 +134,10 @@ def test_bad_prompt_ids(eng):
 
 
 def test_max_time(eng):
-    gen = eng.generate(random_ids(eng, 8, seed=27), GenerationParams(max_new_tokens=400, max_time_s=1e-6,
-                                                                        ignore_eos=True))
+    gen = eng.generate(
+        random_ids(eng, 8, seed=27),
+        GenerationParams(max_new_tokens=400, max_time_s=1e-6, ignore_eos=True),
+    )
     list(gen)
     assert gen.finish_reason == "time" and len(gen.tokens) == 1
 
@@ -244,18 +259,25 @@ def test_chunks_carry_the_models_logprobs_when_asked(eng):
 
     from engine import speculative
 
-    prompt = eng.tokenizer.encode("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return")
+    prompt = eng.tokenizer.encode(
+        "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return"
+    )
     params = GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=True)
     gen = eng.generate(prompt, params)
     lps = [c.logprob for c in gen]
     assert len(lps) == len(gen.tokens) == len(gen.logprobs) == 20 and lps == gen.logprobs
-    logits = eng.forward_logits(prompt + gen.tokens[:-1]).astype(np.float64)[len(prompt) - 1:]
-    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    logits = eng.forward_logits(prompt + gen.tokens[:-1]).astype(np.float64)[len(prompt) - 1 :]
+    ref = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     want = ref[np.arange(20), gen.tokens]
     assert np.allclose(lps, want, atol=1e-3) and all(lp <= 0 for lp in lps)
     spec = speculative.generate(eng, prompt, params)
-    assert [c.token_id for c in spec] == gen.tokens[:len(spec.tokens)] and spec.tokens == gen.tokens
+    assert [c.token_id for c in spec] == gen.tokens[
+        : len(spec.tokens)
+    ] and spec.tokens == gen.tokens
     assert np.allclose(spec.logprobs, gen.logprobs, atol=1e-3)
     plain = eng.generate(prompt, GenerationParams(max_new_tokens=5, ignore_eos=True))
     assert all(c.logprob is None for c in plain) and plain.logprobs == []

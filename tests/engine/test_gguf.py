@@ -55,9 +55,22 @@ def test_config_and_tokenizer_match_the_folder(f32_gguf):
 
     ref = load_config(folder)
     got = eng.config
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings", "norm", "mlp_act",
-                  "qk_norm", "attention_bias", "embed_scale"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_theta",
+        "tie_word_embeddings",
+        "norm",
+        "mlp_act",
+        "qk_norm",
+        "attention_bias",
+        "embed_scale",
+    ):
         assert getattr(got, field) == getattr(ref, field), field
     assert abs(got.rms_norm_eps - ref.rms_norm_eps) < 1e-9
     hf_tok = Tokenizer.load(folder)
@@ -70,7 +83,9 @@ def test_config_and_tokenizer_match_the_folder(f32_gguf):
 
 
 @pytest.mark.parametrize("dtype,qtype", [("float16", "F16"), ("bfloat16", "BF16")])
-def test_half_precision_files_equal_the_same_folder(dtype, qtype, tiny_qwen2, gguf_dir, tmp_path, tmp_path_factory):
+def test_half_precision_files_equal_the_same_folder(
+    dtype, qtype, tiny_qwen2, gguf_dir, tmp_path, tmp_path_factory
+):
     """F16 / BF16 tensors read as the same numbers as a folder saved in that dtype."""
     from tiny_models import write_variant
 
@@ -97,7 +112,9 @@ def test_q8_0_blocks_become_matmulnbits_codes_exactly(tiny_llama, gguf_dir, tmp_
     path = write_gguf(tiny_llama, gguf_dir / "llama-q8_0.gguf", qtype="Q8_0")
     model = GGUFModel(path)
     assert default_precision(model) == "int8"
-    eng = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto")
+    eng = Engine.load(
+        path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto"
+    )
     assert eng.precision == "int8"
     init = _initializers(eng)
     blocks = model.tensor_data("blk.0.ffn_down.weight")  # [rows = out, blocks * 34 bytes]
@@ -105,15 +122,20 @@ def test_q8_0_blocks_become_matmulnbits_codes_exactly(tiny_llama, gguf_dir, tmp_
     raw = blocks.reshape(rows, -1, 34)
     d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = raw[..., 2:].copy().view(np.int8)
-    np.testing.assert_array_equal(init["layers.0.down.q8"], (q.astype(np.int16) + 128).astype(np.uint8))
+    np.testing.assert_array_equal(
+        init["layers.0.down.q8"], (q.astype(np.int16) + 128).astype(np.uint8)
+    )
     np.testing.assert_array_equal(init["layers.0.down.scales"], d)
     assert "layers.0.down.zero_points" not in init
     ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
     with model.open_weights(eng.config) as weights:
         assert np.abs(ref - weights["model.layers.0.mlp.down_proj.weight"]).max() == 0
     # As accurate as the same quantisation done by us on the fp32 folder (int8 blocks of 32).
-    ours = Engine.load(tiny_llama, cache_dir=graph_cache_dir(tmp_path_factory),
-                       linear=make_linear("int8", wafer=False, block_size=32, symmetric=True))
+    ours = Engine.load(
+        tiny_llama,
+        cache_dir=graph_cache_dir(tmp_path_factory),
+        linear=make_linear("int8", wafer=False, block_size=32, symmetric=True),
+    )
     ids = random_ids(eng, 32, seed=5)
     ref = hf_logits(tiny_llama, ids)
     err, our_err = np.abs(eng.forward_logits(ids) - ref), np.abs(ours.forward_logits(ids) - ref)
@@ -142,8 +164,10 @@ def test_q4_0_blocks_become_matmulnbits_codes_exactly(tiny_qwen2, gguf_dir, tmp_
     np.testing.assert_array_equal(init["layers.1.o.scales"], d)
     assert "layers.1.o.zero_points" not in init
     with model.open_weights(q4.config) as weights:
-        np.testing.assert_array_equal(weights["model.layers.1.self_attn.o_proj.weight"],
-                                      gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_0))
+        np.testing.assert_array_equal(
+            weights["model.layers.1.self_attn.o_proj.weight"],
+            gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_0),
+        )
     # as accurate as our own int4 quantisation of the fp32 weights
     ours = Engine.load(tiny_qwen2, cache_dir=cache, linear=make_linear("int4", wafer=False))
     ids = random_ids(q4, 32, seed=6)
@@ -183,6 +207,7 @@ def test_broken_files_fail_with_the_file_named(tiny_llama, gguf_dir, tmp_path):
 
 
 # -- tokenizers of real vocabularies ---------------------------------------------------------------
+
 
 def _stdlib_text() -> str:
     lib = Path(sysconfig.get_paths()["stdlib"])
@@ -282,12 +307,16 @@ def _run(script: str, *args: str) -> None:
     import sys
 
     # llama.cpp runs in its own process: it and ONNX Runtime do not share one safely
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_llama_cpp_reads_the_written_files_as_transformers_computes(arch, tiny_models, gguf_dir, tmp_path):
+def test_llama_cpp_reads_the_written_files_as_transformers_computes(
+    arch, tiny_models, gguf_dir, tmp_path
+):
     """The test files are laid out as llama.cpp expects (tensor names, Q/K permutation, Gemma's
     norm + 1, metadata, tokenizer): llama.cpp's own logits from them match transformers'."""
     pytest.importorskip("llama_cpp")
@@ -310,9 +339,19 @@ def k_quant_files(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("kquant")
     tok = tm.build_tokenizer()
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-                      eos_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        eos_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(d / "hf")
     tm.save_tokenizer(tok, d / "hf")
@@ -324,8 +363,10 @@ def k_quant_files(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("ftype,kind,tolerance", [("Q4_K_M", "Q4_K", 0.12), ("Q5_K_M", "Q5_K", 0.06),
-                                                  ("Q6_K", "Q6_K", 0.03)])
+@pytest.mark.parametrize(
+    "ftype,kind,tolerance",
+    [("Q4_K_M", "Q4_K", 0.12), ("Q5_K_M", "Q5_K", 0.06), ("Q6_K", "Q6_K", 0.03)],
+)
 def test_k_quant_files_from_llama_cpp(k_quant_files, ftype, kind, tolerance, tmp_path_factory):
     """Files llama.cpp quantised itself: every K-quant tensor reads back as the float weights it was
     made from, up to that type's rounding (a wrong block layout would be noise, not a small error),

@@ -3,21 +3,24 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-
-from types import SimpleNamespace
+from engine_helpers import load_engine
 
 from engine import GenerationParams
 from engine.fim import FimFormat, heal
 from engine.generate import _Emitter
 from engine.sampling import Healing, Sampler
-from engine.speculative import SpeculativeGeneration, generate as spec_generate
+from engine.speculative import SpeculativeGeneration
+from engine.speculative import generate as spec_generate
 from engine.tokenizer import ByteIndex
-from engine_helpers import load_engine
 
-CODE = ("def add(a, b):\n    return a + b\n\n\ndef scale(values, factor):\n    out = []\n"
-        "    for v in values:\n        out.append(v * factor)\n    return out\n\n\n")
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef scale(values, factor):\n    out = []\n"
+    "    for v in values:\n        out.append(v * factor)\n    return out\n\n\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,11 @@ def tok(eng):
 
 
 def brute_consistent(token_bytes, pending: bytes) -> list[int]:
-    return [i for i, b in enumerate(token_bytes) if b and (b.startswith(pending) or pending.startswith(b))]
+    return [
+        i
+        for i, b in enumerate(token_bytes)
+        if b and (b.startswith(pending) or pending.startswith(b))
+    ]
 
 
 # -- byte table and index ---------------------------------------------------------------------------
@@ -52,8 +59,23 @@ def test_token_bytes_spell_what_decode_gives(tok):
     assert tok.byte_index() is tok.byte_index()  # built once per tokenizer
 
 
-@pytest.mark.parametrize("pending", ["s", "re", " fo", "return", "x = ", "é".encode()[:1], "é", "日本",
-                                     b"\xff", "zzzzzzzzqqq", " (", ")"])
+@pytest.mark.parametrize(
+    "pending",
+    [
+        "s",
+        "re",
+        " fo",
+        "return",
+        "x = ",
+        "é".encode()[:1],
+        "é",
+        "日本",
+        b"\xff",
+        "zzzzzzzzqqq",
+        " (",
+        ")",
+    ],
+)
 def test_index_matches_brute_force(tok, pending):
     pending = pending.encode() if isinstance(pending, str) else pending
     ix = tok.byte_index()
@@ -63,9 +85,31 @@ def test_index_matches_brute_force(tok, pending):
 
 
 def test_index_prefix_range_edges():
-    tb = [None, b"a", b"ab", b"abc", b"ab\xff", b"ab\xff\xff", b"ac", b"b", b"\xff", b"\xff\x00", b"a"]
+    tb = [
+        None,
+        b"a",
+        b"ab",
+        b"abc",
+        b"ab\xff",
+        b"ab\xff\xff",
+        b"ac",
+        b"b",
+        b"\xff",
+        b"\xff\x00",
+        b"a",
+    ]
     ix = ByteIndex(tb)
-    for pending in (b"a", b"ab", b"ab\xff", b"abcd", b"\xff", b"\xff\x00\x01", b"b", b"c", b"ab\xff\xff\xff"):
+    for pending in (
+        b"a",
+        b"ab",
+        b"ab\xff",
+        b"abcd",
+        b"\xff",
+        b"\xff\x00\x01",
+        b"b",
+        b"c",
+        b"ab\xff\xff\xff",
+    ):
         assert ix.consistent(pending).tolist() == brute_consistent(tb, pending), pending
     with pytest.raises(ValueError):
         ix.consistent(b"")
@@ -81,7 +125,7 @@ def test_healing_greedy_picks_the_best_consistent_token(tok):
     t = h.pick(logits, Sampler())
     assert t == int(allowed[np.argmax(logits[allowed])])
     spelled = ix.token_bytes[t]
-    assert h.pending == (b"" if spelled.startswith(b"return") else b"return"[len(spelled):])
+    assert h.pending == (b"" if spelled.startswith(b"return") else b"return"[len(spelled) :])
 
 
 def test_healing_spells_a_text_longer_than_one_token_then_lets_go(tok):
@@ -109,13 +153,23 @@ def test_healing_abandons_gracefully_when_nothing_is_consistent():
 
 
 # -- prompt healing ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("prefix", ["def scale(values, fac", "    out.app", "x = ", "return foo(bar(x)",
-                                    "s = 'naï", "print(", "a_very_long_identifier_that_goes_on"])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "def scale(values, fac",
+        "    out.app",
+        "x = ",
+        "return foo(bar(x)",
+        "s = 'naï",
+        "print(",
+        "a_very_long_identifier_that_goes_on",
+    ],
+)
 def test_heal_backs_off_the_partial_word(tok, prefix):
     ids = tok.encode(prefix)
     kept, healed = heal(tok, prefix, ids)
     assert healed and prefix.endswith(healed)
-    assert kept == ids[:len(kept)] and 1 <= len(ids) - len(kept) <= 4
+    assert kept == ids[: len(kept)] and 1 <= len(ids) - len(kept) <= 4
     assert tok.decode(kept) + healed == prefix
 
 
@@ -135,7 +189,9 @@ def test_heal_never_backs_off_a_line_break(tok):
     assert healed.strip(" ") == "" and tok.decode(kept).endswith("\n")
 
 
-@pytest.mark.parametrize("prefix", ["def f():\n", "x = 1\n\n", "class A:\n    def f(self):\n", "x\r\n"])
+@pytest.mark.parametrize(
+    "prefix", ["def f():\n", "x = 1\n\n", "class A:\n    def f(self):\n", "x\r\n"]
+)
 def test_heal_newline_backs_off_a_final_line_break(tok, prefix):
     ids = tok.encode(prefix)
     kept, healed = heal(tok, prefix, ids, newline=True)
@@ -159,6 +215,7 @@ def test_heal_keeps_tokens_and_needs_a_byte_table(tok):
     class Plain:  # a tokenizer without a byte table: no healing, no error
         def encode(self, text):
             return tok.encode(text)
+
     assert heal(Plain(), "x = fo") == (tok.encode("x = fo"), "")
 
 
@@ -166,8 +223,11 @@ def test_build_healed_is_build_without_the_partial_word(tok):
     fim = FimFormat.detect(tok)
     for spm in (True, False):
         ids, healed = fim.build_healed("x = values.app", "\nprint(x)\n", spm=spm)
-        assert ids == fim.build("x = values.app"[:-len(healed)], "\nprint(x)\n", spm=spm)
-        assert fim.build_healed("x = 1\n", "y\n", spm=spm) == (fim.build("x = 1\n", "y\n", spm=spm), "")
+        assert ids == fim.build("x = values.app"[: -len(healed)], "\nprint(x)\n", spm=spm)
+        assert fim.build_healed("x = 1\n", "y\n", spm=spm) == (
+            fim.build("x = 1\n", "y\n", spm=spm),
+            "",
+        )
 
 
 # -- generations -------------------------------------------------------------------------------------
@@ -192,7 +252,9 @@ def test_healed_generation_emits_only_the_text_after_the_healed_part(eng, tok):
     full = tok.decode(ref.tokens)
     n = len(tok.decode(ref.tokens[:2])) + 1  # spans more than one token and ends mid-token
     assert 0 < n < len(full)
-    gen = eng.generate(prompt, GenerationParams(max_new_tokens=24, ignore_eos=True, healed_prefix=full[:n]))
+    gen = eng.generate(
+        prompt, GenerationParams(max_new_tokens=24, ignore_eos=True, healed_prefix=full[:n])
+    )
     chunks = list(gen)
     # the greedy path already spelled the healed text: the constraint changes no choice
     assert gen.tokens == ref.tokens
@@ -202,19 +264,24 @@ def test_healed_generation_emits_only_the_text_after_the_healed_part(eng, tok):
 def test_healing_forces_the_text_the_model_would_not_write(eng, tok):
     prompt = tok.encode(CODE)
     healed = "zq日"
-    for params in (GenerationParams(max_new_tokens=16, ignore_eos=True, healed_prefix=healed),
-                   GenerationParams(max_new_tokens=16, ignore_eos=True, healed_prefix=healed, temperature=1.0,
-                                    seed=3)):
+    for params in (
+        GenerationParams(max_new_tokens=16, ignore_eos=True, healed_prefix=healed),
+        GenerationParams(
+            max_new_tokens=16, ignore_eos=True, healed_prefix=healed, temperature=1.0, seed=3
+        ),
+    ):
         gen = eng.generate(prompt, params)
         gen.result()
         full = tok.decode(gen.tokens)
-        assert full.startswith(healed) and gen.text == full[len(healed):]
+        assert full.startswith(healed) and gen.text == full[len(healed) :]
 
 
 def test_stop_strings_see_only_the_emitted_text(eng, tok):
     prompt = tok.encode(CODE)
-    gen = eng.generate(prompt, GenerationParams(max_new_tokens=12, ignore_eos=True, healed_prefix="a\nb",
-                                                stop=("\n",)))
+    gen = eng.generate(
+        prompt,
+        GenerationParams(max_new_tokens=12, ignore_eos=True, healed_prefix="a\nb", stop=("\n",)),
+    )
     gen.result()
     full = tok.decode(gen.tokens)
     assert full.startswith("a\nb")
@@ -282,8 +349,13 @@ def test_cut_survives_a_decoder_that_drops_the_first_leading_space():
         def flush(self):
             return ""
 
-    gen = SimpleNamespace(params=GenerationParams(max_new_tokens=8, healed_prefix=" foob"), tokens=[], text="",
-                          _t0=0.0, _engine=SimpleNamespace(eos_ids=frozenset(), tokenizer=SimpleNamespace(stream=Stream)))
+    gen = SimpleNamespace(
+        params=GenerationParams(max_new_tokens=8, healed_prefix=" foob"),
+        tokens=[],
+        text="",
+        _t0=0.0,
+        _engine=SimpleNamespace(eos_ids=frozenset(), tokenizer=SimpleNamespace(stream=Stream)),
+    )
     em = _Emitter(gen)
     out = [em.emit(t, 0.0)[0].text for t in (1, 2, 3)]
     assert out == ["", "ar", " baz"] and gen.text == "ar baz"

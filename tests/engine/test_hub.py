@@ -22,14 +22,20 @@ from engine import hub as H
 from engine.config import load_config
 
 REPO, GGUF_REPO = "test-org/tiny-qwen2", "test-org/tiny-qwen2-GGUF"
-JUNK = {"README.md": b"# tiny\n", "pytorch_model.bin": b"\0" * 4096, "onnx/model.onnx": b"\0" * 1024}
+JUNK = {
+    "README.md": b"# tiny\n",
+    "pytorch_model.bin": b"\0" * 4096,
+    "onnx/model.onnx": b"\0" * 1024,
+}
 
 
 @pytest.fixture(scope="module")
 def gguf_files(tiny_qwen2, tmp_path_factory):
     d = tmp_path_factory.mktemp("hub_gguf")
-    return {"tiny-qwen2-q8_0.gguf": write_gguf(tiny_qwen2, d / "q8.gguf", qtype="Q8_0").read_bytes(),
-            "tiny-qwen2-f32.gguf": write_gguf(tiny_qwen2, d / "f32.gguf").read_bytes()}
+    return {
+        "tiny-qwen2-q8_0.gguf": write_gguf(tiny_qwen2, d / "q8.gguf", qtype="Q8_0").read_bytes(),
+        "tiny-qwen2-f32.gguf": write_gguf(tiny_qwen2, d / "f32.gguf").read_bytes(),
+    }
 
 
 @pytest.fixture
@@ -46,13 +52,20 @@ def hub(tiny_qwen2, gguf_files, tmp_path, monkeypatch):
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "spark_lsp.cli", "models", *args], capture_output=True,
-                          text=True, env=full, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "spark_lsp.cli", "models", *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+    )
 
 
 def test_specs_parse():
     assert H.parse_spec("hf:Org/Repo") == H.HubSpec("Org/Repo")
-    assert H.parse_spec("hf:Org/Repo@v1.0:model-Q8_0.gguf") == H.HubSpec("Org/Repo", "v1.0", "model-Q8_0.gguf")
+    assert H.parse_spec("hf:Org/Repo@v1.0:model-Q8_0.gguf") == H.HubSpec(
+        "Org/Repo", "v1.0", "model-Q8_0.gguf"
+    )
     assert H.parse_spec("Org/Repo@abc") == H.HubSpec("Org/Repo", "abc")
     assert H.parse_spec("qwen2.5-coder-0.5b") == H.HubSpec("Qwen/Qwen2.5-Coder-0.5B")
     assert H.parse_spec("./some/folder") is None and H.parse_spec("/abs/model.gguf") is None
@@ -62,15 +75,25 @@ def test_specs_parse():
 
 def test_pull_fetches_only_the_engine_files_and_loads(hub, tiny_qwen2, tmp_path_factory):
     calls = []
-    folder = H.resolve_model(f"hf:{REPO}", progress=lambda done, total, what: calls.append((done, total)))
+    folder = H.resolve_model(
+        f"hf:{REPO}", progress=lambda done, total, what: calls.append((done, total))
+    )
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        p.name for p in tiny_qwen2.iterdir() if p.is_file() and H.wanted(p.name))
+        p.name for p in tiny_qwen2.iterdir() if p.is_file() and H.wanted(p.name)
+    )
     fetched = {p.rsplit("/", 1)[-1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p}
-    assert "model.safetensors" in fetched and not fetched & {"README.md", "pytorch_model.bin", "model.onnx"}
+    assert "model.safetensors" in fetched and not fetched & {
+        "README.md",
+        "pytorch_model.bin",
+        "model.onnx",
+    }
     assert calls and calls[-1][0] == calls[-1][1] == sum(p.stat().st_size for p in folder.iterdir())
     assert all(b[0] >= a[0] for a, b in zip(calls, calls[1:]))
     cache = graph_cache_dir(tmp_path_factory)
-    a, b = Engine.load(folder, wafer=False, cache_dir=cache), Engine.load(tiny_qwen2, wafer=False, cache_dir=cache)
+    a, b = (
+        Engine.load(folder, wafer=False, cache_dir=cache),
+        Engine.load(tiny_qwen2, wafer=False, cache_dir=cache),
+    )
     ids = random_ids(a, 24, seed=1)
     np.testing.assert_array_equal(a.forward_logits(ids), b.forward_logits(ids))
 
@@ -90,7 +113,10 @@ def test_interrupted_download_resumes(hub, tiny_qwen2, monkeypatch):
     assert len(ranges) == 2 and ranges[0] is None, ranges
     resumed_at = int(ranges[1].removeprefix("bytes=").rstrip("-"))
     assert 0 < resumed_at <= half and resumed_at % (64 << 10) == 0
-    assert hashlib.sha256((folder / "model.safetensors").read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert (
+        hashlib.sha256((folder / "model.safetensors").read_bytes()).digest()
+        == hashlib.sha256(data).digest()
+    )
 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -127,10 +153,27 @@ def test_offline_after_pull(hub, tmp_path):
     finally:
         del os.environ["HF_HUB_OFFLINE"]
     assert len(hub.requests) == n
-    gen = subprocess.run([sys.executable, "-m", "spark_lsp.cli", "generate", "--model", f"hf:{REPO}",
-                          "--prompt", "def f(x):", "--max-new-tokens", "4", "--no-wafer", "--precision", "fp32"],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "SPARK_LSP_CACHE": str(tmp_path / "c")})
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_lsp.cli",
+            "generate",
+            "--model",
+            f"hf:{REPO}",
+            "--prompt",
+            "def f(x):",
+            "--max-new-tokens",
+            "4",
+            "--no-wafer",
+            "--precision",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "SPARK_LSP_CACHE": str(tmp_path / "c")},
+    )
     assert gen.returncode == 0, gen.stderr
     assert len(hub.requests) == n
 
@@ -140,7 +183,9 @@ def test_gguf_repository_by_quantisation_tag(hub, gguf_files, tmp_path_factory):
     assert path.name == "tiny-qwen2-q8_0.gguf" and path.read_bytes() == gguf_files[path.name]
     # without a tag: llama.cpp's preference order (Q4_K_M, then Q8_0, ...)
     assert H.resolve_model(f"hf:{GGUF_REPO}").name == "tiny-qwen2-q8_0.gguf"
-    eng = Engine.load(path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto")
+    eng = Engine.load(
+        path, wafer=False, cache_dir=graph_cache_dir(tmp_path_factory), precision="auto"
+    )
     assert eng.precision == "int8"
     with pytest.raises(ModelError, match="no .gguf file matches 'Q5_K_M'"):
         H.resolve_model(f"hf:{GGUF_REPO}:Q5_K_M")
@@ -151,9 +196,15 @@ def test_info_reads_only_the_config_or_the_gguf_header(hub, tiny_qwen2):
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     fetched = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
-    assert fetched == [f"/{REPO}/resolve/main/config.json"] or all(p.endswith("config.json") for p in fetched)
+    assert fetched == [f"/{REPO}/resolve/main/config.json"] or all(
+        p.endswith("config.json") for p in fetched
+    )
     params, memory, kv = H.estimate(load_config(tiny_qwen2))
-    assert info["parameters"] == params and info["memory_bytes"] == memory and info["kv_bytes_per_token"] == kv
+    assert (
+        info["parameters"] == params
+        and info["memory_bytes"] == memory
+        and info["kv_bytes_per_token"] == kv
+    )
     assert memory["int4"] < memory["int8"] < memory["fp32"]
     assert H.list_models() == []  # info downloads nothing into the cache
     text = _cli("info", f"hf:{GGUF_REPO}:Q8_0")
@@ -168,8 +219,15 @@ def test_list_and_rm(hub):
     assert _cli("pull", f"hf:{GGUF_REPO}:Q8_0").returncode == 0
     listed = json.loads(_cli("list", "--json").stdout)
     by_repo = {m["repo"]: m for m in listed["models"]}
-    assert by_repo[REPO]["architecture"] == "Qwen2ForCausalLM" and by_repo[GGUF_REPO]["precision"] == "int8"
-    assert {r["name"] for r in listed["catalogue"]} >= {"qwen2.5-coder-0.5b", "starcoder2-3b", "codegemma-2b"}
+    assert (
+        by_repo[REPO]["architecture"] == "Qwen2ForCausalLM"
+        and by_repo[GGUF_REPO]["precision"] == "int8"
+    )
+    assert {r["name"] for r in listed["catalogue"]} >= {
+        "qwen2.5-coder-0.5b",
+        "starcoder2-3b",
+        "codegemma-2b",
+    }
     assert "qwen2.5-coder-1.5b" in _cli("list").stdout
     rm = _cli("rm", REPO)
     assert rm.returncode == 0 and "removed" in rm.stdout
@@ -181,8 +239,11 @@ def test_list_and_rm(hub):
 def test_token_is_sent_and_errors_are_one_line(hub):
     out = _cli("pull", REPO, env={"HF_TOKEN": "hf_secret_test_token"})
     assert out.returncode == 0, out.stderr
-    assert any(h.get("authorization") == "Bearer hf_secret_test_token" or
-               h.get("Authorization") == "Bearer hf_secret_test_token" for _, _, h in hub.requests)
+    assert any(
+        h.get("authorization") == "Bearer hf_secret_test_token"
+        or h.get("Authorization") == "Bearer hf_secret_test_token"
+        for _, _, h in hub.requests
+    )
     missing = _cli("pull", "test-org/nope")
     assert missing.returncode == 2
     assert len(_error_lines(missing)) == 1 and "repository not found" in missing.stderr
@@ -194,7 +255,10 @@ def test_unreachable_hub_is_named(tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = _cli("pull", "qwen2.5-coder-0.5b",
-               env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "c")})
+    out = _cli(
+        "pull",
+        "qwen2.5-coder-0.5b",
+        env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "c")},
+    )
     assert out.returncode == 2
     assert len(_error_lines(out)) == 1 and "cannot reach the Hub at http://127.0.0.1" in out.stderr

@@ -16,7 +16,9 @@ from engine.lab.precisions import op_profile
 
 
 def _greedy(eng, n=16):
-    gen = eng.generate("def add(a, b):\n    return", GenerationParams(max_new_tokens=n, ignore_eos=True))
+    gen = eng.generate(
+        "def add(a, b):\n    return", GenerationParams(max_new_tokens=n, ignore_eos=True)
+    )
     for _ in gen:
         pass
     return list(gen.tokens)
@@ -60,7 +62,9 @@ def test_auto_without_a_decision_loads_exactly_one_engine(tiny_llama, tmp_path, 
 
 def test_auto_reads_the_stored_decision(tiny_llama, tmp_path, count_runtimes):
     key = precision.decision_key(tiny_llama, wafer=True, grid=None, threads=None)
-    precision.store_decision(key, precision.PrecisionChoice("int8", reason="measured: test"), tmp_path)
+    precision.store_decision(
+        key, precision.PrecisionChoice("int8", reason="measured: test"), tmp_path
+    )
     eng = Engine.load(tiny_llama, precision="auto", cache_dir=tmp_path)
     assert eng.precision == "int8" and type(eng.linear).__name__ == "QuantLinear"
     assert eng.precision_reason == "measured: test" and len(count_runtimes) == 1
@@ -69,8 +73,9 @@ def test_auto_reads_the_stored_decision(tiny_llama, tmp_path, count_runtimes):
     assert other.precision == "fp32"
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", '{"format": 1, "key": "other", "choice": {}}',
-                                     "WRONG_PRECISION"])
+@pytest.mark.parametrize(
+    "content", ["{not json", "[]", '{"format": 1, "key": "other", "choice": {}}', "WRONG_PRECISION"]
+)
 def test_a_corrupt_decision_is_no_decision_and_one_log_line(tiny_llama, tmp_path, caplog, content):
     key = precision.decision_key(tiny_llama)
     path = precision.store_decision(key, precision.PrecisionChoice("int8"), tmp_path)
@@ -98,8 +103,15 @@ def test_store_is_atomic_and_leaves_no_temporary_files(tiny_llama, tmp_path):
 
 def test_static_rule(tiny_llama):
     cfg = load_config(tiny_llama)
-    big = dataclasses.replace(cfg, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
-                              head_dim=64, num_attention_heads=16, num_key_value_heads=16)
+    big = dataclasses.replace(
+        cfg,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        head_dim=64,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    )
     assert precision.linear_params(big) > precision.INT8_MIN_PARAMS > precision.linear_params(cfg)
     assert precision.static_rule(big, frozenset({"avx2", "avx512_vnni"})).precision == "int8"
     assert precision.static_rule(big, frozenset({"asimddp"})).precision == "int8"

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import engine.engine as engine_mod
-from engine import Engine, GenerationParams
-from engine import graph_cache
-from engine.prefix_cache import common_prefix
-from engine.sampling import Sampler
 from engine_helpers import greedy, hf_greedy, load_engine, random_ids
 
+import engine.engine as engine_mod
+from engine import Engine, graph_cache
+from engine.prefix_cache import common_prefix
+from engine.sampling import Sampler
 
-@pytest.mark.parametrize("a,b,n", [([], [], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
-                                   ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0), (list(range(1000)), list(range(999)) + [7], 999)])
+
+@pytest.mark.parametrize(
+    "a,b,n",
+    [
+        ([], [], 0),
+        ([1, 2, 3], [1, 2, 3], 3),
+        ([1, 2, 3], [1, 2], 2),
+        ([1, 2, 3], [1, 9, 3], 1),
+        ([5], [6], 0),
+        (list(range(1000)), list(range(999)) + [7], 999),
+    ],
+)
 def test_common_prefix(a, b, n):
     assert common_prefix(a, b) == n == common_prefix(b, a)
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import copy_model, require_reference
 
 from engine.config import ModelError
 from engine.tokenizer import StreamDecoder, Tokenizer
-from tiny_models import copy_model
-from tiny_models import require_reference
 
 TEXTS = [
     "def foo(x):\n    return x + 1\n",
@@ -39,7 +38,14 @@ def test_matches_transformers(tiny_llama, tok):
 def test_special_tokens(tok):
     assert tok.eos_ids == frozenset({tok.token_to_id("<|endoftext|>")})
     assert tok.pad_id == tok.token_to_id("<pad>") and tok.bos_id is None
-    assert set(tok.special_tokens) >= {"<|endoftext|>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<pad>", "<file_sep>"}
+    assert set(tok.special_tokens) >= {
+        "<|endoftext|>",
+        "<fim_prefix>",
+        "<fim_suffix>",
+        "<fim_middle>",
+        "<pad>",
+        "<file_sep>",
+    }
     assert tok.vocab_size == 640
     assert tok.id_to_token(tok.special_tokens["<pad>"]) == "<pad>"
     assert tok.encode("<fim_middle>") == [tok.special_tokens["<fim_middle>"]]
@@ -47,7 +53,8 @@ def test_special_tokens(tok):
     fim = tok.fim
     assert fim.name == "starcoder" and fim.supports_spm
     assert (fim.prefix_id, fim.suffix_id, fim.middle_id) == tuple(
-        tok.token_to_id(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+        tok.token_to_id(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+    )
     assert tok.token_to_id("<file_sep>") in fim.stop_ids  # a middle never runs into the next file
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode([10_000])
@@ -96,13 +103,19 @@ def test_eos_from_generation_config_and_fallback(tiny_llama, tmp_path):
 
 
 def test_other_fim_styles(tmp_path):
-    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
 
     vocab = {c: i for i, c in enumerate("abc")}
-    for specials, style in ((["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"], "qwen"),
-                            (["<PRE>", "<SUF>", "<MID>", "<EOT>"], "codellama"),
-                            (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>"], "deepseek"),
-                            (["x"], None)):
+    for specials, style in (
+        (["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"], "qwen"),
+        (["<PRE>", "<SUF>", "<MID>", "<EOT>"], "codellama"),
+        (
+            ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>"],
+            "deepseek",
+        ),
+        (["x"], None),
+    ):
         hf = HF(models.WordLevel(vocab, unk_token="a"))
         hf.pre_tokenizer = pre_tokenizers.Whitespace()
         hf.add_special_tokens(specials)
@@ -131,7 +144,10 @@ def test_bad_special_token_config(tiny_llama, tmp_path):
     cfg = json.loads(cfg_path.read_text())
     cfg["eos_token"] = "<not-a-token>"
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"tokenizer_config.json: eos_token='<not-a-token>' is not in the vocabulary"):
+    with pytest.raises(
+        ModelError,
+        match=r"tokenizer_config.json: eos_token='<not-a-token>' is not in the vocabulary",
+    ):
         Tokenizer.load(folder)
     cfg_path.write_text("{oops")
     with pytest.raises(ModelError, match="tokenizer_config.json: cannot parse"):
@@ -145,13 +161,16 @@ def test_bad_special_token_config(tiny_llama, tmp_path):
 def test_stream_decoder_sentencepiece_style_spaces():
     """Metaspace (SentencePiece-style) decoders drop the leading '▁' only at the start of a text:
     the streaming window must keep the spaces between words."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     hf = HF(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Metaspace()
     hf.decoder = decoders.Metaspace()
-    hf.train_from_iterator(["def foo(bar): return bar + 1", "for x in range(10): print(x)"] * 20,
-                           trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"], show_progress=False))
+    hf.train_from_iterator(
+        ["def foo(bar): return bar + 1", "for x in range(10): print(x)"] * 20,
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"], show_progress=False),
+    )
     t = Tokenizer(hf)
     assert t.eos_ids == {hf.token_to_id("</s>")}
     text = "for bar in range(1): print(foo)"

@@ -8,12 +8,17 @@ import struct
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from tiny_models import copy_model, require_reference, write_variant
 
 from engine.config import ModelError, load_config
-from engine.weights import (expected_shapes, load_weights, read_header, save_safetensors, weight_files,
-                            weights_digest)
-from tiny_models import copy_model, write_variant
-from tiny_models import require_reference
+from engine.weights import (
+    expected_shapes,
+    load_weights,
+    read_header,
+    save_safetensors,
+    weight_files,
+    weights_digest,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +26,9 @@ def variants(tiny_llama, tiny_qwen2, tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
     return {
         "fp16": write_variant(tiny_qwen2, root / "fp16", dtype="float16"),
-        "bf16_sharded": write_variant(tiny_qwen2, root / "bf16_sharded", dtype="bfloat16", max_shard_size="60KB"),
+        "bf16_sharded": write_variant(
+            tiny_qwen2, root / "bf16_sharded", dtype="bfloat16", max_shard_size="60KB"
+        ),
         "llama_sharded": write_variant(tiny_llama, root / "llama_sharded", max_shard_size="60KB"),
     }
 
@@ -78,7 +85,10 @@ def test_writer_roundtrip(tmp_path):
     from safetensors.torch import load_file as torch_load
 
     rng = np.random.default_rng(0)
-    t = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
+    t = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal(7).astype(np.float32),
+    }
     save_safetensors(tmp_path / "f32.safetensors", t)
     got = load_file(str(tmp_path / "f32.safetensors"))
     assert all(np.array_equal(got[k], t[k]) for k in t)
@@ -86,7 +96,9 @@ def test_writer_roundtrip(tmp_path):
     got = torch_load(str(tmp_path / "bf16.safetensors"))
     for k in t:
         assert got[k].dtype == torch.bfloat16
-        assert torch.equal(got[k], torch.from_numpy(t[k]).to(torch.bfloat16))  # same rounding as torch
+        assert torch.equal(
+            got[k], torch.from_numpy(t[k]).to(torch.bfloat16)
+        )  # same rounding as torch
 
 
 def _rewrite(folder, mutate):
@@ -99,7 +111,10 @@ def _rewrite(folder, mutate):
 def test_missing_tensor_named(tiny_qwen2, tmp_path):
     folder = copy_model(tiny_qwen2, tmp_path / "m")
     _rewrite(folder, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
-    with pytest.raises(ModelError, match=r"model.safetensors: tensor model.layers.1.self_attn.k_proj.bias is missing"):
+    with pytest.raises(
+        ModelError,
+        match=r"model.safetensors: tensor model.layers.1.self_attn.k_proj.bias is missing",
+    ):
         load_weights(folder, load_config(folder))
 
 
@@ -115,8 +130,11 @@ def test_wrong_shape_named(tiny_llama, tmp_path):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has "
-                                         r"shape \[160, 64\], expected \[128, 64\]"):
+    with pytest.raises(
+        ModelError,
+        match=r"model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has "
+        r"shape \[160, 64\], expected \[128, 64\]",
+    ):
         load_weights(folder, load_config(folder))
 
 
@@ -135,7 +153,7 @@ def test_truncated_and_corrupt_files(tiny_llama, tmp_path):
     with pytest.raises(ModelError, match="corrupt safetensors header"):
         load_weights(folder, cfg)
     n = struct.unpack("<Q", data[:8])[0]
-    path.write_bytes(data[:8] + b"\xff" * n + data[8 + n:])
+    path.write_bytes(data[:8] + b"\xff" * n + data[8 + n :])
     with pytest.raises(ModelError, match="corrupt safetensors header"):
         load_weights(folder, cfg)
     path.unlink()
@@ -146,13 +164,16 @@ def test_truncated_and_corrupt_files(tiny_llama, tmp_path):
 def test_unsupported_dtype_and_nan(tiny_llama, tmp_path):
     folder = copy_model(tiny_llama, tmp_path / "m")
     cfg = load_config(folder)
-    _rewrite(folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.int8)}))
+    _rewrite(
+        folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.int8)})
+    )
     with pytest.raises(ModelError, match="tensor model.norm.weight: dtype I8 is not supported"):
         load_weights(folder, cfg)
 
     def poison(t):
         t["model.norm.weight"] = t["model.norm.weight"].astype(np.float32)
         t["model.norm.weight"][3] = np.nan
+
     _rewrite(folder, poison)
     with pytest.raises(ModelError, match="model.norm.weight contains NaN"):
         load_weights(folder, cfg)

@@ -26,7 +26,11 @@ N_POSITIONS, SEED = 40, 0
 # 0.025 / 0.171 / 1.812 (10M tokens), 0.15 / 0.327 / 1.342 (31M), 0.225 / 0.393 / 1.229 (47M),
 # 0.25 / 0.395 / 1.183 (61M), 0.25 / 0.441 / 1.158 (78M) and 0.25 / 0.447 / 1.126 (97M).
 MEASURED_EXACT, MEASURED_EDIT_SIM, MEASURED_BPB = 0.275, 0.4446, 1.098
-FLOOR_EXACT, FLOOR_EDIT_SIM, CEIL_BPB = 0.5 * MEASURED_EXACT, 0.8 * MEASURED_EDIT_SIM, 1.1 * MEASURED_BPB
+FLOOR_EXACT, FLOOR_EDIT_SIM, CEIL_BPB = (
+    0.5 * MEASURED_EXACT,
+    0.8 * MEASURED_EDIT_SIM,
+    1.1 * MEASURED_BPB,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,15 @@ def engine():
 def test_shipped_layout():
     d = bundled_model_dir()
     assert d.name == DEFAULT_MODEL_NAME
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-              "generation_config.json", "MODEL_CARD.md", "loss_curve.png"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "MODEL_CARD.md",
+        "loss_curve.png",
+    ):
         assert (d / f).is_file(), f
     total = sum(p.stat().st_size for p in d.iterdir())
     assert total < 40 * 2**20
@@ -73,11 +84,20 @@ def test_loads_by_default_and_answers(engine):
     fim = FimFormat.detect(engine.tokenizer)
     assert fim is not None and fim.supports_spm
     # token-healed, as the server prompts (unhealed, the phase-4 model ends this one at once)
-    prompt, healed = fim.build_healed("import os\n\n\ndef read_text(path):\n    with open(path) as f:\n"
-                                      "        return f.", "\n", spm=True)
-    gen = engine.generate(prompt, GenerationParams(max_new_tokens=16, stop=("\n",), healed_prefix=healed))
+    prompt, healed = fim.build_healed(
+        "import os\n\n\ndef read_text(path):\n    with open(path) as f:\n        return f.",
+        "\n",
+        spm=True,
+    )
+    gen = engine.generate(
+        prompt, GenerationParams(max_new_tokens=16, stop=("\n",), healed_prefix=healed)
+    )
     gen.result()
-    assert gen.finish_reason in ("eos", "stop", "length") and gen.stats["new_tokens"] >= 1 and gen.text.strip()
+    assert (
+        gen.finish_reason in ("eos", "stop", "length")
+        and gen.stats["new_tokens"] >= 1
+        and gen.text.strip()
+    )
     plain = engine.generate("import os\n\n\ndef ", GenerationParams(max_new_tokens=16))
     assert plain.result().strip()  # it says something
 

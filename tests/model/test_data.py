@@ -8,8 +8,18 @@ import random
 import pytest
 
 pytest.importorskip("tokenizers")
-from engine.train.data import (DocumentEncoder, EditConfig, FimConfig, code_blocks, copy_document,  # noqa: E402
-                               edit_block, edit_document, fim_split, packed_sequences, split_segments)
+from engine.train.data import (  # noqa: E402
+    DocumentEncoder,
+    EditConfig,
+    FimConfig,
+    code_blocks,
+    copy_document,
+    edit_block,
+    edit_document,
+    fim_split,
+    packed_sequences,
+    split_segments,
+)
 from engine.train.tokenizer import build_tokenizer, list_stdlib_files, split_files  # noqa: E402
 
 SRC = "import os\n\n\ndef f(x):\n    if x:\n        return os.path.join(x, 'a')\n    return None\n"
@@ -31,8 +41,8 @@ def test_fim_split_reassembles_and_line_middles():
     for _ in range(300):
         p, m, s = fim_split(SRC, rng, line_cfg)
         assert p + m + s == SRC
-        assert "\n" not in m                       # rest of one line
-        assert s == "" or s.startswith("\n")       # the line's newline stays in the suffix
+        assert "\n" not in m  # rest of one line
+        assert s == "" or s.startswith("\n")  # the line's newline stays in the suffix
         assert p.rsplit("\n", 1)[-1].strip() or m.strip()  # cursor inside a non-blank line
     for _ in range(300):
         p, m, s = fim_split(SRC, rng)
@@ -49,8 +59,24 @@ def test_split_segments():
 def test_document_encoding_layouts(tok):
     enc = DocumentEncoder(tok, FimConfig(rate=1.0, spm_rate=0.5))
     e = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
-    assert enc.fim_ids("ab", "c", "d", spm=False) == [enc.pre, *e("ab"), enc.suf, *e("d"), enc.mid, *e("c"), enc.eos]
-    assert enc.fim_ids("ab", "c", "d", spm=True) == [enc.suf, *e("d"), enc.pre, *e("ab"), enc.mid, *e("c"), enc.eos]
+    assert enc.fim_ids("ab", "c", "d", spm=False) == [
+        enc.pre,
+        *e("ab"),
+        enc.suf,
+        *e("d"),
+        enc.mid,
+        *e("c"),
+        enc.eos,
+    ]
+    assert enc.fim_ids("ab", "c", "d", spm=True) == [
+        enc.suf,
+        *e("d"),
+        enc.pre,
+        *e("ab"),
+        enc.mid,
+        *e("c"),
+        enc.eos,
+    ]
     rng = random.Random(1)
     orders = set()
     for _ in range(40):
@@ -108,14 +134,16 @@ def join_all(root, names):
 
 def test_code_blocks_find_whole_def_and_class_blocks():
     spans = [EDIT_SRC[s:e] for s, e in code_blocks(EDIT_SRC)]
-    assert spans[0].startswith("class Cache:") and spans[0].rstrip().endswith("self._items[key] = value")
+    assert spans[0].startswith("class Cache:") and spans[0].rstrip().endswith(
+        "self._items[key] = value"
+    )
     assert "    def get(self, key, default):\n        value" in spans[1]
     assert spans[-1].startswith("def join_all(root, names):") and spans[-1].endswith("return out\n")
-    assert all(len(b.splitlines()) >= 3 for b in spans)   # "def put" has 2 lines: skipped
+    assert all(len(b.splitlines()) >= 3 for b in spans)  # "def put" has 2 lines: skipped
 
 
 def test_edit_block_keeps_the_body_and_changes_the_header():
-    block = EDIT_SRC[EDIT_SRC.index("def join_all"):]
+    block = EDIT_SRC[EDIT_SRC.index("def join_all") :]
     head0, body0 = block.split("\n", 1)
     seen = set()
     for seed in range(80):
@@ -124,7 +152,7 @@ def test_edit_block_keeps_the_body_and_changes_the_header():
             continue
         head, body = new.split("\n", 1)
         assert head != head0 and head.startswith("def ") and head.endswith(":")
-        compile(new, "<edit>", "exec")                  # still valid Python
+        compile(new, "<edit>", "exec")  # still valid Python
         if not head.startswith("def join_all("):
             seen.add("rename")
             assert body == body0
@@ -134,11 +162,13 @@ def test_edit_block_keeps_the_body_and_changes_the_header():
         elif head.count(",") == 2:
             seen.add("add_param")
             assert body == body0 and head.startswith("def join_all(root, names, ")
-        else:                                           # a parameter renamed everywhere
+        else:  # a parameter renamed everywhere
             seen.add("rename_param")
             old = "root" if "root" not in head else "names"
             assert old not in new and body != body0
-            assert body.count("root" if old == "names" else "names") == body0.count("root" if old == "names" else "names")
+            assert body.count("root" if old == "names" else "names") == body0.count(
+                "root" if old == "names" else "names"
+            )
     assert seen == {"rename", "rename_param", "hints", "add_param"}
 
 
@@ -148,25 +178,34 @@ def test_edit_document_is_context_original_then_copy(files, tok):
     originals = [EDIT_SRC[s:e] for s, e in code_blocks(EDIT_SRC)]
     original = next(b for b in originals if b in doc)
     before, after = doc.split(original, 1)
-    assert EDIT_SRC.find(before + original) >= 0        # the file's own text up to the block
+    assert EDIT_SRC.find(before + original) >= 0  # the file's own text up to the block
     assert after.lstrip("\n") != original and after.startswith("\n")
     # rate 0 leaves the training stream exactly as it was; rate 1 adds edit documents
     plain = list(itertools.islice(packed_sequences(files, tok, 64, 0), 30))
-    again = list(itertools.islice(packed_sequences(files, tok, 64, 0, edit=EditConfig(rate=0.0)), 30))
+    again = list(
+        itertools.islice(packed_sequences(files, tok, 64, 0, edit=EditConfig(rate=0.0)), 30)
+    )
     more = sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=1.0)))
     assert plain == again
     assert more > sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1))
-    assert sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=2.5))) > more
+    assert (
+        sum(1 for _ in packed_sequences(files, tok, 64, 0, epochs=1, edit=EditConfig(rate=2.5)))
+        > more
+    )
 
 
 def test_copy_document_repeats_a_shuffled_window_of_the_file():
     pool = list(range(1000, 1300))
     for seed in range(20):
         ids = copy_document(pool, random.Random(seed))
-        n = next(k for k in range(16, 97) if ids[:k] * (len(ids) // k) == ids and len(ids) // k in (2, 3))
+        n = next(
+            k for k in range(16, 97) if ids[:k] * (len(ids) // k) == ids and len(ids) // k in (2, 3)
+        )
         window = ids[:n]
-        assert sorted(window) == list(range(min(window), min(window) + n))  # a slice of the file's tokens
-        assert window != sorted(window)                                     # shuffled
+        assert sorted(window) == list(
+            range(min(window), min(window) + n)
+        )  # a slice of the file's tokens
+        assert window != sorted(window)  # shuffled
     assert copy_document(list(range(10)), random.Random(0)) is None  # too short a file
 
 
@@ -174,4 +213,4 @@ def test_copy_rate_adds_copy_documents(tok):
     text = EDIT_SRC * 4
     plain = DocumentEncoder(tok).encode_file(text, random.Random(3))
     more = DocumentEncoder(tok, edit=EditConfig(copy_rate=2.0)).encode_file(text, random.Random(3))
-    assert more[:len(plain)] == plain and len(more) > len(plain) + 2 * 16
+    assert more[: len(plain)] == plain and len(more) > len(plain) + 2 * 16

@@ -47,7 +47,9 @@ def test_mid_line_positions_hide_a_span_and_keep_the_rest_of_the_line():
         assert pos.prefix + pos.target + pos.suffix == SRC
         rest = pos.suffix.split("\n", 1)[0]
         assert pos.target.strip() and "\n" not in pos.target and rest.strip()  # text after the span
-        assert pos.prefix.rsplit("\n", 1)[-1].strip() or pos.target[0] not in " \t"  # after the indent
+        assert (
+            pos.prefix.rsplit("\n", 1)[-1].strip() or pos.target[0] not in " \t"
+        )  # after the indent
     with pytest.raises(ValueError, match="two words"):
         sample_positions({Path("b.py"): "x\n"}, 3, seed=0, mid_line=True)
 
@@ -60,14 +62,25 @@ def test_after_indent_positions_start_after_the_indentation():
 
 
 def test_gate_table_counts_what_each_threshold_would_show():
-    samples = [{"prediction": "a", "confidence": 0.9, "exact": True, "edit_similarity": 1.0},
-               {"prediction": "b", "confidence": 0.4, "exact": False, "edit_similarity": 0.5},
-               {"prediction": "", "confidence": 0.95, "exact": False, "edit_similarity": 0.0}]
+    samples = [
+        {"prediction": "a", "confidence": 0.9, "exact": True, "edit_similarity": 1.0},
+        {"prediction": "b", "confidence": 0.4, "exact": False, "edit_similarity": 0.5},
+        {"prediction": "", "confidence": 0.95, "exact": False, "edit_similarity": 0.0},
+    ]
     rows = {r["threshold"]: r for r in gate_table(samples, (0.0, 0.5, 0.99))}
     assert rows[0.0]["coverage"] == pytest.approx(2 / 3) and rows[0.0]["exact_match"] == 0.5
-    assert rows[0.5]["shown"] == 1 and rows[0.5]["exact_match"] == 1.0 and rows[0.5]["edit_similarity"] == 1.0
-    assert rows[0.99] == {"threshold": 0.99, "coverage": 0.0, "shown": 0, "exact_match": None,
-                          "edit_similarity": None}
+    assert (
+        rows[0.5]["shown"] == 1
+        and rows[0.5]["exact_match"] == 1.0
+        and rows[0.5]["edit_similarity"] == 1.0
+    )
+    assert rows[0.99] == {
+        "threshold": 0.99,
+        "coverage": 0.0,
+        "shown": 0,
+        "exact_match": None,
+        "edit_similarity": None,
+    }
 
 
 def test_resolve_files(tmp_path):
@@ -89,8 +102,22 @@ def test_eval_cli_end_to_end(tiny_llama, tmp_path, capsys):
 
     f = tmp_path / "m.py"
     f.write_text(SRC * 3)
-    rc = main(["eval", "--model", str(tiny_llama), "--files", str(f), "--n", "4", "--max-new-tokens", "4",
-               "--json", "--threads", "1"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_llama),
+            "--files",
+            str(f),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["n"] == 4 and len(res["samples"]) == 4
@@ -109,15 +136,36 @@ def test_eval_with_neighbours_context(tiny_qwen2, tmp_path, capsys):
     pkg.mkdir()
     for name in ("a", "b", "c"):
         (pkg / f"{name}.py").write_text(SRC.replace("def ", f"def {name}_") * 2)
-    rc = main(["eval", "--model", str(tiny_qwen2), "--files", str(pkg / "*.py"), "--n", "4",
-               "--max-new-tokens", "4", "--json", "--threads", "1", "--context", "neighbours",
-               "--context-tokens", "120", "--bpb-max-bytes", "2000"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_qwen2),
+            "--files",
+            str(pkg / "*.py"),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "--threads",
+            "1",
+            "--context",
+            "neighbours",
+            "--context-tokens",
+            "120",
+            "--bpb-max-bytes",
+            "2000",
+        ]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     both = res["context"]
     assert set(both) == {"without", "with"} and both["without"]["exact_match"] == res["exact_match"]
     plain, ctx = res["samples"], res["context_samples"]
-    assert [(s["file"], s["line"], s["target"]) for s in plain] == [(s["file"], s["line"], s["target"]) for s in ctx]
+    assert [(s["file"], s["line"], s["target"]) for s in plain] == [
+        (s["file"], s["line"], s["target"]) for s in ctx
+    ]
     assert all(c["prompt_tokens"] > p["prompt_tokens"] for p, c in zip(plain, ctx))
     assert all(c["prompt_tokens"] - p["prompt_tokens"] <= 120 + 16 for p, c in zip(plain, ctx))
 
@@ -138,17 +186,48 @@ def test_served_scores_the_post_processed_suggestion(tiny_llama, tmp_path, capsy
     from spark_lsp.cli import main
     from spark_lsp.commands.eval import served
 
-    pos = Position("a.py", 5, "def f(x):\n    if x:\n        return g(", "\n    return None\n", "x)")
+    pos = Position(
+        "a.py", 5, "def f(x):\n    if x:\n        return g(", "\n    return None\n", "x)"
+    )
     assert served(pos, "x)) + 1") == "x)"  # the unmatched ")" and what follows are cut
     assert served(pos, "x, " + "a, b, " * 5) == "x, a, b"  # a looping phrase is kept once
     f = tmp_path / "m.py"
     f.write_text(SRC * 3)
-    rc = main(["eval", "--model", str(tiny_llama), "--files", str(f), "--n", "4", "--max-new-tokens", "6",
-               "--json", "--threads", "1", "--served"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_llama),
+            "--files",
+            str(f),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--threads",
+            "1",
+            "--served",
+        ]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
-    raw = main(["eval", "--model", str(tiny_llama), "--files", str(f), "--n", "4", "--max-new-tokens", "6",
-                "--json", "--threads", "1"])
+    raw = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_llama),
+            "--files",
+            str(f),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--threads",
+            "1",
+        ]
+    )
     assert raw == 0
     raw = json.loads(capsys.readouterr().out)
     for s, r in zip(res["samples"], raw["samples"]):

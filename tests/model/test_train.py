@@ -14,9 +14,36 @@ pytest.importorskip("transformers")
 from engine.train import export, train  # noqa: E402
 from engine.train.tokenizer import main as tokenizer_main  # noqa: E402
 
-TOY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
-       "--context", "128", "--seq-len", "64", "--batch-size", "2", "--micro-batch", "1",
-       "--warmup-steps", "1", "--threads", "1", "--device", "cpu", "--log-every", "1", "--val-seqs", "2"]
+TOY = [
+    "--hidden",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--ffn",
+    "64",
+    "--context",
+    "128",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--micro-batch",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+    "--log-every",
+    "1",
+    "--val-seqs",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +90,20 @@ def test_bad_args(run_dir):
     with pytest.raises(SystemExit):
         train.main(["--run-dir", str(run_dir), *TOY])  # no budget
     with pytest.raises(SystemExit):
-        train.main(["--run-dir", str(run_dir), "--max-steps", "1", *TOY, "--seq-len", "512"])  # > context
+        train.main(
+            ["--run-dir", str(run_dir), "--max-steps", "1", *TOY, "--seq-len", "512"]
+        )  # > context
     with pytest.raises(SystemExit):
-        train.main(["--run-dir", str(run_dir), "--max-steps", "1", *TOY, "--batch-size", "3", "--micro-batch", "2"])
+        train.main(
+            [
+                "--run-dir",
+                str(run_dir),
+                "--max-steps",
+                "1",
+                *TOY,
+                "--batch-size",
+                "3",
+                "--micro-batch",
+                "2",
+            ]
+        )

@@ -22,10 +22,16 @@ SERVER = [sys.executable, "-m", "spark_lsp.commands.serve", "--stdio"]
 # tunePrecision: the one test of the background precision job turns it on (test_precision_job.py)
 # minConfidence 0: these tests are about the machinery, and a random model's suggestions would all be
 # hidden by the confidence gate (test_confidence_gate.py tests the gate)
-OPTIONS = {"contextTokens": 192, "maxTokens": 24, "maxEditTokens": 96, "liveEdits": False,
-           "tunePrecision": False, "minConfidence": 0}
+OPTIONS = {
+    "contextTokens": 192,
+    "maxTokens": 24,
+    "maxEditTokens": 96,
+    "liveEdits": False,
+    "tunePrecision": False,
+    "minConfidence": 0,
+}
 
-SAMPLE = '''import os
+SAMPLE = """import os
 
 
 def add(a, b):
@@ -42,7 +48,7 @@ def scale(values, factor):
 def main():
     total = add(1, 2)
     print(total)
-'''
+"""
 
 
 class Editor:
@@ -58,8 +64,11 @@ class Editor:
 
     def open(self, uri: str, text: str) -> None:
         self.docs[uri] = [text, 1]
-        self.client.text_document_did_open(T.DidOpenTextDocumentParams(
-            T.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)))
+        self.client.text_document_did_open(
+            T.DidOpenTextDocumentParams(
+                T.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)
+            )
+        )
 
     def text(self, uri: str) -> str:
         return self.docs[uri][0]
@@ -75,9 +84,12 @@ class Editor:
             e = offset_at(doc[0], rng.end.line, rng.end.character)
             doc[0] = apply_edits(doc[0], [Edit(s, e, new)])
         doc[1] += 1
-        self.client.text_document_did_change(T.DidChangeTextDocumentParams(
-            T.VersionedTextDocumentIdentifier(uri=uri, version=doc[1]),
-            [T.TextDocumentContentChangePartial(range=r, text=t) for r, t in edits]))
+        self.client.text_document_did_change(
+            T.DidChangeTextDocumentParams(
+                T.VersionedTextDocumentIdentifier(uri=uri, version=doc[1]),
+                [T.TextDocumentContentChangePartial(range=r, text=t) for r, t in edits],
+            )
+        )
 
     def type(self, uri: str, offset: int, s: str) -> int:
         p = self.pos(uri, offset)
@@ -85,25 +97,39 @@ class Editor:
         return offset + len(s)
 
     def inline(self, uri: str, offset: int, trigger=T.InlineCompletionTriggerKind.Automatic):
-        return self.client.text_document_inline_completion_async(T.InlineCompletionParams(
-            text_document=T.TextDocumentIdentifier(uri=uri), position=self.pos(uri, offset),
-            context=T.InlineCompletionContext(trigger_kind=trigger)))
+        return self.client.text_document_inline_completion_async(
+            T.InlineCompletionParams(
+                text_document=T.TextDocumentIdentifier(uri=uri),
+                position=self.pos(uri, offset),
+                context=T.InlineCompletionContext(trigger_kind=trigger),
+            )
+        )
 
     def start_inline(self, uri: str, offset: int, trigger=T.InlineCompletionTriggerKind.Invoked):
         """Send an inline request now; returns (id, awaitable) so the test can cancel it."""
         import uuid
+
         mid = str(uuid.uuid4())
-        fut = self.client.protocol.send_request(T.TEXT_DOCUMENT_INLINE_COMPLETION, T.InlineCompletionParams(
-            text_document=T.TextDocumentIdentifier(uri=uri), position=self.pos(uri, offset),
-            context=T.InlineCompletionContext(trigger_kind=trigger)), msg_id=mid)
+        fut = self.client.protocol.send_request(
+            T.TEXT_DOCUMENT_INLINE_COMPLETION,
+            T.InlineCompletionParams(
+                text_document=T.TextDocumentIdentifier(uri=uri),
+                position=self.pos(uri, offset),
+                context=T.InlineCompletionContext(trigger_kind=trigger),
+            ),
+            msg_id=mid,
+        )
         return mid, asyncio.wrap_future(fut)
 
     async def metrics(self) -> dict:
         return plain(await self.client.protocol.send_request_async("spark/metrics", {}))
 
     async def command(self, name: str, *args):
-        return plain(await self.client.workspace_execute_command_async(
-            T.ExecuteCommandParams(command=name, arguments=list(args))))
+        return plain(
+            await self.client.workspace_execute_command_async(
+                T.ExecuteCommandParams(command=name, arguments=list(args))
+            )
+        )
 
 
 def plain(obj):
@@ -129,12 +155,15 @@ async def start_editor(model_dir, options=None, transport=None, capabilities=Non
             if version is not None and ed.docs[dc.text_document.uri][1] != version:
                 return T.ApplyWorkspaceEditResult(applied=False, failure_reason="version mismatch")
         groups = list((params.edit.changes or {}).items()) + [
-            (dc.text_document.uri, dc.edits) for dc in params.edit.document_changes or []]
+            (dc.text_document.uri, dc.edits) for dc in params.edit.document_changes or []
+        ]
         for uri, edits in groups:
             if ed.eol is None:
                 ed.change(uri, [(e.range, e.new_text) for e in edits])
             else:
-                ed.change(uri, [(e.range, re.sub(r"\r\n|\r|\n", ed.eol, e.new_text)) for e in edits])
+                ed.change(
+                    uri, [(e.range, re.sub(r"\r\n|\r|\n", ed.eol, e.new_text)) for e in edits]
+                )
             ed.applied.append(params)
             if ed.after_apply is not None:
                 ed.after_apply(uri)
@@ -148,9 +177,12 @@ async def start_editor(model_dir, options=None, transport=None, capabilities=Non
         await client.start_io(*SERVER, "--model", str(model_dir))
     else:
         await transport(client)
-    await client.initialize_session(T.InitializeParams(
-        capabilities=capabilities or client_capabilities("visual-studio-code"),
-        initialization_options={**OPTIONS, **(options or {})}))
+    await client.initialize_session(
+        T.InitializeParams(
+            capabilities=capabilities or client_capabilities("visual-studio-code"),
+            initialization_options={**OPTIONS, **(options or {})},
+        )
+    )
     for _ in range(600):
         m = await ed.metrics()
         if m["loaded"] or m["loadError"]:

@@ -102,8 +102,16 @@ def test_only_the_first_line_counts_in_a_multi_line_suggestion():
     text = "def area(w, h):\n    "
     loop = asyncio.new_event_loop()
     try:
-        res = completions.complete(model, _Builder(), Job("doc", lambda j: None, loop), text, len(text),
-                                   Settings(min_confidence=0.5), completions.AUTOMATIC, GenerationParams)
+        res = completions.complete(
+            model,
+            _Builder(),
+            Job("doc", lambda j: None, loop),
+            text,
+            len(text),
+            Settings(min_confidence=0.5),
+            completions.AUTOMATIC,
+            GenerationParams,
+        )
     finally:
         loop.close()
     assert res.stats["multiline"] and math.isclose(res.stats["confidence"], 0.8)
@@ -116,7 +124,9 @@ def test_no_gate_asks_for_no_logprobs_and_a_model_without_them_is_not_gated():
     assert Settings().min_confidence == 1e-6  # the default: see docs/suggestions.md
 
     class NoLogprobs(_Model):  # e.g. a remote backend that does not report them
-        def generate(self, ids, params, slot, cancel=None, speculative=False, draft=None, text=None):
+        def generate(
+            self, ids, params, slot, cancel=None, speculative=False, draft=None, text=None
+        ):
             return _Gen([Chunk(0, self.text)])
 
     res = _complete(NoLogprobs("w * h", (0.1, 0.1)), completions.AUTOMATIC, 0.9)

@@ -23,6 +23,7 @@ def eng(tiny_llama):
 
 def _script(monkeypatch, ids):
     """Make every Generation sample `ids` in order (then keep repeating the last one)."""
+
     class Scripted:
         greedy = False  # a speculative generation falls back to plain decoding
 
@@ -33,10 +34,13 @@ def _script(monkeypatch, ids):
             tok = ids[min(self.i, len(ids) - 1)]
             self.i += 1
             return tok
+
     monkeypatch.setattr(generate_mod, "Sampler", Scripted)
 
 
-@pytest.mark.parametrize("name", ["<fim_suffix>", "<fim_prefix>", "<fim_middle>", "<file_sep>", "<pad>"])
+@pytest.mark.parametrize(
+    "name", ["<fim_suffix>", "<fim_prefix>", "<fim_middle>", "<file_sep>", "<pad>"]
+)
 def test_generation_stops_at_control_tokens(eng, monkeypatch, name):
     tok = eng.tokenizer
     text_ids = tok.encode('    """Add two numbers.')
@@ -65,13 +69,17 @@ def test_ignore_eos_still_generates_past_control_tokens(eng, monkeypatch):
     tok = eng.tokenizer
     special = tok.special_tokens["<fim_suffix>"]
     _script(monkeypatch, [special] * 3)
-    gen = eng.generate("x = ", GenerationParams(max_new_tokens=3, ignore_eos=True, stop_ids=[special]))
+    gen = eng.generate(
+        "x = ", GenerationParams(max_new_tokens=3, ignore_eos=True, stop_ids=[special])
+    )
     gen.result()
     assert gen.tokens == [special] * 3 and gen.finish_reason == "length"
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_completion_and_docstring_action_never_contain_control_tokens(eng, monkeypatch, speculative):
+def test_completion_and_docstring_action_never_contain_control_tokens(
+    eng, monkeypatch, speculative
+):
     tok = eng.tokenizer
     builder = PromptBuilder(tok)
     body = tok.encode("Return the sum.")
@@ -79,12 +87,29 @@ def test_completion_and_docstring_action_never_contain_control_tokens(eng, monke
     src = "def add(a, b):\n    return a + b\n"
     loop = asyncio.new_event_loop()
     try:
-        settings = Settings(max_tokens=24, context_tokens=256, speculative=speculative, min_confidence=0.0)
-        res = completions.complete(LocalModel(eng), builder, Job("doc", lambda j: None, loop), src, len(src) - 1, settings,
-                                   completions.INVOKED, GenerationParams)
+        settings = Settings(
+            max_tokens=24, context_tokens=256, speculative=speculative, min_confidence=0.0
+        )
+        res = completions.complete(
+            LocalModel(eng),
+            builder,
+            Job("doc", lambda j: None, loop),
+            src,
+            len(src) - 1,
+            settings,
+            completions.INVOKED,
+            GenerationParams,
+        )
         p = actions.plan(actions.DOCSTRING, src, src.index("return"), src.index("return"), 1, 64)
-        region, _ = actions.run_plan(LocalModel(eng), builder, Job("edit", lambda j: None, loop), p, GenerationParams, 256,
-                                    speculative=speculative)
+        region, _ = actions.run_plan(
+            LocalModel(eng),
+            builder,
+            Job("edit", lambda j: None, loop),
+            p,
+            GenerationParams,
+            256,
+            speculative=speculative,
+        )
     finally:
         loop.close()
     for out in (*res.items, region):

@@ -9,8 +9,17 @@ import time
 import pytest
 
 from spark_lsp import actions, completions, postprocess
-from spark_lsp.documents import (Pos, PositionError, apply_edits, minimal_edit, minimal_edits, offset_at,
-                                 position_at, split_lines, utf16_len)
+from spark_lsp.documents import (
+    Pos,
+    PositionError,
+    apply_edits,
+    minimal_edit,
+    minimal_edits,
+    offset_at,
+    position_at,
+    split_lines,
+    utf16_len,
+)
 from spark_lsp.live_edits import LiveEdit, frame
 from spark_lsp.model_host import LocalModel
 from spark_lsp.prompt import PromptBuilder
@@ -54,16 +63,29 @@ def test_minimal_edits_touch_only_changed_lines():
 
 # -- settings -------------------------------------------------------------------------------------
 def test_settings_validate_and_name_the_field():
-    s, warnings = update(Settings(), {"spark": {"maxTokens": 32, "liveEdits": False, "waferRegion": "4x8"}})
+    s, warnings = update(
+        Settings(), {"spark": {"maxTokens": 32, "liveEdits": False, "waferRegion": "4x8"}}
+    )
     assert (s.max_tokens, s.live_edits, s.wafer_region) == (32, False, (4, 8)) and not warnings
-    renamed, warnings = update(s, {"waferGrid": [2, 3]})  # its former name still works, with a warning
-    assert renamed.wafer_region == (2, 3) and "'waferGrid' is now called 'waferRegion'" in warnings[0]
+    renamed, warnings = update(
+        s, {"waferGrid": [2, 3]}
+    )  # its former name still works, with a warning
+    assert (
+        renamed.wafer_region == (2, 3) and "'waferGrid' is now called 'waferRegion'" in warnings[0]
+    )
     assert update(s, {"max_tokens": 7})[0].max_tokens == 7
-    assert Settings().precision == "auto" and update(s, {"precision": "int8"})[0].precision == "int8"
+    assert (
+        Settings().precision == "auto" and update(s, {"precision": "int8"})[0].precision == "int8"
+    )
     assert "ignored unknown setting" in update(s, {"colour": 1})[1][0]
-    for bad, name in (({"maxTokens": -1}, "maxTokens"), ({"temperature": "hot"}, "temperature"),
-                      ({"liveEdits": 1}, "liveEdits"), ({"waferGrid": [0, 2]}, "waferGrid"),
-                      ({"contextTokens": 1.5}, "contextTokens"), ({"precision": "fp8"}, "precision")):
+    for bad, name in (
+        ({"maxTokens": -1}, "maxTokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"liveEdits": 1}, "liveEdits"),
+        ({"waferGrid": [0, 2]}, "waferGrid"),
+        ({"contextTokens": 1.5}, "contextTokens"),
+        ({"precision": "fp8"}, "precision"),
+    ):
         with pytest.raises(SettingsError, match=name):
             update(s, bad)
     with pytest.raises(SettingsError):
@@ -104,22 +126,34 @@ def test_multiline_stops_at_block_end_and_at_next_line_repeat():
 def test_python_block_stops_at_an_unexpected_indent():
     py = postprocess.Context("    ", "", (), ("def test_scale():",), python=True)
     raw = "n = 1\n        for item in items:\n            pass\n"
-    assert postprocess.clean(raw, py, multiline=True) == "n = 1"  # the deeper `for` is a syntax error
+    assert (
+        postprocess.clean(raw, py, multiline=True) == "n = 1"
+    )  # the deeper `for` is a syntax error
     # deeper lines that Python allows: after a colon, inside brackets, a backslash or a docstring
-    ok = ('if n:\n        total = f(a,\n              b)\n        x = 1 + \\\n            2\n'
-          '        s = """doc\n              more"""\n        return s')
+    ok = (
+        "if n:\n        total = f(a,\n              b)\n        x = 1 + \\\n            2\n"
+        '        s = """doc\n              more"""\n        return s'
+    )
     assert postprocess.clean(ok, py, multiline=True) == ok
     # other languages indent continuations freely: the rule is Python's only
     js = postprocess.Context("    ", "", (), ("function f() {",))
-    assert postprocess.clean("items\n        .map(g)\n", js, multiline=True) == "items\n        .map(g)"
+    assert (
+        postprocess.clean("items\n        .map(g)\n", js, multiline=True)
+        == "items\n        .map(g)"
+    )
     assert postprocess.clean("n = 1\n        for x in y:", py, multiline=True) == "n = 1"
     # a "#" inside a string is not a comment: the colon after it still opens the block
     hashed = 'if c == "#":\n        skip()'
     assert postprocess.clean(hashed, py, multiline=True) == hashed
     # a bracket opened on an earlier line may be closed by the suggestion (arguments over lines),
     # also when the lines before start with a docstring's closing quotes
-    call = postprocess.Context("        refold_binar", "", (), ('        """', "        folded = self._fold(name,"),
-                               python=True)
+    call = postprocess.Context(
+        "        refold_binar",
+        "",
+        (),
+        ('        """', "        folded = self._fold(name,"),
+        python=True,
+    )
     assert postprocess.clean("y=False)", call, multiline=False) == "y=False)"
     assert postprocess.clean("y=False))", call, multiline=False) == "y=False)"
     # brackets in a docstring's prose are text, on every line of it, not unmatched closers
@@ -132,28 +166,49 @@ def test_loops_are_kept_once_and_stop_generation():
     # a line repeated (at any indentation) four times is kept once, a run of lines three times too
     raw = "self._items = []\n    self._items = []\n    self._items = []\n    self._items = []\n"
     assert postprocess.clean(raw, py, multiline=True) == "self._items = []"
-    assert postprocess.clean("a = 1\n    b = 2\n" * 3 + "    c = 3", py, multiline=True) == "a = 1\n    b = 2"
+    assert (
+        postprocess.clean("a = 1\n    b = 2\n" * 3 + "    c = 3", py, multiline=True)
+        == "a = 1\n    b = 2"
+    )
     # a phrase looping inside a line: the text before its first repeat stays
     line = "Return the average of values of values of values of values of values"
-    assert postprocess.clean(line, postprocess.Context("", ""), multiline=False) == "Return the average of values"
-    assert postprocess.cut_loops('"""' + line + '\n    more') == '"""Return the average of values'
+    assert (
+        postprocess.clean(line, postprocess.Context("", ""), multiline=False)
+        == "Return the average of values"
+    )
+    assert postprocess.cut_loops('"""' + line + "\n    more") == '"""Return the average of values'
     # repetition that is code, not a loop: one word or none, or too few repeats
-    for ok in ("x = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]", "# " + "-" * 40, "f(a, b) + f(a, b) + f(a, b)",
-               "if a:\n        f()\n    }\n  }\n}", "next(f)\nnext(f)\nx = 1"):
+    for ok in (
+        "x = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]",
+        "# " + "-" * 40,
+        "f(a, b) + f(a, b) + f(a, b)",
+        "if a:\n        f()\n    }\n  }\n}",
+        "next(f)\nnext(f)\nx = 1",
+    ):
         assert postprocess.cut_loops(ok) == ok
         assert not postprocess.ends_in_loop(ok)
-    assert postprocess.clean("x = [0, 0, 0, 0, 0, 0, 0, 0]", postprocess.Context("", ""), multiline=False) \
+    assert (
+        postprocess.clean(
+            "x = [0, 0, 0, 0, 0, 0, 0, 0]", postprocess.Context("", ""), multiline=False
+        )
         == "x = [0, 0, 0, 0, 0, 0, 0, 0]"
+    )
     # streaming: generation stops as soon as a loop completes, not before
-    assert postprocess.ends_in_loop("the bunch of " * 4) and not postprocess.ends_in_loop("the bunch of " * 3)
+    assert postprocess.ends_in_loop("the bunch of " * 4) and not postprocess.ends_in_loop(
+        "the bunch of " * 3
+    )
     assert postprocess.block_done("n = 1\n    n = 1\n    n = 1\n    n = 1\n", py, 12)
-    assert not postprocess.block_done("n = 1\n    n = 1\n    n = 1\n", py, 12)  # tests repeat a line thrice
+    assert not postprocess.block_done(
+        "n = 1\n    n = 1\n    n = 1\n", py, 12
+    )  # tests repeat a line thrice
     assert postprocess.block_done("a()\n    b()\n" * 3, py, 12)
     # code actions stop at loops too; a rewrite cut short by one is not the whole rewrite: refused
     p = actions.plan(actions.REWRITE, "x = 1\ny = 2\n", 0, 6, 0, 64)
     with pytest.raises(actions.ActionError, match="loop"):
         p.finish("x = 1\nx = 1\nx = 1\nx = 1\n")
-    assert p.judge("x = 1\nx = 1\nx = 1\nx = 1\n")[1].startswith("the model's rewrite went into a loop")
+    assert p.judge("x = 1\nx = 1\nx = 1\nx = 1\n")[1].startswith(
+        "the model's rewrite went into a loop"
+    )
     assert actions.generated_is_done(p, "x = 1\nx = 1\nx = 1\nx = 1\n")
 
 
@@ -165,9 +220,9 @@ def test_typing_through_serves_the_rest_of_the_suggestion():
     tt.remember("u", text, off, ["a, b)", "c)"])
     typed = text[:off] + "a, " + text[off:]
     assert tt.answer("u", typed, off + 3) == ["b)"]
-    assert tt.answer("u", text[:off] + "q" + text[off:], off + 1) is None       # diverged
-    assert tt.answer("u", typed + "#", off + 3) is None                          # other edit too
-    assert tt.answer("u", text[:off] + "a, b)" + text[off:], off + 5) is None    # fully typed
+    assert tt.answer("u", text[:off] + "q" + text[off:], off + 1) is None  # diverged
+    assert tt.answer("u", typed + "#", off + 3) is None  # other edit too
+    assert tt.answer("u", text[:off] + "a, b)" + text[off:], off + 5) is None  # fully typed
     assert tt.answer("other", typed, off + 3) is None
 
 
@@ -175,6 +230,7 @@ def test_typing_through_serves_the_rest_of_the_suggestion():
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
     from engine.tokenizer import Tokenizer
+
     return Tokenizer.load(tiny_llama)
 
 
@@ -190,10 +246,12 @@ def test_prompt_is_spm_and_stable_while_typing(tokenizer):
     assert len(p1.ids) <= 256 + 8
     text2 = text[:off] + "u" + text[off:]
     p2 = b.build(text2, off + 1, 256, key="doc")
-    assert p2.prefix_start == p1.prefix_start > 0                   # anchored window
+    assert p2.prefix_start == p1.prefix_start > 0  # anchored window
     # (token healing may leave both prompts equal: the typed word is generated, not prompted)
-    common = next((i for i, (x, y) in enumerate(zip(p1.ids, p2.ids)) if x != y), min(len(p1.ids), len(p2.ids)))
-    assert common >= len(p1.ids) - 4                                # only the tail re-prefills
+    common = next(
+        (i for i, (x, y) in enumerate(zip(p1.ids, p2.ids)) if x != y), min(len(p1.ids), len(p2.ids))
+    )
+    assert common >= len(p1.ids) - 4  # only the tail re-prefills
 
 
 def test_build_parts_keeps_text_near_the_middle(tokenizer):
@@ -209,9 +267,14 @@ def test_build_parts_healed_heals_only_a_final_line_break(tokenizer):
     prefix, suffix = "class A:\n    def f(self):\n", "\n\nx = 1\n"
     ids, healed = b.build_parts_healed(prefix, suffix, 200)
     assert healed == "\n" and ids == b.build_parts(prefix[:-1], suffix, 200)
-    assert b.build_parts_healed("x = values.app", suffix, 200) == (b.build_parts("x = values.app", suffix, 200), "")
-    assert PromptBuilder(tokenizer, heal=False).build_parts_healed(prefix, suffix, 200) == \
-        (b.build_parts(prefix, suffix, 200), "")
+    assert b.build_parts_healed("x = values.app", suffix, 200) == (
+        b.build_parts("x = values.app", suffix, 200),
+        "",
+    )
+    assert PromptBuilder(tokenizer, heal=False).build_parts_healed(prefix, suffix, 200) == (
+        b.build_parts(prefix, suffix, 200),
+        "",
+    )
 
 
 # -- live edits -----------------------------------------------------------------------------------
@@ -251,7 +314,9 @@ def test_action_plans():
     assert d.region_text('Add two numbers."""junk', final=True) == '    """Add two numbers."""\n'
     t = actions.plan(actions.TEST, SRC, 0, 0, line, 100)
     assert t.start == len(SRC) and t.prefix.endswith("def test_add():\n    ")
-    assert t.region_text("assert add(1, 2) == 3\n\n\nprint()", final=True).endswith("    assert add(1, 2) == 3\n")
+    assert t.region_text("assert add(1, 2) == 3\n\n\nprint()", final=True).endswith(
+        "    assert add(1, 2) == 3\n"
+    )
     s, e = SRC.index("def main"), len(SRC)
     i = actions.plan(actions.INSTRUCT, SRC, s, e, 7, 100, instruction="print the sum twice")
     assert i.prefix.endswith("# print the sum twice\n") and i.suffix == ""
@@ -271,14 +336,24 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
     def scripted(*outputs):
         leads = []
 
-        def fake_generate(model, job, ids, params, done=None, on_text=None, speculative=False, draft=None,
-                          text_prompt=None):
+        def fake_generate(
+            model,
+            job,
+            ids,
+            params,
+            done=None,
+            on_text=None,
+            speculative=False,
+            draft=None,
+            text_prompt=None,
+        ):
             leads.append(params.healed_prefix)  # generated but not emitted: the runner puts it back
             text = outputs[min(len(leads), len(outputs)) - 1]
             if on_text is not None:
                 on_text(text)
             return text, {"new_tokens": 3}, "stop"
             yield  # a step generator
+
         monkeypatch.setattr(completions, "generate_steps", fake_generate)
         return leads
 
@@ -293,20 +368,27 @@ def test_empty_docstring_is_asked_again_starting_on_the_next_line(monkeypatch):
 
     monkeypatch.setattr(completions, "control_ids", lambda b: frozenset())
     leads, streamed = scripted(" ", "Add two numbers.\n    "), []
-    region, stats = actions.run_plan(None, Builder(), None, d, GenerationParams, 256, on_text=streamed.append)
+    region, stats = actions.run_plan(
+        None, Builder(), None, d, GenerationParams, 256, on_text=streamed.append
+    )
     assert leads == ["", "\n    "]
     assert region == '    """\n    Add two numbers.\n    """\n'
     assert streamed[-1] == "\n    Add two numbers.\n    " and stats["finish_reason"] == "stop"
     # A docstring written on the first pass is not asked again.
     leads = scripted("Add two numbers.")
-    assert actions.run_plan(None, Builder(), None, d, GenerationParams, 256)[0] == '    """Add two numbers."""\n'
+    assert (
+        actions.run_plan(None, Builder(), None, d, GenerationParams, 256)[0]
+        == '    """Add two numbers."""\n'
+    )
     assert leads == [""]
     # Still empty after the second pass: the clear error, no third pass.
     leads = scripted(" ", "")
     with pytest.raises(actions.ActionError, match="empty docstring"):
         actions.run_plan(None, Builder(), None, d, GenerationParams, 256)
     assert len(leads) == 2
-    assert actions.plan(actions.TEST, SRC, 0, 0, line, 100).retry_lead == ""  # other plans never retry
+    assert (
+        actions.plan(actions.TEST, SRC, 0, 0, line, 100).retry_lead == ""
+    )  # other plans never retry
 
 
 # -- scheduler ------------------------------------------------------------------------------------
@@ -340,14 +422,16 @@ async def test_scheduler_supersedes_cancels_and_is_fair():
         sched.submit(first)
         await asyncio.sleep(0.05)
         second = Job("a", lambda j: "second", loop)
-        sched.submit(second)                                  # supersedes the running one
+        sched.submit(second)  # supersedes the running one
         with pytest.raises(Cancelled, match="superseded"):
             await first.future
         assert await second.future == "second"
         assert sched.cancel_latencies_ms  # the stop was timed
 
         order = []
-        jobs = [Job(k, (lambda k: lambda j: order.append(k))(k), loop) for k in ("x", "y", "x", "z")]
+        jobs = [
+            Job(k, (lambda k: lambda j: order.append(k))(k), loop) for k in ("x", "y", "x", "z")
+        ]
         blocker = Job("b", lambda j: time.sleep(0.05), loop)
         sched.submit(blocker)
         for j in jobs:
@@ -372,8 +456,10 @@ async def test_scheduler_supersedes_cancels_and_is_fair():
 
 
 # -- chat-template instruction edits --------------------------------------------------------------
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_chat_prompt_and_code_extraction(tmp_path):
@@ -383,16 +469,31 @@ def test_chat_prompt_and_code_extraction(tmp_path):
 
     from spark_lsp import chat
 
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    assert chat.load_chat_template(tmp_path, "coder-base", has_fim=True) is None   # base FIM model
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"})
+    )
+    assert chat.load_chat_template(tmp_path, "coder-base", has_fim=True) is None  # base FIM model
     tpl = chat.load_chat_template(tmp_path, "coder-instruct", has_fim=True)
     assert tpl is not None
-    p = actions.plan(actions.INSTRUCT, SRC, SRC.index("def main"), len(SRC), 7, 200,
-                     instruction="print twice", chat=tpl)
-    assert p.prompt_text.startswith("<|im_start|>system\n") and p.prompt_text.endswith("<|im_start|>assistant\n")
+    p = actions.plan(
+        actions.INSTRUCT,
+        SRC,
+        SRC.index("def main"),
+        len(SRC),
+        7,
+        200,
+        instruction="print twice",
+        chat=tpl,
+    )
+    assert p.prompt_text.startswith("<|im_start|>system\n") and p.prompt_text.endswith(
+        "<|im_start|>assistant\n"
+    )
     assert "print twice" in p.prompt_text and "def main():" in p.prompt_text
     reply = "```python\ndef main():\n    print(add(1, 2))\n    print(add(1, 2))\n```\nDone."
-    assert p.region_text(reply, final=True) == "def main():\n    print(add(1, 2))\n    print(add(1, 2))\n"
+    assert (
+        p.region_text(reply, final=True)
+        == "def main():\n    print(add(1, 2))\n    print(add(1, 2))\n"
+    )
     assert p.region_text("```python\ndef ma", final=False) == "def ma"
     assert p.region_text("``", final=False) == ""
     assert p.done(reply) and not p.done("```python\ndef")
@@ -404,18 +505,25 @@ def test_inflight_is_joined_only_by_typing_what_the_model_writes():
     inf.partial = "a, b)"
     typed = "x = foo(a,\nz = 1\n"
     assert inf.typed(typed) == "a," and inf.followed_by(typed) == "a,"
-    assert inf.followed_by("x = foo(q\nz = 1\n") is None          # not what the model writes
-    assert inf.followed_by("x = foo(a,\nz = 2\n") is None         # another change elsewhere
+    assert inf.followed_by("x = foo(q\nz = 1\n") is None  # not what the model writes
+    assert inf.followed_by("x = foo(a,\nz = 2\n") is None  # another change elsewhere
     assert inf.followed_by("x = foo(a, b) + 1\nz = 1\n") is None  # ahead of the output so far
-    assert inf.typed("x = foo\nz = 1\n") is None                  # deletion
+    assert inf.typed("x = foo\nz = 1\n") is None  # deletion
 
 
 def test_utf8_and_utf32_position_encodings():
     text = "s = 'é😀'\nt = 1\n"
-    assert utf16_len("é😀", "utf-8") == 6 and utf16_len("é😀", "utf-32") == 2 and utf16_len("é😀") == 3
+    assert (
+        utf16_len("é😀", "utf-8") == 6 and utf16_len("é😀", "utf-32") == 2 and utf16_len("é😀") == 3
+    )
     end8 = offset_at(text, 0, 12, enc="utf-8")
-    assert text[end8 - 1] == "'" and end8 == offset_at(text, 0, 9) == offset_at(text, 0, 8, enc="utf-32") == 8
-    assert position_at(text, end8, "utf-8") == Pos(0, 12) and position_at(text, end8, "utf-32") == Pos(0, 8)
+    assert (
+        text[end8 - 1] == "'"
+        and end8 == offset_at(text, 0, 9) == offset_at(text, 0, 8, enc="utf-32") == 8
+    )
+    assert position_at(text, end8, "utf-8") == Pos(0, 12) and position_at(
+        text, end8, "utf-32"
+    ) == Pos(0, 8)
     assert offset_at(text, 0, 10) == 8  # past the end in UTF-16 units (its end), inside in UTF-8
 
 
@@ -431,17 +539,32 @@ def test_speculative_completions_and_rewrites_match_plain_greedy(tiny_llama):
             out = []
             for spec in (False, True):
                 job = Job(f"doc-{spec}", lambda j: None, loop)
-                settings = Settings(speculative=spec, max_tokens=24, context_tokens=256, min_confidence=0.0)
-                out.append(completions.complete(LocalModel(eng), builder, job, src, off, settings, completions.AUTOMATIC,
-                                                GenerationParams).items)
+                settings = Settings(
+                    speculative=spec, max_tokens=24, context_tokens=256, min_confidence=0.0
+                )
+                out.append(
+                    completions.complete(
+                        LocalModel(eng),
+                        builder,
+                        job,
+                        src,
+                        off,
+                        settings,
+                        completions.AUTOMATIC,
+                        GenerationParams,
+                    ).items
+                )
             assert out[0] == out[1]
         p = actions.plan(actions.REWRITE, src, src.index("def main"), len(src), 0, 64)
         texts = []
         for spec in (False, True):
             job = Job(f"edit-{spec}", lambda j: None, loop)
             try:  # a random model's rewrite is usually refused by the checks: the same way both times
-                texts.append(actions.run_plan(LocalModel(eng), builder, job, p, GenerationParams, 256,
-                                              speculative=spec)[0])
+                texts.append(
+                    actions.run_plan(
+                        LocalModel(eng), builder, job, p, GenerationParams, 256, speculative=spec
+                    )[0]
+                )
             except actions.ActionError as exc:
                 texts.append(str(exc))
         assert texts[0] == texts[1]
@@ -456,12 +579,14 @@ async def test_generator_jobs_take_turns_step_by_step():
 
     def steps(name, n):
         def fn(job):
-            for i in range(n):
+            for _ in range(n):
                 trace.append(name)
                 time.sleep(0.001)  # a decode step
                 yield
             return name
+
         return fn
+
     try:
         long = Job("edit", steps("E", 200), loop, kind="edit")
         sched.submit(long)
@@ -472,7 +597,7 @@ async def test_generator_jobs_take_turns_step_by_step():
         assert await long.future == "E"
         first_c = trace.index("C")
         # the short job did not wait for the long one to finish, and they alternated
-        assert first_c < len(trace) - 3 and trace[first_c:first_c + 6].count("C") == 3
+        assert first_c < len(trace) - 3 and trace[first_c : first_c + 6].count("C") == 3
         # a job superseding a running generator job of the same key waits for it to stop
         old = Job("doc", steps("O", 10_000), loop)
         sched.submit(old)
@@ -504,17 +629,30 @@ class _VocabTokenizer:
         return [1000 + ord(c) for c in text]
 
 
-@pytest.mark.parametrize("specials, spm", [
-    (["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<file_sep>"], True),   # ours / StarCoder
-    (["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"], False),  # Qwen2.5-Coder
-    (["</s>", "▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"], False),                                # CodeLlama
-])
+@pytest.mark.parametrize(
+    "specials, spm",
+    [
+        (
+            ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<file_sep>"],
+            True,
+        ),  # ours / StarCoder
+        (
+            ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"],
+            False,
+        ),  # Qwen2.5-Coder
+        (["</s>", "▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"], False),  # CodeLlama
+    ],
+)
 def test_fim_layout_follows_the_tokenizer(specials, spm):
     tok = _VocabTokenizer(specials)
     b = PromptBuilder(tok)
     assert b.fim is not None and b.spm is spm
     p = b.build("ab\ncd\n", 4, 100)
-    pre, suf, mid = tok.token_to_id(specials[1]), tok.token_to_id(specials[3]), tok.token_to_id(specials[2])
+    pre, suf, mid = (
+        tok.token_to_id(specials[1]),
+        tok.token_to_id(specials[3]),
+        tok.token_to_id(specials[2]),
+    )
     enc = tok.encode
     if spm:
         assert p.ids == [suf, *enc("d\n"), pre, *enc("ab\nc"), mid]

@@ -236,7 +236,15 @@ def _scripted(monkeypatch, *outputs):
     calls = []
 
     def fake_generate(
-        engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None, text_prompt=None
+        engine,
+        job,
+        ids,
+        params,
+        done=None,
+        on_text=None,
+        speculative=False,
+        draft=None,
+        text_prompt=None,
     ):
         calls.append(params)
         text = outputs[min(len(calls), len(outputs)) - 1]

@@ -43,19 +43,44 @@ def test_lifecycle_violations_get_the_specified_errors(tiny_llama):
     try:
         # before initialize: requests -32002, notifications dropped
         assert _code(c, "spark/metrics", {}) == -32002
-        assert _code(c, "textDocument/inlineCompletion", {
-            "textDocument": {"uri": URI}, "position": {"line": 0, "character": 0},
-            "context": {"triggerKind": 1}}) == -32002
-        c.notify("textDocument/didOpen", {"textDocument": {"uri": URI, "languageId": "python",
-                                                           "version": 1, "text": SRC}})
+        assert (
+            _code(
+                c,
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": URI},
+                    "position": {"line": 0, "character": 0},
+                    "context": {"triggerKind": 1},
+                },
+            )
+            == -32002
+        )
+        c.notify(
+            "textDocument/didOpen",
+            {"textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": SRC}},
+        )
         c.initialize({"contextTokens": 128, "maxTokens": 8})
         # the didOpen before initialize was dropped
-        assert _code(c, "textDocument/codeAction", {
-            "textDocument": {"uri": URI}, "range": {"start": {"line": 0, "character": 0},
-                                                    "end": {"line": 0, "character": 0}},
-            "context": {"diagnostics": []}}) == -32602
+        assert (
+            _code(
+                c,
+                "textDocument/codeAction",
+                {
+                    "textDocument": {"uri": URI},
+                    "range": {
+                        "start": {"line": 0, "character": 0},
+                        "end": {"line": 0, "character": 0},
+                    },
+                    "context": {"diagnostics": []},
+                },
+            )
+            == -32602
+        )
         # a second initialize
-        assert _code(c, "initialize", {"processId": None, "rootUri": None, "capabilities": {}}) == -32600
+        assert (
+            _code(c, "initialize", {"processId": None, "rootUri": None, "capabilities": {}})
+            == -32600
+        )
         # unknown methods: -32601 for a request, silence for a notification
         assert _code(c, "spark/noSuchMethod", {}) == -32601
         c.notify("spark/noSuchNotification", {})
@@ -68,7 +93,9 @@ def test_lifecycle_violations_get_the_specified_errors(tiny_llama):
     finally:
         if c.proc.poll() is None:
             c.proc.kill()
-    assert not [o for o in c.orphans if o.get("id") is None and "spark/noSuchNotification" in json.dumps(o)]
+    assert not [
+        o for o in c.orphans if o.get("id") is None and "spark/noSuchNotification" in json.dumps(o)
+    ]
 
 
 BAD_BODIES = [
@@ -96,7 +123,7 @@ def test_framing_and_json_errors_leave_the_server_answering(tiny_llama):
         with c._wlock:  # framing: garbage between messages, lying and missing Content-Length
             w = c.proc.stdin
             w.write(b"garbage before a header\r\n\r\n")
-            w.write(b"Content-Length: 5\r\n\r\n{\"jsonrpc\": \"2.0\"}")          # too short
+            w.write(b'Content-Length: 5\r\n\r\n{"jsonrpc": "2.0"}')  # too short
             w.write(b"Content-Length: nope\r\n\r\n")
             w.write(b"Content-Length: -4\r\n\r\n")
             w.write(b"Content-Type: application/json\r\n\r\n{}")
@@ -128,48 +155,130 @@ def test_wrong_types_and_missing_fields_in_every_request(tiny_llama):
         rng = {"start": pos, "end": pos}
         bad = [
             ("textDocument/inlineCompletion", {"textDocument": {"uri": URI}}),
-            ("textDocument/inlineCompletion", {"textDocument": {"uri": URI}, "position": {"line": -1, "character": 0},
-                                               "context": {"triggerKind": 1}}),
-            ("textDocument/inlineCompletion", {"textDocument": {"uri": URI}, "position": {"line": 1.5, "character": 0},
-                                               "context": {"triggerKind": 1}}),
-            ("textDocument/inlineCompletion", {"textDocument": {"uri": 7}, "position": pos,
-                                               "context": {"triggerKind": 1}}),
-            ("textDocument/inlineCompletion", {"textDocument": {"uri": URI}, "position": pos,
-                                               "context": {"triggerKind": 99}}),
+            (
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": URI},
+                    "position": {"line": -1, "character": 0},
+                    "context": {"triggerKind": 1},
+                },
+            ),
+            (
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": URI},
+                    "position": {"line": 1.5, "character": 0},
+                    "context": {"triggerKind": 1},
+                },
+            ),
+            (
+                "textDocument/inlineCompletion",
+                {"textDocument": {"uri": 7}, "position": pos, "context": {"triggerKind": 1}},
+            ),
+            (
+                "textDocument/inlineCompletion",
+                {"textDocument": {"uri": URI}, "position": pos, "context": {"triggerKind": 99}},
+            ),
             ("textDocument/inlineCompletion", None),
-            ("textDocument/codeAction", {"textDocument": {"uri": URI}, "range": "everything",
-                                         "context": {"diagnostics": []}}),
-            ("textDocument/codeAction", {"textDocument": {"uri": URI}, "range": {"start": pos, "end": {"line": 0,
-                                         "character": 0}}, "context": {"diagnostics": []}}),
-            ("codeAction/resolve", {"title": "x", "data": {"action": "docstring", "uri": URI, "range": "r"}}),
-            ("codeAction/resolve", {"title": "x", "data": {"action": "docstring", "uri": URI, "range": {
-                "start": {"line": "0", "character": 0}, "end": pos}}}),
+            (
+                "textDocument/codeAction",
+                {
+                    "textDocument": {"uri": URI},
+                    "range": "everything",
+                    "context": {"diagnostics": []},
+                },
+            ),
+            (
+                "textDocument/codeAction",
+                {
+                    "textDocument": {"uri": URI},
+                    "range": {"start": pos, "end": {"line": 0, "character": 0}},
+                    "context": {"diagnostics": []},
+                },
+            ),
+            (
+                "codeAction/resolve",
+                {"title": "x", "data": {"action": "docstring", "uri": URI, "range": "r"}},
+            ),
+            (
+                "codeAction/resolve",
+                {
+                    "title": "x",
+                    "data": {
+                        "action": "docstring",
+                        "uri": URI,
+                        "range": {"start": {"line": "0", "character": 0}, "end": pos},
+                    },
+                },
+            ),
             ("codeAction/resolve", {"title": 5}),
             ("workspace/executeCommand", {"command": "spark.applyAction"}),
             ("workspace/executeCommand", {"command": "spark.applyAction", "arguments": [1, 2]}),
-            ("workspace/executeCommand", {"command": "spark.applyAction", "arguments": [
-                {"action": "docstring", "uri": URI, "range": {"start": {"line": 1.5, "character": 0}, "end": pos}}]}),
-            ("workspace/executeCommand", {"command": "spark.editWithInstruction", "arguments": [URI, rng]}),
+            (
+                "workspace/executeCommand",
+                {
+                    "command": "spark.applyAction",
+                    "arguments": [
+                        {
+                            "action": "docstring",
+                            "uri": URI,
+                            "range": {"start": {"line": 1.5, "character": 0}, "end": pos},
+                        }
+                    ],
+                },
+            ),
+            (
+                "workspace/executeCommand",
+                {"command": "spark.editWithInstruction", "arguments": [URI, rng]},
+            ),
             ("workspace/executeCommand", {"command": "spark.toggle", "arguments": ["yes"]}),
             ("workspace/executeCommand", {"command": "spark.configure", "arguments": [[1, 2]]}),
-            ("workspace/executeCommand", {"command": "spark.configure", "arguments": [
-                {"maxTokens": 1e308, "contextTokens": -1, "temperature": "hot", "waferRegion": "0x0",
-                 "precision": "fp3"}]}),
+            (
+                "workspace/executeCommand",
+                {
+                    "command": "spark.configure",
+                    "arguments": [
+                        {
+                            "maxTokens": 1e308,
+                            "contextTokens": -1,
+                            "temperature": "hot",
+                            "waferRegion": "0x0",
+                            "precision": "fp3",
+                        }
+                    ],
+                },
+            ),
             ("workspace/executeCommand", {"command": "spark.nothing", "arguments": []}),
             ("workspace/executeCommand", {"command": 12}),
         ]
         for method, params in bad:
             code = _code(c, method, params)
-            assert code is not None and -32700 <= code <= -32600 or code in (-32002, -32001), (method, params, code)
+            assert code is not None and -32700 <= code <= -32600 or code in (-32002, -32001), (
+                method,
+                params,
+                code,
+            )
             assert code != -32603, (method, params)  # never an internal error
         # notifications that cannot be applied are logged, not fatal
-        c.notify("textDocument/didChange", {"textDocument": {"uri": "file:///nope.py", "version": 2},
-                                            "contentChanges": [{"text": "x"}]})
+        c.notify(
+            "textDocument/didChange",
+            {
+                "textDocument": {"uri": "file:///nope.py", "version": 2},
+                "contentChanges": [{"text": "x"}],
+            },
+        )
         c.notify("textDocument/didChange", {"textDocument": {"uri": URI}})
-        c.notify("textDocument/didChange", {"textDocument": {"uri": URI, "version": 1},   # stale version
-                                            "contentChanges": [{"range": rng, "text": ""}]})
-        c.notify("textDocument/didOpen", {"textDocument": {"uri": URI, "languageId": "python",
-                                                           "version": 1, "text": SRC}})  # opened twice
+        c.notify(
+            "textDocument/didChange",
+            {
+                "textDocument": {"uri": URI, "version": 1},  # stale version
+                "contentChanges": [{"range": rng, "text": ""}],
+            },
+        )
+        c.notify(
+            "textDocument/didOpen",
+            {"textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": SRC}},
+        )  # opened twice
         c.notify("textDocument/didClose", {"textDocument": {"uri": "file:///never-opened.py"}})
         c.notify("workspace/didChangeConfiguration", {"settings": [1, 2]})
         c.notify("workspace/didChangeConfiguration", {"settings": {"spark": {"maxTokens": 10**20}}})
@@ -210,16 +319,39 @@ class _Wire:
         raise AssertionError(f"no answer to {method} ({mid})")
 
     async def start(self, encoding: str = "utf-16") -> None:
-        res = await self.call("initialize", {"processId": None, "rootUri": None, "capabilities": {
-            "general": {"positionEncodings": [encoding]}}}, "init")
+        res = await self.call(
+            "initialize",
+            {
+                "processId": None,
+                "rootUri": None,
+                "capabilities": {"general": {"positionEncodings": [encoding]}},
+            },
+            "init",
+        )
         assert res["result"]["capabilities"]["positionEncoding"] == encoding
 
     def text(self, uri: str) -> str:
         return self.ls.workspace.get_text_document(uri).source
 
 
-ALPHABET = st.sampled_from(["a", " ", "\t", "\n", "\r\n", "\r", "é", "😀", "e\u0301", "\u0000", "\u2028",
-                            "\x0c", "中", "x" * 3000])
+ALPHABET = st.sampled_from(
+    [
+        "a",
+        " ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\r",
+        "é",
+        "😀",
+        "e\u0301",
+        "\u0000",
+        "\u2028",
+        "\x0c",
+        "中",
+        "x" * 3000,
+    ]
+)
 TEXT = st.lists(ALPHABET, max_size=30).map("".join)
 
 
@@ -233,35 +365,77 @@ def test_random_edits_through_the_server_keep_its_copy_the_editors(text, enc, da
     async def run() -> None:
         w = _Wire()
         await w.start(enc)
-        w.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
-            "uri": URI, "languageId": "python", "version": 1, "text": text}}})
+        w.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didOpen",
+                "params": {
+                    "textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": text}
+                },
+            }
+        )
         mine = text
         for version in range(2, 2 + data.draw(st.integers(1, 6))):
             changes = []
             for _ in range(data.draw(st.integers(1, 3))):
                 lines = mine.count("\n") + mine.count("\r") - mine.count("\r\n") + 1
-                a = Pos(data.draw(st.integers(0, lines + 1)), data.draw(st.sampled_from([0, 1, 2, 5, 2147483647])))
-                b = Pos(data.draw(st.integers(a.line, lines + 1)), data.draw(st.sampled_from([0, 1, 3, 2147483647])))
+                a = Pos(
+                    data.draw(st.integers(0, lines + 1)),
+                    data.draw(st.sampled_from([0, 1, 2, 5, 2147483647])),
+                )
+                b = Pos(
+                    data.draw(st.integers(a.line, lines + 1)),
+                    data.draw(st.sampled_from([0, 1, 3, 2147483647])),
+                )
                 new = data.draw(TEXT)
                 mine, _ = apply_change(mine, a, b, new, enc)
                 changes.append({"range": {"start": a.__dict__, "end": b.__dict__}, "text": new})
-            w.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-                "textDocument": {"uri": URI, "version": version}, "contentChanges": changes}})
+            w.send(
+                {
+                    "jsonrpc": "2.0",
+                    "method": "textDocument/didChange",
+                    "params": {
+                        "textDocument": {"uri": URI, "version": version},
+                        "contentChanges": changes,
+                    },
+                }
+            )
             assert w.text(URI) == mine
 
     asyncio.run(run())
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4)
+    ),
     max_leaves=20,
 )
-METHODS = st.sampled_from([
-    "initialize", "initialized", "shutdown", "textDocument/didOpen", "textDocument/didChange",
-    "textDocument/didClose", "textDocument/inlineCompletion", "textDocument/codeAction",
-    "codeAction/resolve", "workspace/executeCommand", "workspace/didChangeConfiguration",
-    "$/cancelRequest", "spark/metrics", "spark/nothing", "", "exit"])
+METHODS = st.sampled_from(
+    [
+        "initialize",
+        "initialized",
+        "shutdown",
+        "textDocument/didOpen",
+        "textDocument/didChange",
+        "textDocument/didClose",
+        "textDocument/inlineCompletion",
+        "textDocument/codeAction",
+        "codeAction/resolve",
+        "workspace/executeCommand",
+        "workspace/didChangeConfiguration",
+        "$/cancelRequest",
+        "spark/metrics",
+        "spark/nothing",
+        "",
+        "exit",
+    ]
+)
 
 
 @st.composite
@@ -274,13 +448,26 @@ def _message(draw):
     msg = {"jsonrpc": draw(st.sampled_from(["2.0", "2.0", "1.0"])), "method": draw(METHODS)}
     if kind == "request":
         msg["id"] = draw(st.one_of(st.integers(0, 10**6), st.text(max_size=8)))
-    params = draw(st.one_of(JSON, st.fixed_dictionaries({
-        "textDocument": st.fixed_dictionaries({"uri": st.sampled_from([URI, "file:///x.py", 3])}),
-        "position": st.fixed_dictionaries({"line": st.integers(-3, 10**10), "character": JSON}),
-        "command": st.sampled_from(["spark.configure", "spark.toggle", "spark.applyAction", "spark.cancel"]),
-        "arguments": st.lists(JSON, max_size=3),
-        "settings": JSON,
-    })))
+    params = draw(
+        st.one_of(
+            JSON,
+            st.fixed_dictionaries(
+                {
+                    "textDocument": st.fixed_dictionaries(
+                        {"uri": st.sampled_from([URI, "file:///x.py", 3])}
+                    ),
+                    "position": st.fixed_dictionaries(
+                        {"line": st.integers(-3, 10**10), "character": JSON}
+                    ),
+                    "command": st.sampled_from(
+                        ["spark.configure", "spark.toggle", "spark.applyAction", "spark.cancel"]
+                    ),
+                    "arguments": st.lists(JSON, max_size=3),
+                    "settings": JSON,
+                }
+            ),
+        )
+    )
     msg["params"] = params
     return json.dumps(msg).encode()
 
@@ -291,17 +478,28 @@ def test_random_messages_never_kill_the_server(messages):
     async def run() -> None:
         w = _Wire()
         await w.start()
-        w.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
-            "uri": URI, "languageId": "python", "version": 1, "text": SRC}}})
+        w.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didOpen",
+                "params": {
+                    "textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": SRC}
+                },
+            }
+        )
         w.ls.on_exit = lambda code: None  # `exit` among the random messages ends nothing here
         for m in messages:
             w.send(m)
             await asyncio.sleep(0)
         if w.ls.protocol._shutdown:
             return  # a random `shutdown` was accepted: every later request is refused by design
-        res = await w.call("workspace/executeCommand", {"command": "spark.toggle", "arguments": [True]}, "last")
+        res = await w.call(
+            "workspace/executeCommand", {"command": "spark.toggle", "arguments": [True]}, "last"
+        )
         assert res.get("result") == {"enabled": True}, res
-        assert all(m.get("error", {}).get("code") != -32603 for m in w.out), [m for m in w.out if "error" in m]
+        assert all(m.get("error", {}).get("code") != -32603 for m in w.out), [
+            m for m in w.out if "error" in m
+        ]
         w.ls.stop_work("test over")
 
     asyncio.run(run())
@@ -338,15 +536,38 @@ async def test_finished_handlers_are_forgotten():
     params) for the life of the server."""
     w = _Wire()
     await w.start()
-    w.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
-        "uri": URI, "languageId": "python", "version": 1, "text": SRC}}})
+    w.send(
+        {
+            "jsonrpc": "2.0",
+            "method": "textDocument/didOpen",
+            "params": {
+                "textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": SRC}
+            },
+        }
+    )
     for v in range(2, 302):
-        w.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-            "textDocument": {"uri": URI, "version": v},
-            "contentChanges": [{"range": {"start": {"line": 0, "character": 0},
-                                          "end": {"line": 0, "character": 0}}, "text": "x"}]}})
+        w.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didChange",
+                "params": {
+                    "textDocument": {"uri": URI, "version": v},
+                    "contentChanges": [
+                        {
+                            "range": {
+                                "start": {"line": 0, "character": 0},
+                                "end": {"line": 0, "character": 0},
+                            },
+                            "text": "x",
+                        }
+                    ],
+                },
+            }
+        )
         if v % 6 == 0:
-            await w.call("workspace/executeCommand", {"command": "spark.toggle", "arguments": [True]}, v)
+            await w.call(
+                "workspace/executeCommand", {"command": "spark.toggle", "arguments": [True]}, v
+            )
     for _ in range(10):
         await asyncio.sleep(0)
     assert w.text(URI) == "x" * 300 + SRC

@@ -20,8 +20,15 @@ def _client(tiny_llama, process_id=None) -> LspClient:
     if process_id is None:
         c.initialize({"contextTokens": 128, "maxTokens": 8})
     else:
-        c.call("initialize", {"processId": process_id, "rootUri": None, "capabilities": {},
-                              "initializationOptions": {"contextTokens": 128, "maxTokens": 8}})
+        c.call(
+            "initialize",
+            {
+                "processId": process_id,
+                "rootUri": None,
+                "capabilities": {},
+                "initializationOptions": {"contextTokens": 128, "maxTokens": 8},
+            },
+        )
         c.notify("initialized", {})
     return c
 
@@ -60,8 +67,10 @@ def test_sigterm_cancels_generations_and_exits_cleanly(tiny_llama):
     c = _client(tiny_llama)
     c.wait_ready()
     c.open(URI, SRC)
-    c.call("workspace/executeCommand", {"command": "spark.configure",
-                                        "arguments": [{"maxTokens": 4096, "contextTokens": 256}]})
+    c.call(
+        "workspace/executeCommand",
+        {"command": "spark.configure", "arguments": [{"maxTokens": 4096, "contextTokens": 256}]},
+    )
     fut = c.inline(URI, SRC.index("add(1") + 4, trigger=1)
     c.proc.send_signal(signal.SIGTERM)
     assert c.proc.wait(EXIT_WAIT_S) == 0

@@ -11,7 +11,15 @@ from lsprotocol import types as T
 from pygls.workspace import Workspace
 
 from spark_lsp import actions
-from spark_lsp.documents import Edit, Pos, apply_edits, line_ending, minimal_edit, normalize_eol, offset_at
+from spark_lsp.documents import (
+    Edit,
+    Pos,
+    apply_edits,
+    line_ending,
+    minimal_edit,
+    normalize_eol,
+    offset_at,
+)
 from spark_lsp.edits import Target
 from spark_lsp.live_edits import LiveEdit, frame
 from spark_lsp.server import CMD_CANCEL, SparkServer, create_server
@@ -36,25 +44,32 @@ class Scripted:
         self.ls.protocol.client_capabilities = T.ClientCapabilities(
             window=T.WindowClientCapabilities(work_done_progress=True),
             workspace=T.WorkspaceClientCapabilities(
-                apply_edit=True, workspace_edit=T.WorkspaceEditClientCapabilities(document_changes=True)))
+                apply_edit=True,
+                workspace_edit=T.WorkspaceEditClientCapabilities(document_changes=True),
+            ),
+        )
         self.ls.state.settings = update(self.ls.state.settings, {"liveEditHz": 200})[0]
-        self.ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text=text))
+        self.ls.workspace.put_text_document(
+            T.TextDocumentItem(uri=URI, language_id="python", version=1, text=text)
+        )
         self.text, self.version, self.editor_eol = text, 1, editor_eol
         self.chunks = chunks
-        self.sent: list[str] = []          # new texts of the edits the server sent
-        self.progress: list = []           # $/progress values
+        self.sent: list[str] = []  # new texts of the edits the server sent
+        self.progress: list = []  # $/progress values
         self.statuses: list = []
-        self.on_apply = None               # async callable(n) run as the client applies edit n (1-based)
-        self.on_create = None              # callable() run as the client creates the progress
+        self.on_apply = None  # async callable(n) run as the client applies edit n (1-based)
+        self.on_create = None  # callable() run as the client creates the progress
         self.generation: asyncio.Task | None = None
         self._applied = asyncio.Event()
 
         async def create(*args, **kwargs):
             if self.on_create is not None:
                 self.on_create()
+
         self.ls.protocol.send_request_async = lambda method, params=None, msg_id=None: create()
         self.ls.protocol.notify = lambda method, params=None: (
-            self.progress.append(params.value) if method == T.PROGRESS else None)
+            self.progress.append(params.value) if method == T.PROGRESS else None
+        )
         self.ls.state.send_status = lambda kind, stats: self.statuses.append(kind)
         self.ls.workspace_apply_edit_async = self.apply_edit
         self.ls.edits.job = self.generate
@@ -100,7 +115,9 @@ class Scripted:
         ident = T.VersionedTextDocumentIdentifier(uri=URI, version=self.version)
         for c in changes:
             self.ls.workspace.update_text_document(ident, c)
-        self.ls.protocol.fm.features[T.TEXT_DOCUMENT_DID_CHANGE](T.DidChangeTextDocumentParams(ident, changes))
+        self.ls.protocol.fm.features[T.TEXT_DOCUMENT_DID_CHANGE](
+            T.DidChangeTextDocumentParams(ident, changes)
+        )
 
     async def rewrite_body(self) -> dict:
         """Stream a rewrite of the function's body (lines 1..4)."""
@@ -119,7 +136,11 @@ class Scripted:
 
 # -- line endings -----------------------------------------------------------------------------------
 def test_line_ending_and_normalize_eol():
-    assert line_ending("a\nb\n") == "\n" and line_ending("a\r\nb\r\n") == "\r\n" and line_ending("a\rb") == "\r"
+    assert (
+        line_ending("a\nb\n") == "\n"
+        and line_ending("a\r\nb\r\n") == "\r\n"
+        and line_ending("a\rb") == "\r"
+    )
     assert line_ending("no break") == "\n" and line_ending("a\r\nb\nc\r\n") == "\r\n"
     assert normalize_eol("a\r\nb\rc\n", "\n") == "a\nb\nc\n"
     assert normalize_eol("a\r\nb\rc\n", "\r\n") == "a\r\nb\r\nc\r\n"
@@ -128,11 +149,20 @@ def test_line_ending_and_normalize_eol():
 
 
 def test_minimal_edit_never_starts_or_ends_inside_a_crlf():
-    for old, new in [("a\r\nb", "a0\nb"), ("a\r\nb", "a\nb"), ("ab\r\ncd", "ab\r\n\r\ncd"), ("x\r\ny", "x\r\r\ny")]:
+    for old, new in [
+        ("a\r\nb", "a0\nb"),
+        ("a\r\nb", "a\nb"),
+        ("ab\r\ncd", "ab\r\n\r\ncd"),
+        ("x\r\ny", "x\r\r\ny"),
+    ]:
         e = minimal_edit(old, new)
         assert apply_edits(old, [e]) == new
-        assert not (0 < e.start < len(old) and old[e.start - 1:e.start + 1] == "\r\n"), (old, new, e)
-        assert not (0 < e.end < len(old) and old[e.end - 1:e.end + 1] == "\r\n"), (old, new, e)
+        assert not (0 < e.start < len(old) and old[e.start - 1 : e.start + 1] == "\r\n"), (
+            old,
+            new,
+            e,
+        )
+        assert not (0 < e.end < len(old) and old[e.end - 1 : e.end + 1] == "\r\n"), (old, new, e)
 
 
 def test_live_edit_writes_generated_line_breaks_in_the_document_line_ending():
@@ -152,7 +182,9 @@ def test_an_echo_converted_otherwise_is_still_recognised():
     doc = "x = 0\nyy = 1\n"
     s = LiveEdit("u", doc, 6, len(doc), Pos(1, 0))
     s.edits_to("y = 2\n")
-    assert s.on_did_change("x = 0\r\ny = 2\r\n") and not s.stopped_by_user  # a client that wrote CRLF
+    assert (
+        s.on_did_change("x = 0\r\ny = 2\r\n") and not s.stopped_by_user
+    )  # a client that wrote CRLF
     s.edits_to("y = 3\n")
     assert not s.on_did_change("x = 0\ny = 3\n# typed\n") and s.stopped_by_user
 
@@ -171,10 +203,15 @@ async def test_generated_carriage_returns_do_not_stop_a_live_edit_in_a_convertin
 
 async def test_a_crlf_document_keeps_crlf_in_a_live_edit():
     text = _doc("\r\n")
-    sc = Scripted(text, ["    a = 10\n", "    b = 20\r", "\n    c", " = 30\n    d = 40\n"], editor_eol="\r\n")
+    sc = Scripted(
+        text, ["    a = 10\n", "    b = 20\r", "\n    c", " = 30\n    d = 40\n"], editor_eol="\r\n"
+    )
     res = await sc.rewrite_body()
     assert res["outcome"] == "done" and res["complete"], res
-    assert sc.text == "def f():\r\n    a = 10\r\n    b = 20\r\n    c = 30\r\n    d = 40\r\n    return a\r\n"
+    assert (
+        sc.text
+        == "def f():\r\n    a = 10\r\n    b = 20\r\n    c = 30\r\n    d = 40\r\n    return a\r\n"
+    )
     assert not any(re.search(r"\r(?!\n)|(?<!\r)\n", t) for t in sc.sent), sc.sent
 
 
@@ -197,10 +234,11 @@ async def _cancel_after_generation(cancel) -> tuple[Scripted, dict, dict]:
     async def on_apply(n):
         if n == len(sc.chunks):
             sc._applied.set()
-            await asyncio.wait([sc.generation])   # the generation has finished
+            await asyncio.wait([sc.generation])  # the generation has finished
             assert sc.generation.result()
             seen["text"] = sc.text
             seen["cancel"] = cancel(sc)
+
     sc.on_apply = on_apply
     res = await sc.rewrite_body()
     return sc, res, seen
@@ -210,10 +248,14 @@ async def test_spark_cancel_after_the_generation_finished_skips_the_final_write(
     sc, res, seen = await _cancel_after_generation(lambda sc: sc.cancel_command(URI))
     assert seen["cancel"] == {"cancelled": 1}
     assert res["outcome"] == "edit stopped: cancelled by command" and not res["complete"], res
-    assert len(sc.sent) == len(sc.chunks)          # no final write after the cancel
+    assert len(sc.sent) == len(sc.chunks)  # no final write after the cancel
     # what was streamed stays, as when a cancel stops the engine mid-stream: the generated lines
     # over the original ones they replaced, the rest of the original below
-    assert sc.text == seen["text"] == "def f():\n    a = 10\n    b = 20\n    c = 30\n    d = 4\n    return a\n"
+    assert (
+        sc.text
+        == seen["text"]
+        == "def f():\n    a = 10\n    b = 20\n    c = 30\n    d = 4\n    return a\n"
+    )
     assert sc.ls.workspace.get_text_document(URI).source == sc.text
     assert URI not in sc.ls.state.live
     assert sc.progress[-1].kind == "end" and "cancelled" in sc.progress[-1].message
@@ -222,7 +264,10 @@ async def test_spark_cancel_after_the_generation_finished_skips_the_final_write(
 async def test_progress_cancel_after_the_generation_finished_skips_the_final_write():
     def cancel_progress(sc):
         (token,) = [t for t in sc.ls.work_done_progress.tokens if str(t).startswith("spark-edit")]
-        return sc.ls.work_done_progress.tokens[token].cancel()  # what pygls does on the client's cancel
+        return sc.ls.work_done_progress.tokens[
+            token
+        ].cancel()  # what pygls does on the client's cancel
+
     sc, res, seen = await _cancel_after_generation(cancel_progress)
     assert res["outcome"] == "edit stopped: progress cancelled" and not res["complete"], res
     assert len(sc.sent) == len(sc.chunks)
@@ -263,12 +308,22 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
 
     async def on_apply(n):
         applied.set()
+
     s.on_apply = on_apply
     chunks = ["    a = (\n", "    b = [\n"]  # a rewrite that no longer parses
     tries = []
 
-    def fake_generate(engine, job, ids, params, done=None, on_text=None, speculative=False, draft=None,
-                      text_prompt=None):
+    def fake_generate(
+        engine,
+        job,
+        ids,
+        params,
+        done=None,
+        on_text=None,
+        speculative=False,
+        draft=None,
+        text_prompt=None,
+    ):
         tries.append(params.temperature)
         raw = ""
         for chunk in chunks:
@@ -300,11 +355,15 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
     start, end = offset_at(text, 1, 0), offset_at(text, 1 + len(BODY), 0)
     plan = actions.plan(actions.REWRITE, text, start, end, 1, 64, python=True)
     try:
-        res = await asyncio.wait_for(s.ls.edits.stream(Target(URI, text, 1, start, end, 1), plan), 10)
+        res = await asyncio.wait_for(
+            s.ls.edits.stream(Target(URI, text, 1, start, end, 1), plan), 10
+        )
     finally:
         s.ls.state.shutdown()
     assert tries == [0.0, actions.RETRY_TEMPERATURE]  # greedy, then once more sampled
-    assert "(" in s.sent and "[" in s.sent               # it was streamed ...
-    assert s.text == text                               # ... and taken back exactly
-    assert res["outcome"].startswith("Spark: Rewrite selection was not applied: the result is not valid Python")
+    assert "(" in s.sent and "[" in s.sent  # it was streamed ...
+    assert s.text == text  # ... and taken back exactly
+    assert res["outcome"].startswith(
+        "Spark: Rewrite selection was not applied: the result is not valid Python"
+    )
     assert not res["complete"] and shown == [res["outcome"]] and s.statuses == ["edit:rewrite"]

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from lsprotocol import types as T
-
 from conftest import OPTIONS, SAMPLE, start_editor
+
 from spark_lsp import completions
 from spark_lsp.model_host import LocalModel
 from spark_lsp.prompt import PromptBuilder
@@ -50,11 +49,24 @@ def run_complete(engine, text, off, monkeypatch, slot="doc"):
     model.generate = spy
     loop = asyncio.new_event_loop()
     try:
-        settings = Settings(max_tokens=OPTIONS["maxTokens"], context_tokens=OPTIONS["contextTokens"],
-                            max_edit_tokens=OPTIONS["maxEditTokens"], live_edits=False, precision="fp32",
-                            min_confidence=0.0)
-        res = completions.complete(model, PromptBuilder(engine.tokenizer), Job(slot, lambda j: None, loop),
-                                   text, off, settings, completions.AUTOMATIC, GenerationParams)
+        settings = Settings(
+            max_tokens=OPTIONS["maxTokens"],
+            context_tokens=OPTIONS["contextTokens"],
+            max_edit_tokens=OPTIONS["maxEditTokens"],
+            live_edits=False,
+            precision="fp32",
+            min_confidence=0.0,
+        )
+        res = completions.complete(
+            model,
+            PromptBuilder(engine.tokenizer),
+            Job(slot, lambda j: None, loop),
+            text,
+            off,
+            settings,
+            completions.AUTOMATIC,
+            GenerationParams,
+        )
     finally:
         loop.close()
     return res, gens[0]
@@ -79,7 +91,9 @@ def test_column_zero_heals_the_line_break(engine, monkeypatch):
     """A cursor at the start of a line: the prompt's final newline is backed off, so the model
     writes it merged with the line's indentation, as it learnt; only what follows is emitted."""
     line = SAMPLE.index("        out.append")
-    text = SAMPLE[:line] + SAMPLE[SAMPLE.index("\n", line) + 1:]  # that line deleted, cursor at column 0
+    text = (
+        SAMPLE[:line] + SAMPLE[SAMPLE.index("\n", line) + 1 :]
+    )  # that line deleted, cursor at column 0
     res, gen = run_complete(engine, text, line, monkeypatch)
     healed = gen.params.healed_prefix
     assert healed and not healed.strip("\r\n") and text[:line].endswith(healed)
@@ -87,7 +101,11 @@ def test_column_zero_heals_the_line_break(engine, monkeypatch):
     assert engine.tokenizer.decode(gen.tokens).startswith(healed + gen.text)
     # the prompt is the unhealed one less the newline token (before the FIM middle token): the
     # prefix cache still hits
-    unhealed = PromptBuilder(engine.tokenizer, heal=False).build(text, line, OPTIONS["contextTokens"], key="doc").ids
+    unhealed = (
+        PromptBuilder(engine.tokenizer, heal=False)
+        .build(text, line, OPTIONS["contextTokens"], key="doc")
+        .ids
+    )
     assert list(gen.prompt) == unhealed[:-2] + unhealed[-1:]
 
 

@@ -20,8 +20,12 @@ async def test_hf_model_is_downloaded_with_progress_reports(tiny_llama, tmp_path
         try:
             reports = [r for rs in client.progress_reports.values() for r in rs]
             begin = [r for r in reports if isinstance(r, T.WorkDoneProgressBegin)]
-            steps = [r for r in reports if isinstance(r, T.WorkDoneProgressReport)
-                     and (r.message or "").startswith("downloading")]
+            steps = [
+                r
+                for r in reports
+                if isinstance(r, T.WorkDoneProgressReport)
+                and (r.message or "").startswith("downloading")
+            ]
             assert any("hf:test-org/tiny-llama" in (b.message or "") for b in begin)
             assert steps and all("test-org/tiny-llama" in s.message for s in steps)
             assert steps[-1].percentage == 100

@@ -39,7 +39,7 @@ def test_similar_chunks_are_replaced_and_the_buffer_is_bounded():
     ring.observe("file:///a2.py", "a2.py", edited, 0)  # nearly the same lines: the older goes
     assert [c.uri for c in ring.chunks] == ["file:///a2.py"]
     assert similarity(a.splitlines()[0], a.splitlines()[0]) == 1.0
-    for k, name in enumerate("bcde"):
+    for name in "bcde":
         ring.observe(f"file:///{name}.py", f"{name}.py", doc(name), 0)
     assert [c.path for c in ring.chunks] == ["c.py", "d.py", "e.py"]  # oldest evicted first
     for line in (0, 40, 80, 120):
@@ -82,10 +82,10 @@ def test_context_goes_first_and_stays_while_typing(tiny_llama):
     p1 = builder.build(text, len(text), 200, key="doc", context=ctx)
     text2 = text + "pe"
     p2 = builder.build(text2, len(text2), 200, key="doc", context=ctx)
-    assert p1.ids[:len(ctx.head)] == ctx.head == p2.ids[:len(ctx.head)]
+    assert p1.ids[: len(ctx.head)] == ctx.head == p2.ids[: len(ctx.head)]
     assert p1.context_tokens == len(ctx.head) and p1.ids[len(ctx.head)] == builder.fim.suffix_id
     plain = builder.build(text, len(text), 200, key="other")
-    assert plain.ids == p1.ids[len(ctx.head):]
+    assert plain.ids == p1.ids[len(ctx.head) :]
 
 
 def test_families_without_repository_tokens_put_files_in_the_prefix():
@@ -94,15 +94,26 @@ def test_families_without_repository_tokens_put_files_in_the_prefix():
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator([doc("a", 40)], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<｜end▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    t.train_from_iterator(
+        [doc("a", 40)],
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=[
+                "<｜end▁of▁sentence｜>",
+                "<｜fim▁begin｜>",
+                "<｜fim▁hole｜>",
+                "<｜fim▁end｜>",
+            ],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     fim = FimFormat.detect(t)
     assert fim.name == "deepseek"
     ctx = fim.context_ids([("util.py", "x = 1\n")])
     assert ctx.head == [] and t.decode(ctx.lead) == "#util.py\nx = 1\n"
     ids = fim.build("a = ", "\n", context=ctx)
-    assert ids[:1 + len(ctx.lead)] == [fim.prefix_id, *ctx.lead]
+    assert ids[: 1 + len(ctx.lead)] == [fim.prefix_id, *ctx.lead]
 
 
 async def test_server_puts_other_files_first_and_the_prefix_cache_still_hits(tiny_llama):
@@ -111,14 +122,18 @@ async def test_server_puts_other_files_first_and_the_prefix_cache_still_hits(tin
     from conftest import SAMPLE, start_editor
     from lsprotocol import types as T
 
-    client, ed = await start_editor(tiny_llama, options={"neighbourTokens": 96, "contextTokens": 160})
+    client, ed = await start_editor(
+        tiny_llama, options={"neighbourTokens": 96, "contextTokens": 160}
+    )
     try:
         main, util = "file:///proj/main.py", "file:///proj/util.py"
         text = "def run(values):\n    total = scale(values, 2)\n    return "
         ed.open(main, text)
 
         async def complete(typed: str) -> dict:
-            ed.type(main, len(ed.text(main)), typed)  # a new prompt (not the suggestion typed along)
+            ed.type(
+                main, len(ed.text(main)), typed
+            )  # a new prompt (not the suggestion typed along)
             n = len(ed.status)
             await ed.inline(main, len(ed.text(main)), T.InlineCompletionTriggerKind.Invoked)
             for _ in range(100):

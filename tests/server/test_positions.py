@@ -22,9 +22,7 @@ from spark_lsp.documents import (
 
 MAXCOL = 2147483647  # Neovim's v:maxcol, sent as the end of a visual-line selection
 
-METHOD = (
-    "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n"
-)
+METHOD = "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n"
 
 
 def test_character_past_the_line_end_means_the_line_end():
@@ -45,8 +43,7 @@ def test_a_line_past_the_last_line_means_the_end_of_the_document():
     assert offset_at(METHOD, 10**9, MAXCOL) == len(METHOD)
     crlf = METHOD.replace("\n", "\r\n")
     assert (
-        offset_at(crlf, 99, 3) == len(crlf)
-        and offset_at(crlf, 2, MAXCOL) == crlf.index("1\r") + 1
+        offset_at(crlf, 99, 3) == len(crlf) and offset_at(crlf, 2, MAXCOL) == crlf.index("1\r") + 1
     )
 
 

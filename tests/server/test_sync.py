@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import plain, start_editor
 from lsprotocol import types as T
 from pygls.exceptions import JsonRpcException
 from pygls.workspace import Workspace
 
-from conftest import plain, start_editor
 from spark_lsp.server import SparkServer, create_server
 
 URI = "file:///work/sync.py"
@@ -18,32 +18,51 @@ ODD = "a = 1\f# page\x1dsep\n"  # \f and \x1d are not LSP line breaks: this is o
 
 def test_incremental_change_after_form_feed_lands_on_the_lsp_line():
     ls = create_server()
-    ls.protocol._workspace = Workspace(None, T.TextDocumentSyncKind.Incremental)  # as pygls' initialize
-    ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text=ODD))
+    ls.protocol._workspace = Workspace(
+        None, T.TextDocumentSyncKind.Incremental
+    )  # as pygls' initialize
+    ls.workspace.put_text_document(
+        T.TextDocumentItem(uri=URI, language_id="python", version=1, text=ODD)
+    )
     ls.workspace.update_text_document(
         T.VersionedTextDocumentIdentifier(uri=URI, version=2),
-        T.TextDocumentContentChangePartial(range=T.Range(T.Position(1, 0), T.Position(1, 0)), text="b = 2\n"))
+        T.TextDocumentContentChangePartial(
+            range=T.Range(T.Position(1, 0), T.Position(1, 0)), text="b = 2\n"
+        ),
+    )
     ls.workspace.update_text_document(
         T.VersionedTextDocumentIdentifier(uri=URI, version=3),
-        T.TextDocumentContentChangePartial(range=T.Range(T.Position(0, 4), T.Position(0, 5)), text="10"))
+        T.TextDocumentContentChangePartial(
+            range=T.Range(T.Position(0, 4), T.Position(0, 5)), text="10"
+        ),
+    )
     assert ls.workspace.get_text_document(URI).source == "a = 10\f# page\x1dsep\nb = 2\n"
 
 
 async def test_server_text_matches_editor_after_odd_line_breaks(editor):
     editor.open(URI, ODD + "x = 3\n")
-    end = editor.type(URI, len(ODD), "value_total = 42 + 1000\n")  # line 1 for the editor (LSP), line 2 for splitlines
+    end = editor.type(
+        URI, len(ODD), "value_total = 42 + 1000\n"
+    )  # line 1 for the editor (LSP), line 2 for splitlines
     assert editor.text(URI) == ODD + "value_total = 42 + 1000\nx = 3\n"
     # a range only valid in the LSP view of the text: (1, 23) ends the typed line
     p = editor.pos(URI, end - 1)
     assert (p.line, p.character) == (1, 23)
-    listed = await editor.client.text_document_code_action_async(T.CodeActionParams(
-        T.TextDocumentIdentifier(URI), T.Range(p, p), T.CodeActionContext(diagnostics=[])))
+    listed = await editor.client.text_document_code_action_async(
+        T.CodeActionParams(
+            T.TextDocumentIdentifier(URI), T.Range(p, p), T.CodeActionContext(diagnostics=[])
+        )
+    )
     assert listed
     # an edit computed from the server's copy applies cleanly to the editor's
-    done = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "complete")
+    done = next(
+        a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "complete"
+    )
     try:
         resolved = await editor.client.code_action_resolve_async(done)
-    except JsonRpcException as exc:  # this random model's result failed the edit checks: nothing applied
+    except (
+        JsonRpcException
+    ) as exc:  # this random model's result failed the edit checks: nothing applied
         assert "was not applied: " in exc.message  # noqa: PT017
         assert editor.text(URI) == ODD + "value_total = 42 + 1000\nx = 3\n"
         return
@@ -68,14 +87,19 @@ def _long(body_lines=12, eol="\n"):
 
 
 async def _stream_rewrite(ed, body_lines=12, eol="\n"):
-    await ed.command("spark.configure", {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 80,
-                                         "contextTokens": 128})
+    await ed.command(
+        "spark.configure",
+        {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 80, "contextTokens": 128},
+    )
     text = _long(body_lines, eol)
     ed.open(URI, text)
     rng = T.Range(ed.pos(URI, text.index("    v_1")), ed.pos(URI, len(text)))
-    listed = await ed.client.text_document_code_action_async(T.CodeActionParams(
-        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
-    rewrite = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite")
+    listed = await ed.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[]))
+    )
+    rewrite = next(
+        a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite"
+    )
     resolved = await ed.client.code_action_resolve_async(rewrite)
     return await ed.command(resolved.command.command, *resolved.command.arguments)
 
@@ -99,6 +123,7 @@ async def test_live_edit_versioned_user_typing_still_stops_it(editor):
         if not typed:
             typed.append(1)
             editor.type(uri, 0, "# user\n")
+
     editor.after_apply = user_types
     res = await _stream_rewrite(editor, body_lines=30)
     assert res["outcome"] in ("stopped by the user", "rejected") and not res["complete"], res
@@ -111,7 +136,9 @@ async def test_a_crlf_document_stays_crlf_through_an_editor_that_converts_line_b
     editor.eol = "\r\n"
     res = await _stream_rewrite(editor, eol="\r\n")
     _finished(res, editor, _long(eol="\r\n"))
-    assert "\n" not in editor.text(URI).replace("\r\n", "") and "\r" not in editor.text(URI).replace("\r\n", "")
+    assert "\n" not in editor.text(URI).replace("\r\n", "") and "\r" not in editor.text(
+        URI
+    ).replace("\r\n", "")
     sent = [e.new_text for p in editor.applied for dc in p.edit.document_changes for e in dc.edits]
     assert sent and not any("\n" in t.replace("\r\n", "") for t in sent), sent
     # the finished edit of a resolved action too
@@ -119,9 +146,12 @@ async def test_a_crlf_document_stays_crlf_through_an_editor_that_converts_line_b
     text = _long(eol="\r\n")
     editor.open(URI, text)
     rng = T.Range(editor.pos(URI, text.index("\r\n") + 2), editor.pos(URI, len(text)))
-    listed = await editor.client.text_document_code_action_async(T.CodeActionParams(
-        T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[])))
-    rewrite = next(a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite")
+    listed = await editor.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[]))
+    )
+    rewrite = next(
+        a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite"
+    )
     try:
         edits = (await editor.client.code_action_resolve_async(rewrite)).edit.changes[URI]
     except JsonRpcException as exc:  # refused by the edit checks: nothing to look at
@@ -147,7 +177,9 @@ async def test_request_cancelled_during_debounce_is_counted(editor):
     await editor.command("spark.configure", {"debounceMs": 5000})
     editor.open(URI, "def f():\n    ")
     before = (await editor.metrics())["cancelled"]
-    mid, fut = editor.start_inline(URI, len("def f():\n    "), trigger=T.InlineCompletionTriggerKind.Automatic)
+    mid, fut = editor.start_inline(
+        URI, len("def f():\n    "), trigger=T.InlineCompletionTriggerKind.Automatic
+    )
     await asyncio.sleep(0.3)
     editor.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
     with pytest.raises(JsonRpcException):
@@ -160,6 +192,7 @@ async def test_request_cancelled_before_its_handler_starts_is_counted():
 
     async def handler():
         raise AssertionError("never runs")
+
     task = asyncio.ensure_future(handler())
     ls.protocol._request_futures["7"] = task
     ls.protocol._handle_cancel_notification("7")

@@ -26,10 +26,15 @@ def test_garbage_and_malformed_messages_get_errors_and_the_server_keeps_answerin
         c.wait_ready()
         c.open(URI, SRC)
         c.send_raw(b"{this is not json")
-        c.send_raw(b'{"jsonrpc": "2.0", "id": 77, "method": "textDocument/inlineCompletion", '
-                   b'"params": {"textDocument": {"uri": "file:///t/raw.py"}}}')
+        c.send_raw(
+            b'{"jsonrpc": "2.0", "id": 77, "method": "textDocument/inlineCompletion", '
+            b'"params": {"textDocument": {"uri": "file:///t/raw.py"}}}'
+        )
         with pytest.raises(RpcError) as info:
-            c.call("textDocument/inlineCompletion", {"textDocument": {"uri": URI}, "position": {"line": "x"}})
+            c.call(
+                "textDocument/inlineCompletion",
+                {"textDocument": {"uri": URI}, "position": {"line": "x"}},
+            )
         assert info.value.code == -32602
         with pytest.raises(RpcError) as info:
             c.call("spark/doesNotExist", {})
@@ -58,8 +63,18 @@ async def _round_trip(tiny_llama, flag: str, connect, env=None):
     from conftest import start_editor
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spark_lsp.commands.serve", flag, f"127.0.0.1:{port}",
-                             "--model", str(tiny_llama)], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spark_lsp.commands.serve",
+            flag,
+            f"127.0.0.1:{port}",
+            "--model",
+            str(tiny_llama),
+        ],
+        env=env,
+    )
 
     async def transport(cl):
         for _ in range(300):
@@ -68,6 +83,7 @@ async def _round_trip(tiny_llama, flag: str, connect, env=None):
             except OSError:
                 await asyncio.sleep(0.1)
         raise TimeoutError(f"server did not listen on port {port}")
+
     try:
         client, ed = await start_editor(tiny_llama, transport=transport)
         ed.open(URI, SRC)
@@ -95,12 +111,22 @@ async def test_websocket_round_trip(tiny_llama, tmp_path):
         if not token_file.exists():
             raise OSError("the server has not written its token yet")
         ws = await ws_connect(f"ws://127.0.0.1:{port}/?token={token_file.read_text().strip()}")
-        cl._async_tasks.append(asyncio.create_task(run_websocket(
-            stop_event=cl._stop_event, websocket=ws, protocol=cl.protocol,
-            logger=logging.getLogger("test"), error_handler=cl.report_server_error)))
+        cl._async_tasks.append(
+            asyncio.create_task(
+                run_websocket(
+                    stop_event=cl._stop_event,
+                    websocket=ws,
+                    protocol=cl.protocol,
+                    logger=logging.getLogger("test"),
+                    error_handler=cl.report_server_error,
+                )
+            )
+        )
         await asyncio.sleep(0)  # the task sets the protocol's writer when it starts
 
-    await _round_trip(tiny_llama, "--ws", connect, env=dict(os.environ, SPARK_LSP_TOKEN_FILE=str(token_file)))
+    await _round_trip(
+        tiny_llama, "--ws", connect, env=dict(os.environ, SPARK_LSP_TOKEN_FILE=str(token_file))
+    )
 
 
 async def test_tcp_round_trip(tiny_llama):
@@ -109,19 +135,55 @@ async def test_tcp_round_trip(tiny_llama):
 
 @pytest.mark.slow
 def test_demo_runs_without_a_terminal(tiny_llama):
-    out = subprocess.run([sys.executable, "-m", "spark_lsp.commands.demo", "--model", str(tiny_llama),
-                          "--cps", "200"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_lsp.commands.demo",
+            "--model",
+            str(tiny_llama),
+            "--cps",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
-    for part in ("1. Typing", "2. A long suggestion", "3. Code action", "Figures", "keystroke -> suggestion"):
+    for part in (
+        "1. Typing",
+        "2. A long suggestion",
+        "3. Code action",
+        "Figures",
+        "keystroke -> suggestion",
+    ):
         assert part in out.stdout
     assert "\x1b[" not in out.stdout  # plain text when stdout is not a terminal
 
 
 @pytest.mark.slow
 def test_bench_lsp_replays_typing(tiny_llama):
-    out = subprocess.run([sys.executable, "-m", "spark_lsp.bench_lsp", "--model", str(tiny_llama), "--json",
-                          "--speed", "10", "--max-chars", "80", "--context-tokens", "256", "--max-tokens", "8"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_lsp.bench_lsp",
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--speed",
+            "10",
+            "--max-chars",
+            "80",
+            "--context-tokens",
+            "256",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["lines"] > 900 and r["keystrokes"] > 0

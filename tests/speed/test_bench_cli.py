@@ -12,8 +12,19 @@ from engine.lab import bench
 from spark_lsp.cli import build_parser
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL = ["--no-peers", "--prompt-tokens", "32", "--new-tokens", "6", "--repeats", "2", "--cancels", "0",
-         "--threads", "1"]
+SMALL = [
+    "--no-peers",
+    "--prompt-tokens",
+    "32",
+    "--new-tokens",
+    "6",
+    "--repeats",
+    "2",
+    "--cancels",
+    "0",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +45,9 @@ def _count(s: str) -> tuple[int, int]:
 
 
 def test_precision_rows_json(tiny_llama, capsys):
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--precision", "fp32,int8", *SMALL], capsys)
+    rc, out, err = cli(
+        ["engine", "--model", str(tiny_llama), "--json", "--precision", "fp32,int8", *SMALL], capsys
+    )
     assert rc == 0, err
     res = json.loads(out)
     rows = res["precisions"]
@@ -45,9 +58,10 @@ def test_precision_rows_json(tiny_llama, capsys):
     assert res["peers"] == {} and res["ratios"] == {}
     assert rows["fp32"]["ratios"] == {"decode_tok_s_vs_fp32": 1.0, "prefill_tok_s_vs_fp32": 1.0}
     assert rows["int8"]["ratios"]["decode_tok_s_vs_fp32"] == pytest.approx(
-        rows["int8"]["decode_tok_s"] / rows["fp32"]["decode_tok_s"])
+        rows["int8"]["decode_tok_s"] / rows["fp32"]["decode_tok_s"]
+    )
     assert rows["fp32"]["emitter"] != rows["int8"]["emitter"]
-    for name, row in rows.items():
+    for row in rows.values():
         agree, total = _count(row["greedy_agreement"])
         assert total == 2 * 6  # every token of every prompt of the run
         assert row["greedy_agreement_rate"] == pytest.approx(agree / total)
@@ -66,8 +80,8 @@ def test_default_is_fp32_only_and_keys_stay(tiny_llama, capsys):
 
 def test_precision_table_with_a_peer(tiny_llama, capsys, monkeypatch):
     """Ratios to each measured peer appear per precision (a second engine stands in for a peer)."""
-    from engine.lab import peers
     from engine.engine import Engine
+    from engine.lab import peers
 
     def fake_transformers(folder, threads):
         return bench._Ours(Engine.load(folder, threads=threads, wafer=False), "transformers")
@@ -78,21 +92,32 @@ def test_precision_table_with_a_peer(tiny_llama, capsys, monkeypatch):
     monkeypatch.setattr(peers, "TransformersPeer", fake_transformers)
     monkeypatch.setattr(peers, "GenaiPeer", no_genai)
     argv = [a for a in SMALL if a != "--no-peers"] + ["--peers", "transformers,onnxruntime-genai"]
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", "--precision", "int4", *argv], capsys)
+    rc, out, err = cli(
+        ["engine", "--model", str(tiny_llama), "--json", "--precision", "int4", *argv], capsys
+    )
     assert rc == 0, err
     res = json.loads(out)
     assert list(res["precisions"]) == ["fp32", "int4"]  # fp32 always runs: the reference
     r = res["precisions"]["int4"]["ratios"]
-    assert set(r) == {f"{k}_vs_{p}" for k in ("decode_tok_s", "prefill_tok_s") for p in ("fp32", "transformers")}
+    assert set(r) == {
+        f"{k}_vs_{p}" for k in ("decode_tok_s", "prefill_tok_s") for p in ("fp32", "transformers")
+    }
     assert r["decode_tok_s_vs_transformers"] == pytest.approx(
-        res["precisions"]["int4"]["decode_tok_s"] / res["peers"]["transformers"]["decode_tok_s"])
+        res["precisions"]["int4"]["decode_tok_s"] / res["peers"]["transformers"]["decode_tok_s"]
+    )
     table = bench.format_table(res)
-    assert "our engine per precision" in table and "vs transformers" in table and "vs ort-genai" not in table
+    assert (
+        "our engine per precision" in table
+        and "vs transformers" in table
+        and "vs ort-genai" not in table
+    )
     assert [ln.split()[0] for ln in table.splitlines()[-2:]] == ["fp32", "int4"]
 
 
 def test_precision_errors(tiny_llama, capsys):
-    rc, out, err = cli(["engine", "--model", str(tiny_llama), "--precision", "int3", *SMALL], capsys)
+    rc, out, err = cli(
+        ["engine", "--model", str(tiny_llama), "--precision", "int3", *SMALL], capsys
+    )
     assert rc == 2 and "unknown precision 'int3'" in err and err.count("\n") == 1
     rc, out, err = cli(["engine", "--model", str(tiny_llama), "--precision", ",", *SMALL], capsys)
     assert rc == 2 and "comma-separated" in err
@@ -102,6 +127,7 @@ def test_precision_errors(tiny_llama, capsys):
 
 def test_teacher_forced_counts_the_continuation():
     """The variant reads prompt + reference[:-1]; position len(prompt)-1 predicts reference[0]."""
+
     class Fake:
         sample_vocab = 10
 
@@ -117,7 +143,7 @@ def test_teacher_forced_counts_the_continuation():
     prompts, refs = [[1, 2, 3], [4, 5]], [[6, 7, 8], [9, 1]]
     # predict the next token of the full sequence: every reference token agrees
     full = [p + r for p, r in zip(prompts, refs)]
-    exact = Fake(lambda ids: next(f[1:len(ids) + 1] for f in full if f[:len(ids)] == ids))
+    exact = Fake(lambda ids: next(f[1 : len(ids) + 1] for f in full if f[: len(ids)] == ids))
     assert bench._teacher_forced(exact, prompts, refs) == (5, 5)
     # always token 1: only the second continuation's last token agrees
     assert bench._teacher_forced(Fake(lambda ids: [1] * len(ids)), prompts, refs) == (1, 5)
@@ -125,13 +151,32 @@ def test_teacher_forced_counts_the_continuation():
     assert bench._teacher_forced(Fake(lambda ids: [11] * len(ids)), prompts, refs) == (0, 5)
 
 
-@pytest.mark.parametrize("name,argv", [
-    ("engine", ["--no-peers", "--prompt-tokens", "32", "--new-tokens", "4", "--repeats", "1", "--cancels", "1",
-                "--threads", "1", "--precision", "fp32,int8"]),
-    ("edits", ["--repeats", "1", "--threads", "1", "--tasks", "rename-arg,fresh-fim"]),
-    ("wafer", ["--tokens", "4", "--rounds", "1", "--prompt-tokens", "8", "--threads", "1"]),
-    ("lsp", ["--speed", "20", "--max-chars", "12", "--cancels", "1"]),
-])
+@pytest.mark.parametrize(
+    "name,argv",
+    [
+        (
+            "engine",
+            [
+                "--no-peers",
+                "--prompt-tokens",
+                "32",
+                "--new-tokens",
+                "4",
+                "--repeats",
+                "1",
+                "--cancels",
+                "1",
+                "--threads",
+                "1",
+                "--precision",
+                "fp32,int8",
+            ],
+        ),
+        ("edits", ["--repeats", "1", "--threads", "1", "--tasks", "rename-arg,fresh-fim"]),
+        ("wafer", ["--tokens", "4", "--rounds", "1", "--prompt-tokens", "8", "--threads", "1"]),
+        ("lsp", ["--speed", "20", "--max-chars", "12", "--cancels", "1"]),
+    ],
+)
 def test_plot_on_every_benchmark(name, argv, tiny_llama, tmp_path, capsys):
     png = tmp_path / f"{name}.png"
     rc, out, err = cli([name, "--model", str(tiny_llama), *argv, "--plot", str(png)], capsys)

@@ -9,8 +9,19 @@ from engine.lab.bench_edits import TASKS, main
 
 def test_bench_edits_json(tiny_llama, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPARK_LSP_CACHE", str(tmp_path))
-    rc = main(["--model", str(tiny_llama), "--repeats", "1", "--threads", "1", "--json",
-               "--tasks", "rename-arg,fresh-fim"])
+    rc = main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            "--tasks",
+            "rename-arg,fresh-fim",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert [r["task"] for r in out["tasks"]] == ["rename-arg", "fresh-fim"]
@@ -22,8 +33,23 @@ def test_bench_edits_json(tiny_llama, capsys, monkeypatch, tmp_path):
 
 def test_bench_edits_table_and_errors(tiny_llama, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPARK_LSP_CACHE", str(tmp_path))
-    assert main(["--model", str(tiny_llama), "--repeats", "1", "--threads", "1", "--tasks", "type-hints",
-                 "--precision", "int8"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_llama),
+                "--repeats",
+                "1",
+                "--threads",
+                "1",
+                "--tasks",
+                "type-hints",
+                "--precision",
+                "int8",
+            ]
+        )
+        == 0
+    )
     assert "type-hints" in capsys.readouterr().out
     assert main(["--model", str(tiny_llama), "--tasks", "nope"]) == 2
     assert "unknown task" in capsys.readouterr().err

@@ -12,17 +12,28 @@ import pytest
 
 from engine import Engine, GenerationParams
 from engine.generate import Generation
-from engine.speculative import (DraftPolicy, EditDrafter, PromptLookup, SpeculativeGeneration, _Tokens, generate,
-                                ngram_matches)
+from engine.speculative import (
+    DraftPolicy,
+    EditDrafter,
+    PromptLookup,
+    SpeculativeGeneration,
+    _Tokens,
+    generate,
+    ngram_matches,
+)
 
-PROMPT = ("def fibonacci(n):\n    a, b = 0, 1\n    for i in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
-          "def fib_list(n):\n    out = []\n    for i in range(n):\n        out.append(fibonacci(i))\n    return out\n\n\ndef")
+PROMPT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for i in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
+    "def fib_list(n):\n    out = []\n    for i in range(n):\n        out.append(fibonacci(i))\n    return out\n\n\ndef"
+)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_models, tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "graph_cache"
-    return {arch: Engine.load(path, cache_dir=cache, threads=1) for arch, path in tiny_models.items()}
+    return {
+        arch: Engine.load(path, cache_dir=cache, threads=1) for arch, path in tiny_models.items()
+    }
 
 
 def plain(eng, prompt, params, slot=None) -> Generation:
@@ -75,9 +86,13 @@ def test_identical_to_greedy(engines, arch):
     params = GenerationParams(max_new_tokens=96, ignore_eos=True)
     ref = plain(eng, PROMPT, params)
     vocab = eng.sample_vocab
-    drafts = {"ngram": None, "exact": ref.tokens, "text": PROMPT,
-              **{f"mutated{k}": mutate(ref.tokens, 3 + 3 * k, vocab, k) for k in range(3)},
-              "garbage": list(np.random.default_rng(0).integers(0, vocab, 200))}
+    drafts = {
+        "ngram": None,
+        "exact": ref.tokens,
+        "text": PROMPT,
+        **{f"mutated{k}": mutate(ref.tokens, 3 + 3 * k, vocab, k) for k in range(3)},
+        "garbage": list(np.random.default_rng(0).integers(0, vocab, 200)),
+    }
     for name, draft in drafts.items():
         gen = generate(eng, PROMPT, params, draft=draft, policy=UntimedPolicy(alpha=0.9))
         assert isinstance(gen, SpeculativeGeneration)
@@ -97,8 +112,11 @@ def test_stop_strings_eos_and_lengths(engines):
     text = ref_long.text
     stop = text[30:34] if len(text) > 40 else "\n"
     cases = [GenerationParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 3, 7, 17)]
-    cases += [GenerationParams(max_new_tokens=80, stop=(stop,)), GenerationParams(max_new_tokens=80),
-              GenerationParams(max_new_tokens=80, stop=("\n\n", stop))]
+    cases += [
+        GenerationParams(max_new_tokens=80, stop=(stop,)),
+        GenerationParams(max_new_tokens=80),
+        GenerationParams(max_new_tokens=80, stop=("\n\n", stop)),
+    ]
     for params in cases:
         ref = plain(eng, PROMPT, params)
         for draft in (ref_long.tokens, None):
@@ -109,8 +127,12 @@ def test_stop_strings_eos_and_lengths(engines):
 
 def test_context_end(tiny_llama, tmp_path_factory):
     """Drafts never run past the KV buffer: generation to the end of a short context is identical."""
-    eng = Engine.load(tiny_llama, cache_dir=tmp_path_factory.getbasetemp() / "graph_cache", max_context=64,
-                      threads=1)
+    eng = Engine.load(
+        tiny_llama,
+        cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
+        max_context=64,
+        threads=1,
+    )
     params = GenerationParams(max_new_tokens=100, ignore_eos=True)
     ref = plain(eng, PROMPT[:80], params)
     gen = generate(eng, PROMPT[:80], params, draft=ref.tokens + ref.tokens)
@@ -134,7 +156,9 @@ def test_prefix_cache_stays_consistent(engines):
     eng = engines["qwen2"]
     params = GenerationParams(max_new_tokens=48, ignore_eos=True)
     ref = plain(eng, PROMPT, params)
-    gen = generate(eng, PROMPT, params, slot="doc", draft=mutate(ref.tokens, 8, eng.sample_vocab, 9))
+    gen = generate(
+        eng, PROMPT, params, slot="doc", draft=mutate(ref.tokens, 8, eng.sample_vocab, 9)
+    )
     gen.result()
     assert_same(gen, ref)
     follow = eng.tokenizer.encode(PROMPT) + gen.tokens[:40]
@@ -170,7 +194,7 @@ def test_cancel_during_speculation(engines):
     th.join(10)
     assert stopped, "the speculative generation did not stop after cancel()"
     assert gen.finish_reason == "cancelled" and gen.cancelled
-    assert len(gen.tokens) < 400 and gen.tokens == ref.tokens[:len(gen.tokens)]
+    assert len(gen.tokens) < 400 and gen.tokens == ref.tokens[: len(gen.tokens)]
     assert stopped[0] >= t0
     # the slot is usable at once and still gives the plain result
     again = eng.generate(PROMPT, GenerationParams(max_new_tokens=32, ignore_eos=True), slot="c")
@@ -186,9 +210,13 @@ def test_cancel_before_start(engines):
 
 # -- drafters and policy (no model) --------------------------------------------------------------
 
+
 def test_ngram_matches():
     hay = np.array([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], np.int64)
-    assert ngram_matches(hay, np.array([1, 2])).tolist() == [2, 6]  # the last [1, 2] has no continuation
+    assert ngram_matches(hay, np.array([1, 2])).tolist() == [
+        2,
+        6,
+    ]  # the last [1, 2] has no continuation
     assert ngram_matches(hay, np.array([2, 3])).tolist() == [3, 7]
     assert ngram_matches(hay, np.array([7])).tolist() == []
     assert ngram_matches(hay, np.array([1, 2, 3]), end=7).tolist() == [3]
@@ -233,7 +261,7 @@ def _drive(drafter: EditDrafter, prompt: list[int], output: list[int], k: int = 
         a = 0
         while a < len(draft) and i + a < len(output) and draft[a] == output[i + a]:
             a += 1
-        decided = output[i:i + a + 1]
+        decided = output[i : i + a + 1]
         ctx.extend(decided)
         drafter.observe(decided, a)
         i += len(decided)
@@ -246,18 +274,25 @@ def test_edit_drafter_learns_renames():
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.load(default_model_dir())
-    body = ("    total = 0\n    for value in values:\n        total += value * self._scale\n"
-            "    print(values.count, len(values), self._scale)\n    return total / len(values)\n")
+    body = (
+        "    total = 0\n    for value in values:\n        total += value * self._scale\n"
+        "    print(values.count, len(values), self._scale)\n    return total / len(values)\n"
+    )
     # the edit renames the parameter `values` and the attribute `_scale` everywhere; `value`
     # (another word that starts the same) stays
     edited = body.replace("values", "samples").replace("._scale", "._factor")
-    prompt, src, out = tok.encode("def mean(self, values):\n" + body + "\n\ndef mean(self, samples):\n"), \
-        tok.encode(body), tok.encode(edited)
+    prompt, src, out = (
+        tok.encode("def mean(self, values):\n" + body + "\n\ndef mean(self, samples):\n"),
+        tok.encode(body),
+        tok.encode(edited),
+    )
     learned = EditDrafter(src, tokenizer=tok)
     with_renames, without = _drive(learned, prompt, out), _drive(EditDrafter(src), prompt, out)
     assert learned.renames == {"values": "samples", "._scale": "_factor"}
     assert with_renames < without
-    rest = tok.decode(learned.source.tolist())  # renamed after the first occurrence, whole words only
+    rest = tok.decode(
+        learned.source.tolist()
+    )  # renamed after the first occurrence, whole words only
     assert "total += value * self._scale" in rest and "len(samples), self._factor" in rest
     # an unchanged output learns nothing; a changed non-identifier (an operator) is not a rename
     same = EditDrafter(src, tokenizer=tok)
@@ -348,14 +383,18 @@ def test_policy_follows_acceptance_and_cost():
 def test_identical_on_bundled_model(tmp_path_factory):
     """The bundled model (when installed): edits and completions, token for token."""
     from engine.config import ModelError
+
     try:
         eng = Engine.load(None, cache_dir=tmp_path_factory.getbasetemp() / "graph_cache")
     except ModelError as e:
         pytest.skip(f"no bundled model: {e}")
     from engine.lab.bench_edits import TASKS
+
     for task in TASKS:
         ids, healed = task.prompt(eng)
-        params = GenerationParams(max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed)
+        params = GenerationParams(
+            max_new_tokens=task.max_new_tokens(eng), ignore_eos=True, healed_prefix=healed
+        )
         ref = plain(eng, ids, params)
         gen = generate(eng, ids, params, draft=task.draft)
         gen.result()

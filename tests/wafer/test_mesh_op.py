@@ -26,19 +26,26 @@ def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0):
     inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape))
     for p, kp in enumerate(k_sizes):
         names.append(f"w{p}")
-        tile = np.ascontiguousarray(w[k0:k0 + kp])
+        tile = np.ascontiguousarray(w[k0 : k0 + kp])
         k0 += kp
         if const:
             inits.append(numpy_helper.from_array(tile, f"w{p}"))
         else:
-            inputs.append(helper.make_tensor_value_info(f"w{p}", TensorProto.FLOAT, [f"k{p}", f"n{p}"]))
+            inputs.append(
+                helper.make_tensor_value_info(f"w{p}", TensorProto.FLOAT, [f"k{p}", f"n{p}"])
+            )
     node = helper.make_node(mesh_op.OP, ["x", *names], ["y"], domain=mesh_op.DOMAIN)
-    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(mesh_op.DOMAIN, 1)])
+    graph = helper.make_graph(
+        [node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(mesh_op.DOMAIN, 1)]
+    )
     model.ir_version = 8
     so = session_options(threads, custom_ops=(mesh_op.library(),))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), w
+    return ort.InferenceSession(
+        model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+    ), w
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,8 +55,17 @@ def _op_built():
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 70])
-@pytest.mark.parametrize("k_sizes,N", [([128, 128], 512), ([13, 13, 11], 29), ([64], 64), ([40, 40, 40, 39], 65),
-                                       ([100, 100], 130), ([1, 1], 1)])
+@pytest.mark.parametrize(
+    "k_sizes,N",
+    [
+        ([128, 128], 512),
+        ([13, 13, 11], 29),
+        ([64], 64),
+        ([40, 40, 40, 39], 65),
+        ([100, 100], 130),
+        ([1, 1], 1),
+    ],
+)
 def test_matches_numpy(T, k_sizes, N):
     sess, w = _session(k_sizes, N)
     x = np.random.default_rng(T).standard_normal((T, sum(k_sizes))).astype(np.float32)
@@ -78,7 +94,9 @@ def test_bad_shapes_give_clear_errors_and_the_session_lives_on():
     sess, w = _session([5, 7], 33, const=False)
     x = np.ones((2, 12), np.float32)
     good = {"x": x, "w0": np.ascontiguousarray(w[:5]), "w1": np.ascontiguousarray(w[5:])}
-    with pytest.raises(Exception, match="MeshLinear: x has 11 features but the lines' tiles have 12 rows"):
+    with pytest.raises(
+        Exception, match="MeshLinear: x has 11 features but the lines' tiles have 12 rows"
+    ):
         sess.run(None, {**good, "x": np.ones((2, 11), np.float32)})
     with pytest.raises(Exception, match="MeshLinear: line 1 has 34 output columns, line 0 has 33"):
         sess.run(None, {**good, "w1": np.ones((7, 34), np.float32)})
@@ -90,12 +108,20 @@ def test_emitter_stores_one_tile_initializer_per_mesh_line():
 
     gb = GraphBuilder()
     lin = TiledLinear((3, 5), form="op")
-    lin.emit(gb, gb.input("x", TensorProto.FLOAT, ["T", 40]), np.zeros((40, 9), np.float32), name="l", role="o")
+    lin.emit(
+        gb,
+        gb.input("x", TensorProto.FLOAT, ["T", 40]),
+        np.zeros((40, 9), np.float32),
+        name="l",
+        role="o",
+    )
     (node,) = gb.nodes
     # o reduces over the mesh columns: 5 lines of K-blocks 8 (C = 5), output split over the 3 rows.
     assert [t.dims[0] for t in gb.initializers] == block_sizes(40, 5) and lin.accepts_3d
     assert list(node.input[1:]) == [f"l.col{p}" for p in range(5)]
-    assert TiledLinear((2, 2), form="op").cache_key() != TiledLinear((2, 2), form="graph").cache_key()
+    assert (
+        TiledLinear((2, 2), form="op").cache_key() != TiledLinear((2, 2), form="graph").cache_key()
+    )
 
 
 def test_fallback_when_the_op_cannot_be_built(monkeypatch, tmp_path, tiny_models):
@@ -118,6 +144,7 @@ def test_fallback_when_the_op_cannot_be_built(monkeypatch, tmp_path, tiny_models
         assert mesh_op.library() is None and "no C compiler" in mesh_op.why_not()
 
         monkeypatch.undo()
+
         def broken(path):
             raise RuntimeError("self-test: max error 9")
 

@@ -24,10 +24,28 @@ def cli(capsys, *argv):
 
 
 def test_json_has_the_promised_fields(capsys):
-    rc, out, _ = cli(capsys, "--config", str(DATA / "llama-3-8b.json"), "--chip", "wse2", "--grid", "420x420", "--json")
+    rc, out, _ = cli(
+        capsys,
+        "--config",
+        str(DATA / "llama-3-8b.json"),
+        "--chip",
+        "wse2",
+        "--grid",
+        "420x420",
+        "--json",
+    )
     assert rc == 0
     o = json.loads(out)
-    for k in ("chip", "grid", "wafers", "pes_used", "sram_utilization", "decode_tok_s", "ttft_ms", "per_layer"):
+    for k in (
+        "chip",
+        "grid",
+        "wafers",
+        "pes_used",
+        "sram_utilization",
+        "decode_tok_s",
+        "ttft_ms",
+        "per_layer",
+    ):
         assert k in o
     assert o["chip"] == "wse2" and o["grid"] == "420x420" and len(o["per_layer"]) == 32
     assert abs(o["decode_tok_s"] / 2700 - 1) < 0.15
@@ -38,7 +56,9 @@ def test_json_has_the_promised_fields(capsys):
 def test_auto_grid_and_png(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "w.png"
-    rc, out, _ = cli(capsys, "--config", str(DATA / "llama-3-70b.json"), "--png", str(png), "--json")
+    rc, out, _ = cli(
+        capsys, "--config", str(DATA / "llama-3-70b.json"), "--png", str(png), "--json"
+    )
     assert rc == 0
     o = json.loads(out)
     assert o["wafers"] >= 4 and png.stat().st_size > 10_000
@@ -53,23 +73,29 @@ def test_model_folder_and_text_output(capsys, tiny_llama):
 def test_custom_chip_file(capsys, tmp_path):
     spec = tmp_path / "half.toml"
     spec.write_text('base = "wse3"\nmesh_rows = 381\nmesh_cols = 586\n')
-    rc, out, _ = cli(capsys, "--config", str(DATA / "llama-3-8b.json"), "--chip", str(spec), "--json")
+    rc, out, _ = cli(
+        capsys, "--config", str(DATA / "llama-3-8b.json"), "--chip", str(spec), "--json"
+    )
     assert rc == 0 and json.loads(out)["chip"] == "wse3"  # base name kept, smaller mesh
     assert json.loads(out)["chip_spec"]["mesh_rows"] == 381
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--config", "nope.json"], "not found"),
-    (["--config", "DATA/llama-3-70b.json", "--grid", "64x64"], "missing .* KB per PE"),
-    (["--config", "DATA/llama-3-70b.json", "--max-wafers", "2"], "missing .* wafer"),
-    (["--config", "DATA/llama-3-8b.json", "--chip", "wse9"], "not a built-in chip"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--config", "nope.json"], "not found"),
+        (["--config", "DATA/llama-3-70b.json", "--grid", "64x64"], "missing .* KB per PE"),
+        (["--config", "DATA/llama-3-70b.json", "--max-wafers", "2"], "missing .* wafer"),
+        (["--config", "DATA/llama-3-8b.json", "--chip", "wse9"], "not a built-in chip"),
+    ],
+)
 def test_errors_are_one_line_exit_2(capsys, argv, match):
     argv = [a.replace("DATA", str(DATA)) for a in argv]
     rc, out, err = cli(capsys, *argv)
     assert rc == 2 and out == ""
     assert err.startswith("spark-lsp wafer: error:") and err.count("\n") == 1
     import re
+
     assert re.search(match, err)
 
 
@@ -91,12 +117,31 @@ def test_bad_grid_rejected_by_parser(capsys):
 def test_bench_wafer_reports_both_speeds(tiny_qwen2, capsys):
     from engine.lab import bench_wafer as bench
 
-    rc = bench.main(["--model", str(tiny_qwen2), "--tokens", "4", "--rounds", "1", "--prompt-tokens", "8",
-                     "--grid", "3x5", "--threads", "1", "--json"])
+    rc = bench.main(
+        [
+            "--model",
+            str(tiny_qwen2),
+            "--tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--prompt-tokens",
+            "8",
+            "--grid",
+            "3x5",
+            "--threads",
+            "1",
+            "--json",
+        ]
+    )
     assert rc == 0
     o = json.loads(capsys.readouterr().out)
     assert o["greedy_tokens_identical"] is True and o["grid"] == "3x5" and o["form"] == "op"
-    assert o["dense_decode_tok_s"] > 0 and o["partitioned_decode_tok_s"] > 0 and o["ratio_of_medians"] > 0
+    assert (
+        o["dense_decode_tok_s"] > 0
+        and o["partitioned_decode_tok_s"] > 0
+        and o["ratio_of_medians"] > 0
+    )
     assert o["projection"]["decode_tok_s"] > 0
 
 
@@ -115,8 +160,25 @@ def test_bench_wafer_pins_thread_spinning(tiny_qwen2, capsys, monkeypatch):
     monkeypatch.setattr(Engine, "load", classmethod(spy))
     for flag, want in (("--no-spinning", False), ("--spinning", True)):
         seen.clear()
-        assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
-                           "--threads", "1", "--json", flag]) == 0
+        assert (
+            bench.main(
+                [
+                    "--model",
+                    str(tiny_qwen2),
+                    "--tokens",
+                    "2",
+                    "--rounds",
+                    "1",
+                    "--prompt-tokens",
+                    "8",
+                    "--threads",
+                    "1",
+                    "--json",
+                    flag,
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
         assert seen == [want, want]
 
@@ -130,8 +192,24 @@ def test_bench_wafer_settles_before_every_timed_run(tiny_qwen2, capsys, monkeypa
     monkeypatch.setattr(engine.lab.bench, "SETTLE_S", 0.001)
     slept = []
     monkeypatch.setattr(bench.time, "sleep", lambda s: slept.append(s))
-    assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "3", "--prompt-tokens", "8",
-                       "--threads", "1", "--json"]) == 0
+    assert (
+        bench.main(
+            [
+                "--model",
+                str(tiny_qwen2),
+                "--tokens",
+                "2",
+                "--rounds",
+                "3",
+                "--prompt-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert slept.count(0.001) == 2 + 2 * 3  # the two warm-up runs, then both engines every round
 
@@ -149,22 +227,56 @@ def test_bench_wafer_standard_op_form(tiny_qwen2, capsys):
     """--form graph measures the standard-op form (Split + chained Gemm) against dense."""
     from engine.lab import bench_wafer as bench
 
-    assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
-                       "--threads", "1", "--form", "graph", "--json"]) == 0
+    assert (
+        bench.main(
+            [
+                "--model",
+                str(tiny_qwen2),
+                "--tokens",
+                "2",
+                "--rounds",
+                "1",
+                "--prompt-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--form",
+                "graph",
+                "--json",
+            ]
+        )
+        == 0
+    )
     o = json.loads(capsys.readouterr().out)
     assert o["form"] == "graph" and o["greedy_tokens_identical"] is True
 
 
-@pytest.mark.parametrize("precision,form,want", [("int8", None, "op"), ("int4", None, "op"), ("int8", "graph", "mesh")])
+@pytest.mark.parametrize(
+    "precision,form,want", [("int8", None, "op"), ("int4", None, "op"), ("int8", "graph", "mesh")]
+)
 def test_bench_wafer_quantised(tiny_qwen2, capsys, precision, form, want):
     """--precision int8/int4: the partitioned quantised linears against the fused MatMulNBits form."""
     from engine.lab import bench_wafer as bench
 
-    argv = ["--model", str(tiny_qwen2), "--tokens", "3", "--rounds", "2", "--prompt-tokens", "8", "--threads", "1",
-            "--precision", precision] + (["--form", form] if form else [])
+    argv = [
+        "--model",
+        str(tiny_qwen2),
+        "--tokens",
+        "3",
+        "--rounds",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--threads",
+        "1",
+        "--precision",
+        precision,
+    ] + (["--form", form] if form else [])
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"{precision}) vs fused" in out and "fused   partitioned" in out and "load average" in out
+    assert (
+        f"{precision}) vs fused" in out and "fused   partitioned" in out and "load average" in out
+    )
     assert bench.main(argv + ["--json"]) == 0
     o = json.loads(capsys.readouterr().out)
     assert o["precision"] == precision and o["baseline"] == "fused" and o["form"] == want
@@ -177,8 +289,25 @@ def test_bench_wafer_quantised(tiny_qwen2, capsys, precision, form, want):
 def test_bench_wafer_tiles_only_what_it_is_told(tiny_qwen2, capsys):
     from engine.lab import bench_wafer as bench
 
-    assert bench.main(["--model", str(tiny_qwen2), "--tokens", "2", "--rounds", "1", "--prompt-tokens", "8",
-                       "--threads", "1", "--tile", "qkv,lm_head"]) == 0
+    assert (
+        bench.main(
+            [
+                "--model",
+                str(tiny_qwen2),
+                "--tokens",
+                "2",
+                "--rounds",
+                "1",
+                "--prompt-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--tile",
+                "qkv,lm_head",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tiled: qkv,lm_head" in out and "greedy tokens identical: True" in out
 
@@ -194,5 +323,12 @@ def test_png_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
         return real(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
-    rc, out, err = cli(capsys, "--config", str(DATA / "llama-3-8b.json"), "--png", str(tmp_path / "w.png"))
-    assert rc == 2 and "matplotlib" in err and "pip install" in err and not (tmp_path / "w.png").exists()
+    rc, out, err = cli(
+        capsys, "--config", str(DATA / "llama-3-8b.json"), "--png", str(tmp_path / "w.png")
+    )
+    assert (
+        rc == 2
+        and "matplotlib" in err
+        and "pip install" in err
+        and not (tmp_path / "w.png").exists()
+    )

@@ -10,8 +10,14 @@ import pytest
 
 from engine.projection import perfmodel
 from engine.projection.chips import WSE2, WSE3, ChipError, load_chip
-from engine.projection.perfmodel import (Constants, allreduce_cycles, calibrate,
-                                    calibration_table, plan, project)
+from engine.projection.perfmodel import (
+    Constants,
+    allreduce_cycles,
+    calibrate,
+    calibration_table,
+    plan,
+    project,
+)
 from engine.projection.placement import ModelShape, PlacementError, load_shape, place
 from engine.projection.simulator import Mesh, _allreduce, analytic_layer, simulate_layer
 
@@ -30,6 +36,7 @@ def llama70b():
 
 # -- chips ---------------------------------------------------------------------------------------
 
+
 def test_builtin_chips():
     assert load_chip("wse2") is WSE2 and load_chip("WSE3") is WSE3
     assert WSE2.sram_kb_per_pe == 48 and WSE2.clock_ghz == 1.1 and WSE2.link_bits == 32
@@ -39,7 +46,9 @@ def test_builtin_chips():
 
 def test_custom_chip_toml_json_and_base(tmp_path):
     t = tmp_path / "mini.toml"
-    t.write_text('name = "mini"\nmesh_rows = 64\nmesh_cols = 32\nsram_kb_per_pe = 24\nclock_ghz = 1.0\nsimd_fp16 = 2\n')
+    t.write_text(
+        'name = "mini"\nmesh_rows = 64\nmesh_cols = 32\nsram_kb_per_pe = 24\nclock_ghz = 1.0\nsimd_fp16 = 2\n'
+    )
     c = load_chip(t)
     assert (c.name, c.pes, c.sram_bytes_per_pe, c.ramp_cycles) == ("mini", 2048, 24 * 1024, 2.0)
     j = tmp_path / "fast.json"
@@ -48,15 +57,18 @@ def test_custom_chip_toml_json_and_base(tmp_path):
     assert c.clock_ghz == 1.5 and c.mesh_cols == WSE3.mesh_cols
 
 
-@pytest.mark.parametrize("body,match", [
-    ('mesh_rows = 64\n', "required field"),
-    ('base = "wse2"\nclock_ghz = -1\n', "clock_ghz.*positive"),
-    ('base = "wse2"\nmesh_rows = 1.5\n', "mesh_rows.*integer"),
-    ('base = "wse2"\nmesh_rows = "big"\n', "mesh_rows.*number"),
-    ('base = "wse9"\n', "base"),
-    ('base = "wse2"\ncolour = 3\n', "unknown field.*colour"),
-    ('mesh_rows = [\n', "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("mesh_rows = 64\n", "required field"),
+        ('base = "wse2"\nclock_ghz = -1\n', "clock_ghz.*positive"),
+        ('base = "wse2"\nmesh_rows = 1.5\n', "mesh_rows.*integer"),
+        ('base = "wse2"\nmesh_rows = "big"\n', "mesh_rows.*number"),
+        ('base = "wse9"\n', "base"),
+        ('base = "wse2"\ncolour = 3\n', "unknown field.*colour"),
+        ("mesh_rows = [\n", "invalid TOML"),
+    ],
+)
 def test_bad_chip_specs_name_file_and_field(tmp_path, body, match):
     f = tmp_path / "bad.toml"
     f.write_text(body)
@@ -72,6 +84,7 @@ def test_unknown_chip_name():
 
 # -- placement -----------------------------------------------------------------------------------
 
+
 def test_shape_from_config_file(llama8b, llama70b):
     assert llama8b.name == "Meta-Llama-3-8B" and llama8b.layers == 32
     assert 7.9e9 < llama8b.params < 8.1e9 and 70e9 < llama70b.params < 71e9
@@ -86,8 +99,11 @@ def test_shape_counts_every_architectures_linear_weights(tiny_models):
     for arch, folder in tiny_models.items():
         cfg = load_config(folder)
         shape = ModelShape.from_config(cfg)
-        linears = sum(int(np.prod(s)) for n, s in expected_shapes(cfg).items()
-                      if len(s) == 2 and n.startswith("model.layers."))
+        linears = sum(
+            int(np.prod(s))
+            for n, s in expected_shapes(cfg).items()
+            if len(s) == 2 and n.startswith("model.layers.")
+        )
         assert shape.layers * shape.layer_params == linears, arch
     assert not ModelShape.from_config(load_config(tiny_models["starcoder2"])).gated
 
@@ -106,7 +122,7 @@ def test_layer_regions_tiles_and_kv(llama8b):
         occ = np.zeros((WSE2.mesh_rows, WSE2.mesh_cols), int)
         for x in pl.regions:
             if x.wafer == w:
-                occ[x.row:x.row + x.rows, x.col:x.col + x.cols] += 1
+                occ[x.row : x.row + x.rows, x.col : x.col + x.cols] += 1
         assert occ.max() == 1
     # Cuts fall at layer boundaries: layers are in order over wafers.
     assert [x.wafer for x in layers] == sorted(x.wafer for x in layers)
@@ -117,7 +133,7 @@ def test_uneven_region_fill_map_sums_to_totals(llama8b):
     m = pl.fill_map(0)
     assert np.nanmax(m) <= pl.budget + 1e-9
     r = pl.layer_regions()[0]
-    block = m[r.row:r.row + r.rows, r.col:r.col + r.cols] * WSE2.sram_bytes_per_pe
+    block = m[r.row : r.row + r.rows, r.col : r.col + r.cols] * WSE2.sram_bytes_per_pe
     assert block.sum() == pytest.approx(r.total_bytes, rel=1e-6)
     assert block[0, 0] == r.peak_bytes and block[-1, -1] < block[0, 0]  # uneven tail is lighter
 
@@ -126,7 +142,9 @@ def test_refusal_says_how_much_is_missing(llama70b):
     with pytest.raises(PlacementError, match=r"missing [\d.]+ KB per PE") as e:
         place(llama70b, WSE2, (64, 64))
     assert "64x64" in str(e.value) and "budget" in str(e.value)
-    with pytest.raises(PlacementError, match=r"needs \d+ wse2 wafers but at most 1 allowed: missing \d+ wafer"):
+    with pytest.raises(
+        PlacementError, match=r"needs \d+ wse2 wafers but at most 1 allowed: missing \d+ wafer"
+    ):
         place(llama70b, WSE2, (360, 360), max_wafers=1)
     with pytest.raises(PlacementError, match="larger than"):
         place(llama70b, WSE2, (800, 800))
@@ -148,13 +166,16 @@ def test_auto_grid_beats_neighbours(llama8b):
     assert pl.wafers == 1
     for dr, dc in ((-16, 0), (16, 0), (0, -16), (0, 16)):
         try:
-            p2, pr2 = plan(llama8b, WSE3, grid=(pl.grid[0] + dr, pl.grid[1] + dc), context=4096, max_wafers=1)
+            p2, pr2 = plan(
+                llama8b, WSE3, grid=(pl.grid[0] + dr, pl.grid[1] + dc), context=4096, max_wafers=1
+            )
         except PlacementError:
             continue
         assert pr2.decode_tok_s <= proj.decode_tok_s + 1e-9
 
 
 # -- performance model ---------------------------------------------------------------------------
+
 
 def test_calibration_matches_waferllm_within_15pct(llama8b):
     for row in calibration_table(llama8b, WSE2):
@@ -189,8 +210,12 @@ def test_wse3_faster_than_wse2(llama8b):
 
 # -- simulator -----------------------------------------------------------------------------------
 
-SMALL = ModelShape("small", hidden=256, ffn=768, layers=4, heads=8, kv_heads=4, head_dim=32, vocab=8192)
-ODD = ModelShape("odd", hidden=320, ffn=864, layers=2, heads=10, kv_heads=5, head_dim=32, vocab=1000)
+SMALL = ModelShape(
+    "small", hidden=256, ffn=768, layers=4, heads=8, kv_heads=4, head_dim=32, vocab=8192
+)
+ODD = ModelShape(
+    "odd", hidden=320, ffn=864, layers=2, heads=10, kv_heads=5, head_dim=32, vocab=1000
+)
 
 
 @pytest.mark.parametrize("n", [2, 3, 7, 16, 33])
@@ -198,13 +223,22 @@ def test_isolated_allreduce_matches_formula(n):
     mesh = Mesh(1, n, WSE2)
     ready = np.zeros((1, n))
     _allreduce(mesh, ready, [[(0, j) for j in range(n)]], 4)
-    assert ready.max() == pytest.approx(allreduce_cycles(n, 4, WSE2), abs=4)  # tree messages may share a link
+    assert ready.max() == pytest.approx(
+        allreduce_cycles(n, 4, WSE2), abs=4
+    )  # tree messages may share a link
 
 
-@pytest.mark.parametrize("shape,grid,chip", [
-    (SMALL, (8, 8), WSE2), (SMALL, (32, 32), WSE3), (SMALL, (12, 20), WSE2),
-    (ODD, (48, 40), WSE2), (ODD, (64, 64), WSE3), (SMALL, (17, 9), WSE2),
-])
+@pytest.mark.parametrize(
+    "shape,grid,chip",
+    [
+        (SMALL, (8, 8), WSE2),
+        (SMALL, (32, 32), WSE3),
+        (SMALL, (12, 20), WSE2),
+        (ODD, (48, 40), WSE2),
+        (ODD, (64, 64), WSE3),
+        (SMALL, (17, 9), WSE2),
+    ],
+)
 def test_analytic_agrees_with_simulator(shape, grid, chip):
     sim = simulate_layer(shape, grid, chip, context=256)
     ana = analytic_layer(shape, grid, chip, context=256)

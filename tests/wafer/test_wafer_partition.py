@@ -12,8 +12,15 @@ from onnx import TensorProto
 from engine import Engine, GenerationParams
 from engine.graph import GraphBuilder
 from engine.runtime import session_options
-from engine.wafer.partition import (DEFAULT_GRID, FORMS, ROW_REDUCE, TiledLinear, block_sizes, parse_grid,
-                                    pe_tiles)
+from engine.wafer.partition import (
+    DEFAULT_GRID,
+    FORMS,
+    ROW_REDUCE,
+    TiledLinear,
+    block_sizes,
+    parse_grid,
+    pe_tiles,
+)
 
 
 def test_block_sizes_cover_dimension_with_uneven_tail():
@@ -34,7 +41,9 @@ def test_pe_tiles_reassemble_and_alternate_axes(role, grid):
     for a in range(len(block_sizes(10, k_parts))):
         # Row-reduce: K-block a lives on mesh row a; o/down (transposed): on mesh column a.
         key = (lambda b: (a, b)) if role in ROW_REDUCE else (lambda b: (b, a))
-        rows.append(np.concatenate([tiles[key(b)] for b in range(len(block_sizes(13, n_parts)))], axis=1))
+        rows.append(
+            np.concatenate([tiles[key(b)] for b in range(len(block_sizes(13, n_parts)))], axis=1)
+        )
     np.testing.assert_array_equal(np.concatenate(rows, axis=0), w)
 
 
@@ -52,7 +61,9 @@ def test_bad_grid_and_role_rejected():
     with pytest.raises(ValueError, match="grid"):
         TiledLinear("2x2x")
     with pytest.raises(ValueError, match="role"):
-        TiledLinear((2, 2)).emit(GraphBuilder(), "x", np.zeros((4, 4), np.float32), name="l", role="embed")
+        TiledLinear((2, 2)).emit(
+            GraphBuilder(), "x", np.zeros((4, 4), np.float32), name="l", role="embed"
+        )
 
 
 def _run_linear(role, grid, K, N, T, bias, form="graph"):
@@ -65,8 +76,11 @@ def _run_linear(role, grid, K, N, T, bias, form="graph"):
     lin = TiledLinear(grid, form=form)
     y = lin.emit(gb, xi, w, name="lin", role=role, bias=b)
     gb.output(y, "y", TensorProto.FLOAT, ["T", N])
-    sess = ort.InferenceSession(gb.to_model().SerializeToString(), session_options(1, custom_ops=lin.custom_op_libraries),
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        gb.to_model().SerializeToString(),
+        session_options(1, custom_ops=lin.custom_op_libraries),
+        providers=["CPUExecutionProvider"],
+    )
     out = sess.run(None, {"x": x})[0]
     ref = x @ w + (b if bias else 0)
     return out, ref, lin, gb
@@ -90,8 +104,12 @@ def test_single_linear_matches_matmul(role, grid, form):
         (node,) = [n for n in gb.nodes if n.op_type == "MeshLinear"]
         assert node.domain == "spark.wafer" and len(node.input) == 1 + len(info["k_blocks"])
         assert "MatMul" not in ops and "Gemm" not in ops
-    assert sum(t.dims[0] for t in gb.initializers if t.name.startswith("lin.")
-               and t.name != "lin.bias") == 37
+    assert (
+        sum(
+            t.dims[0] for t in gb.initializers if t.name.startswith("lin.") and t.name != "lin.bias"
+        )
+        == 37
+    )
 
 
 # -- the whole decoder: partitioned vs unpartitioned engine -----------------------------------
@@ -102,18 +120,37 @@ GRIDS = [(2, 2), (3, 5), (4, 4), (1, 3), (5, 2)]
 @pytest.fixture(scope="module")
 def dense_engines(tiny_models, tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "graph_cache"
-    return {a: Engine.load(p, wafer=False, cache_dir=cache, threads=1) for a, p in tiny_models.items()}
+    return {
+        a: Engine.load(p, wafer=False, cache_dir=cache, threads=1) for a, p in tiny_models.items()
+    }
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("arch,grid", [("llama", (2, 2)), ("qwen2", (3, 5)), ("mistral", (4, 4)),
-                                       ("qwen2", (1, 3)), ("llama", (5, 2)), ("mistral", None),
-                                       ("qwen3", (2, 3)), ("starcoder2", (3, 2)), ("gemma", (2, 2))])
-def test_partitioned_engine_equals_dense(arch, grid, form, tiny_models, dense_engines, tmp_path_factory):
+@pytest.mark.parametrize(
+    "arch,grid",
+    [
+        ("llama", (2, 2)),
+        ("qwen2", (3, 5)),
+        ("mistral", (4, 4)),
+        ("qwen2", (1, 3)),
+        ("llama", (5, 2)),
+        ("mistral", None),
+        ("qwen3", (2, 3)),
+        ("starcoder2", (3, 2)),
+        ("gemma", (2, 2)),
+    ],
+)
+def test_partitioned_engine_equals_dense(
+    arch, grid, form, tiny_models, dense_engines, tmp_path_factory
+):
     dense = dense_engines[arch]
     lin = TiledLinear(grid, form=form)
-    eng = Engine.load(tiny_models[arch], linear=lin, cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
-                      threads=1)
+    eng = Engine.load(
+        tiny_models[arch],
+        linear=lin,
+        cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
+        threads=1,
+    )
     assert eng.linear.grid == (grid or DEFAULT_GRID)
     graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
     linears = 4 * dense.config.num_hidden_layers + 1
@@ -123,7 +160,9 @@ def test_partitioned_engine_equals_dense(arch, grid, form, tiny_models, dense_en
         assert sum(n.op_type == "MeshLinear" for n in graph.node) == linears
         assert not any(n.op_type in ("MatMul", "Gemm") for n in graph.node)
     ids = np.random.default_rng(7).integers(0, dense.sample_vocab, 24).tolist()
-    np.testing.assert_allclose(eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0
+    )
     params = GenerationParams(max_new_tokens=16, ignore_eos=True)
     a, b = eng.generate(ids, params), dense.generate(ids, params)
     a.result(), b.result()
@@ -134,14 +173,23 @@ def test_partitioned_engine_equals_dense(arch, grid, form, tiny_models, dense_en
 def test_tiling_only_some_linears(form, tiny_models, dense_engines, tmp_path_factory):
     """`bench wafer --tile`: the named linears are tiled, the others stay one MatMul; same logits."""
     dense = dense_engines["qwen2"]
-    eng = Engine.load(tiny_models["qwen2"], linear=TiledLinear((2, 2), roles=["lm_head"], form=form),
-                      cache_dir=tmp_path_factory.getbasetemp() / "graph_cache", threads=1)
+    eng = Engine.load(
+        tiny_models["qwen2"],
+        linear=TiledLinear((2, 2), roles=["lm_head"], form=form),
+        cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
+        threads=1,
+    )
     graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
-    reduced = {n.name.split("/")[0] for n in graph.node
-               if n.name.endswith("_gemv_reduce") or n.op_type == "MeshLinear"}
+    reduced = {
+        n.name.split("/")[0]
+        for n in graph.node
+        if n.name.endswith("_gemv_reduce") or n.op_type == "MeshLinear"
+    }
     assert reduced == {"lm_head"}
     ids = np.random.default_rng(3).integers(0, dense.sample_vocab, 16).tolist()
-    np.testing.assert_allclose(eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0
+    )
     assert TiledLinear((2, 2), roles=["lm_head"]).cache_key() != TiledLinear((2, 2)).cache_key()
     with pytest.raises(ValueError, match="roles"):
         TiledLinear((2, 2), roles=["attention"])
