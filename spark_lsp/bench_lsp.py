@@ -417,18 +417,21 @@ def run(args, plot=None) -> int:
             ("cancel round trip in the client, median (ms)", out["cancel_round_trip_ms_median"]),
             ("TTFT median (ms)", out["ttft_ms_median"]),
             ("engine time per model call, median (ms)", out["engine_ms_median"]),
-            (
-                "backend requests / cancelled",
-                f"{out['backend_requests']} / {out['backend_cancelled']}",
-            ),
-            (
-                "backend tokens / wasted (never shown)",
-                f"{out['backend_tokens']} / {out['wasted_tokens']}",
-            ),
         ]
+        if out["backend_requests"] is not None:  # a remote backend: what it was asked and wasted
+            rows += [
+                (
+                    "backend requests / cancelled",
+                    f"{out['backend_requests']} / {out['backend_cancelled']}",
+                ),
+                (
+                    "backend tokens / wasted (never shown)",
+                    f"{out['backend_tokens']} / {out['wasted_tokens']}",
+                ),
+            ]
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
-            print(f"  {name:<{w}}  {val}")
+            print(f"  {name:<{w}}  {'-' if val is None else val}")
     from engine.lab.bench import plot_results
 
     return plot_results(plot, out, args.plot, "lsp")
