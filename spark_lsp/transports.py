@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
-import socket
 import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from engine.service.address import is_loopback
 
 from .framing import MAX_BODY, MAX_HEADER, Framer, FramingError
 
@@ -86,21 +86,6 @@ class SessionLimit:
 
 
 # -- binding -------------------------------------------------------------------------------------
-def is_loopback(host: str) -> bool:
-    """Whether every address `host` names is a loopback address."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(
-        ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos
-    )
-
-
 class BindError(ValueError):
     """A non-loopback address asked for without --allow-remote."""
 

@@ -25,8 +25,9 @@ from typing import Any
 
 from ..models import default_model_dir
 from . import rundir
+from .address import host_port, is_loopback
 from .local import LocalModels
-from .server import EngineServer, is_loopback
+from .server import EngineServer
 
 log = logging.getLogger(__name__)
 
@@ -210,19 +211,6 @@ def join_or_start(
 
 
 # -- command line ---------------------------------------------------------------------------------
-def host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", value
-    try:
-        p = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT or PORT, got {value!r}") from None
-    if not 0 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port {p} is outside 0..65535")
-    return (host.strip("[]") or "127.0.0.1"), p
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ws",

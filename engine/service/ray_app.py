@@ -54,10 +54,10 @@ from ..generate import GenerationParams
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from . import rundir
+from .address import is_loopback
 from .connection import Connection
 from .daemon import INTERACTIVE_PREFILL_CHUNK, DaemonError, read_token_file, resolve_models
 from .local import describe
-from .server import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,6 @@ from .connection import MAX_GENERATIONS, Connection
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK or host.startswith("127.")
-
 
 def bearer(headers: Headers) -> str | None:
     auth = headers.get("Authorization", "")

@@ -7,18 +7,7 @@ import logging
 import os
 import sys
 
-
-def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", value
-    try:
-        p = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT or PORT, got {value!r}") from None
-    if not 0 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port {p} is outside 0..65535")
-    return host or "127.0.0.1", p
+from engine.service.address import host_port
 
 
 def register(subparsers) -> None:
@@ -33,13 +22,13 @@ def register(subparsers) -> None:
     g.add_argument(
         "--tcp",
         metavar="HOST:PORT",
-        type=_host_port,
+        type=host_port,
         help="listen for TCP clients (each connection its own session)",
     )
     g.add_argument(
         "--ws",
         metavar="HOST:PORT",
-        type=_host_port,
+        type=host_port,
         help="listen for WebSocket clients (each its own session; they need the token)",
     )
     p.add_argument(
