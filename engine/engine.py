@@ -193,9 +193,10 @@ class Engine:
         }
         custom_ops = tuple(getattr(linear, "custom_op_libraries", ()))
         path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
-        try:
-            runtime = Runtime(
-                path,
+
+        def open_runtime(graph_path) -> Runtime:
+            return Runtime(
+                graph_path,
                 config,
                 max_len=max_len,
                 threads=threads,
@@ -204,6 +205,9 @@ class Engine:
                 profile=profile,
                 custom_ops=custom_ops,
             )
+
+        try:
+            runtime = open_runtime(path)
         except Exception as e:
             if built:
                 raise
@@ -214,16 +218,7 @@ class Engine:
             )
             graph_cache.invalidate(path)
             path, built = graph_cache.get_or_build(folder.name, key, build, cache_dir, info)
-            runtime = Runtime(
-                path,
-                config,
-                max_len=max_len,
-                threads=threads,
-                decode_threads=decode_threads,
-                spinning=spinning,
-                profile=profile,
-                custom_ops=custom_ops,
-            )
+            runtime = open_runtime(path)
         eng = cls(
             folder,
             config,
