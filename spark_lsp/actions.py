@@ -16,14 +16,8 @@ from typing import Any
 from . import edit_checks, postprocess
 from .backends.base import TextPrompt
 from .documents import indentation, split_lines
+from .edit_checks import COMPLETE, DEF_RE, DOCSTRING, INSTRUCT, REWRITE, TEST
 
-REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = (
-    "rewrite",
-    "complete",
-    "docstring",
-    "test",
-    "instruct",
-)
 TITLES = {
     REWRITE: "Spark: Rewrite selection",
     COMPLETE: "Spark: Complete this function / block",
@@ -42,8 +36,6 @@ ACTIONS = tuple(TITLES)
 
 #: the second decoding of a result the checks refused: sampled, reproducibly
 RETRY_TEMPERATURE, RETRY_SEED = 0.7, 1
-
-_DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
 
 
 class ActionError(ValueError):
@@ -107,7 +99,7 @@ class Block:
 def enclosing_block(lines: list[str], line: int, kinds=("def", "class")) -> Block | None:
     """The innermost Python def/class whose header or body contains `line`."""
     for i in range(min(line, len(lines) - 1), -1, -1):
-        m = _DEF_RE.match(lines[i])
+        m = DEF_RE.match(lines[i])
         if not m or m.group(2) not in kinds:
             continue
         indent = m.group(1)

@@ -27,7 +27,8 @@ REWRITE, COMPLETE, DOCSTRING, TEST, INSTRUCT = (
     "instruct",
 )
 
-_DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
+#: a def/class line: (indentation, keyword, name); actions.py finds the enclosing block with it
+DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+|\n")
 _CLAUSE_SPLIT = re.compile(r"[.!?,;:]\s+|\n")
@@ -331,7 +332,7 @@ def _repetition(edit: Edit) -> str | None:
 # -- what each action promises --------------------------------------------------------------------
 def definitions(text: str) -> Counter:
     """Names of the def/class statements in `text` (counted)."""
-    return Counter(m.group(3) for ln in text.split("\n") if (m := _DEF_RE.match(ln)))
+    return Counter(m.group(3) for ln in text.split("\n") if (m := DEF_RE.match(ln)))
 
 
 def documented(text: str) -> set[str]:
@@ -339,7 +340,7 @@ def documented(text: str) -> set[str]:
     lines = text.split("\n")
     out = set()
     for i, ln in enumerate(lines):
-        m = _DEF_RE.match(ln)
+        m = DEF_RE.match(ln)
         if not m:
             continue
         h = i
