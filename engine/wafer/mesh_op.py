@@ -114,23 +114,8 @@ def _self_test(path: str) -> None:
         numpy_helper.from_array(np.ascontiguousarray(w[:36]), "w0"),
         numpy_helper.from_array(np.ascontiguousarray(w[36:]), "w1"),
     ]
-    graph = helper.make_graph(
-        [helper.make_node(OP, ["x", "w0", "w1"], ["y"], domain=DOMAIN)],
-        "self_test",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [7, 70])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [7, 130])],
-        tiles,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
-    )
-    model.ir_version = 8
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.register_custom_ops_library(path)
-    y = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
-        None, {"x": x}
-    )[0]
+    node = helper.make_node(OP, ["x", "w0", "w1"], ["y"], domain=DOMAIN)
+    y = _run_node(path, node, x, tiles)
     err = float(np.abs(y - x @ w).max())
     if not err < 1e-3:
         raise RuntimeError(f"self-test: max error {err:g} against numpy")
@@ -249,12 +234,17 @@ def _run_quantized(path: str, x: np.ndarray, lines, bits: int, block: int) -> np
             inits.append(numpy_helper.from_array(a, f"{what}{p}"))
             names.append(f"{what}{p}")
     node = helper.make_node(QOP, names, ["y"], domain=DOMAIN, bits=bits, block_size=block)
+    return _run_node(path, node, x, inits)
+
+
+def _run_node(path: str, node, x: np.ndarray, initializers: list) -> np.ndarray:
+    """Run one op of the library at `path` on `x` (float32 in, float32 `y` out), one thread."""
     graph = helper.make_graph(
         [node],
-        "self_test_q",
+        "self_test",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        inits,
+        initializers,
     )
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
