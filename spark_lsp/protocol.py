@@ -11,10 +11,10 @@ pygls upgrade is checked against this module alone):
 5. `SparkProtocol._handle_cancel_notification`: a request cancelled before it started is counted.
 6. `SparkLanguageServer.start_io`: one stdin reader thread instead of three pool hops a message.
 7. `SparkLanguageServer.report_server_error`: unparsable JSON gets -32700 with a null id.
-8. `LspTextDocument._apply_incremental_change` / `LspWorkspace.update_text_document`: change
-   ranges read as the specification says (clamped, logged), in the negotiated encoding, without
-   splitting the whole document each keystroke; changes to unopened documents or with stale
-   versions are logged, not crashes.
+8. `LspTextDocument._apply_incremental_change` / `LspWorkspace.update_text_document` /
+   `SparkProtocol.lsp_text_document__did_change`: change ranges read as the specification says
+   (clamped, logged), in the negotiated encoding, without splitting the whole document each
+   keystroke; changes to unopened documents or with stale versions are logged, not crashes.
 9. `SparkProtocol.lsp_exit`: `exit` ends the session with 0 after `shutdown`, else 1, through the
    server's `on_exit` (pygls calls sys.exit inside the event loop, which a network transport with
    several sessions cannot allow).
@@ -93,27 +93,10 @@ class LspWorkspace(Workspace):
 
     def update_text_document(self, text_doc, change) -> None:
         """8. A change to a document that is not open is logged and dropped (pygls raises
-        KeyError); a version that does not move forward is logged and the change applied."""
-        doc = self.text_documents.get(text_doc.uri)
-        if doc is None:
+        KeyError). Stale versions are checked once per notification, in `SparkProtocol`."""
+        if text_doc.uri not in self.text_documents:
             log.warning("didChange for %s, which is not open: ignored", text_doc.uri)
             return
-        # pygls calls this once per content change, all with the notification's one version:
-        # only the first change of a notification can be stale
-        first_of_notification = text_doc is not getattr(self, "_last_change_doc", None)
-        self._last_change_doc = text_doc
-        if (
-            first_of_notification
-            and text_doc.version is not None
-            and doc.version is not None
-            and text_doc.version <= doc.version
-        ):
-            log.warning(
-                "didChange for %s with version %s after version %s: applied anyway",
-                text_doc.uri,
-                text_doc.version,
-                doc.version,
-            )
         super().update_text_document(text_doc, change)
 
     def _create_text_document(self, doc_uri, source=None, version=None, language_id=None):
@@ -273,6 +256,26 @@ class SparkProtocol(LanguageServerProtocol):
     def _forget(self, msg_id, future) -> None:
         if self._request_futures.get(msg_id) is future:
             del self._request_futures[msg_id]
+
+    @lsp_method(T.TEXT_DOCUMENT_DID_CHANGE)
+    def lsp_text_document__did_change(self, params: T.DidChangeTextDocumentParams):
+        """8. A notification whose version does not move forward is logged and applied (the
+        editor's text is the truth); checked once per notification, before pygls applies its
+        content changes one by one."""
+        sent = params.text_document
+        doc = self.workspace.text_documents.get(sent.uri)
+        if (
+            doc is not None
+            and None not in (sent.version, doc.version)
+            and sent.version <= doc.version
+        ):
+            log.warning(
+                "didChange for %s with version %s after version %s: applied anyway",
+                sent.uri,
+                sent.version,
+                doc.version,
+            )
+        yield from super().lsp_text_document__did_change(params)
 
     @lsp_method(T.EXIT)
     def lsp_exit(self, *args):

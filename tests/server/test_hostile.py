@@ -505,30 +505,54 @@ def test_random_messages_never_kill_the_server(messages):
     asyncio.run(run())
 
 
-def test_a_notification_with_several_changes_is_not_read_as_stale(caplog):
+async def test_a_notification_with_several_changes_is_not_read_as_stale(caplog):
     """pygls applies a didChange's content changes one by one with the same version: only a
     notification whose version does not move forward is stale, not its second change."""
-    from lsprotocol import types as T
+    w = _Wire()
+    await w.start()
+    w.send(
+        {
+            "jsonrpc": "2.0",
+            "method": "textDocument/didOpen",
+            "params": {
+                "textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": "ab\n"}
+            },
+        }
+    )
 
-    from spark_lsp.protocol import LspWorkspace
-
-    ws = LspWorkspace(None)
-    ws.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text="ab\n"))
-
-    def change(version, *edits):
-        doc = T.VersionedTextDocumentIdentifier(uri=URI, version=version)
-        for (line, a, b), text in edits:
-            rng = T.Range(T.Position(line, a), T.Position(line, b))
-            ws.update_text_document(doc, T.TextDocumentContentChangePartial(range=rng, text=text))
+    async def change(version, *edits):
+        changes = [
+            {
+                "range": {
+                    "start": {"line": line, "character": a},
+                    "end": {"line": line, "character": b},
+                },
+                "text": text,
+            }
+            for (line, a, b), text in edits
+        ]
+        w.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didChange",
+                "params": {
+                    "textDocument": {"uri": URI, "version": version},
+                    "contentChanges": changes,
+                },
+            }
+        )
+        for _ in range(10):
+            await asyncio.sleep(0)
 
     with caplog.at_level("WARNING", logger="spark_lsp"):
-        change(2, ((0, 0, 0), "x"), ((0, 1, 1), "y"))  # two changes, one new version
-    assert ws.get_text_document(URI).source == "xyab\n"
+        await change(2, ((0, 0, 0), "x"), ((0, 1, 1), "y"))  # two changes, one new version
+    assert w.text(URI) == "xyab\n"
     assert not [r for r in caplog.records if "after version" in r.getMessage()]
     with caplog.at_level("WARNING", logger="spark_lsp"):
-        change(2, ((0, 0, 0), "z"))  # the same version again: stale, logged, applied
-    assert ws.get_text_document(URI).source == "zxyab\n"
+        await change(2, ((0, 0, 0), "z"))  # the same version again: stale, logged, applied
+    assert w.text(URI) == "zxyab\n"
     assert [r for r in caplog.records if "after version" in r.getMessage()]
+    w.ls.stop_work("test over")
 
 
 async def test_finished_handlers_are_forgotten():
