@@ -32,8 +32,9 @@ from .evaluate import resolve_files
 from .models import resolve_model
 
 #: choose_precision takes int8-rowq over a faster qualifier when it is at least this fast relative
-#: to it: its multi-token passes are cheaper than MatMulNBits' and, unlike MatMulNBits, it can
-#: verify speculative drafts.
+#: to it: its multi-token passes (prefill, speculative verification) are cheaper than fused
+#: MatMulNBits', which cannot verify drafts at all. (On a wafer grid int8/int4 run MeshLinearQ,
+#: which quantises each row itself and verifies too; the preference then only breaks near-ties.)
 ROWQ_PREFERENCE = 0.9
 #: Among the other qualifiers, one with higher greedy agreement is taken over a faster one when it
 #: is at least this fast relative to it: close decode speeds swap places from run to run, while
@@ -181,7 +182,7 @@ def pick_precision(
         key=lambda c: agreement[c],
     )
     if "int8-rowq" in good and speeds["int8-rowq"] >= ROWQ_PREFERENCE * speeds[best]:
-        best = "int8-rowq"  # as fast within noise, and multi-token passes (speculation, prefill) are cheaper
+        best = "int8-rowq"  # as fast within noise; cheaper multi-token passes
     return best
 
 
