@@ -29,7 +29,7 @@ _WHERE = {
     "Cancelled": "cancel",
     "Engine": "engine",
     "Generation": "generate",
-    "GenerationParams": "generate",
+    "GenerationParams": "params",
     "Chunk": "generate",
     "ModelError": "config",
 }
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .cancel import Cancelled, CancelToken
     from .config import ModelError
     from .engine import Engine
-    from .generate import Chunk, Generation, GenerationParams
+    from .generate import Chunk, Generation
+    from .params import GenerationParams
 
 
 def __getattr__(name: str):

@@ -337,7 +337,7 @@ def heal(
     exactly the end of ``prefix`` on a character boundary (``run=None``: no partial words).
     With ``newline`` a prefix that ends in a line break instead loses its last token when that
     token is nothing but line breaks.
-    ``ids`` defaults to ``tokenizer.encode(prefix)``.  Needs ``tokenizer.byte_index()`` (the
+    ``ids`` defaults to ``tokenizer.encode(prefix)``.  Needs ``tokenizer.token_bytes(id)`` (the
     engine's :class:`~engine.tokenizer.Tokenizer`); other tokenizers, or nothing to heal, give
     ``(ids, "")``.
     """
@@ -345,14 +345,12 @@ def heal(
         out = tokenizer.encode(prefix) if prefix else []
         ids = list(getattr(out, "ids", out))
     ids = list(ids)
-    index = getattr(tokenizer, "byte_index", None)
-    if not callable(index) or len(ids) <= keep:
+    spell = getattr(tokenizer, "token_bytes", None)
+    if not callable(spell) or len(ids) <= keep:
         return ids, ""
     raw = prefix.encode("utf-8")
-    spelled = index().token_bytes
     if newline and raw.endswith((b"\n", b"\r")):
-        t = ids[-1]
-        b = spelled[t] if 0 <= t < len(spelled) else None
+        b = spell(ids[-1])
         if b and not b.strip(b"\r\n") and raw.endswith(b):
             return ids[:-1], b.decode("ascii")
         return ids, ""
@@ -362,8 +360,7 @@ def heal(
     need = len(prefix[m.start() :].encode("utf-8"))
     tail, best = b"", (0, "")
     for k in range(1, min(max_tokens, len(ids) - keep) + 1):
-        t = ids[-k]
-        b = spelled[t] if 0 <= t < len(spelled) else None
+        b = spell(ids[-k])
         if not b or b"\n" in b or b"\r" in b:
             break
         tail = b + tail

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,7 @@ class Tokenizer:
         self._vocab_size = tok.get_vocab_size(with_added_tokens=True)  # fixed once loaded
         self.fim = FimFormat.detect(self)  # None for models without FIM tokens
         self._byte_index: ByteIndex | None = None
+        self._spell: Callable[[int], bytes | None] | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
@@ -212,7 +213,28 @@ class Tokenizer:
             self._byte_index = ByteIndex(self._spell_tokens())
         return self._byte_index
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes token ``token_id`` spells, as in :meth:`byte_index` (None for special
+        tokens and ids outside the vocabulary).
+
+        From the index once it is built; else this one token is spelled alone, so a prompt
+        builder that heals a few tokens per prompt (``engine.fim.heal``) needs no index of the
+        whole vocabulary: a language server whose engine runs elsewhere never builds one.
+        """
+        if not 0 <= token_id < self.vocab_size:
+            return None
+        if self._byte_index is not None:
+            return self._byte_index.token_bytes[token_id]
+        return self._speller()(token_id)
+
     def _spell_tokens(self) -> list[bytes | None]:
+        spell = self._speller()
+        return [spell(i) for i in range(self.vocab_size)]
+
+    def _speller(self) -> Callable[[int], bytes | None]:
+        """``spell(i)``: what token ``i`` spells (made once: the decoder kind, the added tokens)."""
+        if self._spell is not None:
+            return self._spell
         try:
             decoder = (
                 json.loads(self._tok.decoder.__getstate__())
@@ -226,21 +248,22 @@ class Tokenizer:
         }
         byte_level = "ByteLevel" in kinds
         added = self._tok.get_added_tokens_decoder()
-        out: list[bytes | None] = []
-        for i in range(self.vocab_size):
+        id_to_token = self._tok.id_to_token
+
+        def spell(i: int) -> bytes | None:
             if i in added:
-                out.append(None if added[i].special else added[i].content.encode("utf-8"))
-                continue
-            piece = self._tok.id_to_token(i)
+                return None if added[i].special else added[i].content.encode("utf-8")
+            piece = id_to_token(i)
             if piece is None:
-                out.append(None)
-            elif byte_level and all(c in _BYTE_LEVEL_CHARS for c in piece):
-                out.append(bytes(_BYTE_LEVEL_CHARS[c] for c in piece))
-            elif (m := _SP_BYTE.fullmatch(piece)) is not None:
-                out.append(bytes([int(m.group(1), 16)]))
-            else:
-                out.append(piece.replace("▁", " ").encode("utf-8"))
-        return out
+                return None
+            if byte_level and all(c in _BYTE_LEVEL_CHARS for c in piece):
+                return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+            if (m := _SP_BYTE.fullmatch(piece)) is not None:
+                return bytes([int(m.group(1), 16)])
+            return piece.replace("▁", " ").encode("utf-8")
+
+        self._spell = spell
+        return spell
 
     # -- text ----------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -143,8 +143,12 @@ class LocalModel:
 
     def warm_up(self) -> None:
         """One short generation so ONNX Runtime's first-run setup is not paid by the first
-        suggestion (a cold first run also takes far longer to cancel)."""
+        suggestion (a cold first run also takes far longer to cancel), and the vocabulary's
+        byte index built, which the first token-healed suggestion would otherwise wait for."""
         from engine import GenerationParams
+
+        if callable(getattr(self.tokenizer, "byte_index", None)):
+            self.tokenizer.byte_index()
 
         ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\n\n" * 8)[:120]
         for prompt in (ids, ids + ids[-1:]):  # a prefill, then a one-token step on top of it
@@ -236,6 +240,7 @@ class ModelHost:
                             engine,
                             model_dir,
                             lambda: LocalModel.load(model_dir, precision, progress),
+                            precision,
                         )
                 fim = (
                     FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None

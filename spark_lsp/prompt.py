@@ -67,8 +67,6 @@ class PromptBuilder:
         self.heal = (
             heal  # token-heal prompts: a partial word (`build`), a final line break (code actions)
         )
-        if heal and callable(getattr(tokenizer, "byte_index", None)):
-            tokenizer.byte_index()  # built once here, at model load, not in the first completion
         self.fim: FimFormat | None = fim if fim is not None else FimFormat.detect(tokenizer)
         # suffix-first only where the model was trained on it (engine.fim: the bundled model's style)
         self.spm = self.fim is not None and self.fim.supports_spm

@@ -22,7 +22,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from ..generate import GenerationParams
+from ..params import GenerationParams
 from . import protocol as P
 
 DISCONNECTED = "disconnected"

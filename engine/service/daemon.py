@@ -2,30 +2,27 @@
 
 ``python -m engine.service.daemon [options]`` (``spark-lsp engine serve`` is the same command).
 The daemon binds loopback unless told otherwise, generates a random token and writes its URL and
-token to a 0600 record in the user's runtime dir (``engine.service.rundir``).  ``join_or_start``
-is what a client uses to share one daemon per model: it reads the record, or starts a detached
-daemon and waits for its record.
+token to a 0600 record in the user's runtime dir (``engine.service.rundir``).  A client shares
+one daemon per model with ``engine.service.launch.join_or_start``: it reads the record, or starts
+a detached daemon and waits for its record.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..models import default_model_dir
 from . import rundir
 from .address import host_port, is_loopback
+from .launch import DaemonError, resolve_models
 from .local import LocalModels
 from .server import EngineServer
 
@@ -34,19 +31,6 @@ log = logging.getLogger(__name__)
 DEFAULT_SLOTS = 8
 #: Prompt tokens per prefill run in a daemon (the language server's in-process engine uses the same).
 INTERACTIVE_PREFILL_CHUNK = 256
-
-
-class DaemonError(RuntimeError):
-    """The daemon cannot start as asked (a refused option, or a start that did not come up)."""
-
-
-def resolve_models(models: Sequence[str | None]) -> list[Path]:
-    """Model folders as absolute paths (None or an empty list: the default model)."""
-    out = [
-        Path(m).expanduser().resolve() if m else default_model_dir().resolve()
-        for m in (models or [None])
-    ]
-    return out
 
 
 def load_engines(
@@ -64,6 +48,7 @@ def load_engines(
         eng = Engine.load(folder, slots=slots, precision=precision, threads=threads)
         # a cancel waits for the prefill run in flight: interactive clients need short runs
         eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
+        eng.tokenizer.byte_index()  # token-healed prompts need it: built now, not in a request
         log.info("engine: loaded %s in %.1f s", eng.name, time.perf_counter() - t0)
         engines.append(eng)
     return engines
@@ -134,80 +119,6 @@ async def _idle_watch(server: EngineServer, idle_exit_s: float, stop: asyncio.Ev
         elif time.monotonic() - last >= idle_exit_s:
             log.info("engine: no client for %.0f s, exiting", idle_exit_s)
             stop.set()
-
-
-# -- joining a user's daemon ------------------------------------------------------------------------
-def daemon_command(
-    folder: Path, *, idle_exit_s: float = 900.0, log_file: Path | None = None
-) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "engine.service.daemon",
-        "--model",
-        str(folder),
-        "--idle-exit",
-        str(idle_exit_s),
-    ]
-    if log_file is not None:
-        cmd += ["--log-file", str(log_file)]
-    return cmd
-
-
-def join_or_start(
-    model: str | None,
-    *,
-    timeout_s: float = 120.0,
-    idle_exit_s: float = 900.0,
-    command: list[str] | None = None,
-) -> dict[str, Any]:
-    """The record (url, token, pid) of the user's daemon for ``model``, starting a detached one
-    (in its own session, so it outlives the caller) when none runs.  A lock file keeps two callers
-    from starting two daemons for the same model."""
-    folders = resolve_models([model])
-    key = rundir.model_key(folders)
-    found = rundir.read_record(key)
-    if found is not None:
-        return found
-    lock_path = rundir.runtime_dir() / f"engine-{key}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        found = rundir.read_record(key)
-        if found is not None:
-            return found
-        log_file = rundir.runtime_dir() / f"engine-{key}.log"
-        cmd = command or daemon_command(folders[0], idle_exit_s=idle_exit_s, log_file=log_file)
-        env = dict(os.environ)
-        root = str(
-            Path(__file__).resolve().parents[2]
-        )  # the engine package must import in the child
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-            close_fds=True,
-        )
-        # reap it when it exits, so a dead daemon is not a zombie that looks alive
-        threading.Thread(target=proc.wait, name="spark-engine-daemon-reaper", daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = rundir.read_record(key)
-            if found is not None and found.get("pid") == proc.pid:
-                return found
-            if proc.poll() is not None:
-                raise DaemonError(
-                    f"the engine daemon exited with status {proc.returncode} before serving "
-                    f"(log: {log_file})"
-                )
-            time.sleep(0.05)
-        proc.terminate()
-        raise DaemonError(
-            f"the engine daemon did not come up within {timeout_s:g} s (log: {log_file})"
-        )
 
 
 # -- command line ---------------------------------------------------------------------------------

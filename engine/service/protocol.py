@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..generate import GenerationParams
+from ..params import GenerationParams
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)

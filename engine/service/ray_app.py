@@ -50,13 +50,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ..config import ModelError
-from ..generate import GenerationParams
+from ..params import GenerationParams
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from . import rundir
 from .address import is_loopback
 from .connection import Connection
-from .daemon import INTERACTIVE_PREFILL_CHUNK, DaemonError, read_token_file, resolve_models
+from .daemon import INTERACTIVE_PREFILL_CHUNK, read_token_file
+from .launch import DaemonError, resolve_models
 from .local import describe
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class EngineReplica:
 
         self.engine = Engine.load(model_dir, slots=SLOTS, threads=threads)
         self.engine.prefill_chunk = min(self.engine.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
+        self.engine.tokenizer.byte_index()  # token-healed prompts need it: built now
         self.where = f"{os.uname().nodename}:{os.getpid()}"
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="spark-replica-gen")
 

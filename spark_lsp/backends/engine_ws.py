@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.cancel import CancelToken
 from engine.config import load_config
-from engine.service import daemon, rundir
+from engine.service import launch, rundir
 from engine.service.client import EngineUnavailable, SyncEngineClient
 from engine.tokenizer import Tokenizer
 
@@ -55,14 +55,20 @@ class EngineServiceModel:
     kind = "engine-service"
 
     def __init__(
-        self, target: str, model_dir: str | None, *, fallback: Callable[[], Any] | None = None
+        self,
+        target: str,
+        model_dir: str | None,
+        *,
+        fallback: Callable[[], Any] | None = None,
+        precision: str | None = None,
     ) -> None:
         if target != "auto" and not target.startswith(("ws://", "wss://")):
             raise BackendError(
                 f"setting 'engine' must be local, auto or a ws:// URL, got {target!r}"
             )
         self.target = target
-        folder = daemon.resolve_models([model_dir])[0]
+        self.precision = precision  # of a daemon `auto` starts (one already running is joined)
+        folder = launch.resolve_models([model_dir])[0]
         self.model_dir = folder
         self.name = folder.name
         self.tokenizer = Tokenizer.load(folder)
@@ -83,8 +89,8 @@ class EngineServiceModel:
     def _connect(self) -> SyncEngineClient:
         if self.target == "auto":
             try:
-                rec = daemon.join_or_start(str(self.model_dir))
-            except daemon.DaemonError as exc:
+                rec = launch.join_or_start(str(self.model_dir), precision=self.precision)
+            except launch.DaemonError as exc:
                 raise EngineUnavailable(str(exc)) from None
             url, token = rec["url"], rec["token"]
         else:
@@ -252,12 +258,15 @@ class EngineStream:
         self._gen.cancel()
 
 
-def load(target: str, model_dir: str | None, fallback: Callable[[], Any]) -> Any:
-    """The model for `engine` = `target`: the engine service, or (after MAX_FAILURES failed
-    connections, a second apart) the in-process engine that `fallback` loads."""
+def load(
+    target: str, model_dir: str | None, fallback: Callable[[], Any], precision: str | None = None
+) -> Any:
+    """The model for `engine` = `target`: the engine service (a daemon that `auto` starts loads
+    the model at `precision`), or (after MAX_FAILURES failed connections, a second apart) the
+    in-process engine that `fallback` loads."""
     for attempt in range(1, MAX_FAILURES + 1):
         try:
-            return EngineServiceModel(target, model_dir, fallback=fallback)
+            return EngineServiceModel(target, model_dir, fallback=fallback, precision=precision)
         except EngineUnavailable as exc:
             log.warning(
                 "engine service %s: %s (attempt %d of %d)", target, exc, attempt, MAX_FAILURES

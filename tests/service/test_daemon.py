@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import GenerationParams
-from engine.service import daemon, rundir
+from engine.service import launch, rundir
 from engine.service.client import EngineClient, EngineUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def start_daemon(*args: str) -> subprocess.Popen:
 def test_daemon_record_token_and_clean_sigterm(run_dir):
     proc = start_daemon()
     try:
-        key = rundir.model_key(daemon.resolve_models([None]))
+        key = rundir.model_key(launch.resolve_models([None]))
         rec = wait_record(key, proc)
         path = rundir.record_path(key)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -96,9 +96,9 @@ def test_non_loopback_bind_needs_allow_remote(run_dir):
 
 @pytest.mark.slow
 def test_join_or_start_starts_one_detached_daemon_and_joins_it(run_dir):
-    rec = daemon.join_or_start(None, idle_exit_s=120)
+    rec = launch.join_or_start(None, idle_exit_s=120)
     try:
-        again = daemon.join_or_start(None)
+        again = launch.join_or_start(None)
         assert again["pid"] == rec["pid"] and again["token"] == rec["token"]
 
         async def use():
@@ -115,4 +115,4 @@ def test_join_or_start_starts_one_detached_daemon_and_joins_it(run_dir):
                 break
             time.sleep(0.05)
         assert not rundir.pid_alive(rec["pid"])
-    assert rundir.read_record(rundir.model_key(daemon.resolve_models([None]))) is None
+    assert rundir.read_record(rundir.model_key(launch.resolve_models([None]))) is None

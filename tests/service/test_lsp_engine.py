@@ -78,6 +78,12 @@ def stop(pid: int) -> None:
         time.sleep(0.05)
 
 
+def engine_libraries(pid: int) -> list[str]:
+    """ONNX Runtime's shared libraries mapped into process `pid` (none in a thin client)."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted({line.split()[-1] for line in maps if "onnxruntime" in line.split()[-1]})
+
+
 async def suggestions(ed, offsets: list[int]) -> list[list[str]]:
     out = []
     for off in offsets:
@@ -95,6 +101,7 @@ async def test_completions_over_a_daemon_are_those_of_the_local_engine(tiny_llam
         local, led = await start_editor(tiny_llama)
         led.open(URI, SAMPLE)
         expected = await suggestions(led, OFFSETS)
+        local_libraries = engine_libraries(local._server.pid)
         await local.shutdown_session()
         await local.stop()
 
@@ -102,6 +109,9 @@ async def test_completions_over_a_daemon_are_those_of_the_local_engine(tiny_llam
         try:
             ed.open(URI, SAMPLE)
             assert await suggestions(ed, OFFSETS) == expected
+            # a thin client: the engine runtime is the daemon's, never loaded in the server
+            assert engine_libraries(client._server.pid) == []
+            assert local_libraries != []  # what the check finds in an in-process server
             # typing-through and cancel work as in-process
             await ed.command("spark.configure", {"maxTokens": 300, "maxLines": 200})
             off = ed.type(URI, OFFSETS[0], "")
