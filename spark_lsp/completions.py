@@ -8,6 +8,7 @@ suggests: no model call, so the answer takes microseconds and the ghost text nev
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -76,6 +77,15 @@ class TypingThrough:
     def forget(self, uri: str) -> None:
         self._shown.pop(uri, None)
 
+    def upgrade(self, uri: str, text: str, offset: int, shown: list[str], items: list[str]) -> None:
+        """A suggestion answered early (`shown`) has been finished (`items`): remember the whole
+        one, unless something newer was remembered for the document since."""
+        s = self._shown.get(uri)
+        if (s is None and not shown) or (
+            s is not None and (s.text, s.offset, s.items) == (text, offset, list(shown))
+        ):
+            self.remember(uri, text, offset, items)
+
     def answer(self, uri: str, text: str, offset: int) -> list[str] | None:
         """Remaining suggestions if `text` is the remembered text plus typed characters at the
         remembered cursor that match a suggestion, the cursor right after them; else None."""
@@ -143,11 +153,14 @@ def generate_steps(
     speculative: bool = False,
     draft: str | None = None,
     text_prompt: TextPrompt | None = None,
+    on_step: Callable[[str, float | None, dict], None] | None = None,
 ):
     """One generation of `model` (a model_host.Model), yielding after every decode step so the
     scheduler can interleave documents; stops early once `done(text)` says the output is
-    complete. `text_prompt`: what `ids` encode, for a remote model. Returns (text, stats,
-    finish_reason); raises Cancelled if the job was, BackendError if a remote model failed."""
+    complete. `text_prompt`: what `ids` encode, for a remote model. `on_step(text, first line's
+    log-probability so far or None, the generation's stats so far)` runs after every chunk.
+    Returns (text, stats, finish_reason); raises Cancelled if the job was, BackendError if a
+    remote model failed."""
     gen = model.generate(
         ids,
         params,
@@ -168,6 +181,8 @@ def generate_steps(
                 line_done = "\n" in text
             if on_text is not None and chunk.text:
                 on_text(text)
+            if on_step is not None:
+                on_step(text, line_logprob, getattr(gen, "stats", None) or {})
             if job.cancelled:
                 break
             if done is not None and chunk.text and done(text):
@@ -223,6 +238,65 @@ def confidence(line_logprob: float) -> float:
     return math.exp(line_logprob)
 
 
+_WORD_END = re.compile(r"\w+\Z")
+
+
+class EarlyAnswer:
+    """When a suggestion still being generated may already be answered, and with what.
+
+    An automatic suggestion is answered whole if it is finished by `deadline` (a
+    `time.perf_counter` time); after that, at once with the complete lines written so far or,
+    before the first line is complete, with its whole words (a word at the very end may go on in
+    the next token, so it waits for that). The generation itself goes on: typing along with it,
+    or accepting it, gets the rest (`inline.InlineCompletions`). With the confidence gate on, a
+    first line already below the threshold is answered at once with nothing: more tokens only
+    make the line less likely."""
+
+    def __init__(
+        self,
+        deadline: float,
+        ctx: postprocess.Context,
+        multiline: bool,
+        settings: Settings,
+        gate: bool,
+        send: Callable[[Result], None],
+        t0: float,
+    ) -> None:
+        self.deadline, self.ctx, self.multiline = deadline, ctx, multiline
+        self.settings, self.gate, self.send, self.t0 = settings, gate, send, t0
+        self.sent = False
+
+    def partial(self, text: str, now: float) -> tuple[str, str] | None:
+        """(what may be shown now, why) for the output `text` so far, or None: keep waiting."""
+        if now < self.deadline:
+            return None
+        head = len(text) - len(text.lstrip())
+        last = text.rfind("\n")
+        if last > head and text[head:last].strip():  # complete lines
+            return text[:last], "lines"
+        cut = _WORD_END.sub("", text)
+        return (cut, "words") if cut.strip() else None
+
+    def step(self, text: str, line_logprob: float | None, stats: dict) -> None:
+        if self.sent:
+            return
+        now = time.perf_counter()
+        if self.gate and line_logprob is not None:
+            if confidence(line_logprob) < self.settings.min_confidence:
+                self._answer([], stats, "low confidence", now)
+                return
+        found = self.partial(text, now)
+        if found is None:
+            return
+        item = postprocess.clean(found[0], self.ctx, self.multiline, self.settings.max_lines)
+        if item:
+            self._answer([item], stats, found[1], now)
+
+    def _answer(self, items: list[str], stats: dict, why: str, now: float) -> None:
+        self.sent = True
+        self.send(Result(items, {**stats, "answered": why, "answer_ms": (now - self.t0) * 1e3}))
+
+
 def complete(*args: Any, **kw: Any) -> Result:
     """complete_steps run to its end."""
     return drive(complete_steps(*args, **kw))
@@ -240,12 +314,17 @@ def complete_steps(
     on_partial: Callable[[str], None] | None = None,
     python: bool = False,
     neighbours: Callable[[int, Callable[[str], int]], list] | None = None,
+    answer_at: float | None = None,
+    on_answer: Callable[[Result], None] | None = None,
+    t0: float | None = None,
 ):
     """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result);
     `python`: the document is Python (its indentation rules cut multi-line suggestions);
     `neighbours(budget, count)`: other files' chunks within a token budget
-    (`spark_lsp.neighbours.Neighbours.select`), put first in the prompt."""
-    t0 = time.perf_counter()
+    (`spark_lsp.neighbours.Neighbours.select`), put first in the prompt. With `on_answer`, an
+    automatic request's first answer may come before the whole suggestion (`EarlyAnswer`, by
+    `answer_at`); the Result returned is always the whole one. `t0`: when the request arrived."""
+    t0 = time.perf_counter() if t0 is None else t0
     ctx = context_at(text, offset, python=python)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
     max_new = settings.max_tokens if multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
@@ -272,6 +351,11 @@ def complete_steps(
     )
     n = 1 + (len(EXTRA_SEEDS) if trigger == INVOKED else 0)
     gate = trigger != INVOKED and settings.min_confidence > 0  # the user asked: always shown
+    early = (
+        EarlyAnswer(answer_at, ctx, multiline, settings, gate, on_answer, t0)
+        if on_answer is not None and answer_at is not None and trigger != INVOKED
+        else None
+    )
     items: list[str] = []
     stats: dict = {}
     for k in range(n):
@@ -307,6 +391,7 @@ def complete_steps(
             on_text=on_partial if k == 0 else None,
             speculative=settings.speculative,
             text_prompt=text_prompt,
+            on_step=early.step if early is not None and k == 0 else None,
         )
         if k == 0:
             stats = {**st, "finish_reason": finish}

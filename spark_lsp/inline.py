@@ -10,6 +10,7 @@ request supersedes the older (`Scheduler.submit`), a didChange that is not typed
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from . import completions
@@ -42,17 +43,20 @@ class InlineCompletions:
         `_complete_selected`."""
         st = self.state
         st.metrics.inline_requests += 1
+        t0 = time.perf_counter()
         if not st.enabled or st.edit_running(uri):
             return []  # one generation per document: an edit is running
         try:
             if selected is not None:
                 return await self._complete_selected(uri, text, offset, trigger, *selected)
-            return await self._complete(uri, text, offset, trigger)
+            return await self._complete(uri, text, offset, trigger, t0)
         except asyncio.CancelledError:  # wherever it waited: debounce, model load or the engine
             st.metrics.cancelled += 1
             raise
 
-    async def _complete(self, uri: str, text: str, offset: int, trigger: int) -> list[str]:
+    async def _complete(
+        self, uri: str, text: str, offset: int, trigger: int, t0: float
+    ) -> list[str]:
         st = self.state
         through = self.typing.answer(uri, text, offset)
         if through is not None and (trigger == AUTOMATIC or len(through) > 1):
@@ -64,7 +68,7 @@ class InlineCompletions:
             return _shown(joined, trigger)
         if st.settings.debounce_ms and trigger == AUTOMATIC:
             await asyncio.sleep(st.settings.debounce_ms / 1000)
-        items = await self._generate(uri, text, offset, trigger)
+        items = await self._generate(uri, text, offset, trigger, t0)
         self.typing.remember(uri, text, offset, items)
         return _shown(items, trigger)
 
@@ -99,13 +103,23 @@ class InlineCompletions:
             self.typing.remember(uri, inf.text, inf.offset, result.items)
         return rest or None
 
-    async def _generate(self, uri: str, text: str, offset: int, trigger: int) -> list[str]:
-        """A fresh completion on the engine thread (joinable while it runs)."""
+    async def _generate(
+        self, uri: str, text: str, offset: int, trigger: int, t0: float | None = None
+    ) -> list[str]:
+        """A fresh completion on the engine thread (joinable while it runs). An automatic one may
+        be answered before it is finished (`completions.EarlyAnswer`, the answerMs setting): the
+        generation goes on, and its whole suggestion then serves typing-through."""
         st = self.state
         await st.ready()
         host, settings, python = st.host, st.settings, self.is_python(uri)
         st.observe(uri, text, text.count("\n", 0, offset))
         holder: dict = {}
+        loop = asyncio.get_running_loop()
+        early: asyncio.Future | None = None
+        answer_at = None
+        if trigger == AUTOMATIC and settings.answer_ms > 0:
+            early = loop.create_future()
+            answer_at = (t0 or time.perf_counter()) + settings.answer_ms / 1000
 
         def steps(job: Job):
             return completions.complete_steps(
@@ -120,21 +134,41 @@ class InlineCompletions:
                 on_partial=lambda s: setattr(holder["inf"], "partial", s),
                 python=python,
                 neighbours=lambda budget, count: st.neighbours.select(uri, budget, count),
+                answer_at=answer_at,
+                on_answer=(lambda r: job.call_soon(_settle, early, r)) if early else None,
+                t0=t0,
             )
 
-        job = Job(uri, steps, asyncio.get_running_loop(), kind="completion")
+        job = Job(uri, steps, loop, kind="completion")
         inf = holder["inf"] = self.inflight[uri] = Inflight(job, text, offset)
         st.sched().submit(job)
-        result = await self._await(uri, inf)
+        result = await self._await(uri, inf, early)
         st.send_status("completion", result.stats)
+        if not job.future.done():  # answered early: the whole suggestion serves typing-through
+            st.metrics.answered_early += 1
+            job.future.add_done_callback(
+                lambda f: (
+                    f.cancelled()
+                    or f.exception() is not None
+                    or self.typing.upgrade(uri, text, offset, result.items, f.result().items)
+                )
+            )
         return result.items
 
-    async def _await(self, uri: str, inf: Inflight) -> completions.Result:
-        """Await a completion job shared by the requests that joined it; a cancelled request
-        (`$/cancelRequest`) cancels the job only if no other request still waits for it."""
+    async def _await(
+        self, uri: str, inf: Inflight, early: asyncio.Future | None = None
+    ) -> completions.Result:
+        """Await a completion job shared by the requests that joined it, or its `early` answer
+        if that comes first; a cancelled request (`$/cancelRequest`) cancels the job only if no
+        other request still waits for it."""
         inf.waiters += 1
         try:
-            return await asyncio.shield(inf.job.future)
+            if early is None:
+                return await asyncio.shield(inf.job.future)
+            done, _ = await asyncio.wait(
+                (inf.job.future, early), return_when=asyncio.FIRST_COMPLETED
+            )
+            return (inf.job.future if inf.job.future in done else early).result()
         except asyncio.CancelledError:
             self._request_cancelled(inf)
             raise
@@ -181,6 +215,11 @@ class InlineCompletions:
         """The document closed."""
         self.typing.forget(uri)
         self.inflight.pop(uri, None)
+
+
+def _settle(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _cancel_unjoined(inf: Inflight) -> None:

@@ -143,8 +143,9 @@ class LocalModel:
 
     def warm_up(self) -> None:
         """One short generation so ONNX Runtime's first-run setup is not paid by the first
-        suggestion (a cold first run also takes far longer to cancel), and the vocabulary's
-        byte index built, which the first token-healed suggestion would otherwise wait for."""
+        suggestion (a cold first run also takes far longer to cancel), the vocabulary's byte
+        index built, which the first token-healed suggestion would otherwise wait for, and the
+        speculative decoder's calibration."""
         from engine import GenerationParams
 
         if callable(getattr(self.tokenizer, "byte_index", None)):
@@ -156,6 +157,9 @@ class LocalModel:
                 prompt, GenerationParams(max_new_tokens=3), slot="__warm_up__"
             ):
                 pass
+        # speculative decoding measures its pass cost and rounding noise once per engine: here,
+        # not in the first suggestion
+        self._speculative.verify_margin(self.engine, ids)
 
     def status(self) -> dict:
         return {

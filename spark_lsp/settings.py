@@ -92,6 +92,16 @@ class Settings:
         minimum=0,
         maximum=10000,
     )
+    answer_ms: int = setting(
+        100,
+        "integer",
+        "An automatic suggestion is answered as soon as its first line is complete, or at the "
+        "latest this many milliseconds after the request with the whole words written so far; "
+        "the model goes on writing, and typing along with the suggestion (or accepting it) gets "
+        "the rest. 0: answer only whole suggestions.",
+        minimum=0,
+        maximum=60000,
+    )
     live_edits: bool = setting(
         True,
         "boolean",

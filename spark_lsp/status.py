@@ -114,6 +114,7 @@ class Metrics:
     inline_requests: int = 0
     typing_through: int = 0
     joined: int = 0  # requests answered by joining a generation already running
+    answered_early: int = 0  # automatic requests answered before their suggestion was finished
     accepted: int = 0  # suggestions the user accepted (the items' command ran)
     accepted_chars: int = 0
     model_calls: int = 0
@@ -143,6 +144,7 @@ class Metrics:
             "inlineRequests": self.inline_requests,
             "typingThrough": self.typing_through,
             "joinedGeneration": self.joined,
+            "answeredEarly": self.answered_early,
             "accepted": self.accepted,
             "acceptedChars": self.accepted_chars,
             "modelCalls": self.model_calls,

@@ -29,6 +29,7 @@ OPTIONS = {
     "liveEdits": False,
     "tunePrecision": False,
     "minConfidence": 0,
+    "answerMs": 0,  # whole suggestions: test_early_answer.py tests early answers
 }
 
 SAMPLE = """import os

@@ -9,11 +9,11 @@ import * as vscode from 'vscode';
 /** Settings the server reads from initializationOptions / workspace/didChangeConfiguration. */
 // Generated from spark_lsp/settings.py by `python -m spark_lsp.editor_settings --write`.
 const SERVER_KEYS = [
-  'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs', 'liveEdits',
-  'liveEditHz', 'multiline', 'speculative', 'maxLines', 'minConfidence', 'loadTimeoutS',
-  'waferChip', 'waferRegion', 'precision', 'tunePrecision', 'neighbourTokens', 'fimFormat',
-  'engine', 'backend', 'backendUrl', 'backendModel', 'backendApiKeyEnv', 'backendApiKeyFile',
-  'backendTimeoutS', 'fimTemplate',
+  'model', 'maxTokens', 'maxEditTokens', 'temperature', 'contextTokens', 'debounceMs', 'answerMs',
+  'liveEdits', 'liveEditHz', 'multiline', 'speculative', 'maxLines', 'minConfidence',
+  'loadTimeoutS', 'waferChip', 'waferRegion', 'precision', 'tunePrecision', 'neighbourTokens',
+  'fimFormat', 'engine', 'backend', 'backendUrl', 'backendModel', 'backendApiKeyEnv',
+  'backendApiKeyFile', 'backendTimeoutS', 'fimTemplate',
 ] as const;
 
 export type ServerSettings = Record<string, unknown>;

@@ -47,6 +47,7 @@ M.server_settings_spec = {
   { name = 'temperature', type = 'number', default = 0 },
   { name = 'contextTokens', type = 'number', default = 1024 },
   { name = 'debounceMs', type = 'number', default = 0 },
+  { name = 'answerMs', type = 'number', default = 100 },
   { name = 'liveEdits', type = 'boolean', default = true },
   { name = 'liveEditHz', type = 'number', default = 20 },
   { name = 'multiline', type = 'boolean', default = true },

@@ -1,0 +1,181 @@
+"""Early answers: an automatic suggestion not finished by its deadline is answered with its
+complete lines or whole words so far, while the generation goes on to the whole suggestion."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from spark_lsp import completions, postprocess
+from spark_lsp.completions import AUTOMATIC, INVOKED, EarlyAnswer, TypingThrough
+from spark_lsp.prompt import PromptBuilder
+from spark_lsp.scheduler import Job
+from spark_lsp.settings import Settings
+
+
+class _Tok:
+    """Characters are ids 1000+; no special tokens (a plain left-to-right prompt)."""
+
+    special_tokens: dict = {}
+    eos_ids: set = set()
+
+    def token_to_id(self, t):
+        return None
+
+    def encode(self, text):
+        return [1000 + ord(c) for c in text]
+
+
+class _Stream:
+    def __init__(self, pieces, seen):
+        self.pieces, self.seen = pieces, seen
+        self.finish_reason, self.stats = None, {"prompt_tokens": 5, "reused_tokens": 4}
+
+    def __iter__(self):
+        for p in self.pieces:
+            self.seen.append(p)
+            yield SimpleNamespace(text=p, token_id=1, logprob=-0.1)
+        self.finish_reason = "length"
+
+    def cancel(self):
+        pass
+
+
+class _Model:
+    """Writes the given pieces, one chunk per decode step."""
+
+    context = 512
+
+    def __init__(self, pieces):
+        self.pieces, self.seen = pieces, []
+        self.tokenizer = _Tok()
+
+    def generate(self, ids, params, slot, **kw):
+        return _Stream(self.pieces, self.seen)
+
+
+def _run(model, text, settings, trigger, deadline):
+    job = Job("file:///a.py", lambda j: None, asyncio.new_event_loop())
+    answers = []
+    res = completions.complete(
+        model,
+        PromptBuilder(_Tok(), heal=False),
+        job,
+        text,
+        len(text),
+        settings,
+        trigger,
+        completions_params,
+        answer_at=deadline,
+        on_answer=answers.append,
+        t0=time.perf_counter(),
+    )
+    return res, answers
+
+
+def completions_params(**kw):
+    return SimpleNamespace(**kw)
+
+
+def test_deadline_answers_whole_words_and_the_generation_goes_on():
+    settings = Settings(min_confidence=0, multiline=False)
+    model = _Model(["total", " =", " add", "(a", ", b", ")"])
+    past = time.perf_counter() - 1  # the deadline has passed: answer at the first whole word
+    res, answers = _run(model, "x = 1\n", settings, AUTOMATIC, past)
+    assert len(answers) == 1
+    early = answers[0]
+    # "total" could still go on ("totals"): not answered until the next token shows it ended
+    assert early.items == ["total ="] and early.stats["answered"] == "words"
+    assert early.stats["prompt_tokens"] == 5 and early.stats["answer_ms"] >= 0
+    assert res.items == ["total = add(a, b)"]  # the whole suggestion, generated to its end
+    assert len(model.seen) == 6
+
+
+def test_complete_lines_are_answered_after_the_deadline_and_whole_blocks_before_it():
+    settings = Settings(min_confidence=0, multiline=True)
+    pieces = ["\n    return a\n", "    ", "pass", "\n"]
+    text = "def f(a):"
+    past = time.perf_counter() - 1
+    res, answers = _run(_Model(pieces), text, settings, AUTOMATIC, past)
+    assert [a.items for a in answers] == [["\n    return a"]]
+    assert answers[0].stats["answered"] == "lines"
+    # before its first line is complete, its whole words
+    _, answers = _run(_Model(["\n    ", "return", " a", "\n"]), text, settings, AUTOMATIC, past)
+    assert [a.items for a in answers] == [["\n    return"]]
+    assert res.items[0].startswith("\n    return a")
+    # finished before its deadline: only the whole block, no early answer
+    res, answers = _run(_Model(pieces), text, settings, AUTOMATIC, time.perf_counter() + 60)
+    assert answers == [] and res.items[0].startswith("\n    return a")
+
+
+def test_invoked_requests_and_no_deadline_get_no_early_answer():
+    settings = Settings(min_confidence=0, multiline=False)
+    past = time.perf_counter() - 1
+    res, answers = _run(_Model(["foo", "(", ")"]), "x = ", settings, INVOKED, past)
+    assert answers == [] and res.items[0] == "foo()"
+    res, answers = _run(_Model(["foo", "(", ")"]), "x = ", settings, AUTOMATIC, None)
+    assert answers == []
+
+
+def test_partial_rules():
+    ctx = postprocess.Context("x = ", "", (), ())
+    s = Settings(min_confidence=0)
+    e = EarlyAnswer(10.0, ctx, False, s, False, lambda r: None, 0.0)
+    assert e.partial("foo(bar", 5.0) is None  # before the deadline
+    assert e.partial("foo", 11.0) is None  # only a word that may go on
+    assert e.partial("foo(bar", 11.0) == ("foo(", "words")
+    assert e.partial("\n  foo\n  bar\n  b", 11.0) == ("\n  foo\n  bar", "lines")
+    assert e.partial("\n\n", 11.0) is None
+
+
+def test_a_first_line_below_the_confidence_gate_is_answered_empty_at_once():
+    sent = []
+    s = Settings(min_confidence=0.5)
+    ctx = postprocess.Context("", "", (), ())
+    e = EarlyAnswer(time.perf_counter() + 60, ctx, False, s, True, sent.append, 0.0)
+    e.step("fo", -0.1, {})  # likely enough so far, nothing to show yet
+    assert sent == []
+    e.step("foo bar", -2.0, {})  # below 0.5: the whole line can only be less likely
+    assert sent[0].items == [] and sent[0].stats["answered"] == "low confidence"
+    e.step("foo bar baz", -3.0, {})
+    assert len(sent) == 1  # answered once
+
+
+def test_typing_through_upgrades_to_the_whole_suggestion_only_if_nothing_newer():
+    t = TypingThrough()
+    t.remember("u", "ab", 2, ["cd"])
+    t.upgrade("u", "ab", 2, ["cd"], ["cdef"])
+    assert t.answer("u", "abcd", 4) == ["ef"]
+    t.remember("u", "xy", 2, ["z"])  # a newer suggestion was shown
+    t.upgrade("u", "ab", 2, ["cdef"], ["cdefgh"])
+    assert t.answer("u", "xyz", 3) is None and t.answer("u", "xy", 2) == ["z"]
+
+
+async def test_served_early_answer_is_completed_for_typing_through(tiny_llama, sample):
+    """Through the server: a deadline of 1 ms answers early; once the generation has finished,
+    asking again at the same place is answered from the whole suggestion, without the model."""
+    from conftest import start_editor
+
+    uri = "file:///early.py"
+    client, ed = await start_editor(tiny_llama, {"answerMs": 1, "maxTokens": 48})
+    try:
+        ed.open(uri, sample)
+        early = None
+        for line in sample.splitlines(keepends=True):
+            off = sample.index(line) + len(line.rstrip("\n"))
+            before = (await ed.metrics())["answeredEarly"]
+            res = await ed.inline(uri, off)
+            if res.items and (await ed.metrics())["answeredEarly"] == before + 1:
+                early = res.items[0].insert_text
+                break
+        assert early is not None, "no suggestion was answered early"
+        await asyncio.sleep(1.0)  # the generation goes on to its end meanwhile
+        calls = (await ed.metrics())["modelCalls"]
+        again = await ed.inline(uri, off)
+        whole = again.items[0].insert_text
+        assert whole.startswith(early) and len(whole) >= len(early)
+        assert (await ed.metrics())["modelCalls"] == calls  # typing-through, no model call
+    finally:
+        await client.shutdown_session()
+        await client.stop()
