@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from .graph import DenseLinear
+from .params import PRECISIONS
 from .quant import QuantLinear
 from .wafer.partition import TiledLinear
 
-#: Weight precisions an engine can load ("auto" is resolved to one of these by engine.precision).
-PRECISIONS = ("fp32", "int8", "int8-rowq", "int4")
-#: precision -> QuantLinear arguments
+#: precision -> QuantLinear arguments (PRECISIONS, in engine.params, names every precision;
+#: "auto" is resolved to one of them by engine.precision)
 QUANT_ARGS = {"int8": {"bits": 8}, "int8-rowq": {"bits": 8, "op": "rowq"}, "int4": {"bits": 4}}
 
 

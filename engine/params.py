@@ -1,7 +1,9 @@
-"""How to generate: ``GenerationParams``, the options of one generation.
+"""The options a caller gives the engine: ``GenerationParams`` (one generation) and
+``PRECISIONS`` (the weight precisions a model loads at).
 
-Apart from ``engine.generate`` (which runs a generation) so that a client of the engine service,
-which only sends these options over the wire, does not load ONNX Runtime with them.
+Apart from ``engine.generate`` and ``engine.linears`` (which run and build with them) so that a
+client of the engine service, which only checks these options and sends them over the wire,
+does not load ONNX Runtime with them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .sampling import Sampler
+
+#: The weight precisions (``engine.linears`` has an emitter for each; "auto" chooses among them).
+PRECISIONS = ("fp32", "int8", "int8-rowq", "int4")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import asyncio
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -42,6 +43,8 @@ from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
 from .prompt import PromptBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
+MEMORY_MODELS = "default,synthetic-qwen2.5-coder-0.5b@int4"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--memory",
         action="store_true",
         help="also: resident memory of 4 language servers sharing one daemon vs one in-process server",
+    )
+    p.add_argument(
+        "--memory-models",
+        default=MEMORY_MODELS,
+        metavar="LIST",
+        help="models of --memory, NAME[@PRECISION] each; 'default' is --model "
+        f"(default {MEMORY_MODELS})",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -347,68 +357,124 @@ def run_ray(
     return out
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process (VmRSS), MB."""
+def memory_mb(pid: int) -> dict[str, float]:
+    """Resident memory of a process, MB: ``rss`` (VmRSS) and ``pss`` (proportional set size,
+    /proc/PID/smaps_rollup: a page shared by n processes counts 1/n in each, so the sum over a
+    group of processes counts shared libraries once)."""
+    out = {"rss": 0.0, "pss": 0.0}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+            out["rss"] = int(line.split()[1]) / 1024
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                out["pss"] = int(line.split()[1]) / 1024
+    except OSError:  # no smaps_rollup (an old kernel): PSS unknown
+        out["pss"] = float("nan")
+    return out
+
+
+def maps_onnxruntime(pid: int) -> bool:
+    """Whether ONNX Runtime is loaded in process `pid` (a thin language server must not be)."""
+    return "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _server(model: str | None, options: dict, uri: str, text: str):
     from .rpc_client import LspClient, server_cmd
 
     client = LspClient(server_cmd(model))
-    client.initialize({"tunePrecision": False, "liveEdits": False, **options})
-    client.wait_ready()
-    client.open(uri, text)
-    client.inline(uri, len(text)).result(120)  # one suggestion: the KV slot and the runs are made
-    return client
-
-
-def run_memory(args, sessions: int = 4) -> dict:
-    """RSS of one in-process server vs `sessions` servers and the daemon they share (engine auto)."""
-    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
-    text = path.read_text(encoding="utf-8")[:4000]
-    local = _server(args.model, {}, "file:///bench/local.py", text)
     try:
-        one = rss_mb(local.proc.pid)
+        client.initialize({"tunePrecision": False, "liveEdits": False, **options})
+        client.wait_ready(timeout=900)
+        client.open(uri, text)
+        client.inline(uri, len(text)).result(300)  # a suggestion: its KV slot and runs are made
+        engine = (client.call("spark/metrics", {}, 30) or {}).get("engine") or {}
+    except BaseException:
+        client.shutdown()
+        raise
+    return client, engine
+
+
+def _sum(parts: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(p[k] for p in parts) for k in ("rss", "pss")}
+
+
+def run_memory(model: str | None, precision: str | None, text: str, sessions: int = 4) -> dict:
+    """Resident memory of one in-process language server vs `sessions` language servers with
+    `engine: auto` and the one daemon they share, each server with a document open and one
+    suggestion made."""
+    from engine.lab.models import SYNTHETIC, synthetic_model
+
+    if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
+        model = str(synthetic_model(model))
+    options = {"precision": precision} if precision else {}
+    local, _ = _server(model, options, "file:///bench/local.py", text)
+    try:
+        one = memory_mb(local.proc.pid)
     finally:
         local.shutdown()
     with tempfile.TemporaryDirectory() as run_dir:
         old = os.environ.get(rundir.ENV_DIR)
-        os.environ[rundir.ENV_DIR] = run_dir
+        os.environ[rundir.ENV_DIR] = run_dir  # a daemon of this run only, not the user's
         clients, recs = [], []
         try:
+            engines = []
             for i in range(sessions):
-                clients.append(
-                    _server(args.model, {"engine": "auto"}, f"file:///bench/s{i}.py", text)
+                client, engine = _server(
+                    model, {**options, "engine": "auto"}, f"file:///bench/s{i}.py", text
                 )
-            servers = [rss_mb(c.proc.pid) for c in clients]
+                clients.append(client)
+                engines.append(engine)
             recs = [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
-            daemon_mb = sum(rss_mb(r["pid"]) for r in recs)
+            if len(recs) != 1 or not all(
+                str(e.get("engine", "")).startswith("ws://") for e in engines
+            ):
+                raise RuntimeError(
+                    f"the {sessions} servers did not share one daemon: {len(recs)} daemon(s), "
+                    f"engines {[e.get('engine') for e in engines]}"
+                )
+            servers = [memory_mb(c.proc.pid) for c in clients]
+            thin = not any(maps_onnxruntime(c.proc.pid) for c in clients)
+            daemon = memory_mb(recs[0]["pid"])
         finally:
             for c in clients:
                 c.shutdown()
             for r in recs:
                 try:
-                    os.kill(r["pid"], 15)
+                    os.kill(r["pid"], signal.SIGTERM)
                 except ProcessLookupError:
                     pass
             if old is None:
                 os.environ.pop(rundir.ENV_DIR, None)
             else:
                 os.environ[rundir.ENV_DIR] = old
-    total = sum(servers) + daemon_mb
+    total = _sum([*servers, daemon])
     return {
-        "one_inproc_server_mb": one,
+        "model": Path(model).name if model else "default",
+        "precision": precision or "default",
         "sessions": sessions,
+        "one_inproc_server_mb": one,
         "session_servers_mb": servers,
-        "daemon_mb": daemon_mb,
+        "daemon_mb": daemon,
         "shared_total_mb": total,
-        "ratio": total / one if one else None,
-        "daemons": len(recs),
+        "ratio_rss": total["rss"] / one["rss"] if one["rss"] else None,
+        "ratio_pss": total["pss"] / one["pss"] if one["pss"] else None,
+        "thin_servers_without_onnxruntime": thin,
     }
+
+
+def run_memories(args) -> dict:
+    """`run_memory` at each of ``--memory-models`` (``default``: the bench's ``--model``)."""
+    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    text = path.read_text(encoding="utf-8")[:4000]
+    out = {}
+    for spec in (m.strip() for m in args.memory_models.split(",")):
+        if not spec:
+            continue
+        name, _, precision = spec.partition("@")
+        model = args.model if name == "default" else name
+        out[spec] = run_memory(model, precision or None, text)
+    return out
 
 
 def run(args) -> int:
@@ -469,7 +535,7 @@ def run(args) -> int:
         ks = [int(k) for k in args.editors.split(",") if k.strip()]
         results["ray"] = run_ray(args, uri, trace, params, ks)
     if args.memory:
-        results["memory"] = run_memory(args)
+        results["memory"] = run_memories(args)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -515,11 +581,14 @@ def print_table(r: dict) -> None:
         print(
             f"ws - inproc keystroke-to-suggestion p50: {r['ws_minus_inproc_suggestion_p50_ms']:+.2f} ms"
         )
-    if "memory" in r:
-        m = r["memory"]
+    for name, m in r.get("memory", {}).items():
+        one, total, d = m["one_inproc_server_mb"], m["shared_total_mb"], m["daemon_mb"]
         print(
-            f"memory: one in-process server {m['one_inproc_server_mb']:.0f} MB; {m['sessions']} servers sharing "
-            f"one daemon {m['shared_total_mb']:.0f} MB (daemon {m['daemon_mb']:.0f} MB), x{f(m['ratio'])}"
+            f"memory {name}: one in-process server RSS {one['rss']:.0f} MB (PSS {one['pss']:.0f}); "
+            f"{m['sessions']} servers sharing one daemon RSS {total['rss']:.0f} MB "
+            f"(PSS {total['pss']:.0f}; daemon {d['rss']:.0f}, each server "
+            f"{statistics.median(s['rss'] for s in m['session_servers_mb']):.0f}): "
+            f"x{f(m['ratio_rss'])} RSS, x{f(m['ratio_pss'])} PSS"
         )
     for name, s in r.get("ray", {}).items():
         print(

@@ -27,8 +27,8 @@ class SettingsError(ValueError):
 
 
 def _precisions() -> tuple[str, ...]:
-    """'auto' and the precisions the engine loads (named once, in engine.linears)."""
-    from engine.linears import PRECISIONS  # ONNX is imported only when a precision is checked
+    """'auto' and the precisions the engine loads (named once, in engine.params)."""
+    from engine.params import PRECISIONS
 
     return ("auto", *PRECISIONS)
 

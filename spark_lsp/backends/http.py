@@ -24,13 +24,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 
 from .base import BackendError, BackendUnavailable, Chunk, Counters, Request, TextPrompt
 from .text_prompt import EstimatedTokens
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,8 @@ class HttpStream:
 
     # -- reading (backend loop) ----------------------------------------------------------------
     async def _run(self, request: Request) -> None:
+        import httpx  # loaded by the backend's __init__ already
+
         b = self._backend
         try:
             await self._read(request, retry=True)
@@ -315,6 +319,10 @@ class RemoteBackend:
         #: called with (ok, message) when the backend starts failing (once per run of failures)
         #: and when it answers again; from the thread that reads the stream
         self.on_health: Callable[[bool, str], None] | None = None
+        # httpx loads with the first remote backend, not with the server: a language server whose
+        # model is in-process or in the engine service stays without it
+        import httpx
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

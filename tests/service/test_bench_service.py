@@ -19,3 +19,24 @@ def test_bench_service_reports_every_transport(capsys):
         assert s["suggestion_ms"]["p50"] > 0 and s["first_byte_ms"]["p50"] > 0
         assert 0 < s["prefix_reuse"] <= 1  # the document's slot is reused keystroke after keystroke
     assert out["ws_vs_sse"]["overhead_p50_ratio"] is not None
+
+
+@pytest.mark.slow
+def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_process_server(
+    tiny_llama,
+):
+    text = "import os\n\n\ndef total(xs):\n    s = 0\n    for x in xs:\n        s += x\n" * 20
+    m = bench_service.run_memory(str(tiny_llama), None, text, sessions=4)
+    # run_memory itself refuses a run where the servers did not all join the one daemon
+    assert m["sessions"] == 4 and len(m["session_servers_mb"]) == 4
+    assert m["thin_servers_without_onnxruntime"]
+    parts = [*m["session_servers_mb"], m["daemon_mb"]]
+    for k in ("rss", "pss"):
+        assert m["one_inproc_server_mb"][k] > 0
+        assert all(p[k] > 0 for p in parts)
+        assert m["shared_total_mb"][k] == pytest.approx(sum(p[k] for p in parts))
+    assert m["ratio_rss"] == pytest.approx(
+        m["shared_total_mb"]["rss"] / m["one_inproc_server_mb"]["rss"]
+    )
+    # a thin server holds no engine: it is smaller than the server that has one in-process
+    assert max(p["rss"] for p in m["session_servers_mb"]) < m["one_inproc_server_mb"]["rss"]
