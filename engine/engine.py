@@ -240,11 +240,11 @@ class Engine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
+            ids = list(map(int, prompt))  # map, min and max run in C: this is on every request
+            if ids and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
                 raise ValueError(
-                    f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+                    f"prompt token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})"
                 )
         if not ids:
             if self.config.bos_token_id is None:

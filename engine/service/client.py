@@ -7,6 +7,12 @@ iterate, cancel and report like the in-process ``engine.Generation``).
 A lost connection ends every generation in flight with finish_reason ``error`` (error code
 ``disconnected``) and makes later calls raise :class:`EngineUnavailable`; reconnecting is the
 caller's decision.
+
+Prompt deltas: when the server keeps prompts (``hello`` capability ``prompt_delta``), a token-id
+prompt on a slot is sent as an edit of the previous prompt this client sent on that slot (the
+common head and tail are named, not sent), so a keystroke's request carries a few ids instead of
+the whole context; a base the server no longer holds is answered ``unknown_base`` and the client
+sends the whole prompt again under the same id.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +70,7 @@ class RemoteGeneration:
         self.error: dict[str, str] | None = None
         self.successor: RemoteGeneration | None = None
         self._events: asyncio.Queue[Piece | None] = asyncio.Queue()
+        self._listener: Callable[[Piece | None], None] | None = None
         self._done = asyncio.Event()
 
     @property
@@ -93,11 +101,24 @@ class RemoteGeneration:
         """Send typed ``text``; returns the committed (or failed) ``steer`` event."""
         return await self.client._steer(self.id, text)
 
+    def listen(self, fn: Callable[[Piece | None], None]) -> None:
+        """Hand every piece (then None at the end) to ``fn`` instead of the async iterator, from
+        the reader (call on the event loop; pieces already received are handed over first)."""
+        while not self._events.empty():
+            fn(self._events.get_nowait())
+        self._listener = fn
+
     # -- fed by the client's reader -------------------------------------------------------------
+    def _emit(self, item: Piece | None) -> None:
+        if self._listener is not None:
+            self._listener(item)
+        else:
+            self._events.put_nowait(item)
+
     def _push(self, text: str, ids: list[int]) -> None:
         self.text += text
         self.tokens.extend(ids)
-        self._events.put_nowait(Piece(text, ids))
+        self._emit(Piece(text, ids))
 
     def _finish(
         self, reason: str, stats: dict[str, Any], error: dict[str, str] | None = None
@@ -107,17 +128,24 @@ class RemoteGeneration:
         self.finish_reason = reason
         self.stats = stats
         self.error = error
-        self._events.put_nowait(None)
+        self._emit(None)
         self._done.set()
 
 
 class EngineClient:
     """One connection to an engine service; ``hello`` holds the server's handshake reply."""
 
-    def __init__(self, ws: ClientConnection, hello: dict[str, Any]) -> None:
+    def __init__(
+        self, ws: ClientConnection, hello: dict[str, Any], *, prompt_deltas: bool = True
+    ) -> None:
         self.ws = ws
         self.hello = hello
         self.models: list[dict[str, Any]] = hello.get("models", [])
+        memory = hello.get("capabilities", {}).get("prompt_delta", 0)
+        #: how many slots' last prompts are kept as delta bases (0: the server takes none)
+        self.delta_slots = int(memory) if prompt_deltas and isinstance(memory, int) else 0
+        self._bases: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # slot -> id, ids
+        self._whole: dict[str, dict[str, Any]] = {}  # id -> its generate with the whole prompt
         self._gens: dict[str, RemoteGeneration] = {}
         self._steers: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
@@ -136,6 +164,7 @@ class EngineClient:
         client: str = "spark-lsp",
         open_timeout: float = 10.0,
         origin: str | None = None,
+        prompt_deltas: bool = True,
     ) -> EngineClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
@@ -173,7 +202,11 @@ class EngineClient:
             raise EngineUnavailable(
                 f"engine service at {url}: {reply.get('code')}: {reply.get('message')}"
             )
-        return cls(ws, reply)
+        return cls(ws, reply, prompt_deltas=prompt_deltas)
+
+    def new_id(self) -> str:
+        """A generation id unused on this connection (callable from any thread)."""
+        return f"g{next(self._ids)}"
 
     def model(self, name: str | None = None) -> dict[str, Any]:
         """The ``hello`` entry of a model (the default, first one, when ``name`` is None)."""
@@ -191,13 +224,40 @@ class EngineClient:
         model: str | None = None,
         id: str | None = None,
     ) -> RemoteGeneration:
-        gid = id or f"g{next(self._ids)}"
+        gen = self.start(prompt, params, slot=slot, model=model, id=id)
+        try:
+            await self._send(self._wire(gen.id, self._whole.get(gen.id)))
+        except EngineUnavailable:
+            self._gens.pop(gen.id, None)
+            self._whole.pop(gen.id, None)
+            raise
+        return gen
+
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerationParams | None = None,
+        *,
+        slot: str | None = None,
+        model: str | None = None,
+        id: str | None = None,
+        listener: Callable[[Piece | None], None] | None = None,
+    ) -> RemoteGeneration:
+        """Register a generation and build its ``generate`` message (sent by ``generate``, or by
+        ``send_generate`` for callers that must not wait for the socket)."""
+        if self.closed:
+            raise EngineUnavailable(
+                f"the engine connection is closed ({self.close_reason or 'closed'})"
+            )
+        gid = id or self.new_id()
         gen = RemoteGeneration(self, gid)
+        if listener is not None:
+            gen.listen(listener)
         self._gens[gid] = gen
         msg: dict[str, Any] = {
             "type": "generate",
             "id": gid,
-            "prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+            "prompt": prompt if isinstance(prompt, str) else list(map(int, prompt)),
         }
         if params is not None:
             msg["params"] = P.params_to_json(params)
@@ -205,12 +265,43 @@ class EngineClient:
             msg["slot"] = slot
         if model is not None:
             msg["model"] = model
+        self._whole[gid] = msg
+        return gen
+
+    def send_generate(self, gen: RemoteGeneration) -> asyncio.Future:
+        """Send a ``start``ed generation without waiting (a lost connection ends it)."""
+        return asyncio.ensure_future(
+            self._send_quietly(self._wire(gen.id, self._whole.get(gen.id)))
+        )
+
+    async def _send_quietly(self, msg: dict[str, Any]) -> None:
         try:
             await self._send(msg)
-        except EngineUnavailable:
-            self._gens.pop(gid, None)
-            raise
-        return gen
+        except EngineUnavailable:  # _send ended every generation (this one too)
+            pass
+
+    def _wire(self, gid: str, msg: dict[str, Any] | None) -> dict[str, Any]:
+        """The message to send for ``msg``: its prompt as a delta of the slot's last prompt when
+        that saves sending most of it.  Records the prompt as the slot's next base."""
+        if msg is None:
+            raise EngineUnavailable("the generation was ended before it was sent")
+        prompt, slot = msg["prompt"], msg.get("slot")
+        if not self.delta_slots or slot is None or isinstance(prompt, str):
+            self._whole.pop(gid, None)
+            return msg
+        base = self._bases.pop(slot, None)
+        self._bases[slot] = (gid, prompt)
+        while len(self._bases) > self.delta_slots:
+            self._bases.popitem(last=False)
+        if base is None:
+            self._whole.pop(gid, None)
+            return msg
+        head, middle, tail = P.prompt_delta(base[1], prompt)
+        if len(middle) * 2 > len(prompt):  # mostly new: the whole prompt is as short
+            self._whole.pop(gid, None)
+            return msg
+        delta = {"base": base[0], "head": head, "ids": middle, "tail": tail}
+        return {**msg, "prompt": delta}  # _whole keeps msg until the server accepts the delta
 
     async def status(self) -> dict[str, Any]:
         rid = f"s{next(self._ids)}"
@@ -275,6 +366,7 @@ class EngineClient:
         for gen in list(self._gens.values()):
             gen._finish("error", {}, err)
         self._gens.clear()
+        self._whole.clear()
         for fut in [*self._steers.values(), *self._replies.values()]:
             if not fut.done():
                 fut.set_exception(EngineUnavailable(reason))
@@ -285,10 +377,12 @@ class EngineClient:
         kind = msg.get("type")
         gid = msg.get("id")
         if kind == "tokens":
+            self._whole.pop(gid, None)
             gen = self._gens.get(gid)
             if gen is not None:
                 gen._push(msg.get("text", ""), list(msg.get("ids", ())))
         elif kind == "done":
+            self._whole.pop(gid, None)
             gen = self._gens.pop(gid, None)
             if gen is not None:
                 succ = msg.get("successor")
@@ -314,6 +408,10 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif kind == "error":
+            whole = self._whole.pop(gid, None) if gid else None
+            if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
+                asyncio.ensure_future(self._send_quietly(whole))  # the server forgot the base
+                return
             err = EngineRequestError(msg.get("code", "error"), msg.get("message", ""))
             gen = self._gens.pop(gid, None) if gid else None
             if gen is not None:
@@ -328,22 +426,31 @@ class EngineClient:
 class SyncGeneration:
     """A thread-side view of a :class:`RemoteGeneration`, shaped like ``engine.Generation``:
     iterate for chunks (``token_id``, ``text``), ``cancel()`` from any thread, then read
-    ``text``, ``tokens``, ``finish_reason``, ``stats``."""
+    ``text``, ``tokens``, ``finish_reason``, ``stats``.
 
-    def __init__(self, owner: SyncEngineClient, remote: RemoteGeneration) -> None:
+    The client's reader hands each piece straight to this object's queue (no task between the
+    socket and the consuming thread); the remote generation is attached on the event loop before
+    its first piece can arrive."""
+
+    def __init__(
+        self, owner: SyncEngineClient, gid: str, remote: RemoteGeneration | None = None
+    ) -> None:
         self._owner = owner
+        self._id = gid
         self._remote = remote
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = False
         self._ended = False
         self._successor: SyncGeneration | None = None
-        owner._submit(self._pump())
+        if remote is not None:  # a steer successor: pieces may have arrived already
+            owner._soon(remote.listen, self._on_piece)
 
-    async def _pump(self) -> None:
-        async for piece in self._remote:
-            tid = piece.ids[-1] if piece.ids else -1
-            self._queue.put(_Chunk(tid, piece.text))
-        self._queue.put(None)
+    def _on_piece(self, piece: Piece | None) -> None:
+        """From the client's reader (event loop thread)."""
+        if piece is None:
+            self._queue.put(None)
+        else:
+            self._queue.put(_Chunk(piece.ids[-1] if piece.ids else -1, piece.text))
 
     def __iter__(self) -> Iterator[_Chunk]:
         while True:
@@ -373,48 +480,58 @@ class SyncGeneration:
         return self.text
 
     def cancel(self) -> None:
+        """Ask the service to stop it (from any thread; the message is sent by the event loop)."""
         self._cancelled = True
-        self._owner._submit(self._remote.cancel())
+        self._owner._soon(self._send_cancel)
+
+    def _send_cancel(self) -> None:
+        if self._remote is not None and not self._remote.done:
+            client = self._owner.client
+            asyncio.ensure_future(client._send_quietly({"type": "cancel", "id": self._id}))
 
     def steer(self, text: str, timeout: float | None = None) -> dict[str, Any]:
-        return self._owner._call(self._remote.steer(text), timeout)
+        return self._owner._call(self._steer(text), timeout)
+
+    async def _steer(self, text: str) -> dict[str, Any]:
+        return await self._remote.steer(text)
 
     @property
     def id(self) -> str:
-        return self._remote.id
+        return self._id
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled or self._remote.finish_reason == "cancelled"
+        return self._cancelled or self.finish_reason == "cancelled"
 
     @property
     def done(self) -> bool:
-        return self._remote.done
+        return self._remote is not None and self._remote.done
 
     @property
     def text(self) -> str:
-        return self._remote.text
+        return self._remote.text if self._remote is not None else ""
 
     @property
     def tokens(self) -> list[int]:
-        return self._remote.tokens
+        return self._remote.tokens if self._remote is not None else []
 
     @property
     def finish_reason(self) -> str | None:
-        return self._remote.finish_reason
+        return self._remote.finish_reason if self._remote is not None else None
 
     @property
     def stats(self) -> dict[str, Any]:
-        return self._remote.stats
+        return self._remote.stats if self._remote is not None else {}
 
     @property
     def error(self) -> dict[str, str] | None:
-        return self._remote.error
+        return self._remote.error if self._remote is not None else None
 
     @property
     def successor(self) -> SyncGeneration | None:
-        if self._successor is None and self._remote.successor is not None:
-            self._successor = SyncGeneration(self._owner, self._remote.successor)
+        remote = self._remote.successor if self._remote is not None else None
+        if self._successor is None and remote is not None:
+            self._successor = SyncGeneration(self._owner, remote.id, remote)
         return self._successor
 
 
@@ -468,13 +585,35 @@ class SyncEngineClient:
         slot: Any = None,
         model: str | None = None,
     ) -> SyncGeneration:
-        remote = self._call(
-            self.client.generate(
-                prompt, params, slot=None if slot is None else str(slot), model=model
-            ),
-            30.0,
-        )
-        return SyncGeneration(self, remote)
+        """Start a generation; returns at once (the event loop sends it, the caller's thread
+        never waits for the socket).  EngineUnavailable when the connection is known lost."""
+        client = self.client
+        if client.closed:
+            raise EngineUnavailable(
+                f"the engine connection is closed ({client.close_reason or 'closed'})"
+            )
+        sync = SyncGeneration(self, client.new_id())
+        prompt = (
+            prompt if isinstance(prompt, str) else list(prompt)
+        )  # the caller may reuse its list
+        slot = None if slot is None else str(slot)
+        self._soon(self._start, sync, prompt, params, slot, model)
+        return sync
+
+    def _start(self, sync: SyncGeneration, prompt, params, slot, model) -> None:
+        """On the event loop: register the generation, attach ``sync``, send without waiting."""
+        client = self.client
+        try:
+            remote = client.start(
+                prompt, params, slot=slot, model=model, id=sync.id, listener=sync._on_piece
+            )
+        except EngineUnavailable as exc:
+            remote = RemoteGeneration(client, sync.id)
+            remote.listen(sync._on_piece)
+            remote._finish("error", {}, {"code": DISCONNECTED, "message": str(exc)})
+        sync._remote = remote
+        if not remote.done:
+            client.send_generate(remote)
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
         return self._call(self.client.status(), timeout)
@@ -491,6 +630,13 @@ class SyncEngineClient:
     # -- internals ------------------------------------------------------------------------------
     def _submit(self, coro) -> asyncio.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _soon(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the event loop (nothing when the client is closed)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def _call(self, coro, timeout: float | None):
         return self._submit(coro).result(timeout)

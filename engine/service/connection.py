@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -112,6 +113,12 @@ class Run:
     def release(self) -> None:
         self._credits.release()
 
+    def stop(self) -> None:
+        """Stop the generation; a thread waiting for credit wakes at once (the extra credit is
+        never used: the generation ends)."""
+        self.handle.cancel()
+        self._credits.release()
+
     def _call(self, fn, *args) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, *args)
@@ -139,6 +146,8 @@ class Connection:
         self.runs: dict[str, Run] = {}
         self.aliases: dict[str, str] = {}  # a steered-away id -> its successor's id
         self.recent: deque[str] = deque(maxlen=RECENT_IDS)
+        # the prompts of the latest generations, bases of prompt deltas (compact int arrays)
+        self.prompts: OrderedDict[str, array] = OrderedDict()
         self.greeted = False
         self.closing = False
         self._sender = asyncio.ensure_future(self._send_loop())
@@ -169,7 +178,7 @@ class Connection:
             run = self._live(msg.id)
             if run is not None:
                 run.cancelled = True
-                run.handle.cancel()
+                run.stop()
             return None
         if isinstance(msg, P.Steer):
             return await self._steer(msg)
@@ -211,6 +220,7 @@ class Connection:
                     "token_ids": True,
                     "text_prompts": True,
                     "max_message_bytes": P.MAX_MESSAGE_BYTES,
+                    "prompt_delta": P.PROMPT_MEMORY,
                     "max_generations": self.max_generations,
                     "params": list(P.PARAM_NAMES),
                 },
@@ -228,8 +238,22 @@ class Connection:
                 f"at most {self.max_generations} generations at once per connection",
                 msg.id,
             )
+        prompt = msg.prompt
+        if isinstance(prompt, P.PromptDelta):
+            base = self.prompts.get(prompt.base)
+            if base is None:
+                raise P.ProtocolError(
+                    P.UNKNOWN_BASE,
+                    f"no prompt of generation {prompt.base!r} is kept on this connection "
+                    f"(the last {P.PROMPT_MEMORY} are); send the whole prompt",
+                    msg.id,
+                )
+            try:
+                prompt = prompt.apply(base)
+            except ValueError as e:
+                raise P.ProtocolError(P.BAD_PROMPT, str(e), msg.id) from None
         try:
-            ids = self.models.encode(msg.model, msg.prompt)
+            ids = self.models.encode(msg.model, prompt)
         except KeyError:
             raise P.ProtocolError(
                 P.UNKNOWN_MODEL,
@@ -239,7 +263,16 @@ class Connection:
             ) from None
         except (ValueError, ModelError) as e:
             raise P.ProtocolError(P.BAD_PROMPT, str(e), msg.id) from None
+        self._remember(msg.id, ids)
         self._start(Run(self, msg.id, msg.model, ids, msg.params, msg.slot))
+
+    def _remember(self, gid: str, ids: list[int]) -> None:
+        """Keep a generation's prompt as a base for the deltas of later ones (the latest
+        PROMPT_MEMORY of this connection)."""
+        self.prompts.pop(gid, None)
+        self.prompts[gid] = array("i", ids)
+        while len(self.prompts) > P.PROMPT_MEMORY:
+            self.prompts.popitem(last=False)
 
     def _start(self, run: Run) -> None:
         self.runs[run.id] = run
@@ -312,7 +345,7 @@ class Connection:
         run.pending_steers.clear()
         self.aliases[run.id] = run.successor_id
         if not final:
-            run.handle.cancel()
+            run.stop()
 
     def _start_successor(self, run: Run) -> None:
         tok = self.models.tokenizer(run.model)
@@ -382,7 +415,7 @@ class Connection:
         """Cancel every generation, deliver their ``done`` messages (up to ``drain_s``), stop."""
         self.closing = True
         for run in list(self.runs.values()):
-            run.handle.cancel()
+            run.stop()
         deadline = self.loop.time() + drain_s
         while (
             (self.runs or self.outbox.items)

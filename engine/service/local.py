@@ -3,14 +3,17 @@
 A generation iterates in a worker thread (the engine's lock is held per step, so generations on
 different slots interleave) and hands every chunk to a :class:`Sink`.  The sink's credit window
 blocks the thread while the client is behind, so a slow reader holds the generation instead of
-growing a queue.
+growing a queue.  Worker threads are kept (:class:`Workers`) and reused by the next generation:
+starting a thread for every request would put a thread start and its handshake with the event
+loop on every request's way to its first token.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import ModelError
@@ -53,20 +56,63 @@ def describe(engine: Engine) -> dict[str, Any]:
     }
 
 
+class Workers:
+    """Threads that run generations, one generation per thread at a time.
+
+    A submitted job goes to an idle thread, or to a new one when none is idle (generations wait
+    for the client and for the engine's lock, so a fixed-size pool could starve one client behind
+    another's slow reader).  A thread idle for ``idle_s`` exits.  The threads are daemons, like
+    the per-generation threads they replace (``concurrent.futures`` workers are joined at exit
+    and never retire).
+    """
+
+    def __init__(self, name: str = "spark-engine-gen", idle_s: float = 60.0) -> None:
+        self.name = name
+        self.idle_s = idle_s
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._idle = 0
+        self.threads = 0  # alive (for tests and status)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            if self._idle >= len(self._jobs):
+                self._cond.notify()
+                return
+            self.threads += 1
+        threading.Thread(target=self._loop, name=self.name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                while not self._jobs:
+                    if not self._cond.wait(self.idle_s) and not self._jobs:
+                        self._idle -= 1
+                        self.threads -= 1
+                        return
+                self._idle -= 1
+                job = self._jobs.popleft()
+            try:
+                job()
+            except BaseException:  # a job reports its own errors; the thread must survive
+                log.exception("engine worker job failed")
+
+
 class LocalRun:
-    """A generation running in its own thread; ``cancel()`` stops it within one decode step."""
+    """A generation running on a worker thread; ``cancel()`` stops it within one decode step."""
 
     def __init__(self, gen: Generation, sink: Sink) -> None:
         self.gen = gen
         self.sink = sink
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._work, name="spark-engine-gen", daemon=True)
 
     def cancel(self) -> None:
         self._stop.set()
         self.gen.cancel()
 
-    def _work(self) -> None:
+    def work(self) -> None:
         error = None
         try:
             for chunk in self.gen:
@@ -99,6 +145,7 @@ class LocalModels:
                 raise ValueError(f"two models are named {eng.name!r}")
             self.engines[eng.name] = eng
         self.default = next(iter(self.engines))
+        self.workers = Workers()
 
     def describe(self) -> list[dict[str, Any]]:
         return [describe(e) for e in self.engines.values()]
@@ -128,7 +175,7 @@ class LocalModels:
         run = LocalRun(
             eng.generate(ids, params, slot=("service", slot) if slot is not None else None), sink
         )
-        run.thread.start()
+        self.workers.submit(run.work)
         return run
 
     def status(self) -> list[dict[str, Any]]:

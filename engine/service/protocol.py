@@ -12,6 +12,7 @@ stays open.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -28,6 +29,8 @@ MAX_FRAME_BYTES = 16 << 20
 MAX_ID_CHARS = 256
 #: Longest steer text in one message.
 MAX_STEER_CHARS = 1 << 16
+#: Prompts of a connection's most recent generations kept as bases for prompt deltas.
+PROMPT_MEMORY = 64
 
 # Error codes (stable: clients branch on them).
 BAD_JSON = "bad_json"
@@ -44,6 +47,7 @@ BAD_PROMPT = "bad_prompt"
 ENGINE_ERROR = "engine_error"
 SHUTTING_DOWN = "shutting_down"
 UNAVAILABLE = "unavailable"
+UNKNOWN_BASE = "unknown_base"
 
 # Steer states and outcomes (docs/engine-protocol.md, "Steering").
 ACCEPTED = "accepted"
@@ -73,11 +77,57 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class PromptDelta:
+    """A prompt given as an edit of an earlier prompt on the same connection: the first ``head``
+    tokens of generation ``base``'s prompt, then ``ids``, then its last ``tail`` tokens."""
+
+    base: str
+    head: int
+    ids: list[int]
+    tail: int
+
+    def apply(self, base: Sequence[int]) -> list[int]:
+        """The whole prompt, from the base prompt's ids (ValueError when they do not fit)."""
+        if self.head + self.tail > len(base):
+            raise ValueError(
+                f"prompt delta keeps {self.head} + {self.tail} tokens of a {len(base)}-token base"
+            )
+        out = list(base[: self.head])
+        out += self.ids
+        if self.tail:
+            out += base[len(base) - self.tail :]
+        return out
+
+
+def prompt_delta(base: Sequence[int], ids: Sequence[int]) -> tuple[int, list[int], int]:
+    """(head, middle, tail): ``ids`` as ``base[:head] + middle + base[-tail:]``, keeping the
+    longest common prefix and then the longest common suffix of what remains."""
+    n = min(len(base), len(ids))
+    head = _common(lambda k: base[:k] == ids[:k], n)
+    rest = n - head
+    tail = _common(lambda k: base[len(base) - k :] == ids[len(ids) - k :], rest)
+    return head, list(ids[head : len(ids) - tail]), tail
+
+
+def _common(equal, n: int) -> int:
+    """The largest k <= n with equal(k) (equal is monotone: true up to some k, then false);
+    binary search over slice comparisons, which run in C."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if equal(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
 class Generate:
     id: str
     model: str | None
     slot: str | None
-    prompt: str | list[int]
+    prompt: str | list[int] | PromptDelta
     params: GenerationParams
 
 
@@ -187,13 +237,35 @@ def _opt_str(msg: dict[str, Any], key: str) -> str | None:
     return v
 
 
-def _prompt(msg: dict[str, Any]) -> str | list[int]:
+def is_ids(v: Any) -> bool:
+    """A JSON list of integers (not booleans); the type set is built in C, not per element."""
+    return isinstance(v, list) and set(map(type, v)) <= {int}
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _prompt(msg: dict[str, Any]) -> str | list[int] | PromptDelta:
     p = msg.get("prompt")
-    if isinstance(p, str):
+    if isinstance(p, str) or is_ids(p):
         return p
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return p
-    raise ProtocolError(BAD_PROMPT, "'prompt' must be text or a list of token ids")
+    if isinstance(p, dict):
+        base, head, ids, tail = p.get("base"), p.get("head", 0), p.get("ids", []), p.get("tail", 0)
+        if (
+            isinstance(base, str)
+            and 0 < len(base) <= MAX_ID_CHARS
+            and _count(head)
+            and _count(tail)
+            and is_ids(ids)
+            and set(p) <= {"base", "head", "ids", "tail"}
+        ):
+            return PromptDelta(base, head, ids, tail)
+        raise ProtocolError(
+            BAD_PROMPT,
+            "a prompt delta is {'base': generation id, 'head': n, 'ids': [token ids], 'tail': n}",
+        )
+    raise ProtocolError(BAD_PROMPT, "'prompt' must be text, a list of token ids or a prompt delta")
 
 
 def params_from_json(raw: Any) -> GenerationParams:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # as every production HTTP server: events leave at once
     engine: Any = None
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)

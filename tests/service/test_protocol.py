@@ -10,6 +10,8 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -163,6 +165,134 @@ async def test_cancel_of_unknown_or_finished_id_is_harmless(client):
     await g.client._send({"type": "cancel", "id": "never-started"})
     st = await client.status()
     assert st["generations"] == 0
+
+
+# -- prompt deltas -----------------------------------------------------------------------------
+@given(
+    st.lists(st.integers(0, 4), max_size=12),
+    st.lists(st.integers(0, 4), max_size=12),
+    st.integers(0, 12),
+    st.integers(0, 12),
+)
+def test_prompt_delta_spells_the_prompt_from_its_base(base, new, cut_head, cut_tail):
+    ids = base[:cut_head] + new + base[len(base) - min(cut_tail, len(base)) :]
+    head, middle, tail = P.prompt_delta(base, ids)
+    assert head + tail <= min(len(base), len(ids))
+    assert P.PromptDelta("g", head, middle, tail).apply(base) == ids
+    assert len(middle) <= len(new) + max(0, len(ids) - len(base))  # the shared head/tail is kept
+
+
+def recorded(client) -> list[dict]:
+    """The messages the client sends from now on (decoded)."""
+    sent: list[dict] = []
+    send = client.ws.send
+
+    async def spy(data, *a, **kw):
+        sent.append(json.loads(data))
+        return await send(data, *a, **kw)
+
+    client.ws.send = spy
+    return sent
+
+
+async def test_a_keystroke_prompt_goes_as_a_delta_and_generates_the_same(client, engine):
+    ids = engine.tokenizer.encode("import os\n\n\ndef fibonacci(n):\n    if n < 2:\n" * 4)
+    edited = ids[:30] + [ids[40]] + ids[30:]  # one token typed in the middle
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    expected = engine.generate(edited, params, slot="delta-ref").result()
+    assert client.delta_slots == P.PROMPT_MEMORY
+    sent = recorded(client)
+    first = await (await client.generate(ids, params, slot="delta")).wait()
+    second = await (await client.generate(edited, params, slot="delta")).wait()
+    assert sent[0]["prompt"] == ids  # no base yet: the whole prompt
+    delta = sent[1]["prompt"]
+    assert delta == {"base": first.id, "head": 30, "ids": [ids[40]], "tail": len(ids) - 30}
+    assert second.text == expected
+    assert second.stats["prompt_tokens"] == len(edited)
+    # another slot has its own base; a text prompt is never a delta
+    await (await client.generate(ids, params, slot="other")).wait()
+    await (await client.generate("def f(x):", params, slot="delta")).wait()
+    assert isinstance(sent[2]["prompt"], list) and sent[3]["prompt"] == "def f(x):"
+
+
+async def test_a_forgotten_base_is_refused_and_the_client_resends_the_whole_prompt(client, engine):
+    ids = engine.tokenizer.encode("class Tree:\n    def __init__(self):\n" * 4)
+    params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+    expected = engine.generate(ids[:-1], params, slot="forgot-ref").result()
+    first = await (await client.generate(ids, params, slot="forgot")).wait()
+    for i in range(P.PROMPT_MEMORY):  # push the first prompt out of the server's memory
+        await (await client.generate([1 + i % 50], GenerationParams(max_new_tokens=1))).wait()
+    sent = recorded(client)
+    again = await (await client.generate(ids[:-1], params, slot="forgot")).wait()
+    assert sent[0]["prompt"]["base"] == first.id and sent[1]["prompt"] == ids[:-1]
+    assert again.finish_reason == "length" and again.text == expected
+
+
+async def test_bad_prompt_deltas_get_error_codes(server, engine):
+    ws = await raw_connection(server)
+    try:
+        await ws.send(json.dumps({"type": "hello"}))
+        await recv_json(ws)
+        await ws.send(json.dumps({"type": "generate", "id": "b", "prompt": [5, 6, 7]}))
+        while (await recv_json(ws))["type"] != "done":
+            pass
+        cases = [
+            ({"base": "nope", "ids": [1]}, P.UNKNOWN_BASE),
+            ({"base": "b", "head": 2, "ids": [], "tail": 2}, P.BAD_PROMPT),  # 4 of 3 tokens
+            ({"base": "b", "head": -1, "ids": []}, P.BAD_PROMPT),
+            ({"base": "b", "ids": [1, True]}, P.BAD_PROMPT),
+            ({"base": "b", "ids": [], "extra": 1}, P.BAD_PROMPT),
+            ({"base": "b", "ids": [engine.config.vocab_size]}, P.BAD_PROMPT),
+        ]
+        for i, (prompt, code) in enumerate(cases):
+            await ws.send(json.dumps({"type": "generate", "id": f"d{i}", "prompt": prompt}))
+            reply = await recv_json(ws)
+            assert (reply["type"], reply["code"], reply["id"]) == ("error", code, f"d{i}"), prompt
+        params = {"max_new_tokens": 1}
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": "ok",
+                    "prompt": {"base": "b", "head": 1, "ids": [9], "tail": 1},
+                    "params": params,
+                }
+            )
+        )
+        while (done := await recv_json(ws))["type"] != "done":
+            pass
+        assert done["id"] == "ok" and done["stats"]["prompt_tokens"] == 3  # [5, 9, 7]
+    finally:
+        await ws.close()
+
+
+# -- the thread-side client -----------------------------------------------------------------------
+async def test_sync_client_generates_cancels_and_reports_like_in_process(server, engine, reference):
+    """SyncEngineClient from a plain thread (the language server's engine thread)."""
+    from engine.service.client import SyncEngineClient
+
+    def body():
+        c = SyncEngineClient(server.url, TOKEN)
+        try:
+            gen = c.generate(
+                engine.tokenizer.encode(PROMPT),
+                GenerationParams(max_new_tokens=48, ignore_eos=True),
+                slot="sync",
+            )
+            text = "".join(ch.text for ch in gen)
+            assert text == gen.text == reference["text"]
+            assert gen.finish_reason == "length" and gen.done and not gen.cancelled
+            long = c.generate(PROMPT, LONG, slot="sync")
+            next(iter(long))
+            long.cancel()
+            long.result()
+            assert long.finish_reason == "cancelled" and long.cancelled
+        finally:
+            c.close()
+        with pytest.raises(EngineUnavailable):
+            c.generate(PROMPT, LONG)
+
+    await asyncio.to_thread(body)
 
 
 # -- steering -----------------------------------------------------------------------------------
@@ -377,3 +507,72 @@ async def test_a_client_that_stops_reading_holds_its_generation(engine):
     done = [json.loads(s) for s in sent if '"done"' in s]
     assert done and done[-1]["stats"]["new_tokens"] == 300
     assert sum(len(json.loads(s).get("ids", ())) for s in sent) == 300
+
+
+def test_generation_workers_are_reused_never_starve_and_retire():
+    import threading
+    import time
+
+    from engine.service.local import Workers
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    pool = Workers(idle_s=60.0)
+    names = []
+    for _ in range(5):  # one after another: one thread does them all
+        done = threading.Event()
+        pool.submit(lambda d=done: (names.append(threading.current_thread().ident), d.set()))
+        done.wait(30)
+        wait_for(lambda: pool._idle == 1)
+    assert len(set(names)) == 1 and pool.threads == 1
+    release = threading.Event()
+    started = []
+    for _ in range(3):  # three held at once (a stalled client each): each gets its own thread
+        pool.submit(lambda: (started.append(1), release.wait(30)))
+    wait_for(lambda: len(started) == 3)
+    assert pool.threads == 3
+    release.set()
+    quick = Workers(idle_s=0.05)
+    quick.submit(lambda: None)
+    wait_for(lambda: quick.threads == 0)  # idle threads exit
+    ran = threading.Event()
+    quick.submit(ran.set)  # and a new one starts for the next job
+    assert ran.wait(30)
+
+
+async def test_cancel_ends_a_generation_held_by_a_client_that_stopped_reading(engine):
+    unblock = asyncio.Event()
+    sent: list[str] = []
+
+    async def slow_send(data: str) -> None:
+        await unblock.wait()
+        sent.append(data)
+
+    conn = Connection(LocalModels([engine]), slow_send)
+    await conn.handle(json.dumps({"type": "hello"}))
+    await conn.handle(
+        json.dumps(
+            {"type": "generate", "id": "g", "prompt": PROMPT, "params": {"ignore_eos": True}}
+        )
+    )
+    run = conn.runs["g"]
+    for _ in range(3000):
+        if len(run.stream.ids) >= WINDOW:
+            break
+        await asyncio.sleep(0.01)
+    await conn.handle(json.dumps({"type": "cancel", "id": "g"}))
+    for _ in range(3000):  # it ends while the client still reads nothing
+        if "g" not in conn.runs:
+            break
+        await asyncio.sleep(0.01)
+    assert "g" not in conn.runs and not sent
+    unblock.set()
+    await conn.close()
+    done = [json.loads(s) for s in sent if '"done"' in s]
+    assert (
+        done[-1]["finish_reason"] == "cancelled" and done[-1]["stats"]["new_tokens"] <= WINDOW + 1
+    )
