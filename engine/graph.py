@@ -503,12 +503,15 @@ def build_decoder(
         pending = linear.emit(gb, act, w_down.T, name=f"layers.{i}.down", role="down", bias=b_down)
 
     x, _ = skip_norm(pending, residual, "model.norm", "final_norm")
-    if c.tie_word_embeddings or "lm_head.weight" not in w:
-        w_head = w["model.embed_tokens.weight"].T
-    else:
-        w_head = w["lm_head.weight"].T
-    # [K, N] as a transposed view: the emitter copies (or quantises) it in the layout it stores.
-    logits = linear.emit(gb, x, w_head, name="lm_head", role="lm_head")
+    tied = c.tie_word_embeddings or "lm_head.weight" not in w
+    # A tied head read straight from the embedding initializer where the emitter can (the table
+    # is then stored once); else [K, N] as a transposed view, which the emitter copies (or
+    # quantises) into the layout it stores.
+    emit_tied = getattr(linear, "emit_tied", None) if tied else None
+    logits = emit_tied(gb, x, embed, (V, D), name="lm_head") if emit_tied else None
+    if logits is None:
+        key = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        logits = linear.emit(gb, x, w[key].T, name="lm_head", role="lm_head")
     if not act3d:
         logits = gb.node("Unsqueeze", [logits, gb.const_i64([0])], name="logits3d")
     gb.output(logits, "logits", f32, [1, "num_logits", V])

@@ -34,14 +34,16 @@ def read_bandwidth(threads: int = 1, repeats: int = 5, nbytes: int = READ_BYTES)
 
 
 def graph_bytes_per_token(graph_path: str | Path) -> int:
-    """Weight bytes one decode step of a built graph reads: every external initializer except the
-    embedding table (one row is gathered) and the rotary tables (one row per position)."""
+    """Weight bytes one decode step of a built graph reads: every initializer except the rotary
+    tables (one row per position) and the embedding table (one row is gathered), which counts
+    when another node reads it whole (a tied LM head reading the table in place)."""
     import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)
+    whole = {i for n in model.graph.node if n.op_type != "Gather" for i in n.input}
     total = 0
     for t in model.graph.initializer:
-        if t.name in ("embed_tokens", "rope.cos", "rope.sin"):
+        if t.name in ("rope.cos", "rope.sin") or (t.name == "embed_tokens" and t.name not in whole):
             continue
         if t.data_location == onnx.TensorProto.EXTERNAL:
             total += int(next(e.value for e in t.external_data if e.key == "length"))

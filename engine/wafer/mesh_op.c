@@ -1,18 +1,26 @@
 /* spark.wafer::MeshLinear — one mesh line's worth of GEMVs and their reduction as one ONNX Runtime op.
  *
- *   y[..., N] = MeshLinear(x[..., K], W_0[k_0, N], ..., W_{L-1}[k_{L-1}, N]),  sum k_p = K
+ *   y[..., N] = MeshLinear(x[..., K], shape, W_0, ..., W_{L-1})     attribute transposed (0 or 1)
  *
- * W_p holds the tiles of mesh line p (PE (p, j)'s tile is column block j, side by side; see
- * engine/wafer/partition.py).  Line p takes its slice x[..., k-block p], multiplies it by its tiles
- * and adds the partial products to the running sum arriving from line p-1: the systolic chain
- * reduction of MeshGEMV, the same arithmetic as the graph's Split -> MatMul -> Gemm(C = partial)
- * chain, in one kernel launch instead of 2L+1 ONNX nodes (on a small model the per-node cost of
- * ONNX Runtime, not the arithmetic, is what partitioning costs).
+ * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent
+ * (sum k_p = K).  Line p takes its slice x[..., k-block p], multiplies it by its tiles and adds the
+ * partial products to the running sum arriving from line p-1: the systolic chain reduction of
+ * MeshGEMV, the same arithmetic as the graph's Split -> MatMul -> Gemm(C = partial) chain, in one
+ * kernel launch instead of 2L+1 ONNX nodes (on a small model the per-node cost of ONNX Runtime,
+ * not the arithmetic, is what partitioning costs).
  *
- * Each line's tiles are packed once, when the session loads, into 64-column panels stored row
- * after row, so a GEMV streams every panel front to back (what MLAS's pre-packing does for its
- * own MatMul); panels are cut into tasks run on ONNX Runtime's intra-op thread pool, and token
- * rows go through in blocks of six (prefill, speculative verification) or one (decode).
+ * The weights are stored in the layout the kernel streams, so the initializers are used in place
+ * (no packed copy when the session loads; the layout is decided when the graph is written):
+ *   transposed=0: W_p float [panels, k_p, 64] — line p's tiles (PE (p, j)'s tile is column block
+ *                 j, side by side; see engine/wafer/partition.py) cut into 64-column panels, panel
+ *                 q holding columns [64q, 64q + 64) of every row, rows contiguous, zero-padded
+ *                 past N; a GEMV streams each panel front to back (engine/wafer/mesh_op.py:
+ *                 pack_float writes it);
+ *   transposed=1: one input W float [N, K], row n holding output column n's weights; line p reads
+ *                 columns [k_0 + ... + k_{p-1}, + k_p) of every row.  A tied LM head reads the
+ *                 token embedding table this way, so the graph holds that table once.
+ * Panels (or runs of rows) are cut into tasks run on ONNX Runtime's intra-op thread pool, and
+ * token rows go through in blocks of six (prefill, speculative verification) or one (decode).
  *
  * No ONNX Runtime header is needed: the C API is an append-only table of function pointers
  * whose slots never move, so the few entries used are called by slot number (below).  Built on
@@ -121,42 +129,49 @@ typedef struct OrtCustomOp {
 
 /* ---- the kernel ---- */
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 ld(const float* p) { return *(const v16*)p; }
 static inline void st(float* p, v16 v) { *(v16*)p = v; }
 static inline v16 bc(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+static inline float hsum(v16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+#endif
+}
 
 #define MAX_LINES 256
 #define NR 64 /* columns per panel: four 16-float vectors */
 #ifndef MAXR
 #define MAXR 6
 #endif
+#define TMAXR 4 /* token rows per pass over a transposed weight */
 
-/* One mesh line's tiles, packed once when the session loads: panel q holds columns
-   [q*NR, q*NR+NR) of every row, rows contiguous ([panels][rows][NR], zero-padded past N), so a
-   GEMV streams each panel front to back. */
+#define SLOT_KernelInfoGetAttribute_int64 86
+typedef OrtStatus* (*GetAttrInt64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
+enum { ELEM_UINT8 = 2, ELEM_INT64 = 7 };
+
+/* Every line's weights, in place (pointers into the inputs). */
 typedef struct {
+  int transposed;
   size_t lines, K, N, panels;
   size_t rows[MAX_LINES];
-  float* packed[MAX_LINES];
+  const float* w[MAX_LINES]; /* transposed: w[0] is the [N, K] table */
 } Tiles;
 
 typedef struct {
   const Tiles* t;
   const float* x; /* [M, K] */
   float* y;       /* [M, N] */
-  size_t M, panels_per_task;
+  size_t M, per_task; /* panels (or, transposed, output columns) per task */
 } Job;
-
-static void pack_line(const float* w, size_t rows, size_t N, size_t panels, float* out) {
-  for (size_t q = 0; q < panels; q++)
-    for (size_t k = 0; k < rows; k++) {
-      float* dst = out + (q * rows + k) * NR;
-      const size_t n0 = q * NR, nc = N - n0 < NR ? N - n0 : NR;
-      memcpy(dst, w + k * N + n0, nc * sizeof(float));
-      memset(dst + nc, 0, (NR - nc) * sizeof(float));
-    }
-}
 
 /* Write (first line) or add (every next line: the partial sum arriving from the previous line)
    MR rows of 64 partial products into y, of which only nc columns exist. */
@@ -183,7 +198,7 @@ static inline __attribute__((always_inline)) void panel(const Job* j, const floa
   size_t koff = 0;
   for (size_t p = 0; p < t->lines; p++) {
     const size_t rows = t->rows[p];
-    const float* w = t->packed[p] + q * rows * NR;
+    const float* w = t->w[p] + q * rows * NR;
     v16 part[MAXR][4], odd[4];
     for (int r = 0; r < MR; r++)
       for (int c = 0; c < 4; c++) part[r][c] = bc(0);
@@ -214,8 +229,8 @@ static inline __attribute__((always_inline)) void panel(const Job* j, const floa
 /* One task: a run of panels (output columns) for every token row. */
 static void task(void* data, size_t i) {
   const Job* j = (const Job*)data;
-  const size_t q0 = i * j->panels_per_task;
-  const size_t q1 = q0 + j->panels_per_task < j->t->panels ? q0 + j->panels_per_task : j->t->panels;
+  const size_t q0 = i * j->per_task;
+  const size_t q1 = q0 + j->per_task < j->t->panels ? q0 + j->per_task : j->t->panels;
   const size_t K = j->t->K, N = j->t->N;
   for (size_t q = q0; q < q1; q++) {
     size_t m = 0;
@@ -225,10 +240,58 @@ static void task(void* data, size_t i) {
   }
 }
 
+/* Transposed weights: output column n of token rows [m, m + MR) is, line by line, the dot product
+   of row n's k-block with the token rows' k-block, reduced in line order. */
+static inline __attribute__((always_inline)) void trow(const Job* j, size_t n, size_t m, const int MR) {
+  const Tiles* t = j->t;
+  const size_t K = t->K;
+  const float* wr = t->w[0] + n * K;
+  const float* x = j->x + m * K;
+  float tot[TMAXR] = {0};
+  size_t koff = 0;
+  for (size_t p = 0; p < t->lines; p++) {
+    const size_t rows = t->rows[p];
+    v16 acc[TMAXR][2];
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = bc(0);
+    size_t k = koff;
+    const size_t end = koff + rows;
+    for (; k + 32 <= end; k += 32) {
+      const v16 w0 = ld(wr + k), w1 = ld(wr + k + 16);
+      for (int r = 0; r < MR; r++) {
+        acc[r][0] += ld(x + r * K + k) * w0;
+        acc[r][1] += ld(x + r * K + k + 16) * w1;
+      }
+    }
+    for (; k + 16 <= end; k += 16) {
+      const v16 w0 = ld(wr + k);
+      for (int r = 0; r < MR; r++) acc[r][0] += ld(x + r * K + k) * w0;
+    }
+    for (int r = 0; r < MR; r++) {
+      float s = hsum(acc[r][0] + acc[r][1]);
+      for (size_t kk = k; kk < end; kk++) s += x[r * K + kk] * wr[kk];
+      tot[r] = p == 0 ? s : tot[r] + s;
+    }
+    koff = end;
+  }
+  for (int r = 0; r < MR; r++) j->y[(m + r) * t->N + n] = tot[r];
+}
+
+static void ttask(void* data, size_t i) {
+  const Job* j = (const Job*)data;
+  const size_t n0 = i * j->per_task;
+  const size_t n1 = n0 + j->per_task < j->t->N ? n0 + j->per_task : j->t->N;
+  for (size_t n = n0; n < n1; n++) {
+    size_t m = 0;
+    for (; m + TMAXR <= j->M; m += TMAXR) trow(j, n, m, TMAXR);
+    for (; m + 2 <= j->M; m += 2) trow(j, n, m, 2);
+    for (; m < j->M; m++) trow(j, n, m, 1);
+  }
+}
+
 /* ---- ONNX Runtime glue ---- */
 
 static OrtStatus* error(const char* fmt, ...) {
-  char msg[256];
+  char msg[320];
   va_list args;
   va_start(args, fmt);
   vsnprintf(msg, sizeof msg, fmt, args);
@@ -254,47 +317,65 @@ static OrtStatus* shape_of(const OrtValue* v, int* type, size_t* rank, int64_t d
   return s;
 }
 
-/* x and 1..MAX_LINES lines of tiles: the inputs a MeshLinear node must have. */
-static OrtStatus* check_input_count(size_t n_in) {
-  if (n_in < 2 || n_in - 1 > MAX_LINES)
-    return error("MeshLinear: expected x and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+/* The shape tensor vals[0] (int64 [lines + 1]: N and each line's K extent) into t. */
+static OrtStatus* read_shape(const char* op, const OrtValue* v, size_t lines, Tiles* t) {
+  int type = 0;
+  size_t rank = 0;
+  int64_t d[8];
+  TRY(shape_of(v, &type, &rank, d));
+  if (type != ELEM_INT64 || rank != 1 || (size_t)d[0] != lines + 1)
+    return error("%s: shape must be an int64 tensor [%zu] (N and each line's K extent)", op, lines + 1);
+  const int64_t* dims = NULL;
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)v, (void**)&dims));
+  if (dims[0] < 1) return error("%s: N must be positive, got %lld", op, (long long)dims[0]);
+  t->N = (size_t)dims[0];
+  t->panels = (t->N + NR - 1) / NR;
+  t->K = 0;
+  for (size_t p = 0; p < lines; p++) {
+    if (dims[p + 1] < 1) return error("%s: line %zu's K extent must be positive, got %lld", op, p, (long long)dims[p + 1]);
+    t->rows[p] = (size_t)dims[p + 1];
+    t->K += t->rows[p];
+  }
   return NULL;
 }
 
-/* Check the lines' tiles (2-D float, same column count) and pack them into t. */
-static OrtStatus* pack_tiles(const OrtValue* const* vals, size_t lines, Tiles* t) {
+/* Check shape and the weights (vals[0..n_vals)) and point t at their data. */
+static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int transposed, Tiles* t) {
   int type = 0;
   size_t rank = 0;
   int64_t d[8];
   memset(t, 0, sizeof *t);
-  t->lines = lines;
-  for (size_t p = 0; p < lines; p++) {
-    TRY(shape_of(vals[p], &type, &rank, d));
-    if (type != ELEM_FLOAT || rank != 2) return error("MeshLinear: line %zu's tiles must be a 2-D float tensor", p);
-    if (p == 0) t->N = (size_t)d[1];
-    if ((size_t)d[1] != t->N) return error("MeshLinear: line %zu has %zu output columns, line 0 has %zu", p, (size_t)d[1], t->N);
-    t->rows[p] = (size_t)d[0];
-    t->K += t->rows[p];
+  t->transposed = transposed;
+  if (n_vals < 2 || n_vals - 1 > MAX_LINES || (transposed && n_vals != 2))
+    return error("MeshLinear: expected x, shape and %s, got %zu inputs",
+                 transposed ? "one [N, K] weight (transposed=1)" : "1 to 256 mesh lines of tiles", n_vals + 1);
+  if (transposed) {
+    TRY(shape_of(vals[0], &type, &rank, d));
+    if (type != ELEM_INT64 || rank != 1 || d[0] < 2 || (size_t)d[0] - 1 > MAX_LINES)
+      return error("MeshLinear: shape must be an int64 tensor [lines + 1] (N and each line's K extent)");
+    t->lines = (size_t)d[0] - 1;
+  } else {
+    t->lines = n_vals - 1;
   }
-  t->panels = (t->N + NR - 1) / NR;
-  for (size_t p = 0; p < lines; p++) {
-    const float* w = NULL;
-    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[p], (void**)&w));
-    const size_t bytes = t->panels * t->rows[p] * NR * sizeof(float);
-    if (posix_memalign((void**)&t->packed[p], 64, bytes ? bytes : 64))
-      return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory packing the tiles");
-    pack_line(w, t->rows[p], t->N, t->panels, t->packed[p]);
+  TRY(read_shape("MeshLinear", vals[0], t->lines, t));
+  for (size_t p = 0; p < (transposed ? 1 : t->lines); p++) {
+    TRY(shape_of(vals[1 + p], &type, &rank, d));
+    if (transposed) {
+      if (type != ELEM_FLOAT || rank != 2 || (size_t)d[0] != t->N || (size_t)d[1] != t->K)
+        return error("MeshLinear: the transposed weight must be a float tensor [%zu, %zu] (N, K)", t->N, t->K);
+    } else if (type != ELEM_FLOAT || rank != 3 || (size_t)d[0] != t->panels || (size_t)d[1] != t->rows[p] ||
+               d[2] != NR) {
+      return error("MeshLinear: line %zu's tiles must be a float tensor [%zu, %zu, %d] (N=%zu in panels of %d)", p,
+                   t->panels, t->rows[p], NR, t->N, NR);
+    }
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[1 + p], (void**)&t->w[p]));
   }
   return NULL;
 }
 
-static void free_tiles(Tiles* t) {
-  for (size_t p = 0; p < t->lines; p++) free(t->packed[p]);
-  memset(t, 0, sizeof *t);
-}
-
 typedef struct {
-  Tiles tiles; /* packed at load time when every line's tiles are constant initializers, else empty */
+  int transposed;
+  Tiles tiles; /* resolved at load time when every weight input is a constant initializer */
 } Kernel;
 
 static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv) {
@@ -305,7 +386,7 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv)
   TRY(shape_of(xv, &type, &rank, dims));
   if (type != ELEM_FLOAT || rank < 1) return error("MeshLinear: x must be a float tensor of rank >= 1");
   if ((size_t)dims[rank - 1] != t->K)
-    return error("MeshLinear: x has %zu features but the lines' tiles have %zu rows in all", (size_t)dims[rank - 1], t->K);
+    return error("MeshLinear: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&j.x));
   j.M = 1;
   for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
@@ -313,22 +394,25 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv)
   OrtValue* out = NULL;
   TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
-  if (j.M == 0 || t->N == 0) return NULL;
-  if (t->K == 0) {
-    memset(j.y, 0, j.M * t->N * sizeof(float));
-    return NULL;
-  }
-  /* Tasks of >= ~64K multiply-adds (MLAS's own threading grain), in whole panels. */
+  if (j.M == 0) return NULL;
+  /* Tasks of >= ~64K multiply-adds (MLAS's own threading grain), in whole panels (or runs of 16
+     output columns, transposed). */
+  const size_t units = t->transposed ? (t->N + 15) / 16 : t->panels;
   size_t tasks = (size_t)((double)j.M * (double)t->N * (double)t->K / 65536.0);
   if (tasks < 1) tasks = 1;
-  if (tasks > t->panels) tasks = t->panels;
-  j.panels_per_task = (t->panels + tasks - 1) / tasks;
-  tasks = (t->panels + j.panels_per_task - 1) / j.panels_per_task;
+  if (tasks > units) tasks = units;
+  j.per_task = (units + tasks - 1) / tasks;
+  tasks = (units + j.per_task - 1) / j.per_task;
+  void (*fn)(void*, size_t) = task;
+  if (t->transposed) {
+    j.per_task *= 16;
+    fn = ttask;
+  }
   if (tasks == 1) {
-    task(&j, 0);
+    fn(&j, 0);
     return NULL;
   }
-  return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, task, tasks, 0, &j);
+  return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
@@ -338,39 +422,46 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
   if (k->tiles.lines) return run(&k->tiles, ctx, x);
-  /* Tiles fed at run time (not initializers): pack them for this call only. */
-  const OrtValue* vals[MAX_LINES];
-  TRY(check_input_count(n_in));
-  for (size_t p = 0; p + 1 < n_in; p++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, p + 1, &vals[p]));
+  /* weights fed at run time (not initializers): check and resolve them for this call */
+  const OrtValue* vals[1 + MAX_LINES];
+  if (n_in < 3 || n_in - 1 > 1 + MAX_LINES)
+    return error("MeshLinear: expected x, shape and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   Tiles t;
-  OrtStatus* s = pack_tiles(vals, n_in - 1, &t);
-  if (!s) s = run(&t, ctx, x);
-  free_tiles(&t);
-  return s;
+  TRY(resolve_tiles(vals, n_in - 1, k->transposed, &t));
+  return run(&t, ctx, x);
 }
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
   (void)op; (void)a;
   size_t n_in = 0;
+  int64_t transposed = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  TRY(check_input_count(n_in));
+  if (n_in < 3 || n_in - 1 > 1 + MAX_LINES)
+    return error("MeshLinear: expected x, shape and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "transposed", &transposed);
+  if (s) { /* absent: the default, 0 */
+    CALL(ReleaseStatus, ReleaseStatusFn)(s);
+    transposed = 0;
+  }
+  if (transposed != 0 && transposed != 1) return error("MeshLinear: transposed must be 0 or 1, got %lld", (long long)transposed);
   Kernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory");
-  const OrtValue* vals[MAX_LINES];
+  k->transposed = (int)transposed;
+  const OrtValue* vals[1 + MAX_LINES];
   int all_constant = 1;
-  for (size_t p = 0; p + 1 < n_in && all_constant; p++) {
+  for (size_t i = 1; i < n_in && all_constant; i++) {
     int is_const = 0;
-    OrtStatus* s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, p + 1, &is_const, &vals[p]);
+    s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - 1]);
     if (s) {
       free(k);
       return s;
     }
-    all_constant = is_const && vals[p];
+    all_constant = is_const && vals[i - 1];
   }
   if (all_constant) {
-    OrtStatus* s = pack_tiles(vals, n_in - 1, &k->tiles);
+    s = resolve_tiles(vals, n_in - 1, k->transposed, &k->tiles);
     if (s) {
-      free_tiles(&k->tiles);
       free(k);
       return s;
     }
@@ -379,15 +470,12 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   return NULL;
 }
 
-static void destroy_kernel(void* kernel) {
-  Kernel* k = (Kernel*)kernel;
-  free_tiles(&k->tiles);
-  free(k);
-}
+static void destroy_kernel(void* kernel) { free(kernel); }
 
 static const char* op_name(const OrtCustomOp* op) { (void)op; return "MeshLinear"; }
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int float_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static int x_then_any(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : 0 /* any */; }
 static size_t two(const OrtCustomOp* op) { (void)op; return 2; }
 static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
 static int input_char(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? CHAR_REQUIRED : CHAR_VARIADIC; }
@@ -395,12 +483,13 @@ static int output_char(const OrtCustomOp* op, size_t i) { (void)op; (void)i; ret
 static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int min_arity(const OrtCustomOp* op) { (void)op; return 1; }
 static int homogeneous(const OrtCustomOp* op) { (void)op; return 1; }
+static int heterogeneous(const OrtCustomOp* op) { (void)op; return 0; }
 
 static const OrtCustomOp mesh_linear = {
     .version = API_VERSION,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
-    .GetInputType = float_type,
+    .GetInputType = x_then_any,
     .GetInputTypeCount = two,
     .GetOutputType = float_type,
     .GetOutputTypeCount = one,
@@ -409,7 +498,7 @@ static const OrtCustomOp mesh_linear = {
     .GetOutputCharacteristic = output_char,
     .GetInputMemoryType = mem_default,
     .GetVariadicInputMinArity = min_arity,
-    .GetVariadicInputHomogeneity = homogeneous,
+    .GetVariadicInputHomogeneity = heterogeneous,
     .GetVariadicOutputMinArity = min_arity,
     .GetVariadicOutputHomogeneity = homogeneous,
     .CreateKernelV2 = create_kernel,
@@ -439,10 +528,6 @@ static const OrtCustomOp mesh_linear = {
  * a row's result does not depend on the other rows of the batch.  Each mesh line's partial
  * products are reduced into the output in line order, the chain reduction of MeshLinear.
  */
-
-#define SLOT_KernelInfoGetAttribute_int64 86
-typedef OrtStatus* (*GetAttrInt64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
-enum { ELEM_UINT8 = 2, ELEM_INT64 = 7 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -539,7 +624,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         size_t k = 0;
         if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
           for (; k + 8 <= bs; k += 8, w += 512) {
-            for (int c = 0; c < 8; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
+            if (QPREFETCH)
+              for (int c = 0; c < 8; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
             int32_t a0, a1;
             memcpy(&a0, a + k, 4);
             memcpy(&a1, a + k + 4, 4);
@@ -563,6 +649,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         const __m512i lo_mask = _mm512_set1_epi8(0x0F);
         for (size_t k = 0; k < bs; k += 8, w += 256) {
           __m512i lo[4], hi[4];
+          if (MR == 1 && QPREFETCH)
+            for (int c = 0; c < 4; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
           for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(w + 64 * c);
             lo[c] = _mm512_and_si512(v, lo_mask);
@@ -796,7 +884,6 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
 static void qdestroy_kernel(void* kernel) { free(kernel); }
 static const char* qop_name(const OrtCustomOp* op) { (void)op; return "MeshLinearQ"; }
 static int qinput_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : 0 /* any */; }
-static int heterogeneous(const OrtCustomOp* op) { (void)op; return 0; }
 
 static const OrtCustomOp mesh_linear_q = {
     .version = API_VERSION,

@@ -16,9 +16,11 @@ models; see docs/wafer.md).  The quantised op is self-tested on its own: where o
 :func:`quantized` is ``False`` (reason in :func:`why_not_quantized`) and quantised engines use
 the fused ``MatMulNBits`` form.
 
-:func:`pack_quantized` writes block-quantised weights in the layout ``MeshLinearQ`` reads in
-place (described at the top of its kernel in ``mesh_op.c``); :func:`reference_quantized` is the
-same arithmetic in numpy (the op's self-test and unit tests compare against it).
+:func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
+layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
+``mesh_op.c``), so a session maps the graph's initializers and keeps no second copy;
+:func:`reference_quantized` is the quantised arithmetic in numpy (the op's self-test and unit
+tests compare against it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ SOURCE = Path(__file__).with_name("mesh_op.c")
 DOMAIN = "spark.wafer"
 OP = "MeshLinear"
 QOP = "MeshLinearQ"
-#: Output columns per panel of MeshLinearQ's weight layout (NR in mesh_op.c).
+#: Output columns per panel of MeshLinear's and MeshLinearQ's weight layouts (NR in mesh_op.c).
 PANEL = 64
 #: The C API table version the op is compiled against (its slots exist from this release on).
 MIN_ORT = (1, 20)
@@ -104,21 +106,44 @@ def _build(cc: str, out: Path) -> None:
     raise RuntimeError("; ".join(errors))
 
 
+def pack_float(tiles: np.ndarray) -> np.ndarray:
+    """One mesh line's float tiles ``[k, N]`` in ``MeshLinear``'s layout: ``[panels, k, 64]``,
+    panel q holding columns [64q, 64q + 64) of every row, zero-padded past N."""
+    w = np.asarray(tiles, np.float32)
+    k, N = w.shape
+    panels = -(-N // PANEL)
+    out = np.zeros((panels, k, PANEL), np.float32)
+    for q in range(panels):  # one panel at a time: no second full-size temporary
+        out[q, :, : min(PANEL, N - q * PANEL)] = w[:, q * PANEL : (q + 1) * PANEL]
+    return out
+
+
+def float_node_inputs(w: np.ndarray, k_sizes: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``(shape, [packed tiles per line])`` for a MeshLinear node computing ``x @ w`` over lines
+    of ``k_sizes`` rows."""
+    offs = np.cumsum([0, *k_sizes])
+    shape = np.array([w.shape[1], *k_sizes], np.int64)
+    return shape, [pack_float(w[offs[p] : offs[p + 1]]) for p in range(len(k_sizes))]
+
+
 def _self_test(path: str) -> None:
-    """Load the library into a session and check one uneven, multi-row linear against numpy, so a
-    broken build (compiler, ABI) falls back to the standard-op form instead of failing a load."""
+    """Load the library into a session and check one uneven, multi-row linear against numpy, in
+    both weight layouts, so a broken build (compiler, ABI) falls back to the standard-op form
+    instead of failing a load."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((70, 130)).astype(np.float32)
     x = rng.standard_normal((7, 70)).astype(np.float32)
-    tiles = [
-        numpy_helper.from_array(np.ascontiguousarray(w[:36]), "w0"),
-        numpy_helper.from_array(np.ascontiguousarray(w[36:]), "w1"),
+    shape, lines = float_node_inputs(w, [36, 34])
+    inits = [numpy_helper.from_array(shape, "shape")] + [
+        numpy_helper.from_array(t, f"w{p}") for p, t in enumerate(lines)
     ]
-    node = helper.make_node(OP, ["x", "w0", "w1"], ["y"], domain=DOMAIN)
-    y = _run_node(path, node, x, tiles)
-    err = float(np.abs(y - x @ w).max())
-    if not err < 1e-3:
-        raise RuntimeError(f"self-test: max error {err:g} against numpy")
+    node = helper.make_node(OP, ["x", "shape", "w0", "w1"], ["y"], domain=DOMAIN)
+    table = numpy_helper.from_array(np.ascontiguousarray(w.T), "table")
+    tnode = helper.make_node(OP, ["x", "shape", "table"], ["y"], domain=DOMAIN, transposed=1)
+    for y in (_run_node(path, node, x, inits), _run_node(path, tnode, x, [inits[0], table])):
+        err = float(np.abs(y - x @ w).max())
+        if not err < 1e-3:
+            raise RuntimeError(f"self-test: max error {err:g} against numpy")
 
 
 def pack_quantized(

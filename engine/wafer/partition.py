@@ -159,7 +159,7 @@ class TiledLinear:
         return (mesh_op.library(),) if self.form == "op" else ()
 
     def cache_key(self) -> str:
-        form = "meshop-v1" if self.form == "op" else "chain-v1"
+        form = "meshop-v2" if self.form == "op" else "chain-v1"
         return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + (
             "-only-" + "-".join(sorted(self.roles)) if self.partial else ""
         )
@@ -196,13 +196,17 @@ class TiledLinear:
         # Mesh line p's tiles, side by side: the rows of W in its K-block.
         line = "row" if axis == "rows" else "col"
         k0 = np.cumsum([0] + k_sizes)
-        tiles = [
-            gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p] : k0[p + 1]]))
-            for p in range(len(k_sizes))
-        ]
         if self.form == "op":  # every line's GEMVs and the chain reduction in one op
-            y = gb.node(mesh_op.OP, [x, *tiles], domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
+            # stored in the panels the op streams: the session uses them in place, no copy
+            shape, packed = mesh_op.float_node_inputs(weight, k_sizes)
+            tiles = [gb.initializer(f"{name}.{line}{p}", t) for p, t in enumerate(packed)]
+            ins = [x, gb.initializer(f"{name}.mesh_shape", shape), *tiles]
+            y = gb.node(mesh_op.OP, ins, domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
         else:
+            tiles = [
+                gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p] : k0[p + 1]]))
+                for p in range(len(k_sizes))
+            ]
             # Split the input along the reduction axis: mesh line p receives x[:, K-block p].
             xs = (
                 gb.node(
@@ -224,3 +228,32 @@ class TiledLinear:
             b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
             y = gb.node("Add", [y, b], name=f"{name}/bias")
         return y
+
+    def emit_tied(self, gb, x: str, table: str, shape: tuple[int, int], *, name: str) -> str | None:
+        """The LM head of a model whose head is its token embedding: ``x @ E.T`` read straight from
+        the embedding initializer ``table`` ``[N, K]`` (``shape``) with ``MeshLinear(transposed=1)``,
+        so the graph stores the table once.  The tiling is the ``lm_head`` role's (K split over
+        the mesh rows, chain reduction).  ``None`` where this emitter cannot (the ``graph`` form,
+        or the head left whole): the builder then emits a copy with :meth:`emit`."""
+        if self.form != "op" or "lm_head" not in self.roles:
+            return None
+        N, K = shape
+        R, C = self.grid
+        k_sizes = block_sizes(K, R)
+        self.layout[name] = {
+            "role": "lm_head",
+            "shape": (K, N),
+            "grid": (R, C),
+            "reduce_axis": "rows",
+            "k_blocks": k_sizes,
+            "n_blocks": block_sizes(N, C),
+            "tied": table,
+        }
+        shape_init = gb.initializer(f"{name}.mesh_shape", np.array([N, *k_sizes], np.int64))
+        return gb.node(
+            mesh_op.OP,
+            [x, shape_init, table],
+            domain=mesh_op.DOMAIN,
+            name=f"{name}/mesh_linear",
+            transposed=1,
+        )

@@ -79,6 +79,17 @@ def test_graph_bytes_per_token_counts_what_a_step_reads(tiny_llama, tmp_path):
     assert graph_bytes_per_token(eng.graph_path) == sum(sizes.values())
 
 
+def test_graph_bytes_per_token_counts_a_tied_head_reading_the_embedding(tiny_llama, tmp_path):
+    """fp32 on a grid: the tied LM head reads the embedding table in place, so the table counts."""
+    eng = Engine.load(tiny_llama, cache_dir=tmp_path, precision="fp32")
+    model = onnx.load(str(eng.graph_path))
+    assert any(n.op_type == "MeshLinear" and "embed_tokens" in n.input for n in model.graph.node)
+    sizes = {t.name: numpy_helper.to_array(t).nbytes for t in model.graph.initializer}
+    rope = sizes.pop("rope.cos") + sizes.pop("rope.sin")
+    assert rope > 0 and sizes["embed_tokens"] > 0
+    assert graph_bytes_per_token(eng.graph_path) == sum(sizes.values())
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_bytes_per_token(tmp_path, tied):
     gguf = pytest.importorskip("gguf")

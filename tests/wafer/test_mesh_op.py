@@ -15,26 +15,33 @@ from engine.wafer import mesh_op
 from engine.wafer.partition import TiledLinear, block_sizes
 
 
-def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0):
-    """A graph with one MeshLinear over len(k_sizes) lines; returns (session, weight [K, N])."""
+def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0, transposed=False):
+    """A graph with one MeshLinear over len(k_sizes) lines; returns (session, weight [K, N]).
+
+    ``const=False`` feeds the weights at run time (graph inputs, shapes left open, so the op itself
+    checks them): ``shape``, then ``w0``, ``w1``, ... (packed panels) or ``table`` (transposed)."""
     rng = np.random.default_rng(seed)
     K = sum(k_sizes)
     w = rng.standard_normal((K, N)).astype(np.float32)
-    names, inits, inputs, k0 = [], [], [], 0
-    kdim = K if const else "K"  # run-time tiles: shapes left open, so the op itself checks them
+    shape, packed = mesh_op.float_node_inputs(w, k_sizes)
+    arrays = {"shape": shape}
+    if transposed:
+        arrays["table"] = np.ascontiguousarray(w.T)
+    else:
+        arrays.update({f"w{p}": t for p, t in enumerate(packed)})
+    kdim = K if const else "K"
     x_shape = ["T", kdim] if rank == 2 else [1, "T", kdim]
-    inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape))
-    for p, kp in enumerate(k_sizes):
-        names.append(f"w{p}")
-        tile = np.ascontiguousarray(w[k0 : k0 + kp])
-        k0 += kp
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
+    inits = []
+    for name, a in arrays.items():
         if const:
-            inits.append(numpy_helper.from_array(tile, f"w{p}"))
+            inits.append(numpy_helper.from_array(a, name))
         else:
-            inputs.append(
-                helper.make_tensor_value_info(f"w{p}", TensorProto.FLOAT, [f"k{p}", f"n{p}"])
-            )
-    node = helper.make_node(mesh_op.OP, ["x", *names], ["y"], domain=mesh_op.DOMAIN)
+            dtype = TensorProto.INT64 if name == "shape" else TensorProto.FLOAT
+            dims = [f"{name}{i}" for i in range(a.ndim)]
+            inputs.append(helper.make_tensor_value_info(name, dtype, dims))
+    attrs = {"transposed": 1} if transposed else {}
+    node = helper.make_node(mesh_op.OP, ["x", *arrays], ["y"], domain=mesh_op.DOMAIN, **attrs)
     graph = helper.make_graph(
         [node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits
     )
@@ -43,9 +50,9 @@ def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0):
     )
     model.ir_version = 8
     so = session_options(threads, custom_ops=(mesh_op.library(),))
-    return ort.InferenceSession(
-        model.SerializeToString(), so, providers=["CPUExecutionProvider"]
-    ), w
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess.arrays = arrays
+    return sess, w
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,6 +61,7 @@ def _op_built():
         pytest.fail(f"MeshLinear op unavailable: {mesh_op.why_not()}")
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 70])
 @pytest.mark.parametrize(
     "k_sizes,N",
@@ -66,41 +74,62 @@ def _op_built():
         ([1, 1], 1),
     ],
 )
-def test_matches_numpy(T, k_sizes, N):
-    sess, w = _session(k_sizes, N)
+def test_matches_numpy(T, k_sizes, N, transposed):
+    sess, w = _session(k_sizes, N, transposed=transposed)
     x = np.random.default_rng(T).standard_normal((T, sum(k_sizes))).astype(np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ w, atol=2e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_3d_input_and_threads(threads):
+def test_3d_input_and_threads(threads, transposed):
     """[1, T, K] activations (the decoder's form) and a linear big enough to be split into tasks."""
-    sess, w = _session([256, 256], 2000, rank=3, threads=threads)
+    sess, w = _session([256, 256], 2000, rank=3, threads=threads, transposed=transposed)
     x = np.random.default_rng(1).standard_normal((1, 7, 512)).astype(np.float32)
     y = sess.run(None, {"x": x})[0]
     assert y.shape == (1, 7, 2000)
     np.testing.assert_allclose(y, x @ w, atol=3e-4, rtol=1e-5)
 
 
-def test_tiles_fed_at_run_time():
-    """Tiles that are graph inputs rather than initializers are packed per call."""
-    sess, w = _session([5, 7], 33, const=False)
+def test_pack_float_layout():
+    """Panel q, row k, lane c holds W[k, 64q + c]; columns past N are zero."""
+    w = np.arange(3 * 70, dtype=np.float32).reshape(3, 70)
+    packed = mesh_op.pack_float(w)
+    assert packed.shape == (2, 3, 64)
+    assert packed[1, 2, 5] == w[2, 69] and packed[0, 1, 63] == w[1, 63]
+    assert not packed[1, :, 6:].any()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weights_fed_at_run_time(transposed):
+    """Weights that are graph inputs rather than initializers are read in place per call."""
+    sess, w = _session([5, 7], 33, const=False, transposed=transposed)
     x = np.random.default_rng(2).standard_normal((3, 12)).astype(np.float32)
-    feeds = {"x": x, "w0": np.ascontiguousarray(w[:5]), "w1": np.ascontiguousarray(w[5:])}
-    np.testing.assert_allclose(sess.run(None, feeds)[0], x @ w, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(
+        sess.run(None, {"x": x, **sess.arrays})[0], x @ w, atol=1e-4, rtol=1e-5
+    )
 
 
 def test_bad_shapes_give_clear_errors_and_the_session_lives_on():
     sess, w = _session([5, 7], 33, const=False)
     x = np.ones((2, 12), np.float32)
-    good = {"x": x, "w0": np.ascontiguousarray(w[:5]), "w1": np.ascontiguousarray(w[5:])}
+    good = {"x": x, **sess.arrays}
     with pytest.raises(
-        Exception, match="MeshLinear: x has 11 features but the lines' tiles have 12 rows"
+        Exception, match="MeshLinear: x has 11 features but the lines' K extents sum to 12"
     ):
         sess.run(None, {**good, "x": np.ones((2, 11), np.float32)})
-    with pytest.raises(Exception, match="MeshLinear: line 1 has 34 output columns, line 0 has 33"):
-        sess.run(None, {**good, "w1": np.ones((7, 34), np.float32)})
+    with pytest.raises(
+        Exception, match=r"MeshLinear: line 1's tiles must be a float tensor \[1, 7, 64\]"
+    ):
+        sess.run(None, {**good, "w1": np.ones((1, 7, 32), np.float32)})
+    with pytest.raises(Exception, match=r"MeshLinear: shape must be an int64 tensor \[3\]"):
+        sess.run(None, {**good, "shape": np.array([33, 12], np.int64)})
     np.testing.assert_allclose(sess.run(None, good)[0], x @ w, atol=1e-4, rtol=1e-5)
+    tsess, _ = _session([5, 7], 33, const=False, transposed=True)
+    with pytest.raises(
+        Exception, match=r"MeshLinear: the transposed weight must be a float tensor \[33, 12\]"
+    ):
+        tsess.run(None, {"x": x, **tsess.arrays, "table": np.ones((12, 33), np.float32)})
 
 
 def test_emitter_stores_one_tile_initializer_per_mesh_line():
@@ -116,9 +145,12 @@ def test_emitter_stores_one_tile_initializer_per_mesh_line():
         role="o",
     )
     (node,) = gb.nodes
-    # o reduces over the mesh columns: 5 lines of K-blocks 8 (C = 5), output split over the 3 rows.
-    assert [t.dims[0] for t in gb.initializers] == block_sizes(40, 5) and lin.accepts_3d
-    assert list(node.input[1:]) == [f"l.col{p}" for p in range(5)]
+    # o reduces over the mesh columns: 5 lines of K-blocks 8 (C = 5), output split over the 3 rows;
+    # each line's tiles stored in the op's panels ([panels, rows, 64]), after the shape tensor.
+    tiles = [t for t in gb.initializers if t.name != "l.mesh_shape"]
+    assert [list(t.dims) for t in tiles] == [[1, k, 64] for k in block_sizes(40, 5)]
+    assert lin.accepts_3d
+    assert list(node.input[1:]) == ["l.mesh_shape", *(f"l.col{p}" for p in range(5))]
     assert (
         TiledLinear((2, 2), form="op").cache_key() != TiledLinear((2, 2), form="graph").cache_key()
     )

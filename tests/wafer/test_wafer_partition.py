@@ -102,14 +102,15 @@ def test_single_linear_matches_matmul(role, grid, form):
         assert ops.count("MatMul") == 1 and ops.count("Gemm") == len(info["k_blocks"]) - 1
     else:
         (node,) = [n for n in gb.nodes if n.op_type == "MeshLinear"]
-        assert node.domain == "spark.wafer" and len(node.input) == 1 + len(info["k_blocks"])
+        assert node.domain == "spark.wafer" and len(node.input) == 2 + len(info["k_blocks"])
         assert "MatMul" not in ops and "Gemm" not in ops
-    assert (
-        sum(
-            t.dims[0] for t in gb.initializers if t.name.startswith("lin.") and t.name != "lin.bias"
-        )
-        == 37
-    )
+    rows = 0 if form == "graph" else 1  # the op's tiles: [panels, rows, 64]
+    tiles = [
+        t
+        for t in gb.initializers
+        if t.name.startswith("lin.") and t.name not in ("lin.bias", "lin.mesh_shape")
+    ]
+    assert sum(t.dims[rows] for t in tiles) == 37
 
 
 # -- the whole decoder: partitioned vs unpartitioned engine -----------------------------------
@@ -167,6 +168,27 @@ def test_partitioned_engine_equals_dense(
     a, b = eng.generate(ids, params), dense.generate(ids, params)
     a.result(), b.result()
     assert a.tokens == b.tokens
+
+
+def test_tied_head_reads_the_embedding_in_place(tiny_models, dense_engines, tmp_path_factory):
+    """A tied model's LM head is MeshLinear(transposed=1) over the embedding initializer itself:
+    the graph holds the table once, and the logits are the dense engine's."""
+    dense = dense_engines["llama"]
+    assert dense.config.tie_word_embeddings
+    eng = Engine.load(
+        tiny_models["llama"],
+        linear=TiledLinear((2, 2), form="op"),
+        cache_dir=tmp_path_factory.getbasetemp() / "graph_cache",
+        threads=1,
+    )
+    graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
+    (head,) = [n for n in graph.node if n.name == "lm_head/mesh_linear"]
+    assert head.input[2] == "embed_tokens" and head.attribute[0].name == "transposed"
+    assert not any(t.name.startswith("lm_head.row") for t in graph.initializer)
+    ids = np.random.default_rng(5).integers(0, dense.sample_vocab, 12).tolist()
+    np.testing.assert_allclose(
+        eng.forward_logits(ids), dense.forward_logits(ids), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("form", FORMS)
