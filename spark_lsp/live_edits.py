@@ -33,11 +33,14 @@ class RangeEdit:
     new_text: str
 
 
-def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
+def frame(
+    original: str, generated: str, final: bool, eol: str = "\n", line_after: bool = False
+) -> str:
     """What the region shows mid-stream: the generated text, then the original lines it has not
     overwritten yet (a partial last line overwrites its original line too, and ends in a line
-    break if the region did). The generated text's line breaks become `eol`, the document's line
-    ending."""
+    break if the region did, or if `line_after`: the region ends where a line of the document
+    starts, as text inserted above a line does). The generated text's line breaks become `eol`,
+    the document's line ending."""
     generated = normalize_eol(generated, eol)
     if final:
         return generated
@@ -51,7 +54,7 @@ def frame(original: str, generated: str, final: bool, eol: str = "\n") -> str:
     if (
         generated
         and not generated.endswith(("\n", "\r"))
-        and (rest or original.endswith(("\n", "\r")))
+        and (rest or line_after or original.endswith(("\n", "\r")))
     ):
         return generated + eol + rest
     return generated + rest
@@ -79,6 +82,8 @@ class LiveEdit:
         self.start_pos = start_pos
         self.original = doc_text[start:end]
         self.eol = line_ending(doc_text)  # what generated line breaks are written as
+        # the region ends where a line starts: a partial generated line must not run into it
+        self.line_after = end < len(doc_text) and (end == 0 or doc_text[end - 1] in "\r\n")
         self.shown = self.original  # region text as the document has it now
         self._doc = doc_text  # document text once all our sent edits apply
         self._expected: collections.deque[str] = collections.deque()
@@ -103,7 +108,7 @@ class LiveEdit:
 
     def frame(self, generated: str, final: bool) -> str:
         """The region's text for `generated` (see `frame`), in the document's line ending."""
-        return frame(self.original, generated, final, self.eol)
+        return frame(self.original, generated, final, self.eol, self.line_after)
 
     def edits_to(self, region_text: str) -> list[RangeEdit]:
         """Minimal edits turning the region's current text into `region_text`; records the

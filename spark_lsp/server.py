@@ -26,7 +26,7 @@ from .lsp_editor import LspEditor, lsp_position
 from .protocol import SparkLanguageServer, SparkProtocol
 from .settings import SettingsError
 from .state import ServerState
-from .status import METRICS_METHOD
+from .status import DOCUMENT_METHOD, METRICS_METHOD
 
 CMD_APPLY = "spark.applyAction"
 CMD_INSTRUCT = "spark.editWithInstruction"
@@ -163,11 +163,17 @@ def _text_edits(edits) -> list[T.TextEdit]:
 
 def _code_action(name: str, uri: str, rng: T.Range, version: int | None) -> T.CodeAction:
     title, kind = actions.TITLES[name], actions.KINDS[name]
-    if name == actions.INSTRUCT:  # the client asks for the instruction, then runs the command
+    if name == actions.INSTRUCT:
+        # the client asks for the instruction (the empty third argument), then runs the command;
+        # the version ties the range to the text it was taken from (the user may type meanwhile)
         return T.CodeAction(
             title=title,
             kind=kind,
-            command=T.Command(title=title, command=CMD_INSTRUCT, arguments=[uri, _range_json(rng)]),
+            command=T.Command(
+                title=title,
+                command=CMD_INSTRUCT,
+                arguments=[uri, _range_json(rng), "", version],
+            ),
         )
     return T.CodeAction(
         title=title,
@@ -293,16 +299,24 @@ def create_server(model_dir: str | None = None, engine: str | None = None) -> Sp
 
     @ls.command(CMD_INSTRUCT)
     async def edit_with_instruction(ls: SparkServer, *args: Any):
+        version = args[3] if len(args) == 4 else None
         if (
-            len(args) != 3
+            len(args) not in (3, 4)
             or not isinstance(args[0], str)
             or not isinstance(args[1], dict)
             or not isinstance(args[2], str)
+            or not (version is None or (isinstance(version, int) and not isinstance(version, bool)))
         ):
-            raise InvalidParams(f"{CMD_INSTRUCT} takes [uri, range, instruction text]")
+            raise InvalidParams(
+                f"{CMD_INSTRUCT} takes [uri, range, instruction text, document version (optional)]"
+            )
         if not args[2].strip():
             raise InvalidParams(f"{CMD_INSTRUCT}: the instruction is empty")
-        name, t = ls.action_target({"action": actions.INSTRUCT, "uri": args[0], "range": args[1]})
+        # with a version, a range taken from an older text is refused (ContentModified) instead of
+        # being applied to text it was never meant for
+        name, t = ls.action_target(
+            {"action": actions.INSTRUCT, "uri": args[0], "range": args[1], "version": version}
+        )
         return await ls.edits.apply(name, t, instruction=args[2])
 
     @ls.command(CMD_CANCEL)
@@ -341,5 +355,14 @@ def create_server(model_dir: str | None = None, engine: str | None = None) -> Sp
     @ls.feature(METRICS_METHOD)
     def metrics(ls: SparkServer, params: Any):
         return st.metrics_payload()
+
+    @ls.feature(DOCUMENT_METHOD)
+    def document(ls: SparkServer, params: Any):
+        # the server's copy of a document, for a client to check that both copies agree
+        uri = params.get("uri") if isinstance(params, dict) else getattr(params, "uri", None)
+        if not isinstance(uri, str):
+            raise InvalidParams(f"{DOCUMENT_METHOD} takes {{uri}}")
+        doc = ls.document(uri)
+        return {"uri": uri, "version": doc.version, "text": doc.source}
 
     return ls

@@ -16,6 +16,8 @@ from .settings import Settings, SettingsError
 log = logging.getLogger(__name__)
 STATUS_METHOD = "spark/status"
 METRICS_METHOD = "spark/metrics"
+#: request {uri} -> {uri, version, text}: the server's copy of a document (a client compares it)
+DOCUMENT_METHOD = "spark/document"
 
 
 def _num(v: Any, nd: int = 2) -> float | None:

@@ -61,6 +61,10 @@ def test_vscode_end_to_end(tiny_llama, tmp_path):
         "status_bar_toggles",
         "instruction_edit",
         "settings_reach_server",
+        # the server's copy of the file equals the editor's after each step that edits it
+        "document_in_sync_after_typing",
+        "document_in_sync_after_code_action",
+        "document_in_sync_after_instruction_edit",
     ):
         assert name in result["checks"], f"check {name} did not run:\n{log[-4000:]}"
     assert (out / "vscode-ghost-text.png").is_file()

@@ -62,6 +62,8 @@ class Editor:
         self.applied: list = []
         self.after_apply = None  # callable(uri) run after each applied edit
         self.eol = None  # set: the line breaks of an applied edit become this one (Neovim, VS Code)
+        # as VS Code may: the applyEdit reply reaches the server before the didChange of the edit
+        self.echo_after_reply = False
 
     def open(self, uri: str, text: str) -> None:
         self.docs[uri] = [text, 1]
@@ -78,19 +80,25 @@ class Editor:
         p = position_at(self.text(uri), offset)
         return T.Position(p.line, p.character)
 
-    def change(self, uri: str, edits: list[tuple[T.Range, str]]) -> None:
+    def change(self, uri: str, edits: list[tuple[T.Range, str]], later: bool = False) -> None:
+        """Apply `edits` to the client's copy and send the didChange (`later`: a little later, after
+        the reply of the applyEdit request being handled)."""
         doc = self.docs[uri]
         for rng, new in edits:
             s = offset_at(doc[0], rng.start.line, rng.start.character)
             e = offset_at(doc[0], rng.end.line, rng.end.character)
             doc[0] = apply_edits(doc[0], [Edit(s, e, new)])
         doc[1] += 1
-        self.client.text_document_did_change(
-            T.DidChangeTextDocumentParams(
-                T.VersionedTextDocumentIdentifier(uri=uri, version=doc[1]),
-                [T.TextDocumentContentChangePartial(range=r, text=t) for r, t in edits],
-            )
+        params = T.DidChangeTextDocumentParams(
+            T.VersionedTextDocumentIdentifier(uri=uri, version=doc[1]),
+            [T.TextDocumentContentChangePartial(range=r, text=t) for r, t in edits],
         )
+        if later:
+            asyncio.get_running_loop().call_later(
+                0.01, self.client.text_document_did_change, params
+            )
+        else:
+            self.client.text_document_did_change(params)
 
     def type(self, uri: str, offset: int, s: str) -> int:
         p = self.pos(uri, offset)
@@ -125,6 +133,10 @@ class Editor:
     async def metrics(self) -> dict:
         return plain(await self.client.protocol.send_request_async("spark/metrics", {}))
 
+    async def server_document(self, uri: str) -> dict:
+        """The server's copy of `uri` (`spark/document`): {uri, version, text}."""
+        return plain(await self.client.protocol.send_request_async("spark/document", {"uri": uri}))
+
     async def command(self, name: str, *args):
         return plain(
             await self.client.workspace_execute_command_async(
@@ -149,7 +161,7 @@ async def start_editor(model_dir, options=None, transport=None, capabilities=Non
     ed = Editor(client)
 
     @client.feature(T.WORKSPACE_APPLY_EDIT)
-    def apply_edit(ls, params: T.ApplyWorkspaceEditParams):
+    async def apply_edit(ls, params: T.ApplyWorkspaceEditParams):
         # as VS Code: a versioned edit for a document that moved on is refused, nothing applied
         for dc in params.edit.document_changes or []:
             version = dc.text_document.version
@@ -160,10 +172,12 @@ async def start_editor(model_dir, options=None, transport=None, capabilities=Non
         ]
         for uri, edits in groups:
             if ed.eol is None:
-                ed.change(uri, [(e.range, e.new_text) for e in edits])
+                ed.change(uri, [(e.range, e.new_text) for e in edits], ed.echo_after_reply)
             else:
                 ed.change(
-                    uri, [(e.range, re.sub(r"\r\n|\r|\n", ed.eol, e.new_text)) for e in edits]
+                    uri,
+                    [(e.range, re.sub(r"\r\n|\r|\n", ed.eol, e.new_text)) for e in edits],
+                    ed.echo_after_reply,
                 )
             ed.applied.append(params)
             if ed.after_apply is not None:

@@ -367,3 +367,21 @@ async def test_a_refused_live_edit_is_taken_back_exactly(monkeypatch):
         "Spark: Rewrite selection was not applied: the result is not valid Python"
     )
     assert not res["complete"] and shown == [res["outcome"]] and s.statuses == ["edit:rewrite"]
+
+
+def test_a_partial_line_inserted_above_a_line_never_runs_into_it():
+    # a docstring streams in above the body: mid-stream its last line is cut off, and must stay on
+    # its own line (a user who stops the edit there is left with the body intact)
+    doc = "def f():\n    return 1\n"
+    at = doc.index("    return")
+    s = LiveEdit("u", doc, at, at, Pos(1, 0))
+    (e,) = s.edits_to(s.frame('    """Return o', final=False))
+    assert apply_edits(doc, [Edit(at + 0, at + 0, e.new_text)]) == (
+        'def f():\n    """Return o\n    return 1\n'
+    )
+    (e,) = s.edits_to(s.frame('    """Return one."""\n', final=True))
+    assert s.shown == '    """Return one."""\n'
+    # inserted mid-line (a completion at the cursor), the text after it stays on the same line
+    mid = doc.index("1")
+    s = LiveEdit("u", doc, mid, mid, Pos(1, 11))
+    assert s.frame("2 +", final=False) == "2 +"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 
 import pytest
@@ -199,3 +200,73 @@ async def test_request_cancelled_before_its_handler_starts_is_counted():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert ls.state.metrics.cancelled == 1
+
+
+# The sample of the VS Code end-to-end run (editors/vscode/test/e2e.sh), after its docstring edit.
+E2E = (
+    "import os\n\n\ndef add(a, b):\n"
+    '    """\n    Return a list of a file, in a file.\n    """\n'
+    "    return os.path.join(a, b)\n\n\ndef greet(name):\n    return name\n"
+)
+
+
+async def test_an_instruction_range_taken_before_the_user_typed_is_refused(editor):
+    """VS Code keeps the instruction box open while the user types in the editor: a range taken
+    from the text before that keystroke must not be applied to the text after it (it once replaced
+    8 characters past the selection). The code action's command carries the version."""
+    await editor.command("spark.configure", {"liveEdits": True})
+    editor.open(URI, E2E)
+    rng = T.Range(T.Position(3, 0), T.Position(4, 7))  # `def add(a, b):` and the `    """` line
+    listed = await editor.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[]))
+    )
+    instruct = next(a for a in listed if a.title.startswith("Spark: Edit selection"))
+    # the test client reads this CodeAction as a Command holding the real command as a string
+    command = ast.literal_eval(instruct.command)
+    uri, sel, ask, version = command["arguments"]
+    assert (uri, ask, version) == (URI, "", 1) and sel["end"] == {"line": 4, "character": 7}
+    # while the box asks for the instruction, the user types over the selection
+    editor.change(URI, [(rng, "add t")])
+    typed = editor.text(URI)
+    assert typed.splitlines()[3:5] == ["add t", "    Return a list of a file, in a file."]
+    with pytest.raises(JsonRpcException) as info:
+        await editor.command(command["command"], uri, sel, "add type hints", version)
+    assert info.value.code == -32801, info.value  # ContentModified: select again
+    assert editor.text(URI) == typed and not editor.applied
+    # a version must be an integer (or absent, for older clients)
+    with pytest.raises(JsonRpcException) as info:
+        await editor.command(command["command"], uri, sel, "add type hints", "1")
+    assert info.value.code == -32602
+    doc = await editor.server_document(URI)
+    assert (doc["text"], doc["version"]) == (typed, 2)
+
+
+async def test_the_servers_copy_matches_the_editors_when_echoes_come_after_the_reply(editor):
+    """VS Code may answer workspace/applyEdit before it sends the didChange of the edit: streamed
+    edits must still apply where the server meant, and both copies agree after each step."""
+    editor.echo_after_reply = True
+    res = await _stream_rewrite(editor, body_lines=20)
+    _finished(res, editor, _long(20))
+    await asyncio.sleep(0.1)  # the last echo
+    doc = await editor.server_document(URI)
+    assert (doc["text"], doc["version"]) == (editor.text(URI), editor.docs[URI][1])
+    # a docstring inserted above the body, streamed, then an instruction edit on the new text
+    await editor.command("spark.configure", {"maxEditTokens": 40})
+    rng = T.Range(T.Position(0, 4), T.Position(0, 4))
+    listed = await editor.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[]))
+    )
+    ds = next(
+        a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "docstring"
+    )
+    resolved = await editor.client.code_action_resolve_async(ds)
+    try:
+        await editor.command(resolved.command.command, *resolved.command.arguments)
+    except JsonRpcException as exc:  # refused by the checks: taken back
+        assert "was not applied" in exc.message  # noqa: PT017
+    await asyncio.sleep(0.1)
+    doc = await editor.server_document(URI)
+    assert (doc["text"], doc["version"]) == (editor.text(URI), editor.docs[URI][1])
+    with pytest.raises(JsonRpcException) as info:
+        await editor.server_document("file:///never/opened.py")
+    assert info.value.code == -32602

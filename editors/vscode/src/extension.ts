@@ -19,6 +19,8 @@ import { SparkStatus, StatusItem } from './status';
 /** Server commands (spark_lsp/server.py) that the client handles specially. */
 const EDIT_WITH_INSTRUCTION = 'spark.editWithInstruction';
 const CANCEL = 'spark.cancel';
+/** Server request: its copy of a document ({uri} -> {uri, version, text}). */
+const DOCUMENT = 'spark/document';
 
 let client: LanguageClient | undefined;
 let progress: ProgressTracker | undefined;
@@ -42,6 +44,7 @@ export async function activate(ctx: vscode.ExtensionContext): Promise<void> {
   reg('sparkLsp.cancel', () => cancelGeneration());
   reg('sparkLsp.restartServer', async () => { await stopClient(); await startClient(ctx); });
   reg('sparkLsp.showLog', () => output.show(true));
+  reg('sparkLsp.checkDocument', () => checkDocument());
 
   ctx.subscriptions.push(vscode.workspace.onDidChangeConfiguration(async (e) => {
     if (!e.affectsConfiguration('spark')) return;
@@ -130,8 +133,10 @@ async function stopClient(): Promise<void> {
 }
 
 /**
- * The args of spark.editWithInstruction, `[uri, range, instruction]`: the server's code action
- * carries `[uri, range]`, so the instruction is asked for here. Undefined when the user gives up.
+ * The args of spark.editWithInstruction, `[uri, range, instruction, version]`: the server's code
+ * action carries `[uri, range, "", version]`, so the instruction is asked for here (the version of
+ * the text the range was taken from goes along: the user may type while the box is open, and the
+ * server then refuses the stale range). Undefined when the user gives up.
  */
 async function askInstruction(args: any[]): Promise<any[] | undefined> {
   if (args?.length >= 3 && typeof args[2] === 'string' && args[2].trim()) return args;
@@ -142,7 +147,7 @@ async function askInstruction(args: any[]): Promise<any[] | undefined> {
     ignoreFocusOut: true,
   });
   if (!instruction?.trim()) return undefined;
-  return [args[0], args[1], instruction.trim()];
+  return [args[0], args[1], instruction.trim(), ...args.slice(3, 4)];
 }
 
 async function editSelection(): Promise<void> {
@@ -154,12 +159,49 @@ async function editSelection(): Promise<void> {
   const args = await askInstruction([
     client.code2ProtocolConverter.asUri(editor.document.uri),
     client.code2ProtocolConverter.asRange(editor.selection),
+    '',
+    editor.document.version,
   ]);
   if (!args) return;
   try {
     await client.sendRequest(ExecuteCommandRequest.type, { command: EDIT_WITH_INSTRUCTION, arguments: args });
   } catch (err: any) {
     void vscode.window.showErrorMessage(`Spark: ${err?.message ?? err}`);
+  }
+}
+
+let documentChecks = 0;
+
+/**
+ * Compare the server's copy of the active document with the editor's (text and version): they
+ * must always agree, or the server's edits land in the wrong place. Says which line differs.
+ */
+async function checkDocument(): Promise<void> {
+  const doc = vscode.window.activeTextEditor?.document;
+  if (!doc || !client?.isRunning()) {
+    void vscode.window.showWarningMessage('Spark: open a file and wait for the server to start.');
+    return;
+  }
+  const n = ++documentChecks;
+  const name = doc.uri.path.split('/').pop();
+  try {
+    const server: { version: number | null; text: string } = await client.sendRequest(
+      DOCUMENT, { uri: client.code2ProtocolConverter.asUri(doc.uri) });
+    const text = doc.getText();
+    if (server.text === text && server.version === doc.version) {
+      void vscode.window.showInformationMessage(`Spark: document check ${n}: the server's copy of ${name} matches the editor's (version ${doc.version}).`);
+      return;
+    }
+    const a = text.split(/\r\n|\r|\n/);
+    const b = server.text.split(/\r\n|\r|\n/);
+    let i = 0;
+    while (i < a.length && i < b.length && a[i] === b[i]) i++;
+    const where = server.text === text ? 'same text' : `line ${i + 1}: editor ${JSON.stringify(a[i] ?? '')}, server ${JSON.stringify(b[i] ?? '')}`;
+    const msg = `the server's copy of ${name} differs from the editor's (${where}; version ${doc.version} in the editor, ${server.version} in the server)`;
+    output.error(`[client] document check ${n}: ${msg}`);
+    void vscode.window.showErrorMessage(`Spark: document check ${n}: ${msg}. Please report this.`);
+  } catch (err: any) {
+    void vscode.window.showErrorMessage(`Spark: document check ${n}: ${err?.message ?? err}`);
   }
 }
 

@@ -80,7 +80,8 @@ local function map_keys(buf)
 end
 
 --- Client-side handler for the server's "Edit selection with instruction…" code action: the
---- server's command carries [uri, range]; ask for the instruction, then run it.
+--- server's command carries [uri, range, "", version]; ask for the instruction, then run it (the
+--- version goes along, so a range taken from an older text is refused instead of misapplied).
 local function instruction_command(command, ctx)
   local args = command.arguments or {}
   vim.ui.input({ prompt = 'Spark instruction: ' }, function(text)
@@ -90,7 +91,7 @@ local function instruction_command(command, ctx)
     local client = vim.lsp.get_client_by_id(ctx.client_id)
     if client then
       compat.request(client, 'workspace/executeCommand', {
-        command = 'spark.editWithInstruction', arguments = { args[1], args[2], vim.trim(text) },
+        command = 'spark.editWithInstruction', arguments = { args[1], args[2], vim.trim(text), args[4] },
       }, function(err)
         if err then
           vim.notify('spark: ' .. (err.message or ''), vim.log.levels.WARN)

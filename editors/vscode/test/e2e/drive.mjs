@@ -56,6 +56,34 @@ async function statusText(page) {
   });
 }
 
+/**
+ * "Spark: Check Document Sync": the server's copy of the file must equal the editor's (text and
+ * version) after every step that edits it, or its edits would land in the wrong place.
+ */
+let syncChecks = 0;
+async function checkSync(page, step) {
+  syncChecks += 1;
+  const n = syncChecks;
+  await page.keyboard.press('F1');
+  await page.waitForSelector('.quick-input-widget input');
+  await page.keyboard.type('Spark: Check Document Sync', { delay: 10 });
+  await page.locator('.quick-input-list .monaco-list-row', { hasText: 'Check Document Sync' }).first().waitFor();
+  await page.keyboard.press('Enter');
+  const said = await page.waitForFunction((k) => {
+    const t = [...document.querySelectorAll('.notification-toast')].map((e) => e.textContent || '')
+      .find((x) => x.includes(`document check ${k}:`));
+    return t ? (t.match(/Spark: document check \d+:.*?\)\./) || [t])[0] : null;
+  }, n, { timeout: 15000 }).then((h) => h.jsonValue()).catch(() => null);
+  check(`document_in_sync_${step}`, said && /matches the editor's/.test(said), said);
+  // clear the toasts: they would cover the status bar the next steps click
+  await page.keyboard.press('F1');
+  await page.waitForSelector('.quick-input-widget input');
+  await page.keyboard.type('Notifications: Clear All Notifications', { delay: 10 });
+  await page.locator('.quick-input-list .monaco-list-row', { hasText: 'Clear All Notifications' }).first().waitFor();
+  await page.keyboard.press('Enter');
+  await page.click('.editor-instance .monaco-editor .view-lines');
+}
+
 async function main() {
   const browser = await chromium.launch({
     executablePath: process.env.E2E_CHROMIUM,
@@ -132,6 +160,7 @@ async function main() {
     }
     mark('accepted');
     await page.keyboard.press('Escape');
+    await checkSync(page, 'after_typing');
 
     // A code action: cursor into `def add`, open Refactor… (Ctrl+Shift+R), pick "Add docstring".
     await page.keyboard.press('Control+Home');
@@ -168,6 +197,7 @@ async function main() {
       check('code_action_edits', changed !== null && (documented || refused),
         { lines: lines.slice(Math.max(0, i - 1), i + 4), refusals: await refusals(page) });
       await page.screenshot({ path: join(out, 'vscode-code-action.png') });
+      await checkSync(page, 'after_code_action');
     }
     mark('code_action');
 
@@ -199,7 +229,9 @@ async function main() {
     await page.keyboard.type('Spark: Edit Selection with Instruction', { delay: 10 });
     await page.locator('.quick-input-list .monaco-list-row', { hasText: 'Edit Selection with Instruction' }).first().waitFor();
     await page.keyboard.press('Enter');
-    const prompt = page.locator('.quick-input-widget', { hasText: 'Edit selection with instruction' });
+    // the extension's input box (its title, case-sensitive: the palette's entry reads "Edit
+    // Selection with Instruction"), else the instruction would be typed into the editor
+    const prompt = page.locator('.quick-input-widget .quick-input-title', { hasText: /Edit selection with instruction/ });
     let asked = false;
     try { await prompt.first().waitFor({ timeout: 10000 }); asked = true; } catch { /* reported below */ }
     if (asked) {
@@ -215,9 +247,19 @@ async function main() {
     await page.waitForTimeout(1500);
     const afterEdit = await editorText(page);
     const instrDone = afterEdit !== beforeEdit || ((await refusals(page)).length > refusedBefore && afterEdit === beforeEdit);
-    check('instruction_edit', asked && edited && instrDone,
+    // the edit replaced the selection (lines 4-5) and nothing else: the lines above and the
+    // docstring's text line below it are untouched (or, refused, the document is as it was)
+    const keptAround = (t) => {
+      const b = beforeEdit.split('\n');
+      const a = t.split('\n');
+      const below = b.slice(5);
+      return a.slice(0, 3).join('\n') === b.slice(0, 3).join('\n')
+        && a.slice(a.length - below.length).join('\n') === below.join('\n');
+    };
+    check('instruction_edit', asked && edited && instrDone && keptAround(afterEdit),
       { asked, edited, lines: afterEdit.split('\n').slice(2, 8), refusals: await refusals(page) });
     mark('instruction_edit');
+    await checkSync(page, 'after_instruction_edit');
 
     // A settings change made in the Settings editor reaches the server
     // (workspace/didChangeConfiguration); the server's log shows in the "Spark LSP" output channel.
