@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fim-template", default=None, metavar="NAME", help="server setting fimTemplate"
     )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="start the server with an empty cache (its own temporary $SPARK_LSP_CACHE): the start "
+        "then builds the model's graph and compiles the native op, as on a fresh install",
+    )
+    p.add_argument("--answer-ms", type=int, default=None, help="server setting answerMs")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument(
         "--plot",
@@ -201,6 +209,11 @@ def cancel_phase(client, uri: str, n: int) -> list[float]:
     return out
 
 
+def _insert_text(item: dict) -> str:
+    t = item.get("insertText", "")
+    return t if isinstance(t, str) else t.get("value", "")
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -212,7 +225,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run(args, plot=None) -> int:
     """``plot(results, FILE)`` draws ``--plot FILE`` (default: ``spark_lsp.bench_plot``)."""
-    from .rpc_client import LspClient, RpcError, server_cmd
+    from .rpc_client import LspClient, server_cmd
 
     if args.plot:
         from . import bench_plot
@@ -233,9 +246,8 @@ def run(args, plot=None) -> int:
     if args.speed <= 0 or args.cps <= 0:
         print("spark-lsp bench lsp: --speed and --cps must be positive", file=sys.stderr)
         return 2
-    start, end, fname = pick_function(source, args.function)
-    body = source[start:end]
-    keys = keystrokes(body)
+    start, end, _ = pick_function(source, args.function)
+    keys = keystrokes(source[start:end])
     if args.max_chars:
         acc, cut = 0, 0
         for cut, k in enumerate(keys):  # noqa: B007 (the index is read after the loop)
@@ -243,7 +255,6 @@ def run(args, plot=None) -> int:
             if acc >= args.max_chars:
                 break
         keys = keys[: cut + 1]
-    text = source[:start] + source[end:]
     # no background measuring skews the run; every suggestion is shown (no confidence gate), so the
     # replay's work (typing-through, model calls) is the same whatever a model's probabilities
     options = {"liveEdits": False, "tunePrecision": False, "minConfidence": 0}
@@ -251,6 +262,8 @@ def run(args, plot=None) -> int:
         options["contextTokens"] = args.context_tokens
     if args.max_tokens:
         options["maxTokens"] = args.max_tokens
+    if args.answer_ms is not None:
+        options["answerMs"] = args.answer_ms
     if args.precision:
         options["precision"] = args.precision
     if args.engine:
@@ -266,7 +279,19 @@ def run(args, plot=None) -> int:
             fimTemplate=args.fim_template,
         )
 
-    client = LspClient(server_cmd(model))
+    with tempfile.TemporaryDirectory(prefix="spark-bench-cold-") as cold:
+        env = {"SPARK_LSP_CACHE": cold} if args.cold else None
+        client = LspClient(server_cmd(model), env=env)
+        return _replay(args, plot, client, options, path, source, keys)
+
+
+def _replay(args, plot, client, options: dict, path: Path, source: str, keys: list[str]) -> int:
+    """Start the server (already spawned as `client`), open the file, take the first suggestion,
+    replay `keys`, then time cancellations; print and return the exit status."""
+    from .rpc_client import RpcError
+
+    start, end, fname = pick_function(source, args.function)
+    text = source[:start] + source[end:]
     try:
         t0 = time.perf_counter()
         client.initialize(options)
@@ -281,6 +306,7 @@ def run(args, plot=None) -> int:
         # warm up: the first request prefills the whole prompt (as when a file is opened)
         first = client.inline(uri, start)
         first.result(600)
+        first_s = time.perf_counter() - t0
         base = client.call("spark/metrics", {})
         t_warm = time.perf_counter()
 
@@ -306,7 +332,10 @@ def run(args, plot=None) -> int:
         for f in futures:
             try:
                 res = f.result(120)
-                results.append((f.latency_ms, len((res or {}).get("items", []))))
+                items = (res or {}).get("items", [])
+                results.append(
+                    (f.latency_ms, len(items), len(_insert_text(items[0])) if items else 0)
+                )
             except RpcError as exc:
                 if exc.code in (-32800, -32801):
                     cancelled += 1
@@ -340,6 +369,7 @@ def run(args, plot=None) -> int:
             "inlineRequests",
             "typingThrough",
             "joinedGeneration",
+            "answeredEarly",
             "modelCalls",
             "prefixCacheHits",
             "promptTokens",
@@ -355,18 +385,26 @@ def run(args, plot=None) -> int:
         "chars": sum(len(k) for k in keys),
         "cps": args.cps,
         "speed": args.speed,
+        "cold": bool(args.cold),
         "load_s": round(load_s, 2),
         "precision": (info.get("engine") or {}).get("precision"),
         "first_suggestion_ms": round(first.latency_ms, 1),
+        # `serve` started -> the first suggestion received (model load, warm-up, whole prompt)
+        "start_to_first_suggestion_s": round(first_s, 2),
         "answered": len(lat),
         "cancelled_or_superseded": cancelled,
         "with_suggestion": sum(1 for r in results if r[1]),
+        # characters of the suggestions shown (answered early ones are short)
+        "suggestion_chars_median": statistics.median([r[2] for r in results if r[1]])
+        if any(r[1] for r in results)
+        else None,
         "latency_ms_median": round(statistics.median(lat), 2) if lat else None,
         "latency_ms_p95": round(_pct(lat, 95), 2) if lat else None,
         "latency_ms_max": round(max(lat), 2) if lat else None,
         "inline_requests": served["inlineRequests"],
         "typing_through": served["typingThrough"],
         "joined_generation": served["joinedGeneration"],
+        "answered_early": served["answeredEarly"],
         "model_calls": served["modelCalls"],
         "prefix_cache_hits": served["prefixCacheHits"],
         "prompt_tokens": served["promptTokens"],
@@ -398,8 +436,9 @@ def run(args, plot=None) -> int:
             f"with {out['model']} ({out['backend']} backend), {args.cps:g} chars/s x{args.speed:g}"
         )
         rows = [
-            ("start to ready (s)", out["load_s"]),
+            ("start to ready (s)" + (", cold cache" if args.cold else ""), out["load_s"]),
             ("first suggestion, whole prompt (ms)", out["first_suggestion_ms"]),
+            ("start to first suggestion (s)", out["start_to_first_suggestion_s"]),
             ("requests answered", out["answered"]),
             ("cancelled / superseded", cancelled),
             ("latency median (ms)", out["latency_ms_median"]),
@@ -407,6 +446,8 @@ def run(args, plot=None) -> int:
             ("latency max (ms)", out["latency_ms_max"]),
             ("served by typing-through", out["typing_through"]),
             ("served by joining a running generation", out["joined_generation"]),
+            ("answered before the suggestion was finished", out["answered_early"]),
+            ("characters per suggestion shown, median", out["suggestion_chars_median"]),
             ("model calls", out["model_calls"]),
             ("model calls reusing the prefix cache", out["prefix_cache_hits"]),
             ("prompt tokens / reused", f"{out['prompt_tokens']} / {out['reused_prompt_tokens']}"),

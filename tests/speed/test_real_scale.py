@@ -205,7 +205,8 @@ def test_llama_cpp_peer_same_weights(tiny_llama, tmp_path, monkeypatch, capsys):
 
 def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
     """`bench lsp --precision` reaches the server's precision setting; the first suggestion (the whole
-    prompt prefilled) and the start are reported beside the keystroke latencies."""
+    prompt prefilled) and the start (`--cold`: with an empty cache, so the graph is built) are
+    reported beside the keystroke latencies."""
     from spark_lsp import bench_lsp
 
     rc = bench_lsp.main(
@@ -220,6 +221,7 @@ def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
             "12",
             "--cancels",
             "1",
+            "--cold",
             "--json",
         ]
     )
@@ -227,4 +229,6 @@ def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
     assert rc == 0
     res = json.loads(out)
     assert res["precision"] == "int8" and res["first_suggestion_ms"] > 0 and res["load_s"] > 0
+    assert res["cold"] and res["start_to_first_suggestion_s"] > res["load_s"]
     assert res["answered"] + res["cancelled_or_superseded"] == res["keystrokes"]
+    assert res["answered_early"] <= res["model_calls"]
