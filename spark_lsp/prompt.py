@@ -14,6 +14,14 @@ emitting it, so the model completes `assertEq` as the `assertEqual` it learnt in
 odd token boundary. A cursor at column 0 heals the line break before it the same way, so the
 model writes the line's indentation as the merged newline+indent token it learnt. The healed
 prompt only loses tokens at its end: the prefix cache still hits.
+
+Prefix-suffix-middle (PSM) formats, the only ones Qwen2.5-Coder, CodeLlama and DeepSeek-Coder were
+trained on, put the suffix after the prefix, so a prompt rebuilt at every keystroke would
+re-prefill the whole suffix each time. There the prompt is anchored at the cursor instead: while
+the user types at it (nothing before the anchor or after the cursor changes), the text typed
+since goes after the middle token, as if the model had written it, and the prompt only grows at
+its end (`_Middle`). In training the middle is any span, so a middle that begins with what the
+user typed is what the model learnt to continue.
 """
 
 from __future__ import annotations
@@ -39,6 +47,19 @@ class Prompt:
     fim: bool  # False: no FIM tokens in this tokenizer, plain left-to-right prompt
     healed: str = ""  # end of `prefix` left out of `ids`: the answer must begin with it (not shown)
     context_tokens: int = 0  # ids of other files' chunks at the start (spark_lsp.neighbours)
+
+
+@dataclass
+class _Middle:
+    """A PSM prompt's fixed part while the user types at its cursor (`PromptBuilder.build`)."""
+
+    begin: int  # document offset of the prompt's prefix text
+    anchor: int  # document offset where that prefix ends and the middle begins
+    prefix: str  # text[begin:anchor]
+    suffix: str  # the text after the cursor in the prompt
+    ids: list[int]  # the prompt up to and including the middle token
+    context: Context | None
+    n_context: int
 
 
 class TokenCounter:
@@ -81,11 +102,19 @@ class PromptBuilder:
         self.stop_strings: tuple[str, ...] = tuple(t for t in names if t)
         self.counter = TokenCounter(tokenizer.encode)
         self._anchors: dict[str, int] = {}
+        # PSM prompts keep their suffix while the user types (see the module docstring)
+        self.anchor_middle = (
+            self.fim is not None and not self.spm and self.fim.middle_id is not None
+        )
+        if self.anchor_middle and self.fim.style is not None and self.fim.style.spm_only:
+            self.anchor_middle = False
+        self._middles: dict[str, _Middle] = {}
         self._context_key: tuple = ()
         self._context: Context | None = None
 
     def forget(self, key: str) -> None:
         self._anchors.pop(key, None)
+        self._middles.pop(key, None)
 
     def count_tokens(self, text: str) -> int:
         """Tokens of a text, line by line (memoised): budgets, not exact prompt lengths."""
@@ -136,7 +165,59 @@ class PromptBuilder:
     ) -> Prompt:
         """Prompt for the cursor at string offset `offset` of `text`, at most about `budget` tokens
         of document text (a few FIM tokens come on top).  `context`: other files' ids
-        (`context()`), first in the prompt, on top of `budget`."""
+        (`context()`), first in the prompt, on top of `budget`.  With a `key` (the document) a PSM
+        prompt stays anchored while the user types at its cursor (`_Middle`)."""
+        if key is None or not self.anchor_middle:
+            return self._build_window(text, offset, budget, key, suffix_share, context)
+        m = self._middles.get(key)
+        if m is not None:
+            p = self._extend_middle(m, text, offset, budget, context)
+            if p is not None:
+                return p
+        p = self._build_window(text, offset, budget, key, suffix_share, context)
+        anchor = offset - len(p.healed)
+        kept = p.prefix[: len(p.prefix) - len(p.healed)]
+        if text[p.prefix_start : anchor] == kept and p.ids and p.ids[-1] == self.fim.middle_id:
+            self._middles[key] = _Middle(
+                p.prefix_start, anchor, kept, p.suffix, p.ids, context, p.context_tokens
+            )
+        else:  # a cut line (minified code): no anchor
+            self._middles.pop(key, None)
+        return p
+
+    def _extend_middle(
+        self, m: _Middle, text: str, offset: int, budget: int, context: Context | None
+    ) -> Prompt | None:
+        """The anchored prompt with the text typed since as the start of the middle, or None when
+        the user did anything else (or it outgrew `budget`)."""
+        if (
+            offset < m.anchor
+            or context is not m.context
+            or text[offset : offset + len(m.suffix)] != m.suffix
+            or text[m.begin : m.anchor] != m.prefix
+        ):
+            return None
+        typed = text[m.anchor : offset]
+        if len(m.ids) - m.n_context + self.count_tokens(typed) > budget + 8:
+            return None
+        if self.heal:
+            ids, healed = heal_ids(self.tokenizer, typed, keep=0, newline=True)
+        else:
+            ids, healed = list(self.tokenizer.encode(typed)) if typed else [], ""
+        return Prompt(
+            [*m.ids, *ids], m.prefix + typed, m.suffix, m.begin, True, healed, m.n_context
+        )
+
+    def _build_window(
+        self,
+        text: str,
+        offset: int,
+        budget: int,
+        key: str | None,
+        suffix_share: float | None,
+        context: Context | None,
+    ) -> Prompt:
+        """A fresh prompt: the prefix window anchored at a line, the suffix cut by lines."""
         # Work on a window around the cursor (a token is rarely over 12 characters): splitting a
         # whole large file into lines on every keystroke would cost more than the model's prefill.
         reach = max(budget, 64) * 12

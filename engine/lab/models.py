@@ -79,6 +79,18 @@ SYNTHETIC = {
 }
 #: Tokens of the real Qwen2.5 vocabulary (the embedding has padding rows past them).
 _QWEN_TOKENS = 151643
+#: Qwen2.5-Coder's control tokens after its vocabulary (chat, fill-in-the-middle, repository), so
+#: the server builds the prompts a real Qwen2.5-Coder gets (``engine.fim``'s qwen layout).
+_QWEN_SPECIALS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
 _SYNTHETIC_VERSION = 1
 
 
@@ -89,11 +101,12 @@ def bench_root() -> Path:
     return root / "bench"
 
 
-def _synthetic_tokenizer(vocab_size: int, total: int | None = None):
+def _synthetic_tokenizer(vocab_size: int, total: int | None = None, specials: tuple = ()):
     """A byte-level BPE trained on Python stdlib source (the model is random; the vocab just has to exist).
 
     ``total``: pad the vocabulary with never-merged filler tokens up to this size, so per-token work
-    that scales with the vocabulary (sampling, stop sets, healing masks) runs at the real size.
+    that scales with the vocabulary (sampling, stop sets, healing masks) runs at the real size;
+    ``specials``: control tokens added after it.
     """
     from tokenizers import (  # (build time only)
         Tokenizer,
@@ -125,7 +138,24 @@ def _synthetic_tokenizer(vocab_size: int, total: int | None = None):
             vocab[f"\u0120filler{n}"] = n
             n += 1
         tok = Tokenizer.from_str(json.dumps(data))
+    if specials:
+        tok.add_special_tokens(list(specials))
     return tok
+
+
+def _qwen_tokenizer():
+    return _synthetic_tokenizer(8192, _QWEN_TOKENS, _QWEN_SPECIALS)
+
+
+def _upgrade_tokenizer(folder: Path) -> None:
+    """A Qwen-shaped folder written before its tokenizer had Qwen's control tokens gets them; the
+    weights and config (and so every cache keyed by their digest) stay as they are."""
+    path = folder / "tokenizer.json"
+    if _QWEN_SPECIALS[2] in path.read_text(encoding="utf-8"):
+        return
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    _qwen_tokenizer().save(str(tmp))
+    os.replace(tmp, path)
 
 
 def _normal_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -143,17 +173,15 @@ def synthetic_model(name: str = "synthetic-8m", root: Path | None = None, seed: 
     if name not in SYNTHETIC:
         raise ValueError(f"unknown synthetic model {name!r}; known: {', '.join(SYNTHETIC)}")
     out = (root or bench_root()) / f"{name}-v{_SYNTHETIC_VERSION}"
-    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
-        return out
     spec = dict(SYNTHETIC[name])
+    qwen = spec["model_type"] == "qwen2"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        if qwen:
+            _upgrade_tokenizer(out)
+        return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    qwen = spec["model_type"] == "qwen2"
-    tok = (
-        _synthetic_tokenizer(8192, _QWEN_TOKENS)
-        if qwen
-        else _synthetic_tokenizer(spec["vocab_size"])
-    )
+    tok = _qwen_tokenizer() if qwen else _synthetic_tokenizer(spec["vocab_size"])
     eos, pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")
     tok.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(

@@ -665,3 +665,53 @@ def test_no_fim_tokens_means_a_plain_prefix_prompt():
     b = PromptBuilder(_VocabTokenizer(["<|endoftext|>"]))
     p = b.build("ab\ncd\n", 4, 100)
     assert b.fim is None and p.ids == b.tokenizer.encode("ab\nc") and p.suffix == ""
+
+
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+]
+
+
+def test_psm_prompt_stays_anchored_while_typing_at_the_cursor():
+    """PSM (Qwen2.5-Coder): typing at the cursor only appends to the prompt (the text typed since
+    the anchor goes after the middle token), so the suffix is never prefilled again; any other
+    change builds a fresh prompt anchored there."""
+    tok = _VocabTokenizer(QWEN_SPECIALS)
+    b = PromptBuilder(tok)
+    assert b.anchor_middle
+    mid = tok.token_to_id("<|fim_middle|>")
+    text = "def f(a):\n    x = 1\n    \n    return x\n"
+    at = text.index("    \n    return") + 4
+    first = b.build(text, at, 100, key="doc")
+    assert first.ids == b._build_window(text, at, 100, None, None, None).ids
+    prev = first
+    for ch in "y = x + 2\n    ":
+        text, at = text[:at] + ch + text[at:], at + 1
+        p = b.build(text, at, 100, key="doc")
+        assert p.ids[: len(first.ids)] == first.ids  # the suffix (and all before it) reused
+        assert (
+            p.ids[len(first.ids) :]
+            == [1000 + ord(c) for c in p.prefix[len(first.prefix) :]][: len(p.ids) - len(first.ids)]
+        )
+        assert p.suffix == first.suffix and p.prefix + p.suffix in text
+        assert p.prefix.endswith(p.healed) and p.prefix[len(p.prefix) - len(p.healed) :] == p.healed
+        prev = p
+    assert first.ids[-1] == mid and len(prev.ids) > len(first.ids)
+    # an edit before the anchor: a fresh prompt
+    text2 = "# note\n" + text
+    p = b.build(text2, at + 7, 100, key="doc")
+    assert p.ids == b._build_window(text2, at + 7, 100, None, None, None).ids
+    # an edit after the cursor: a fresh prompt too
+    text3 = text2[: at + 7] + "z" + text2[at + 7 :]
+    p = b.build(text3, at + 7, 100, key="doc")
+    assert p.ids == b._build_window(text3, at + 7, 100, None, None, None).ids
+    # without a key (eval, code actions), never anchored
+    assert b.build(text3, at + 7, 100).ids == p.ids
+    # SPM formats append at their end anyway: no anchoring
+    assert not PromptBuilder(
+        _VocabTokenizer(["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>"])
+    ).anchor_middle

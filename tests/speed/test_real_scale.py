@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from engine.config import load_config
 from engine.engine import Engine
+from engine.fim import FimFormat
 from engine.generate import GenerationParams
 from engine.lab import bench, models
 from engine.lab.bandwidth import gguf_bytes_per_token, graph_bytes_per_token
@@ -42,7 +43,8 @@ def test_write_safetensors_one_tensor_at_a_time(tmp_path):
 
 def test_synthetic_qwen_folder_runs(tmp_path, monkeypatch):
     """A Qwen2-style synthetic model (tied 151,936-row embedding, q/k/v biases, bf16, a tokenizer
-    padded to the real vocabulary) is written, loads and generates."""
+    padded to the real vocabulary, with Qwen2.5-Coder's control tokens after it) is written, loads,
+    generates, and gets Qwen's fill-in-the-middle prompts."""
     spec = dict(
         models.SYNTHETIC["synthetic-qwen2.5-coder-0.5b"],
         hidden_size=64,
@@ -63,11 +65,20 @@ def test_synthetic_qwen_folder_runs(tmp_path, monkeypatch):
         cfg.torch_dtype,
     ) == ("qwen2", 151936, True, True, "bfloat16")
     eng = Engine.load(folder, cache_dir=tmp_path / "graphs", max_context=64, precision="int4")
-    assert eng.tokenizer.vocab_size == 151643 and eng.sample_vocab == 151643
+    assert eng.tokenizer.token_to_id("<|fim_prefix|>") >= 151643
+    assert FimFormat.detect(eng.tokenizer).style.name == "qwen"
     gen = eng.generate(list(range(300, 340)), GenerationParams(max_new_tokens=5, ignore_eos=True))
     for _ in gen:
         pass
     assert len(gen.tokens) == 5
+    # a folder written before the control tokens existed gets them; its weights stay untouched
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    (folder / "tokenizer.json").write_text(
+        models._synthetic_tokenizer(300).to_str(), encoding="utf-8"
+    )
+    assert models.synthetic_model("synthetic-test", root=tmp_path) == folder
+    assert "<|fim_prefix|>" in (folder / "tokenizer.json").read_text(encoding="utf-8")
+    assert (folder / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_graph_bytes_per_token_counts_what_a_step_reads(tiny_llama, tmp_path):
