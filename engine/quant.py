@@ -359,11 +359,7 @@ class QuantLinear:
         ins = [x, None]
         N = w.shape[1]
         for p in range(len(parts)):
-            qw = quantize_blockwise(
-                w[offs[p] : offs[p + 1]], self.bits, block, symmetric=self.symmetric
-            )
-            codes, zps = unpack_codes(qw)
-            c, s, z = mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)
+            c, s, z = self._pack_line(w[offs[p] : offs[p + 1]], block)
             ins += [
                 gb.initializer(f"{name}.line{p}.q{self.bits}", c),
                 gb.initializer(f"{name}.line{p}.scales", s),
@@ -378,6 +374,26 @@ class QuantLinear:
             bits=self.bits,
             block_size=block,
         )
+
+    def _pack_line(self, w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One mesh line's tiles ``w[k, N]`` quantised and packed in MeshLinearQ's layout, a run
+        of whole panels at a time: the temporaries stay a few MB even for a 150k-column LM head."""
+        k, N = w.shape
+        panels = -(-N // mesh_op.PANEL)
+        step = max(1, QUANT_CHUNK // (k * mesh_op.PANEL)) * mesh_op.PANEL
+        out = None
+        for n0 in range(0, N, step):
+            qw = quantize_blockwise(
+                w[:, n0 : n0 + step], self.bits, block, symmetric=self.symmetric
+            )
+            codes, zps = unpack_codes(qw)
+            chunk = mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)
+            if out is None:
+                out = [np.empty((panels, *a.shape[1:]), a.dtype) for a in chunk]
+            q0 = n0 // mesh_op.PANEL
+            for o, a in zip(out, chunk):
+                o[q0 : q0 + a.shape[0]] = a
+        return out[0], out[1], out[2]
 
     def emit(
         self,

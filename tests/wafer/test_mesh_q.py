@@ -263,6 +263,24 @@ def test_emitter_equals_fused_matmulnbits(bits, role, grid, K, N):
     assert emitters["op"].max_verify_tokens is None and emitters["fused"].max_verify_tokens == 1
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_line_packing_in_column_chunks_equals_one_pass(bits, monkeypatch):
+    """The emitter quantises and packs a wide line a run of panels at a time (bounded memory for
+    a 150k-column LM head): the same arrays as quantising and packing it whole."""
+    import engine.quant as quant
+
+    rng = np.random.default_rng(bits)
+    w = rng.standard_normal((48, 1000)).astype(np.float32)
+    lin = QuantLinear(bits, TiledLinear((2, 2)), form="op")
+    qw = quantize_blockwise(w, bits, 16)
+    codes, zps = unpack_codes(qw)
+    whole = mesh_op.pack_quantized(codes, qw.scales, zps, bits)
+    monkeypatch.setattr(quant, "QUANT_CHUNK", 48 * 64 * 3)  # 192-column chunks, uneven tail
+    for got, want in zip(lin._pack_line(w, 16), whole):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
 def test_emitter_form_choice_and_errors():
     assert QuantLinear(8, inner=TiledLinear((2, 2))).form == "op"  # the default on a grid
     assert QuantLinear(8).form == "fused"  # no grid: nothing to partition
