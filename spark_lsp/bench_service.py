@@ -4,14 +4,24 @@ The typing trace is `bench lsp`'s (a function body of a real file typed back key
 keystroke); every keystroke builds the inline-completion prompt the server would (same prompt
 builder, the document as slot) and asks for a greedy suggestion of `--max-tokens` tokens:
 
-- `inproc`: `engine.Engine` in this process (what `spark-lsp serve` does today);
-- `ws`: the engine daemon (`engine.service`) over one persistent WebSocket;
-- `sse`: the same engine behind a plain HTTP endpoint, one request (and TCP connection) per
-  generation with Server-Sent Events (`engine.service.sse`), the request-per-call baseline.
+- `inproc`: `engine.Engine` in this process (what `spark-lsp serve` does by default);
+- `ws`: the engine daemon (`engine.service`) over one persistent WebSocket, with the asyncio
+  client: after the first keystroke a request is a prompt delta against the previous one;
+- `sse`: the same engine behind a plain HTTP endpoint (`engine.service.sse`), the
+  request-per-generation baseline as a client without a connection pool does it: a new TCP
+  connection, one HTTP/1.1 POST with the whole prompt as JSON token ids, the tokens streamed
+  back as Server-Sent Events, the connection closed.
 
-Per keystroke: first byte (request sent -> first text), the engine's own TTFT (from the `done`
-stats), the per-request overhead (first byte - engine TTFT) and keystroke-to-suggestion (request
--> the whole suggestion).  The transports run one after another, each server in its own process.
+Per keystroke: first byte (the keystroke's request is built -> its first text arrives; each
+client's encoding is inside), the engine's own TTFT (from the `done` stats: the engine takes the
+request -> first token), the per-request overhead (first byte - engine TTFT), keystroke-to-
+suggestion (-> the whole suggestion) and the bytes of the request message.  Each server runs in its
+own process with its own copy of the model; the three transports take turns keystroke by
+keystroke, so a busy machine weighs on each alike.  Cancel: a generation is cancelled from another
+thread a few ms after its third token (as an editor's cancel reaches the language server while
+the engine works); the time from `cancel()` to the consuming thread seeing the end, in-process and
+through the service's thread-side client (the language server's path); `cancel_socket_ms` is the
+asyncio client's `cancel` sent -> `done` received.
 `--ray`: then K simulated editors (K = 1, 4, 16), each typing its own copy of the trace at once,
 against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse rate
 (reused prompt tokens / prompt tokens).
@@ -21,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -31,13 +43,15 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from engine import Engine, GenerationParams
+from engine.service import protocol as P
 from engine.service import rundir
-from engine.service.client import EngineClient
+from engine.service.client import EngineClient, SyncEngineClient
 
 from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
 from .prompt import PromptBuilder
@@ -129,13 +143,16 @@ def summary(rows: list[dict]) -> dict[str, Any]:
             "p95": pct(xs, 0.95),
             "mean": statistics.fmean(xs) if xs else None,
         }
+    sizes = col("request_bytes")
+    out["request_bytes_mean"] = statistics.fmean(sizes) if sizes else None
     pt = sum(r.get("prompt_tokens", 0) for r in rows)
     out["prefix_reuse"] = sum(r.get("reused_tokens", 0) for r in rows) / pt if pt else None
     return out
 
 
 def _row(t0: float, t_first: float | None, t_end: float, stats: dict) -> dict:
-    first = (t_first - t0) * 1e3 if t_first is not None else None
+    t_first = t_first if t_first is not None else t_end
+    first = (t_first - t0) * 1e3
     ttft = float(stats.get("ttft_ms", 0.0))
     return {
         "first_byte_ms": first,
@@ -148,38 +165,123 @@ def _row(t0: float, t_first: float | None, t_end: float, stats: dict) -> dict:
 
 
 # -- the transports ---------------------------------------------------------------------------
-def run_inproc(
-    engine: Engine, uri: str, trace: list[list[int]], params: GenerationParams
-) -> list[dict]:
-    rows = []
-    for ids in trace:
-        t0 = time.perf_counter()
-        t_first = None
-        gen = engine.generate(ids, params, slot=uri)
-        for chunk in gen:
-            if t_first is None and chunk.text:
+def inproc_one(engine: Engine, uri: str, ids: list[int], params: GenerationParams) -> dict:
+    t0 = time.perf_counter()
+    t_first = None
+    gen = engine.generate(ids, params, slot=uri)
+    for chunk in gen:
+        if t_first is None and chunk.text:
+            t_first = time.perf_counter()
+    return _row(t0, t_first, time.perf_counter(), gen.stats)
+
+
+async def ws_one(client: EngineClient, uri: str, ids: list[int], params: GenerationParams) -> dict:
+    t0 = time.perf_counter()
+    t_first = None
+    gen = await client.generate(ids, params, slot=uri)
+    async for piece in gen:
+        if t_first is None and piece.text:
+            t_first = time.perf_counter()
+    return _row(t0, t_first, time.perf_counter(), gen.stats)
+
+
+def sse_one(url: str, uri: str, ids: list[int], params: GenerationParams) -> dict:
+    """One generation as a pool-less HTTP client makes it: connect, POST the whole prompt, read
+    the event stream, close."""
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    t0 = time.perf_counter()
+    body = json.dumps({"prompt": ids, "params": P.params_to_json(params), "slot": uri})
+    conn = http.client.HTTPConnection(host, int(port))  # a new connection per request
+    conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    t_first, stats, event = None, {}, "message"
+    for raw in resp:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            data = json.loads(line[6:])
+            if event == "done":
+                stats = data["stats"]
+            elif t_first is None and data.get("text"):
                 t_first = time.perf_counter()
-        rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), gen.stats))
+        elif not line:
+            event = "message"
+    conn.close()
+    row = _row(t0, t_first, time.perf_counter(), stats)
+    row["request_bytes"] = len(body)
+    return row
+
+
+def count_sent(client: EngineClient) -> list[int]:
+    """Sizes of the frames the client sends from now on (the bench's own accounting)."""
+    sizes: list[int] = []
+    send = client.ws.send
+
+    async def counting(data, *a, **kw):
+        sizes.append(len(data))
+        return await send(data, *a, **kw)
+
+    client.ws.send = counting
+    return sizes
+
+
+async def take_turns(
+    wanted: list[str],
+    engine: Engine | None,
+    ws: tuple[str, str] | None,
+    sse_url: str | None,
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+) -> dict[str, list[dict]]:
+    """Every keystroke on every transport in turn (each on its own slot of its own engine)."""
+    rows: dict[str, list[dict]] = {name: [] for name in wanted}
+    client = await EngineClient.connect(*ws, client="bench") if ws else None
+    try:
+        sizes = count_sent(client) if client else []
+        for ids in trace:
+            if "inproc" in rows:
+                rows["inproc"].append(inproc_one(engine, uri, ids, params))
+            if client is not None:
+                rows["ws"].append(await ws_one(client, uri, ids, params))
+                rows["ws"][-1]["request_bytes"] = sizes[-1]
+            if "sse" in rows:
+                rows["sse"].append(sse_one(sse_url, uri, ids, params))
+    finally:
+        if client is not None:
+            await client.close()
     return rows
 
 
-def cancel_inproc(engine: Engine, ids: list[int], n: int) -> list[float]:
-    """Cancel `n` running generations after their third token: ms from cancel() to the end."""
+def cancel_from_thread(start, n: int, seed: int = 0) -> list[float]:
+    """`n` long generations made by `start()`, each cancelled from another thread 0-3 ms after
+    its third chunk: ms from `cancel()` to this (consuming) thread seeing the end."""
+    rng = random.Random(seed)
     out = []
-    params = GenerationParams(max_new_tokens=500, ignore_eos=True)
     for _ in range(n):
-        gen = engine.generate(ids, params, slot="cancel")
-        t0 = None
+        gen = start()
+        fired: list[float] = []
+        timer = None
         for i, _chunk in enumerate(gen):
             if i == 2:
-                t0 = time.perf_counter()
-                gen.cancel()
-        out.append((time.perf_counter() - t0) * 1e3)
+
+                def fire(g=gen) -> None:
+                    fired.append(time.perf_counter())
+                    g.cancel()
+
+                timer = threading.Timer(rng.uniform(0.0, 0.003), fire)
+                timer.start()
+        t_end = time.perf_counter()
+        if timer is not None:
+            timer.join()
+        if fired and gen.finish_reason == "cancelled":
+            out.append((t_end - fired[0]) * 1e3)
     return out
 
 
 async def _ws_cancels(url: str, token: str, ids: list[int], n: int) -> list[float]:
-    """The same over the WebSocket: ms from sending `cancel` to receiving `done`."""
+    """The asyncio client on the socket: ms from sending `cancel` to receiving `done`."""
     client = await EngineClient.connect(url, token, client="bench")
     out = []
     try:
@@ -219,12 +321,6 @@ async def _ws_editor(
     return rows
 
 
-def run_ws(
-    url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams
-) -> list[dict]:
-    return asyncio.run(_ws_editor(url, token, uri, trace, params))
-
-
 def run_editors(
     url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams, k: int
 ) -> list[dict]:
@@ -237,35 +333,6 @@ def run_editors(
         return [r for part in parts for r in part]
 
     return asyncio.run(all_editors())
-
-
-def run_sse(url: str, uri: str, trace: list[list[int]], params: GenerationParams) -> list[dict]:
-    from engine.service import protocol as P
-
-    host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
-    rows = []
-    for ids in trace:
-        body = json.dumps({"prompt": ids, "params": P.params_to_json(params), "slot": uri})
-        t0 = time.perf_counter()
-        conn = http.client.HTTPConnection(host, int(port))  # a new connection per request
-        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        t_first, stats, event = None, {}, "message"
-        for raw in resp:
-            line = raw.decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                if event == "done":
-                    stats = data["stats"]
-                elif t_first is None and data.get("text"):
-                    t_first = time.perf_counter()
-            elif not line:
-                event = "message"
-        conn.close()
-        rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), stats))
-    return rows
 
 
 def _env() -> dict:
@@ -491,35 +558,43 @@ def run(args) -> int:
         "max_tokens": args.max_tokens,
         "transports": {},
     }
-    # each transport starts with a cold slot and the same warm-up (ONNX Runtime's first runs)
-    if "inproc" in wanted:
-        run_inproc(engine, "warm-up", trace[:2], params)
-        results["transports"]["inproc"] = summary(run_inproc(engine, uri, trace, params))
-        results["transports"]["inproc"]["cancel_ms"] = _p(
-            cancel_inproc(engine, trace[-1], args.cancels)
-        )
-    del engine
-    if "ws" in wanted:
-        with tempfile.TemporaryDirectory() as run_dir:
+    load_before = os.getloadavg()
+    long = GenerationParams(max_new_tokens=500, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as run_dir, contextlib.ExitStack() as stack:
+        ws = sse_url = None
+        if "ws" in wanted:
             proc, rec = start_daemon(args.model, run_dir)
+            stack.callback(_stop, proc)
+            ws = (rec["url"], rec["token"])
+        if "sse" in wanted:
+            proc, sse_url = start_sse(args.model)
+            stack.callback(_stop, proc)
+        local = engine if "inproc" in wanted else None
+        # the same warm-up everywhere (ONNX Runtime's first runs), then a cold document slot
+        asyncio.run(take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params))
+        rows = asyncio.run(take_turns(wanted, local, ws, sse_url, uri, trace, params))
+        for name in wanted:
+            results["transports"][name] = summary(rows[name])
+        if "inproc" in wanted:
+            results["transports"]["inproc"]["cancel_ms"] = _p(
+                cancel_from_thread(
+                    lambda: engine.generate(trace[-1], long, slot="cancel"), args.cancels
+                )
+            )
+        if ws is not None:
+            client = SyncEngineClient(*ws, client="bench")
             try:
-                run_ws(rec["url"], rec["token"], "warm-up", trace[:2], params)
-                results["transports"]["ws"] = summary(
-                    run_ws(rec["url"], rec["token"], uri, trace, params)
+                results["transports"]["ws"]["cancel_ms"] = _p(
+                    cancel_from_thread(
+                        lambda: client.generate(trace[-1], long, slot="cancel"), args.cancels
+                    )
                 )
-                cancels = asyncio.run(
-                    _ws_cancels(rec["url"], rec["token"], trace[-1], args.cancels)
-                )
-                results["transports"]["ws"]["cancel_ms"] = _p(cancels)
             finally:
-                _stop(proc)
-    if "sse" in wanted:
-        proc, url = start_sse(args.model)
-        try:
-            run_sse(url, "warm-up", trace[:2], params)
-            results["transports"]["sse"] = summary(run_sse(url, uri, trace, params))
-        finally:
-            _stop(proc)
+                client.close()
+            results["transports"]["ws"]["cancel_socket_ms"] = _p(
+                asyncio.run(_ws_cancels(*ws, trace[-1], args.cancels))
+            )
+    results["load_average"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     t = results["transports"]
     if "ws" in t and "sse" in t:
         ws, sse = t["ws"], t["sse"]
@@ -555,22 +630,29 @@ def print_table(r: dict) -> None:
     def f(x):
         return "-" if x is None else f"{x:.2f}"
 
-    print(f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion")
+    load = r.get("load_average", {})
+    print(
+        f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion "
+        f"(load average {f(load.get('before'))} -> {f(load.get('after'))})"
+    )
     print(
         f"{'transport':10} {'1st byte p50':>12} {'TTFT p50':>9} {'overhead p50':>12} {'p95':>7} "
-        f"{'suggest p50':>11} {'p95':>7} {'reuse':>6}"
+        f"{'suggest p50':>11} {'p95':>7} {'reuse':>6} {'request B':>9}"
     )
     for name, s in r["transports"].items():
         print(
             f"{name:10} {f(s['first_byte_ms']['p50']):>12} {f(s['ttft_ms']['p50']):>9} "
             f"{f(s['overhead_ms']['p50']):>12} {f(s['overhead_ms']['p95']):>7} {f(s['suggestion_ms']['p50']):>11} "
-            f"{f(s['suggestion_ms']['p95']):>7} {f(s['prefix_reuse']):>6}"
+            f"{f(s['suggestion_ms']['p95']):>7} {f(s['prefix_reuse']):>6} "
+            f"{f(s.get('request_bytes_mean')):>9}"
         )
     for name, s in r["transports"].items():
-        if "cancel_ms" in s:
-            print(
-                f"{name}: cancel -> stopped p50 {f(s['cancel_ms']['p50'])} ms, p95 {f(s['cancel_ms']['p95'])} ms"
-            )
+        for key, what in (
+            ("cancel_ms", "cancel() -> stopped"),
+            ("cancel_socket_ms", "cancel sent -> done"),
+        ):
+            if key in s:
+                print(f"{name}: {what} p50 {f(s[key]['p50'])} ms, p95 {f(s[key]['p95'])} ms")
     if "ws_vs_sse" in r:
         v = r["ws_vs_sse"]
         print(

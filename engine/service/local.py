@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..cancel import CancelToken
 from ..config import ModelError
 
 if TYPE_CHECKING:
@@ -101,20 +102,27 @@ class Workers:
 
 
 class LocalRun:
-    """A generation running on a worker thread; ``cancel()`` stops it within one decode step."""
+    """A generation running on a worker thread; ``cancel()`` stops it within one decode step.
 
-    def __init__(self, gen: Generation, sink: Sink) -> None:
-        self.gen = gen
+    The worker itself creates the ``Generation`` (``start(cancel_token)``), so the engine's TTFT
+    counts from when the engine takes the request, as in-process, and the hand-over to the worker
+    is part of the service's own overhead."""
+
+    def __init__(self, start: Callable[[CancelToken], Generation], sink: Sink) -> None:
+        self._start = start
+        self.gen: Generation | None = None
         self.sink = sink
         self._stop = threading.Event()
+        self._token = CancelToken()
 
     def cancel(self) -> None:
         self._stop.set()
-        self.gen.cancel()
+        self._token.cancel("generation cancelled")
 
     def work(self) -> None:
         error = None
         try:
+            self.gen = self._start(self._token)
             for chunk in self.gen:
                 while not self._stop.is_set() and not self.sink.credit(self._stop, 0.05):
                     pass
@@ -127,10 +135,11 @@ class LocalRun:
         except Exception as e:  # an engine failure ends this generation, never the service
             log.exception("generation failed")
             error = ("engine_error", f"{type(e).__name__}: {e}")
-        reason = self.gen.finish_reason or "cancelled"
+        gen = self.gen
+        reason = (gen.finish_reason if gen is not None else None) or "cancelled"
         if error is not None:
             reason = "error"
-        self.sink.finish(reason, dict(self.gen.stats), error)
+        self.sink.finish(reason, dict(gen.stats) if gen is not None else {}, error)
 
 
 class LocalModels:
@@ -172,9 +181,8 @@ class LocalModels:
         sink: Sink,
     ) -> LocalRun:
         eng = self.get(name)
-        run = LocalRun(
-            eng.generate(ids, params, slot=("service", slot) if slot is not None else None), sink
-        )
+        key = ("service", slot) if slot is not None else None
+        run = LocalRun(lambda token: eng.generate(ids, params, slot=key, cancel=token), sink)
         self.workers.submit(run.work)
         return run
 

@@ -9,7 +9,10 @@ from spark_lsp import bench_service
 
 @pytest.mark.slow
 def test_bench_service_reports_every_transport(capsys):
-    assert bench_service.main(["--max-chars", "6", "--max-tokens", "4", "--json"]) == 0
+    assert (
+        bench_service.main(["--max-chars", "6", "--max-tokens", "4", "--cancels", "3", "--json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert set(out["transports"]) == {"inproc", "ws", "sse"}
     n = out["keystrokes"]
@@ -19,6 +22,12 @@ def test_bench_service_reports_every_transport(capsys):
         assert s["suggestion_ms"]["p50"] > 0 and s["first_byte_ms"]["p50"] > 0
         assert 0 < s["prefix_reuse"] <= 1  # the document's slot is reused keystroke after keystroke
     assert out["ws_vs_sse"]["overhead_p50_ratio"] is not None
+    t = out["transports"]
+    # after the first keystroke the socket carries prompt deltas, HTTP the whole prompt each time
+    assert t["ws"]["request_bytes_mean"] < t["sse"]["request_bytes_mean"] / 2
+    for name, key in (("inproc", "cancel_ms"), ("ws", "cancel_ms"), ("ws", "cancel_socket_ms")):
+        assert t[name][key]["n"] == 3 and t[name][key]["p50"] > 0  # every cancel stopped it
+    assert set(out["load_average"]) == {"before", "after"}
 
 
 @pytest.mark.slow
