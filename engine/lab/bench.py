@@ -716,6 +716,20 @@ def add_arguments(p) -> None:
         help=f"llama.cpp's GGUF types, one runner each (default: {','.join(GGUF_TYPES)})",
     )
     p.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="measure only what a speculative verification pass (1 + 8 drafted tokens) costs in "
+        "single decode steps after --prompt-tokens, for each --precision (fp32 only if listed), "
+        "and the speed-up that implies at --acceptance rates",
+    )
+    p.add_argument(
+        "--acceptance",
+        default=None,
+        metavar="LIST",
+        help="with --verify-cost: acceptance rates to print the implied speed-up for, e.g. the "
+        "ones `spark-lsp bench edits` prints (default: 0.5,0.7,0.8,0.9)",
+    )
+    p.add_argument(
         "--no-wafer", action="store_true", help="plain MatMuls instead of the partitioned emitter"
     )
     p.add_argument(
@@ -781,6 +795,8 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
         log = (
             (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))
         )
+        if getattr(args, "verify_cost", False):
+            return _verify_cost(args, opts, log)
         res = bench_engine(args.model, opts, log=log)
     except (ModelError, ValueError, OSError) as e:
         print(f"spark-lsp bench engine: error: {e}", file=sys.stderr)
@@ -791,6 +807,41 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
         print()
         print(format_table(res))
     return plot_results(plot, res, getattr(args, "plot", None), "engine")
+
+
+def _verify_cost(args, opts: BenchOptions, log: Callable[[str], None]) -> int:
+    """``--verify-cost``: the pass cost per precision (as listed: fp32 is not forced here)."""
+    from . import verify_cost
+
+    rates = verify_cost.DEFAULT_ACCEPTANCE
+    if args.acceptance:
+        try:
+            extra = tuple(float(a) for a in str(args.acceptance).split(",") if a.strip())
+        except ValueError:
+            raise ValueError(
+                f"--acceptance {args.acceptance!r}: expected numbers, e.g. 0.8,0.9"
+            ) from None
+        if not all(0.0 <= a <= 1.0 for a in extra):
+            raise ValueError("--acceptance: rates are between 0 and 1")
+        rates = tuple(dict.fromkeys(extra + rates))
+    names = [x.strip().lower() for x in str(args.precision).split(",") if x.strip()]
+    res = verify_cost.bench_verify_cost(
+        args.model,
+        tuple(dict.fromkeys(names)),
+        opts.prompt_tokens,
+        opts.threads,
+        wafer=opts.wafer,
+        seed=opts.seed,
+        log=log,
+    )
+    res["acceptance"] = list(rates)
+    for row in res["verify_cost"].values():
+        row["implied_speedup"] = verify_cost.implied(row, rates)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print("\n".join(verify_cost.format_rows(res["verify_cost"], rates)))
+    return 0
 
 
 def plot_results(

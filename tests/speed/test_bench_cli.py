@@ -184,3 +184,41 @@ def test_plot_on_every_benchmark(name, argv, tiny_llama, tmp_path, capsys):
     assert f"plot: {png}" in err
     data = png.read_bytes()
     assert data[:8] == PNG and len(data) > 5000
+
+
+def test_verify_cost(tiny_llama, capsys):
+    """`bench engine --verify-cost`: a pass of 1 + 8 drafted tokens timed against a single step,
+    per precision as listed (no forced fp32), with the speed-up each acceptance rate implies."""
+    from engine.lab import verify_cost
+
+    rc, out, err = cli(
+        [
+            "engine",
+            "--model",
+            str(tiny_llama),
+            "--verify-cost",
+            "--precision",
+            "int8",
+            "--prompt-tokens",
+            "40",
+            "--acceptance",
+            "0.85",
+            "--json",
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    res = json.loads(out)
+    (name, row), *others = res["verify_cost"].items()
+    assert name == "int8" and not others
+    assert row["prompt_tokens"] == 40 and row["drafted"] == 8
+    assert row["step_ms"] > 0 and row["pass_ms"] > 0 and row["pass_one_row_ms"] > 0
+    assert row["pass_in_steps"] == pytest.approx(row["pass_ms"] / row["step_ms"])
+    assert list(row["implied_speedup"]) == ["0.85", "0.5", "0.7", "0.8", "0.9"]
+    want = verify_cost.expected_tokens(0.85, 8) / row["pass_in_steps"]
+    assert row["implied_speedup"]["0.85"] == pytest.approx(want)
+    # a pass of 9 at acceptance a yields 1 + a + ... + a^8 tokens
+    assert verify_cost.expected_tokens(0.5, 8) == pytest.approx(sum(0.5**i for i in range(9)))
+    assert verify_cost.expected_tokens(1.0, 8) == 9.0
+    rc, out, err = cli(["engine", "--verify-cost", "--acceptance", "2", "--model", "x"], capsys)
+    assert rc == 2 and "between 0 and 1" in err
