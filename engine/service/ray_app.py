@@ -23,6 +23,11 @@ stalled under concurrent requests (Serve's router hands the replica it found to 
 request is first, then backs off for ~10 s).  One deployment per shard keeps Serve's replica
 management, health checks and restarts, and makes placement deterministic.
 
+Each replica holds ``slots`` KV slots (enough for the documents hashed to it, about documents /
+replicas: fewer and documents evict each other's prefixes) and runs ONNX Runtime with the
+cluster's CPUs shared out among the replicas (``replica_threads``), so replicas do not
+oversubscribe the cores they share.
+
 A replica that dies mid-generation: the ingress starts the generation again on another replica
 from the prompt plus the tokens already delivered (greedy decoding continues identically), so the
 client loses nothing but the cache; after ``RETRIES`` failures the generation ends with
@@ -62,7 +67,7 @@ from .local import describe
 
 log = logging.getLogger(__name__)
 
-#: KV slots per replica (documents whose prefix each replica keeps warm).
+#: KV slots per replica (documents whose prefix each replica keeps warm), unless told otherwise.
 SLOTS = 16
 #: Times a generation is restarted on another replica before it fails.
 RETRIES = 3
@@ -89,10 +94,16 @@ def rank_shards(key: str | None, n: int, down: set[int] = frozenset()) -> list[i
 class EngineReplica:
     """One copy of the engine; every generation it runs streams from a worker thread."""
 
-    def __init__(self, model_dir: str, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        threads: int | None = None,
+        slots: int = SLOTS,
+        precision: str = "fp32",
+    ) -> None:
         from ..engine import Engine  # ONNX Runtime loads in the replica process only
 
-        self.engine = Engine.load(model_dir, slots=SLOTS, threads=threads)
+        self.engine = Engine.load(model_dir, slots=slots, threads=threads, precision=precision)
         self.engine.prefill_chunk = min(self.engine.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         self.engine.tokenizer.byte_index()  # token-healed prompts need it: built now
         self.where = f"{os.uname().nodename}:{os.getpid()}"
@@ -352,6 +363,14 @@ class EngineIngress:
         await ws.close(code=1008)
 
 
+def replica_threads(replicas: int) -> int:
+    """Intra-op threads per replica: the cluster's CPUs shared out among the replicas, so that
+    replicas running at once do not oversubscribe the cores (on one 2-core machine: 1 replica
+    gets 2 threads, 2 replicas 1 each)."""
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return max(1, cpus // max(1, replicas))
+
+
 def build_app(
     model_dir: str,
     *,
@@ -360,11 +379,13 @@ def build_app(
     origins: list[str],
     num_cpus: float = 0.5,
     threads: int | None = 1,
+    slots: int = SLOTS,
+    precision: str = "fp32",
 ):
     shards = [
         EngineReplica.options(
             name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
-        ).bind(model_dir, threads)
+        ).bind(model_dir, threads, slots, precision)
         for i in range(replicas)
     ]
     return EngineIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(
@@ -381,12 +402,24 @@ def deploy(
     token: str,
     origins: list[str] = (),
     num_cpus: float = 0.5,
+    threads: int | None = None,
+    slots: int = SLOTS,
+    precision: str = "fp32",
 ) -> str:
-    """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL."""
+    """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
+    ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
+    per replica, enough for the documents each serves (about documents / replicas)."""
     serve.start(http_options={"host": host, "port": port})
     serve.run(
         build_app(
-            model_dir, replicas=replicas, token=token, origins=list(origins), num_cpus=num_cpus
+            model_dir,
+            replicas=replicas,
+            token=token,
+            origins=list(origins),
+            num_cpus=num_cpus,
+            threads=threads or replica_threads(replicas),
+            slots=slots,
+            precision=precision,
         ),
         name=APP_NAME,
         route_prefix="/",
@@ -428,7 +461,9 @@ def main_args(args) -> int:
         replicas=args.replicas,
         token=token,
         origins=args.allow_origin,
-        num_cpus=getattr(args, "replica_cpus", 0.5),
+        threads=args.threads,
+        slots=args.slots,
+        precision=args.precision,
     )
     key = rundir.model_key(folders)
     path = rundir.write_record(key, url, token, [str(f) for f in folders], ray=True)
