@@ -22,9 +22,12 @@ thread a few ms after its third token (as an editor's cancel reaches the languag
 the engine works); the time from `cancel()` to the consuming thread seeing the end, in-process and
 through the service's thread-side client (the language server's path); `cancel_socket_ms` is the
 asyncio client's `cancel` sent -> `done` received.
-`--ray`: then K simulated editors (K = 1, 4, 16), each typing its own copy of the trace at once,
-against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse rate
-(reused prompt tokens / prompt tokens).
+`--ray`: then K simulated editors (K = 1, 4, 8, 16), each typing its own copy of the trace at
+once, against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse
+rate (reused prompt tokens / prompt tokens, each document's first, cold request included), then
+2 replicas with one killed halfway (every suggestion answered, cancelled, failed or hung).
+`--memory`: resident memory (RSS, PSS) of 4 language servers sharing one daemon vs one
+in-process server, at the bundled model and a real-size one.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ray", action="store_true", help="also K editors against 1 and 2 Ray Serve replicas"
     )
-    p.add_argument("--editors", default="1,4,16", help="K values for --ray (default 1,4,16)")
+    p.add_argument("--editors", default="1,4,8,16", help="K values for --ray (default 1,4,8,16)")
     p.add_argument(
         "--cancels", type=int, default=30, help="cancels timed per transport (default 30)"
     )
@@ -113,6 +116,7 @@ def prompts(args, tokenizer) -> tuple[str, list[list[int]]]:
     start, end, _ = pick_function(source, args.function)
     keys = keystrokes(source[start:end])
     text = source[:start] + source[end:]
+    uri = path.resolve().as_uri()
     builder = PromptBuilder(tokenizer)
     out, typed = [], ""
     for k in keys:
@@ -120,8 +124,9 @@ def prompts(args, tokenizer) -> tuple[str, list[list[int]]]:
         if len(typed) > args.max_chars:
             break
         doc = text[:start] + typed + text[start:]
-        out.append(builder.build(doc, start + len(typed), args.context_tokens).ids)
-    return path.resolve().as_uri(), out
+        # key: the document's prefix anchor, as the server keeps it (completions.suggest)
+        out.append(builder.build(doc, start + len(typed), args.context_tokens, key=uri).ids)
+    return uri, out
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -302,39 +307,6 @@ async def _ws_cancels(url: str, token: str, ids: list[int], n: int) -> list[floa
     return out
 
 
-async def _ws_editor(
-    url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams
-) -> list[dict]:
-    client = await EngineClient.connect(url, token, client="bench")
-    rows = []
-    try:
-        for ids in trace:
-            t0 = time.perf_counter()
-            t_first = None
-            gen = await client.generate(ids, params, slot=uri)
-            async for piece in gen:
-                if t_first is None and piece.text:
-                    t_first = time.perf_counter()
-            rows.append(_row(t0, t_first or time.perf_counter(), time.perf_counter(), gen.stats))
-    finally:
-        await client.close()
-    return rows
-
-
-def run_editors(
-    url: str, token: str, uri: str, trace: list[list[int]], params: GenerationParams, k: int
-) -> list[dict]:
-    """K editors typing at once, each on its own document (its own slot) over its own socket."""
-
-    async def all_editors():
-        parts = await asyncio.gather(
-            *(_ws_editor(url, token, f"{uri}#editor{i}", trace, params) for i in range(k))
-        )
-        return [r for part in parts for r in part]
-
-    return asyncio.run(all_editors())
-
-
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -388,39 +360,229 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+#: Seconds a suggestion may take in the Ray runs before it counts as hung (and is cancelled).
+HUNG_S = 120.0
+#: Finish reasons of an answered suggestion.
+ANSWERED = ("length", "eos", "stop")
+
+
+async def _ray_editor(
+    url: str,
+    token: str,
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    done: list[dict] | None = None,
+) -> list[dict]:
+    """One editor typing the trace against the Ray deployment over its own socket: a row per
+    keystroke (`_row`) with the suggestion's outcome (finish reason, replica, restarts); one
+    that takes over HUNG_S is cancelled and counted ``hung``.  Every finished row is also
+    appended to `done` (progress)."""
+    client = await EngineClient.connect(url, token, client="bench")
+    rows = []
+    try:
+        for ids in trace:
+            t0 = time.perf_counter()
+            first: list[float] = []
+            gen = await client.generate(ids, params, slot=uri)
+
+            async def read(gen=gen, first=first) -> None:
+                async for piece in gen:
+                    if not first and piece.text:
+                        first.append(time.perf_counter())
+
+            try:
+                await asyncio.wait_for(read(), HUNG_S)
+                t_end = time.perf_counter()
+                row = _row(t0, first[0] if first else t_end, t_end, gen.stats)
+                row["finish"] = gen.finish_reason
+                row["error"] = (gen.error or {}).get("code")
+            except asyncio.TimeoutError:
+                await gen.cancel()
+                row = {"finish": "hung", "suggestion_ms": HUNG_S * 1e3}
+            row["replica"] = gen.stats.get("replica")
+            row["restarts"] = gen.stats.get("restarts", 0)
+            rows.append(row)
+            if done is not None:
+                done.append(row)
+    finally:
+        await client.close()
+    return rows
+
+
+def ray_summary(rows: list[dict], per_editor: int) -> dict[str, Any]:
+    """`summary` plus the outcomes, and the prefix reuse without each document's first (cold)
+    request, whose prompt no replica can have seen."""
+    out = summary([r for r in rows if r.get("finish") != "hung"])
+    warm = [r for i, r in enumerate(rows) if i % per_editor and r.get("finish") != "hung"]
+    pt = sum(r.get("prompt_tokens", 0) for r in warm)
+    out["prefix_reuse_after_first"] = (
+        sum(r.get("reused_tokens", 0) for r in warm) / pt if pt else None
+    )
+    out["suggestion_ms"]["p95_all"] = pct([r["suggestion_ms"] for r in rows], 0.95)
+    finish = [r.get("finish") for r in rows]
+    out["outcomes"] = {
+        "answered": sum(f in ANSWERED for f in finish),
+        "cancelled": finish.count("cancelled"),
+        "error": finish.count("error"),
+        "hung": finish.count("hung"),
+        "restarted": sum(1 for r in rows if r.get("restarts")),
+    }
+    out["replicas_used"] = len({r["replica"] for r in rows if r.get("replica")})
+    return out
+
+
+def run_ray_editors(
+    url: str,
+    token: str,
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    k: int,
+    kill_at: float | None = None,
+) -> tuple[list[dict], dict | None]:
+    """K editors typing at once, each its own document over its own socket.  `kill_at`: when
+    that fraction of all the suggestions is done, SIGKILL the replica that served most of them
+    (returns what was killed)."""
+    done: list[dict] = []
+    killed: dict | None = None
+
+    async def killer() -> None:
+        nonlocal killed
+        while len(done) < kill_at * k * len(trace):
+            await asyncio.sleep(0.005)
+        counts: dict[str, int] = {}
+        for r in done:
+            if r.get("replica"):
+                counts[r["replica"]] = counts.get(r["replica"], 0) + 1
+        victim = max(counts, key=counts.get)
+        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+        killed = {"replica": victim, "after_suggestions": len(done)}
+
+    async def all_editors() -> list[dict]:
+        kill = asyncio.ensure_future(killer()) if kill_at is not None else None
+        try:
+            parts = await asyncio.gather(
+                *(
+                    _ray_editor(url, token, f"{uri}#editor{i}", trace, params, done)
+                    for i in range(k)
+                )
+            )
+        finally:
+            if kill is not None and not kill.done():
+                kill.cancel()
+        return [r for part in parts for r in part]
+
+    rows = asyncio.run(all_editors())
+    return rows, killed
+
+
 def run_ray(
     args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
 ) -> dict:
-    """K editors against 1 and 2 replicas of a local Ray Serve deployment."""
+    """K editors against 1 and 2 replicas of a local Ray Serve deployment on this machine's
+    cores (each replica's intra-op threads: the cores shared out, `ray_app.replica_threads`),
+    then 2 replicas with max(K) editors and one replica killed halfway."""
+    # Ray prints its workers' deaths (the replica killed on purpose) on stdout: keep stdout for
+    # the results (--json), send the rest to stderr
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run_ray(args, uri, trace, params, ks)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run_ray(
+    args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
+) -> dict:
     import ray
     from ray import serve
 
     from engine.models import default_model_dir
     from engine.service import ray_app
 
-    out: dict[str, Any] = {}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cpus = os.cpu_count() or 2
+    slots = max(ks) + 2  # every document a replica may get, and the warm-up ones
+    out: dict[str, Any] = {"cpus": cpus, "slots_per_replica": slots, "threads": {}, "runs": {}}
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
         with socket.socket() as s:  # Serve's proxy keeps its first port: one for both runs
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        for replicas in (1, 2):
+        hi = max(ks)
+        lo = hi // 2 if hi // 2 in ks else None
+        # (replicas, intra-op threads per replica, editors): the cores shared out among the
+        # replicas; then, for scale-out with the cores a replica brings, 1 replica with one
+        # replica's share of 2 (the other core left to the ingress) and half the editors
+        configs = [(1, ray_app.replica_threads(1), ks), (2, ray_app.replica_threads(2), ks)]
+        if lo is not None:
+            configs.append((1, ray_app.replica_threads(2), [lo]))
+        for replicas, threads, editors in configs:
             token = rundir.new_token()
+            out["threads"].setdefault(replicas, threads)
             url = ray_app.deploy(
                 str(args.model or default_model_dir()),
                 port=port,
                 replicas=replicas,
                 token=token,
                 num_cpus=0.5,
+                threads=threads,
+                slots=slots,
             )
-            run_editors(url, token, uri, trace[:2], params, 1)  # warm up every shard's first run
-            for k in ks:
-                rows = run_editors(url, token, f"{uri}?r{replicas}", trace, params, k)
-                out[f"replicas={replicas},editors={k}"] = summary(rows)
+            # warm up every shard's first runs (ONNX Runtime's): one document ranked first on each
+            warm, i = [], 0
+            while len({ray_app.rank_shards(w, replicas)[0] for w in warm}) < replicas:
+                warm.append(f"warm-up-{i}")
+                i += 1
+            for w in warm:
+                run_ray_editors(url, token, w, trace[:2], params, 1)
+            shared = threads == out["threads"][replicas]
+            for k in editors:  # fresh documents for each K: their first request is cold
+                rows, _ = run_ray_editors(
+                    url, token, f"{uri}?r{replicas}t{threads}k{k}", trace, params, k
+                )
+                name = f"replicas={replicas},editors={k}"
+                if not shared:
+                    name = f"replicas={replicas},threads={threads},editors={k}"
+                out["runs"][name] = ray_summary(rows, len(trace))
+            if replicas == 2:
+                k = max(ks)
+                rows, killed = run_ray_editors(
+                    url, token, f"{uri}?kill", trace, params, k, kill_at=0.5
+                )
+                kill = ray_summary(rows, len(trace))
+                o = kill["outcomes"]
+                out["replica_kill"] = {
+                    "editors": k,
+                    "killed": killed,
+                    **kill,
+                    "all_answered_or_cancelled": o["error"] == 0
+                    and o["hung"] == 0
+                    and o["answered"] + o["cancelled"] == len(rows),
+                }
             serve.delete(ray_app.APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
+    runs = out["runs"]
+    if lo is not None:  # the issue's comparison: 2 replicas with 2K editors vs 1 replica with K
+        two = runs[f"replicas=2,editors={hi}"]["suggestion_ms"]["p95"]
+        one = runs[f"replicas=1,editors={lo}"]["suggestion_ms"]["p95"]
+        same = runs[f"replicas=1,threads={out['threads'][2]},editors={lo}"]
+        out["scale_out"] = {
+            "editors": [lo, hi],
+            # 1 replica with all the cores vs 2 replicas sharing them
+            "p95_2_replicas_over_1": _ratio(two, one),
+            # 1 replica with one replica's share of the cores (what adding a machine adds)
+            "p95_2_replicas_over_1_same_cores_per_replica": _ratio(
+                two, same["suggestion_ms"]["p95"]
+            ),
+        }
     return out
 
 
@@ -672,8 +834,31 @@ def print_table(r: dict) -> None:
             f"{statistics.median(s['rss'] for s in m['session_servers_mb']):.0f}): "
             f"x{f(m['ratio_rss'])} RSS, x{f(m['ratio_pss'])} PSS"
         )
-    for name, s in r.get("ray", {}).items():
+    ray = r.get("ray")
+    if ray:
         print(
-            f"ray {name:24} suggest p50 {f(s['suggestion_ms']['p50'])} p95 {f(s['suggestion_ms']['p95'])} "
-            f"reuse {f(s['prefix_reuse'])}"
+            f"ray on {ray['cpus']} cores: intra-op threads per replica {ray['threads']}, "
+            f"{ray['slots_per_replica']} KV slots per replica"
         )
+        for name, s in ray["runs"].items():
+            o = s["outcomes"]
+            print(
+                f"ray {name:24} suggest p50 {f(s['suggestion_ms']['p50'])} p95 "
+                f"{f(s['suggestion_ms']['p95'])} reuse {f(s['prefix_reuse'])} (after each "
+                f"document's first {f(s['prefix_reuse_after_first'])}); answered {o['answered']}"
+            )
+        if "scale_out" in ray:
+            lo, hi = ray["scale_out"]["editors"]
+            print(
+                f"ray p95, 2 replicas/{hi} editors over 1 replica/{lo} editors: "
+                f"x{f(ray['scale_out']['p95_2_replicas_over_1'])} (1 replica with all "
+                f"{ray['cpus']} cores), x{f(ray['scale_out']['p95_2_replicas_over_1_same_cores_per_replica'])} "
+                "(1 replica with one replica's share)"
+            )
+        if "replica_kill" in ray:
+            k, o = ray["replica_kill"], ray["replica_kill"]["outcomes"]
+            print(
+                f"ray kill one of 2 replicas ({k['editors']} editors, after {(k['killed'] or {}).get('after_suggestions')} "
+                f"suggestions): answered {o['answered']}, cancelled {o['cancelled']}, error {o['error']}, "
+                f"hung {o['hung']}, restarted {o['restarted']}; p95 {f(k['suggestion_ms']['p95_all'])} ms"
+            )

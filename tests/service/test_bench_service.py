@@ -49,3 +49,34 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
     )
     # a thin server holds no engine: it is smaller than the server that has one in-process
     assert max(p["rss"] for p in m["session_servers_mb"]) < m["one_inproc_server_mb"]["rss"]
+
+
+def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request():
+    def row(finish, prompt, reused, ms=10.0, replica="h:1", restarts=0):
+        return {
+            "finish": finish,
+            "prompt_tokens": prompt,
+            "reused_tokens": reused,
+            "suggestion_ms": ms,
+            "first_byte_ms": ms / 2,
+            "ttft_ms": 1.0,
+            "overhead_ms": ms / 2 - 1.0,
+            "replica": replica,
+            "restarts": restarts,
+        }
+
+    # two editors of three keystrokes each: the first row of each is the document's cold request
+    rows = [
+        row("length", 100, 0),
+        row("length", 101, 99),
+        row("cancelled", 102, 100, replica="h:2", restarts=1),
+        row("length", 100, 0),
+        {"finish": "hung", "suggestion_ms": 120_000.0, "replica": None, "restarts": 0},
+        row("error", 102, 0),
+    ]
+    s = bench_service.ray_summary(rows, per_editor=3)
+    assert s["outcomes"] == {"answered": 3, "cancelled": 1, "error": 1, "hung": 1, "restarted": 1}
+    assert s["prefix_reuse"] == pytest.approx(199 / 505)  # the hung one has no stats
+    assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)
+    assert s["suggestion_ms"]["p95_all"] == 120_000.0  # the hung one counts in the tail
+    assert s["replicas_used"] == 2
