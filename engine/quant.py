@@ -313,7 +313,7 @@ class QuantLinear:
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
-        form = "meshq-v1" if self.form == "op" else self.form
+        form = "meshq-v2" if self.form == "op" else self.form
         return (
             f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
             f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}"
@@ -352,9 +352,11 @@ class QuantLinear:
             accuracy_level=self.accuracy_level or None,
         )
 
-    def _mesh_q(self, gb, x: str, w: np.ndarray, parts: list[int], name: str, block: int) -> str:
+    def _mesh_q(
+        self, gb, x: str, w: np.ndarray, parts: list[int], name: str, block: int, bias=None
+    ) -> str:
         """One MeshLinearQ node: each mesh line's tiles quantised on their own (blocks never cross
-        a line), stored in the op's layout."""
+        a line), stored in the op's layout; the op adds ``bias`` after the reduction."""
         offs = np.cumsum([0] + parts)
         ins = [x, None]
         N = w.shape[1]
@@ -366,6 +368,8 @@ class QuantLinear:
                 gb.initializer(f"{name}.line{p}.zero_points", z),
             ]
         ins[1] = gb.initializer(f"{name}.mesh_shape", np.array([N, *parts], np.int64))
+        if bias is not None:
+            ins.append(gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32)))
         return gb.node(
             mesh_op.QOP,
             ins,
@@ -424,7 +428,8 @@ class QuantLinear:
         )  # no block fits: mesh lines
         if form == "op":
             block = block or self.block_size
-            y = self._mesh_q(gb, x, w, parts, name, block)
+            y = self._mesh_q(gb, x, w, parts, name, block, bias)
+            bias = None  # the op added it
         elif form == "fused":
             y = self._nbits(gb, x, w, name, block)
         else:

@@ -1,6 +1,6 @@
 /* spark.wafer::MeshLinear — one mesh line's worth of GEMVs and their reduction as one ONNX Runtime op.
  *
- *   y[..., N] = MeshLinear(x[..., K], shape, W_0, ..., W_{L-1})     attribute transposed (0 or 1)
+ *   y[..., N] = MeshLinear(x[..., K], shape, W_0, ..., W_{L-1} [, bias])   attribute transposed (0 or 1)
  *
  * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent
  * (sum k_p = K).  Line p takes its slice x[..., k-block p], multiplies it by its tiles and adds the
@@ -19,6 +19,8 @@
  *   transposed=1: one input W float [N, K], row n holding output column n's weights; line p reads
  *                 columns [k_0 + ... + k_{p-1}, + k_p) of every row.  A tied LM head reads the
  *                 token embedding table this way, so the graph holds that table once.
+ * bias (optional) float [N] is added after the last line's reduction (what an Add node after the op
+ * would compute, without the node).
  * Panels (or runs of rows) are cut into tasks run on ONNX Runtime's intra-op thread pool, and
  * token rows go through in blocks of six (prefill, speculative verification) or one (decode).
  *
@@ -164,6 +166,7 @@ typedef struct {
   size_t lines, K, N, panels;
   size_t rows[MAX_LINES];
   const float* w[MAX_LINES]; /* transposed: w[0] is the [N, K] table */
+  const float* bias;         /* [N], added after the last line's reduction; NULL: none */
 } Tiles;
 
 typedef struct {
@@ -174,17 +177,25 @@ typedef struct {
 } Job;
 
 /* Write (first line) or add (every next line: the partial sum arriving from the previous line)
-   MR rows of 64 partial products into y, of which only nc columns exist. */
+   MR rows of 64 partial products into y, of which only nc columns exist; after the last line,
+   add the bias b (if any), as an Add node after the op would. */
 static inline __attribute__((always_inline)) void reduce_into(float* y, size_t ldy, size_t nc, int first,
-                                                              v16 part[][4], const int MR) {
+                                                              const float* b, v16 part[][4], const int MR) {
   for (int r = 0; r < MR; r++) {
     float* yr = y + r * ldy;
     if (nc == NR) {
-      for (int c = 0; c < 4; c++) st(yr + 16 * c, first ? part[r][c] : ld(yr + 16 * c) + part[r][c]);
+      for (int c = 0; c < 4; c++) {
+        v16 v = first ? part[r][c] : ld(yr + 16 * c) + part[r][c];
+        if (b) v += ld(b + 16 * c);
+        st(yr + 16 * c, v);
+      }
     } else {
       float tmp[NR];
       for (int c = 0; c < 4; c++) st(tmp + 16 * c, part[r][c]);
-      for (size_t c = 0; c < nc; c++) yr[c] = first ? tmp[c] : yr[c] + tmp[c];
+      for (size_t c = 0; c < nc; c++) {
+        const float v = first ? tmp[c] : yr[c] + tmp[c];
+        yr[c] = b ? v + b[c] : v;
+      }
     }
   }
 }
@@ -221,7 +232,7 @@ static inline __attribute__((always_inline)) void panel(const Job* j, const floa
     }
     if (MR == 1)
       for (int c = 0; c < 4; c++) part[0][c] += odd[c];
-    reduce_into(y + n0, t->N, nc, p == 0, part, MR);
+    reduce_into(y + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL, part, MR);
     koff += rows;
   }
 }
@@ -273,7 +284,7 @@ static inline __attribute__((always_inline)) void trow(const Job* j, size_t n, s
     }
     koff = end;
   }
-  for (int r = 0; r < MR; r++) j->y[(m + r) * t->N + n] = tot[r];
+  for (int r = 0; r < MR; r++) j->y[(m + r) * t->N + n] = t->bias ? tot[r] + t->bias[n] : tot[r];
 }
 
 static void ttask(void* data, size_t i) {
@@ -346,18 +357,22 @@ static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int 
   int64_t d[8];
   memset(t, 0, sizeof *t);
   t->transposed = transposed;
-  if (n_vals < 2 || n_vals - 1 > MAX_LINES || (transposed && n_vals != 2))
-    return error("MeshLinear: expected x, shape and %s, got %zu inputs",
-                 transposed ? "one [N, K] weight (transposed=1)" : "1 to 256 mesh lines of tiles", n_vals + 1);
-  if (transposed) {
-    TRY(shape_of(vals[0], &type, &rank, d));
-    if (type != ELEM_INT64 || rank != 1 || d[0] < 2 || (size_t)d[0] - 1 > MAX_LINES)
-      return error("MeshLinear: shape must be an int64 tensor [lines + 1] (N and each line's K extent)");
-    t->lines = (size_t)d[0] - 1;
-  } else {
-    t->lines = n_vals - 1;
-  }
+  if (n_vals < 2) return error("MeshLinear: expected x, shape and the weights, got %zu inputs", n_vals + 1);
+  TRY(shape_of(vals[0], &type, &rank, d));
+  if (type != ELEM_INT64 || rank != 1 || d[0] < 2 || (size_t)d[0] - 1 > MAX_LINES)
+    return error("MeshLinear: shape must be an int64 tensor [lines + 1] (N and each line's K extent)");
+  t->lines = (size_t)d[0] - 1;
+  const size_t n_w = transposed ? 1 : t->lines;
+  if (n_vals != 1 + n_w && n_vals != 2 + n_w)
+    return error("MeshLinear: shape names %zu lines, so expected x, shape, %s and an optional bias, got %zu inputs",
+                 t->lines, transposed ? "one [N, K] weight (transposed=1)" : "one tile tensor per line", n_vals + 1);
   TRY(read_shape("MeshLinear", vals[0], t->lines, t));
+  if (n_vals == 2 + n_w) {
+    TRY(shape_of(vals[1 + n_w], &type, &rank, d));
+    if (type != ELEM_FLOAT || rank != 1 || (size_t)d[0] != t->N)
+      return error("MeshLinear: bias must be a float tensor [%zu]", t->N);
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[1 + n_w], (void**)&t->bias));
+  }
   for (size_t p = 0; p < (transposed ? 1 : t->lines); p++) {
     TRY(shape_of(vals[1 + p], &type, &rank, d));
     if (transposed) {
@@ -423,9 +438,10 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
   if (k->tiles.lines) return run(&k->tiles, ctx, x);
   /* weights fed at run time (not initializers): check and resolve them for this call */
-  const OrtValue* vals[1 + MAX_LINES];
-  if (n_in < 3 || n_in - 1 > 1 + MAX_LINES)
-    return error("MeshLinear: expected x, shape and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  const OrtValue* vals[2 + MAX_LINES];
+  if (n_in < 3 || n_in - 1 > 2 + MAX_LINES)
+    return error("MeshLinear: expected x, shape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
+                 MAX_LINES, n_in);
   for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   Tiles t;
   TRY(resolve_tiles(vals, n_in - 1, k->transposed, &t));
@@ -437,8 +453,9 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   size_t n_in = 0;
   int64_t transposed = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 3 || n_in - 1 > 1 + MAX_LINES)
-    return error("MeshLinear: expected x, shape and 1 to %d mesh lines of tiles, got %zu inputs", MAX_LINES, n_in);
+  if (n_in < 3 || n_in - 1 > 2 + MAX_LINES)
+    return error("MeshLinear: expected x, shape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
+                 MAX_LINES, n_in);
   OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "transposed", &transposed);
   if (s) { /* absent: the default, 0 */
     CALL(ReleaseStatus, ReleaseStatusFn)(s);
@@ -448,7 +465,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   Kernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory");
   k->transposed = (int)transposed;
-  const OrtValue* vals[1 + MAX_LINES];
+  const OrtValue* vals[2 + MAX_LINES];
   int all_constant = 1;
   for (size_t i = 1; i < n_in && all_constant; i++) {
     int is_const = 0;
@@ -507,7 +524,7 @@ static const OrtCustomOp mesh_linear = {
 
 /* ---- spark.wafer::MeshLinearQ: the same partitioned linear with int8 / int4 weights ----
  *
- *   y[..., N] = MeshLinearQ(x[..., K], shape, codes_0, scales_0, zero_points_0, ..., codes_{L-1}, ...)
+ *   y[..., N] = MeshLinearQ(x[..., K], shape, codes_0, scales_0, zero_points_0, ..., codes_{L-1}, ... [, bias])
  *   attributes: bits (8 or 4), block_size (weights per scale along K, a multiple of 16)
  *
  * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent.
@@ -520,7 +537,8 @@ static const OrtCustomOp mesh_linear = {
  *                low nibbles and k 4..7 in the high nibbles of bytes 4c..4c+3
  *   scales       float [panels, nb_p, 64]
  *   zero_points  uint8 [panels, nb_p, 64]   (w = (code - zero_point) * scale)
- * (engine/wafer/mesh_op.py: pack_quantized writes this layout.)
+ * (engine/wafer/mesh_op.py: pack_quantized writes this layout.)  bias (optional) float [N] is added
+ * after the last line's reduction, as in MeshLinear.
  *
  * Activations are quantised per row and per block to int8 (symmetric, scale = max|x| / 127,
  * round to nearest even), as MatMulNBits does with accuracy_level=4, so the products are int8
@@ -547,6 +565,7 @@ typedef struct {
   const uint8_t* codes[MAX_LINES];
   const float* scales[MAX_LINES];
   const uint8_t* zp[MAX_LINES];
+  const float* bias; /* [N], added after the last line's reduction; NULL: none */
 } QTiles;
 
 typedef struct {
@@ -624,8 +643,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         size_t k = 0;
         if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
           for (; k + 8 <= bs; k += 8, w += 512) {
-            if (QPREFETCH)
-              for (int c = 0; c < 8; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
+            for (int c = 0; c < 8; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
             int32_t a0, a1;
             memcpy(&a0, a + k, 4);
             memcpy(&a1, a + k + 4, 4);
@@ -649,8 +667,6 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         const __m512i lo_mask = _mm512_set1_epi8(0x0F);
         for (size_t k = 0; k < bs; k += 8, w += 256) {
           __m512i lo[4], hi[4];
-          if (MR == 1 && QPREFETCH)
-            for (int c = 0; c < 4; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
           for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(w + 64 * c);
             lo[c] = _mm512_and_si512(v, lo_mask);
@@ -682,7 +698,11 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
       float tmp[NR];
       for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, part[r][c]);
       float* yr = j->y + (m + r) * t->N + n0;
-      for (size_t c = 0; c < nc; c++) yr[c] = p == 0 ? tmp[c] : yr[c] + tmp[c];
+      const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
+      for (size_t c = 0; c < nc; c++) {
+        const float v = p == 0 ? tmp[c] : yr[c] + tmp[c];
+        yr[c] = b ? v + b[c] : v;
+      }
     }
 #else /* portable: the same arithmetic, one column at a time */
     for (int r = 0; r < MR; r++) {
@@ -709,7 +729,11 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         for (size_t c = 0; c < NR; c++) part[c] = __builtin_fmaf((float)acc[c], sc[b * NR + c] * xsb, part[c]);
       }
       float* yr = j->y + (m + r) * t->N + n0;
-      for (size_t c = 0; c < nc; c++) yr[c] = p == 0 ? part[c] : yr[c] + part[c];
+      const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
+      for (size_t c = 0; c < nc; c++) {
+        const float v = p == 0 ? part[c] : yr[c] + part[c];
+        yr[c] = b ? v + b[c] : v;
+      }
     }
     blk += nb;
 #endif
@@ -737,9 +761,9 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
   memset(t, 0, sizeof *t);
   t->bits = bits;
   t->bs = bs;
-  if (n_vals < 4 || (n_vals - 1) % 3 || (n_vals - 1) / 3 > MAX_LINES)
-    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
-                 MAX_LINES, n_vals + 1);
+  if (n_vals < 4 || (n_vals - 1) % 3 > 1 || (n_vals - 1) / 3 > MAX_LINES)
+    return error("MeshLinearQ: expected x, shape, 1 to %d mesh lines of (codes, scales, zero_points) and an optional "
+                 "bias, got %zu inputs", MAX_LINES, n_vals + 1);
   t->lines = (n_vals - 1) / 3;
   TRY(shape_of(vals[0], &type, &rank, d));
   if (type != ELEM_INT64 || rank != 1 || (size_t)d[0] != t->lines + 1)
@@ -773,6 +797,13 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
     t->K += k;
     t->Kq += nb * bs;
     t->blocks += nb;
+  }
+  if ((n_vals - 1) % 3 == 1) {
+    const OrtValue* b = vals[n_vals - 1];
+    TRY(shape_of(b, &type, &rank, d));
+    if (type != ELEM_FLOAT || rank != 1 || (size_t)d[0] != t->N)
+      return error("MeshLinearQ: bias must be a float tensor [%zu]", t->N);
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)b, (void**)&t->bias));
   }
   return NULL;
 }
@@ -833,8 +864,8 @@ static OrtStatus* qcompute(void* kernel, OrtKernelContext* ctx) {
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
   if (k->tiles.lines) return qrun(&k->tiles, ctx, x);
   /* weights fed at run time (not initializers): check and resolve them for this call */
-  const OrtValue* vals[1 + 3 * MAX_LINES];
-  if (n_in < 2 || n_in - 1 > 1 + 3 * MAX_LINES)
+  const OrtValue* vals[2 + 3 * MAX_LINES];
+  if (n_in < 2 || n_in - 1 > 2 + 3 * MAX_LINES)
     return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
                  MAX_LINES, n_in);
   for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
@@ -848,7 +879,7 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
   size_t n_in = 0;
   int64_t bits = 0, bs = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 5 || (n_in - 2) % 3 || (n_in - 2) / 3 > MAX_LINES)
+  if (n_in < 5 || (n_in - 2) % 3 > 1 || (n_in - 2) / 3 > MAX_LINES)
     return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
                  MAX_LINES, n_in);
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "bits", &bits));
@@ -859,7 +890,7 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
   k->bits = (int)bits;
   k->bs = (size_t)bs;
-  const OrtValue* vals[1 + 3 * MAX_LINES];
+  const OrtValue* vals[2 + 3 * MAX_LINES];
   int all_constant = 1;
   for (size_t i = 1; i < n_in && all_constant; i++) {
     int is_const = 0;

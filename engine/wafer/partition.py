@@ -159,7 +159,7 @@ class TiledLinear:
         return (mesh_op.library(),) if self.form == "op" else ()
 
     def cache_key(self) -> str:
-        form = "meshop-v2" if self.form == "op" else "chain-v1"
+        form = "meshop-v3" if self.form == "op" else "chain-v1"
         return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + (
             "-only-" + "-".join(sorted(self.roles)) if self.partial else ""
         )
@@ -201,7 +201,9 @@ class TiledLinear:
             shape, packed = mesh_op.float_node_inputs(weight, k_sizes)
             tiles = [gb.initializer(f"{name}.{line}{p}", t) for p, t in enumerate(packed)]
             ins = [x, gb.initializer(f"{name}.mesh_shape", shape), *tiles]
-            y = gb.node(mesh_op.OP, ins, domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
+            if bias is not None:  # added by the op after the reduction: one node fewer
+                ins.append(gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32)))
+            return gb.node(mesh_op.OP, ins, domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
         else:
             tiles = [
                 gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p] : k0[p + 1]]))

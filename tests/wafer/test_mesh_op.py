@@ -15,7 +15,7 @@ from engine.wafer import mesh_op
 from engine.wafer.partition import TiledLinear, block_sizes
 
 
-def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0, transposed=False):
+def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0, transposed=False, bias=None):
     """A graph with one MeshLinear over len(k_sizes) lines; returns (session, weight [K, N]).
 
     ``const=False`` feeds the weights at run time (graph inputs, shapes left open, so the op itself
@@ -29,6 +29,8 @@ def _session(k_sizes, N, *, rank=2, const=True, threads=1, seed=0, transposed=Fa
         arrays["table"] = np.ascontiguousarray(w.T)
     else:
         arrays.update({f"w{p}": t for p, t in enumerate(packed)})
+    if bias is not None:
+        arrays["bias"] = bias
     kdim = K if const else "K"
     x_shape = ["T", kdim] if rank == 2 else [1, "T", kdim]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
@@ -91,6 +93,22 @@ def test_3d_input_and_threads(threads, transposed):
     np.testing.assert_allclose(y, x @ w, atol=3e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("const", [True, False])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bias_is_added_after_the_reduction(transposed, const):
+    """An optional last input: the op adds the bias after the chain, as an Add node would."""
+    bias = np.random.default_rng(4).standard_normal(70).astype(np.float32)
+    plain, _ = _session([30, 33], 70, transposed=transposed, const=const)
+    biased, _ = _session([30, 33], 70, transposed=transposed, const=const, bias=bias)
+    x = np.random.default_rng(5).standard_normal((7, 63)).astype(np.float32)
+    y = plain.run(None, {"x": x, **({} if const else plain.arrays)})[0]
+    got = biased.run(None, {"x": x, **({} if const else biased.arrays)})[0]
+    np.testing.assert_array_equal(got, y + bias)
+    if not const:
+        with pytest.raises(Exception, match=r"MeshLinear: bias must be a float tensor \[70\]"):
+            biased.run(None, {"x": x, **biased.arrays, "bias": np.ones(71, np.float32)})
+
+
 def test_pack_float_layout():
     """Panel q, row k, lane c holds W[k, 64q + c]; columns past N are zero."""
     w = np.arange(3 * 70, dtype=np.float32).reshape(3, 70)
@@ -122,8 +140,8 @@ def test_bad_shapes_give_clear_errors_and_the_session_lives_on():
         Exception, match=r"MeshLinear: line 1's tiles must be a float tensor \[1, 7, 64\]"
     ):
         sess.run(None, {**good, "w1": np.ones((1, 7, 32), np.float32)})
-    with pytest.raises(Exception, match=r"MeshLinear: shape must be an int64 tensor \[3\]"):
-        sess.run(None, {**good, "shape": np.array([33, 12], np.int64)})
+    with pytest.raises(Exception, match="MeshLinear: shape names 3 lines, so expected x, shape"):
+        sess.run(None, {**good, "shape": np.array([33, 4, 4, 4], np.int64)})
     np.testing.assert_allclose(sess.run(None, good)[0], x @ w, atol=1e-4, rtol=1e-5)
     tsess, _ = _session([5, 7], 33, const=False, transposed=True)
     with pytest.raises(

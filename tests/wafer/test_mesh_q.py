@@ -36,7 +36,7 @@ def _lines(k_sizes, N, bits, block, rng):
     return lines
 
 
-def _session(lines, bits, block, *, rank=2, const=True, threads=1):
+def _session(lines, bits, block, *, rank=2, const=True, threads=1, bias=None):
     shape, packed = mesh_op.quantized_node_inputs(lines, bits)
     K = (
         int(shape[1:].sum()) if const else "K"
@@ -47,11 +47,15 @@ def _session(lines, bits, block, *, rank=2, const=True, threads=1):
             "x", TensorProto.FLOAT, ["T", K] if rank == 2 else [1, "T", K]
         )
     ]
-    arrays = [("shape", shape)] + [
-        (f"{w}{p}", a)
-        for p, line in enumerate(packed)
-        for w, a in zip(("codes", "scales", "zp"), line)
-    ]
+    arrays = (
+        [("shape", shape)]
+        + [
+            (f"{w}{p}", a)
+            for p, line in enumerate(packed)
+            for w, a in zip(("codes", "scales", "zp"), line)
+        ]
+        + ([("bias", bias)] if bias is not None else [])
+    )
     for name, a in arrays[1:] if not const else []:
         inputs.append(
             helper.make_tensor_value_info(
@@ -110,6 +114,23 @@ def test_matches_numpy(bits, block, T, k_sizes, N):
     x = rng.standard_normal((T, sum(k_sizes))).astype(np.float32)
     x[0, :3] = 0.0  # an all-zero block in some lines: scale 0, codes 0
     _close(sess.run(None, {"x": x})[0], mesh_op.reference_quantized(x, lines, block))
+
+
+@pytest.mark.parametrize("const", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bias_is_added_after_the_reduction(bits, const):
+    """An optional last input: the op adds the bias after the chain, as an Add node would."""
+    rng = np.random.default_rng(11)
+    lines = _lines([40, 37], 70, bits, 16, rng)
+    bias = rng.standard_normal(70).astype(np.float32)
+    x = rng.standard_normal((5, 77)).astype(np.float32)
+    plain, feeds = _session(lines, bits, 16, const=const)
+    biased, bfeeds = _session(lines, bits, 16, const=const, bias=bias)
+    y = plain.run(None, {"x": x, **feeds})[0]
+    np.testing.assert_array_equal(biased.run(None, {"x": x, **bfeeds})[0], y + bias)
+    if not const:
+        with pytest.raises(Exception, match=r"MeshLinearQ: bias must be a float tensor \[70\]"):
+            biased.run(None, {"x": x, **bfeeds, "bias": np.ones(69, np.float32)})
 
 
 def test_quantised_activations_are_what_the_reference_says():

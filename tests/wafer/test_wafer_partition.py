@@ -102,8 +102,10 @@ def test_single_linear_matches_matmul(role, grid, form):
         assert ops.count("MatMul") == 1 and ops.count("Gemm") == len(info["k_blocks"]) - 1
     else:
         (node,) = [n for n in gb.nodes if n.op_type == "MeshLinear"]
-        assert node.domain == "spark.wafer" and len(node.input) == 2 + len(info["k_blocks"])
-        assert "MatMul" not in ops and "Gemm" not in ops
+        has_bias = role == "qkv"  # the op adds the bias itself: no Add node
+        assert node.domain == "spark.wafer"
+        assert len(node.input) == 2 + len(info["k_blocks"]) + has_bias
+        assert "MatMul" not in ops and "Gemm" not in ops and "Add" not in ops
     rows = 0 if form == "graph" else 1  # the op's tiles: [panels, rows, 64]
     tiles = [
         t
