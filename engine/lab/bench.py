@@ -66,6 +66,9 @@ class BenchOptions:
     precisions: tuple[str, ...] = ("fp32",)  # see parse_precisions; fp32 is always first
     peer_names: tuple[str, ...] = PEERS  # which peers run (when ``peers``)
     gguf: tuple[str, ...] = tuple(GGUF_TYPES)  # llama.cpp's files, one runner each
+    genai: tuple[str, ...] = (
+        peer_mod.GENAI_PRECISIONS
+    )  # onnxruntime-genai's models, one runner each
 
 
 def parse_list(spec: str, known, what: str) -> tuple[str, ...]:
@@ -350,10 +353,13 @@ def bench_engine(
     if opts.peers:
         factories = {
             "transformers": lambda: peer_mod.TransformersPeer(folder, threads),
-            "onnxruntime-genai": lambda: peer_mod.GenaiPeer(
-                folder, threads, weights_digest(folder), bench_root(), log
-            ),
         }
+        for g in opts.genai:
+            factories["onnxruntime-genai" + ("" if g == "fp32" else f" {g}")] = lambda g=g: (
+                peer_mod.GenaiPeer(
+                    folder, threads, weights_digest(folder), bench_root(), log, precision=g
+                )
+            )
         for t in opts.gguf:
             factories[f"llama.cpp {t}"] = lambda t=t: LlamaCppPeer(
                 folder,
@@ -471,11 +477,23 @@ def bench_engine(
         if "skipped" not in p
         for k in ("decode_tok_s", "prefill_tok_s")
     }
+    result["best"] = _best(result["ours"], peers)
     if precision_rows is not None:
         result["precisions"] = precision_rows
         if auto is not None:
             result["precision_auto"] = auto.to_dict()
     return result
+
+
+def _best(ours: dict[str, dict], peers: dict[str, dict]) -> dict[str, Any] | None:
+    """Our fastest decode at any precision against the fastest peer at any of its precisions."""
+    measured = {n: p for n, p in peers.items() if "skipped" not in p}
+    if not ours or not measured:
+        return None
+    x = max(ours, key=lambda k: ours[k]["decode_tok_s"])
+    n = max(measured, key=lambda k: measured[k]["decode_tok_s"])
+    a, b = ours[x]["decode_tok_s"], measured[n]["decode_tok_s"]
+    return {"ours": x, "ours_decode_tok_s": a, "peer": n, "peer_decode_tok_s": b, "ratio": a / b}
 
 
 def _bandwidth_share(
@@ -546,9 +564,10 @@ def format_precisions(res: dict[str, Any]) -> list[str]:
         return []
     peers = [n for n, p in res["peers"].items() if "skipped" not in p]
     short = {n: n.replace("onnxruntime-genai", "ort-genai") for n in peers}
+    width = {n: max(17, len(short[n]) + 5) for n in peers}
     head = (
         f"{'precision':<12}{'prefill tok/s':>15}{'decode tok/s':>15}{'vs fp32':>9}"
-        + "".join(f"{'vs ' + short[n]:>17}" for n in peers)
+        + "".join(f"{'vs ' + short[n]:>{width[n]}}" for n in peers)
         + "  greedy agreement with fp32"
     )
     lines = [
@@ -567,7 +586,7 @@ def format_precisions(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"{x:<12}{row['prefill_tok_s']:>15.0f}{row['decode_tok_s']:>15.0f}"
             f"{rt['decode_tok_s_vs_fp32']:>8.2f}x"
-            + "".join(f"{rt[f'decode_tok_s_vs_{n}']:>16.2f}x" for n in peers)
+            + "".join(f"{rt[f'decode_tok_s_vs_{n}']:>{width[n] - 1}.2f}x" for n in peers)
             + f"  {row['greedy_agreement']} ({100 * row['greedy_agreement_rate']:.1f}%), "
             f"identical prefix {row['identical_prefix']}"
             + (f"  [>= {TARGET_SPEEDUP:g}x and >= {100 * TARGET_AGREEMENT:.0f}%]" if meets else "")
@@ -653,6 +672,12 @@ def format_table(res: dict[str, Any]) -> str:
             )
     if res["ratios"]:
         lines.append("ours/peer: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
+    best = res.get("best")
+    if best:
+        lines.append(
+            f"best decode at any precision: spark-lsp {best['ours']} {best['ours_decode_tok_s']:.1f} "
+            f"tok/s vs {best['peer']} {best['peer_decode_tok_s']:.1f} tok/s: {best['ratio']:.2f}x"
+        )
     lines += format_classes(res)
     lines += format_precisions(res)
     return "\n".join(lines)
@@ -714,6 +739,13 @@ def add_arguments(p) -> None:
         default=",".join(GGUF_TYPES),
         metavar="LIST",
         help=f"llama.cpp's GGUF types, one runner each (default: {','.join(GGUF_TYPES)})",
+    )
+    p.add_argument(
+        "--genai",
+        default=",".join(peer_mod.GENAI_PRECISIONS),
+        metavar="LIST",
+        help="onnxruntime-genai's builder precisions, one runner each (default: "
+        f"{','.join(peer_mod.GENAI_PRECISIONS)})",
     )
     p.add_argument(
         "--verify-cost",
@@ -791,6 +823,11 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
             precisions=parse_precisions(getattr(args, "precision", "fp32")),
             peer_names=parse_list(getattr(args, "peers", ",".join(PEERS)), PEERS, "--peers"),
             gguf=parse_list(getattr(args, "gguf", ",".join(GGUF_TYPES)), GGUF_TYPES, "--gguf"),
+            genai=parse_list(
+                getattr(args, "genai", ",".join(peer_mod.GENAI_PRECISIONS)),
+                peer_mod.GENAI_PRECISIONS,
+                "--genai",
+            ),
         )
         log = (
             (lambda m: print(m, file=sys.stderr)) if args.json else (lambda m: print(m, flush=True))

@@ -90,14 +90,23 @@ class TransformersPeer:
         return out[0, len(prompt) :].tolist(), dt, clock.span()
 
 
-def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -> Path:
-    """Build (once, cached by the weights digest) onnxruntime-genai's fp32 CPU model of a folder."""
-    out = cache_root / "genai" / digest
+#: onnxruntime-genai builder precisions the benchmark runs (its CPU int4 is MatMulNBits).
+GENAI_PRECISIONS = ("fp32", "int4")
+
+
+def genai_model_dir(
+    model_dir: Path, digest: str, cache_root: Path, log=print, precision: str = "fp32"
+) -> Path:
+    """Build (once, cached by the weights digest) onnxruntime-genai's CPU model of a folder at
+    ``precision`` (its builder's ``-p``)."""
+    if precision not in GENAI_PRECISIONS:
+        raise ValueError(f"onnxruntime-genai precision {precision!r}: one of {GENAI_PRECISIONS}")
+    out = cache_root / "genai" / (digest if precision == "fp32" else f"{digest}-{precision}")
     if (out / "genai_config.json").is_file():
         return out
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="genai-", dir=cache_root))
-    log(f"building the onnxruntime-genai model (once; cached in {out}) ...")
+    log(f"building the onnxruntime-genai {precision} model (once; cached in {out}) ...")
     cmd = [
         sys.executable,
         "-m",
@@ -107,7 +116,7 @@ def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -
         "-o",
         str(tmp / "model"),
         "-p",
-        "fp32",
+        precision,
         "-e",
         "cpu",
         "-c",
@@ -126,9 +135,12 @@ def genai_model_dir(model_dir: Path, digest: str, cache_root: Path, log=print) -
 
 
 class GenaiPeer:
-    """onnxruntime-genai's generator (its own builder: GroupQueryAttention, shared KV buffer)."""
+    """onnxruntime-genai's generator (its own builder: GroupQueryAttention, shared KV buffer) at
+    one of its builder's precisions; named ``onnxruntime-genai`` (fp32) or ``onnxruntime-genai
+    int4``."""
 
     name = "onnxruntime-genai"
+    bits = 32
 
     def __init__(
         self,
@@ -138,9 +150,12 @@ class GenaiPeer:
         cache_root: Path,
         log=print,
         profile: str | None = None,
+        precision: str = "fp32",
     ) -> None:
         """``profile``: record ONNX Runtime's per-node profile to files with this prefix (a copy of
         the built model's config turns it on; :meth:`end_profiling` returns the files)."""
+        if precision != "fp32":
+            self.name, self.bits = f"onnxruntime-genai {precision}", {"int4": 4}[precision]
         try:
             import onnxruntime_genai as og
         except ImportError as e:
@@ -155,7 +170,7 @@ class GenaiPeer:
             ) from None
         self._og = og
         self.version = f"onnxruntime-genai {og.__version__}"
-        path = genai_model_dir(model_dir, digest, cache_root, log)
+        path = genai_model_dir(model_dir, digest, cache_root, log, precision)
         self._set_threads(path, threads)
         self._profile = profile
         if profile:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from engine.config import load_config
+from engine.lab import bench
 from engine.lab import models as lab_models
 from engine.tokenizer import Tokenizer
 from engine.weights import expected_shapes, load_weights
@@ -189,6 +190,16 @@ def test_engine_bench_with_peers(tiny_llama, capsys):
         assert "skipped" not in p, p
         assert p["decode_tok_s"] > 0 and p["greedy_agreement"] == "16/16"
         assert res["ratios"][f"decode_tok_s_vs_{name}"] > 0
+    # onnxruntime-genai also at its builder's int4 (MatMulNBits), a 4-bit runner
+    q = res["peers"]["onnxruntime-genai int4"]
+    assert "skipped" not in q, q
+    assert q["bits"] == 4 and q["decode_tok_s"] > 0
+    # ours at our fastest precision against the fastest peer at any precision
+    best = res["best"]
+    fastest = max((p for p in res["peers"].values()), key=lambda p: p["decode_tok_s"])
+    assert best["peer_decode_tok_s"] == fastest["decode_tok_s"]
+    assert best["ratio"] == pytest.approx(best["ours_decode_tok_s"] / best["peer_decode_tok_s"])
+    assert "best decode at any precision" in bench.format_table(res)
 
 
 def test_peer_unavailable_is_reported(tiny_llama, capsys, monkeypatch):
