@@ -245,7 +245,8 @@ class EarlyAnswer:
     """When a suggestion still being generated may already be answered, and with what.
 
     An automatic suggestion is answered whole if it is finished by `deadline` (a
-    `time.perf_counter` time); after that, at once with the complete lines written so far or,
+    `time.perf_counter` time); once the next token would come after that (the gap between tokens
+    so far tells when), at once with the complete lines written so far or,
     before the first line is complete, with its whole words (a word at the very end may go on in
     the next token, so it waits for that). The generation itself goes on: typing along with it,
     or accepting it, gets the rest (`inline.InlineCompletions`). With the confidence gate on, a
@@ -265,10 +266,13 @@ class EarlyAnswer:
         self.deadline, self.ctx, self.multiline = deadline, ctx, multiline
         self.settings, self.gate, self.send, self.t0 = settings, gate, send, t0
         self.sent = False
+        self.last: float | None = None  # when the last chunk came
+        self.gap = 0.0  # the time between chunks (a running mean; 0 until two have come)
 
-    def partial(self, text: str, now: float) -> tuple[str, str] | None:
-        """(what may be shown now, why) for the output `text` so far, or None: keep waiting."""
-        if now < self.deadline:
+    def partial(self, text: str, due: float) -> tuple[str, str] | None:
+        """(what may be shown now, why) for the output `text` so far, or None: keep waiting.
+        `due`: when the next chunk would come."""
+        if due < self.deadline:
             return None
         head = len(text) - len(text.lstrip())
         last = text.rfind("\n")
@@ -281,11 +285,15 @@ class EarlyAnswer:
         if self.sent:
             return
         now = time.perf_counter()
+        if self.last is not None:
+            gap = now - self.last
+            self.gap = gap if not self.gap else 0.5 * (self.gap + gap)
+        self.last = now
         if self.gate and line_logprob is not None:
             if confidence(line_logprob) < self.settings.min_confidence:
                 self._answer([], stats, "low confidence", now)
                 return
-        found = self.partial(text, now)
+        found = self.partial(text, now + self.gap)
         if found is None:
             return
         item = postprocess.clean(found[0], self.ctx, self.multiline, self.settings.max_lines)

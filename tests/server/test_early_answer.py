@@ -179,3 +179,16 @@ async def test_served_early_answer_is_completed_for_typing_through(tiny_llama, s
     finally:
         await client.shutdown_session()
         await client.stop()
+
+
+def test_answers_when_the_next_token_would_miss_the_deadline():
+    """Once the gap between tokens says the next one comes after the deadline, the answer goes
+    now rather than a token late."""
+    sent = []
+    s = Settings(min_confidence=0)
+    ctx = postprocess.Context("x = ", "", (), ())
+    e = EarlyAnswer(time.perf_counter() + 1.0, ctx, False, s, False, sent.append, 0.0)
+    e.step("foo", None, {})
+    time.sleep(0.6)
+    e.step("foo(bar", None, {})  # the next token would come about 1.2 s in: past the deadline
+    assert [r.items for r in sent] == [["foo("]]
