@@ -20,6 +20,7 @@ longer than the `loadTimeoutS` setting.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -39,6 +40,16 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 INTERACTIVE_PREFILL_CHUNK = 256
+
+
+def settle_heap() -> None:
+    """Move everything alive now (the server, the model, its tokenizer: tens of thousands of
+    long-lived objects) out of the cycle collector's reach, so a full collection, which holds the
+    GIL and so every thread, is short and no longer delays a cancel or a token by tens of ms.
+    Objects frozen before are unfrozen first, so a model this load replaced can be collected."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 class ModelNotReady(RuntimeError):
@@ -270,6 +281,7 @@ class ModelHost:
                     self.builder, self.params_cls = builder, GenerationParams
                     self.chat = chat
                     self.load_s = time.perf_counter() - t0
+                    settle_heap()
                 else:
                     self.error = msg
                 event.set()

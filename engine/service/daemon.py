@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -201,6 +202,10 @@ def main_args(args: argparse.Namespace) -> int:
         print(f"engine service on {server.url} (token in {path})", file=sys.stderr, flush=True)
 
     sys.setswitchinterval(0.0005)  # a cancel or a socket read waits at most this for the GIL
+    # The loaded models are tens of thousands of long-lived objects: out of the collector's
+    # reach, a full collection no longer stops every thread (a cancel, a token) for tens of ms.
+    gc.collect()
+    gc.freeze()
     asyncio.run(
         run(
             models,

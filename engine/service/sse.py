@@ -13,6 +13,7 @@ cancels the generation.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import signal
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8)
     args = p.parse_args(argv)
     engine = Engine.load(args.model, slots=args.slots)
+    gc.collect()
+    gc.freeze()  # as the daemon does: the model's objects stay out of full collections
     server = serve(engine, port=args.port)
     print(f"http://127.0.0.1:{server.server_address[1]}/generate", flush=True)
     stop = threading.Event()
