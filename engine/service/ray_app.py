@@ -12,9 +12,10 @@ the ingress signature to recognise its parameter.)
   (``engine.service.connection``), with token and origin checks; each ``generate`` is sent to a
   shard through its ``DeploymentHandle``.
 
-Routing by slot key: the ingress ranks the shards by rendezvous hashing of the slot key (a
-document), so every request for a document goes to the same replica, which holds its KV prefix;
-a shard that failed is ranked last for a few seconds, and only its documents move.  Both of
+Routing by slot key: the ingress places each document (slot key) on a shard once, by rendezvous
+hashing with bounded loads (``Shards``), and sends every request for it there, to the replica
+that holds its KV prefix; a shard that failed is avoided for a few seconds, and only its
+documents move.  Both of
 Serve's own mechanisms were tried first, on one deployment with N replicas: model multiplexing
 (slot key as the multiplexed model id) broke affinity, because its id-to-replica map reaches the
 routers asynchronously, so a document's concurrent or closely following requests landed on
@@ -23,7 +24,7 @@ stalled under concurrent requests (Serve's router hands the replica it found to 
 request is first, then backs off for ~10 s).  One deployment per shard keeps Serve's replica
 management, health checks and restarts, and makes placement deterministic.
 
-Each replica holds ``slots`` KV slots (enough for the documents hashed to it, about documents /
+Each replica holds ``slots`` KV slots (enough for the documents placed on it, about documents /
 replicas: fewer and documents evict each other's prefixes) and runs ONNX Runtime with the
 cluster's CPUs shared out among the replicas (``replica_threads``), so replicas do not
 oversubscribe the cores they share.
@@ -38,6 +39,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import os
 import random
 import signal
@@ -241,7 +243,7 @@ class RayRun:
                 "params": P.params_to_json(params),
                 "slot": self.slot,
             }
-            shard = rank_shards(self.slot, len(self.shards.handles), self.shards.down())[0]
+            shard = self.shards.pick(self.slot)
             try:
                 self.response = self.shards.handles[shard].options(stream=True).generate.remote(req)
                 async for item in self.response:
@@ -294,18 +296,60 @@ class RayRun:
 
 
 class Shards:
-    """The engine shards' handles and which of them failed recently."""
+    """The engine shards' handles, which of them failed recently, and where each document is.
 
-    def __init__(self, handles: list[DeploymentHandle]) -> None:
+    A document (slot key) is placed once and then stays on its shard, which holds its KV prefix:
+    the first shard of its rendezvous ranking (``rank_shards``) that is up and whose load (the
+    documents used in the last ``ACTIVE_S``) is under ``BALANCE`` times the mean, so documents
+    that hash alike still spread over the replicas (consistent hashing with bounded loads).  A
+    document whose shard fails is placed again, and stays where its prefix is now.
+    """
+
+    #: A document counts in its shard's load while used within this many seconds.
+    ACTIVE_S = 30.0
+    #: A placement is forgotten after this long unused (its KV slot is long recycled).
+    FORGET_S = 3600.0
+    #: A shard takes a new document while its load is under BALANCE x the mean load.
+    BALANCE = 1.25
+
+    def __init__(self, handles: list[DeploymentHandle], clock=time.monotonic) -> None:
         self.handles = handles
+        self._clock = clock
         self._down_until: dict[int, float] = {}
+        self._placed: dict[str, tuple[int, float]] = {}  # slot key -> (shard, last used)
 
     def mark_down(self, i: int) -> None:
-        self._down_until[i] = time.monotonic() + DOWN_S
+        self._down_until[i] = self._clock() + DOWN_S
 
     def down(self) -> set[int]:
-        now = time.monotonic()
+        now = self._clock()
         return {i for i, t in self._down_until.items() if t > now}
+
+    def pick(self, key: str | None) -> int:
+        """The shard for a generation of document ``key`` (None: any shard that is up)."""
+        n, down, now = len(self.handles), self.down(), self._clock()
+        if not key:
+            return rank_shards(None, n, down)[0]
+        placed = self._placed.get(key)
+        if placed is not None and placed[0] not in down:
+            shard = placed[0]
+        else:
+            shard = self._place(key, n, down, now)
+        self._placed[key] = (shard, now)
+        return shard
+
+    def _place(self, key: str, n: int, down: set[int], now: float) -> int:
+        for k, (_, used) in list(self._placed.items()):
+            if now - used > self.FORGET_S:
+                del self._placed[k]
+        load = [0] * n
+        for k, (i, used) in self._placed.items():
+            if k != key and now - used <= self.ACTIVE_S:
+                load[i] += 1
+        up = [i for i in range(n) if i not in down] or list(range(n))
+        cap = math.ceil(self.BALANCE * (sum(load[i] for i in up) + 1) / len(up))
+        ranking = rank_shards(key, n, down)
+        return next((i for i in ranking if i in up and load[i] < cap), ranking[0])
 
 
 app = FastAPI()
