@@ -43,7 +43,7 @@ from ..runtime import physical_cores
 from ..weights import expected_shapes, weights_digest
 from . import peers as peer_mod
 from .bandwidth import gguf_bytes_per_token, graph_bytes_per_token, read_bandwidth
-from .llama_cpp import GGUF_TYPES, LlamaCppPeer
+from .llama_cpp import GGUF_TYPES, LlamaCppPeer, gguf_file
 from .models import bench_root, resolve_model
 from .tune import choose_precision
 
@@ -748,6 +748,12 @@ def add_arguments(p) -> None:
         f"{','.join(peer_mod.GENAI_PRECISIONS)})",
     )
     p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="only build what the same command would build on first use (the model, our graphs, "
+        "the peers' GGUFs and onnxruntime-genai models), so the run itself only measures",
+    )
+    p.add_argument(
         "--verify-cost",
         action="store_true",
         help="measure only what a speculative verification pass (1 + 8 drafted tokens) costs in "
@@ -834,6 +840,9 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
         )
         if getattr(args, "verify_cost", False):
             return _verify_cost(args, opts, log)
+        if getattr(args, "prepare", False):
+            prepare(args.model, opts, log)
+            return 0
         res = bench_engine(args.model, opts, log=log)
     except (ModelError, ValueError, OSError) as e:
         print(f"spark-lsp bench engine: error: {e}", file=sys.stderr)
@@ -844,6 +853,41 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
         print()
         print(format_table(res))
     return plot_results(plot, res, getattr(args, "plot", None), "engine")
+
+
+def prepare(model: str | None, opts: BenchOptions, log: Callable[[str], None] = print) -> None:
+    """Build what a run with ``opts`` would build on its first use, and nothing else: the model
+    (a synthetic one is written), our graph per precision, the peers' files (llama.cpp's GGUFs,
+    onnxruntime-genai's models). A later run then only measures."""
+    folder = resolve_model(str(model) if model is not None else None)
+    cfg = load_config(folder)
+    log(f"model {folder}")
+    for x in dict.fromkeys(["fp32", *opts.precisions]):
+        if x == "auto":
+            continue
+        t0 = time.perf_counter()
+        e = Engine.load(folder, threads=opts.threads, wafer=opts.wafer, grid=opts.grid, precision=x)
+        log(f"spark-lsp {x}: graph {e.graph_path} ({time.perf_counter() - t0:.0f} s)")
+        del e
+    if not opts.peers:
+        return
+    digest = weights_digest(folder)
+    if "llama.cpp" in opts.peer_names:
+        for t in opts.gguf:
+            try:
+                log(
+                    f"llama.cpp {t}: {gguf_file(folder, digest, t, bench_root(), cfg.architecture, log)}"
+                )
+            except peer_mod.PeerUnavailable as e:
+                log(f"llama.cpp {t}: skipped: {e}")
+    if "onnxruntime-genai" in opts.peer_names:
+        for g in opts.genai:
+            try:
+                log(
+                    f"onnxruntime-genai {g}: {peer_mod.genai_model_dir(folder, digest, bench_root(), log, g)}"
+                )
+            except peer_mod.PeerUnavailable as e:
+                log(f"onnxruntime-genai {g}: skipped: {e}")
 
 
 def _verify_cost(args, opts: BenchOptions, log: Callable[[str], None]) -> int:

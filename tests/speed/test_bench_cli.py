@@ -222,3 +222,21 @@ def test_verify_cost(tiny_llama, capsys):
     assert verify_cost.expected_tokens(1.0, 8) == 9.0
     rc, out, err = cli(["engine", "--verify-cost", "--acceptance", "2", "--model", "x"], capsys)
     assert rc == 2 and "between 0 and 1" in err
+
+
+def test_prepare_builds_what_a_run_needs(tiny_llama, capsys):
+    """`bench engine --prepare`: our graph per precision and the peers' files are built (or
+    reported skipped), nothing is measured; the same command's run then finds them cached."""
+    argv = ["engine", "--model", str(tiny_llama), "--precision", "int8", "--threads", "1"]
+    argv += ["--peers", "llama.cpp", "--gguf", "F32"]
+    rc, out, err = cli([*argv, "--prepare"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    graphs = [ln for ln in lines if ln.startswith("spark-lsp ")]
+    assert [ln.split(":")[0] for ln in graphs] == ["spark-lsp fp32", "spark-lsp int8"]
+    gguf = next(ln for ln in lines if ln.startswith("llama.cpp F32:"))
+    assert "skipped" in gguf or gguf.endswith("model-F32.gguf")
+    assert "decode tok/s" not in out  # nothing measured
+    rc, again, err = cli([*argv, "--prepare"], capsys)
+    assert rc == 0 and [ln for ln in again.splitlines() if ln.startswith("llama.cpp")] == [gguf]
+    assert "converting" not in again
