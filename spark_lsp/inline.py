@@ -61,7 +61,10 @@ class InlineCompletions:
         through = self.typing.answer(uri, text, offset)
         if through is not None and (trigger == AUTOMATIC or len(through) > 1):
             st.metrics.typing_through += 1
-            st.cancel(uri, "superseded", kind="completion")  # stale work is useless now
+            inf = self.inflight.get(uri)
+            if inf is None or inf.job.future.done() or inf.followed_by(text) is None:
+                st.cancel(uri, "superseded", kind="completion")  # stale work is useless now
+            # else: a suggestion answered early is still being written, and the user types it
             return _shown(through, trigger)
         joined = await self._join(uri, text, offset)
         if joined:

@@ -192,3 +192,31 @@ def test_answers_when_the_next_token_would_miss_the_deadline():
     time.sleep(0.6)
     e.step("foo(bar", None, {})  # the next token would come about 1.2 s in: past the deadline
     assert [r.items for r in sent] == [["foo("]]
+
+
+async def test_typing_through_an_early_answer_keeps_its_generation():
+    """Typing what a suggestion answered early shows (typing-through) does not cancel the
+    generation still writing it; typing something else does."""
+    from spark_lsp.completions import Inflight
+    from spark_lsp.inline import InlineCompletions
+    from spark_lsp.status import Metrics
+
+    cancels = []
+    state = SimpleNamespace(
+        metrics=Metrics(),
+        enabled=True,
+        edit_running=lambda uri: False,
+        cancel=lambda uri, reason, kind=None: cancels.append(reason),
+    )
+    inline = InlineCompletions(state, lambda uri: True)
+    loop = asyncio.get_running_loop()
+    job = Job("u", lambda j: None, loop)
+    inf = inline.inflight["u"] = Inflight(job, "x = ", 4)
+    inf.partial = "foo(bar, baz)"  # the model has written this so far
+    inline.typing.remember("u", "x = ", 4, ["foo(bar"])  # answered early with this
+    assert await inline.complete("u", "x = f", 5, AUTOMATIC) == ["oo(bar"]
+    assert cancels == []  # the user types what the model writes: it goes on
+    inline.typing.remember("u", "x = ", 4, ["foo(bar"])
+    inf.partial = "bar"
+    assert await inline.complete("u", "x = f", 5, AUTOMATIC) == ["oo(bar"]
+    assert cancels == ["superseded"]  # the generation went elsewhere: stale
