@@ -576,3 +576,72 @@ async def test_cancel_ends_a_generation_held_by_a_client_that_stopped_reading(en
     assert (
         done[-1]["finish_reason"] == "cancelled" and done[-1]["stats"]["new_tokens"] <= WINDOW + 1
     )
+
+
+def test_engine_uncached_counts_what_a_slot_lacks_and_never_waits(engine):
+    import threading
+
+    ids = engine.tokenizer.encode("def area(r):\n    return 3.14 * r * r\n")
+    assert engine.uncached(ids, "uncached-doc") == len(ids)  # an unknown slot lacks everything
+    engine.generate(ids, GenerationParams(max_new_tokens=2), slot="uncached-doc").result()
+    assert engine.uncached(ids, "uncached-doc") == 0
+    assert engine.uncached([*ids[:-1], ids[-1] + 1], "uncached-doc") == 1
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with engine.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    try:
+        assert engine.uncached(ids, "uncached-doc") is None  # a run holds the engine: no waiting
+    finally:
+        release.set()
+        t.join()
+
+
+def test_a_first_step_taken_by_the_caller_reports_an_engine_failure_as_the_worker_would():
+    from engine.config import ModelError
+    from engine.service.local import LocalRun
+
+    class Sink:
+        def __init__(self):
+            self.chunks, self.end = [], None
+
+        def credit(self, stop, timeout):
+            return True
+
+        def chunk(self, token_id, text):
+            self.chunks.append(text)
+
+        def finish(self, reason, stats, error):
+            self.end = (reason, error)
+
+    def broken(_token):
+        raise ModelError("the model file is damaged")
+
+    sink = Sink()
+    run = LocalRun(broken, sink)
+    run.first_step()
+    run.work()
+    assert sink.chunks == [] and sink.end == (
+        "error",
+        ("engine_error", "the model file is damaged"),
+    )
+
+
+async def test_a_keystroke_on_a_warm_slot_generates_what_in_process_does(client, engine):
+    """The second request finds its prompt in the slot: its first step runs on the daemon's
+    event loop, the rest on a worker; the text is the in-process engine's for the same steps."""
+    ids = engine.tokenizer.encode("def mean(xs):\n    total = 0\n    for x in xs:\n")
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    local = [engine.generate(p, params, slot="warm-ref").result() for p in (ids, ids + ids[-1:])]
+    remote = []
+    for p in (ids, ids + ids[-1:]):
+        gen = await client.generate(p, params, slot="warm")
+        remote.append(await gen.result())
+    assert remote == local
+    assert gen.stats["reused_tokens"] == len(ids) and gen.stats["new_tokens"] == 24
