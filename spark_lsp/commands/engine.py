@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from engine.service import options
+
 
 def register(subparsers) -> None:
-    from engine.service import daemon
-
     p = subparsers.add_parser(
         "engine",
         help="run the shared engine service",
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
         "'auto' or 'ws://...') over one WebSocket each. The URL and token go to "
         "a 0600 file in the user's runtime dir. SIGTERM stops it cleanly.",
     )
-    daemon.add_arguments(s)
+    options.add_arguments(s)
     s.add_argument(
         "--ray",
         action="store_true",

@@ -1,0 +1,59 @@
+"""The engine daemon's command-line options, apart from the daemon so that declaring them (every
+`spark-lsp` start builds the whole parser) loads neither the engine nor ONNX Runtime."""
+
+from __future__ import annotations
+
+import argparse
+
+from .address import host_port
+
+#: KV slots per model (documents kept warm) unless ``--slots`` says otherwise.
+DEFAULT_SLOTS = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ws",
+        metavar="HOST:PORT",
+        type=host_port,
+        default=("127.0.0.1", 0),
+        help="where to listen (default 127.0.0.1 and a free port; the URL goes to the record)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="a model folder to serve (repeat for several; default: the bundled model)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=DEFAULT_SLOTS, help="KV slots per model (documents kept warm)"
+    )
+    p.add_argument("--precision", default="fp32", help="weight precision (fp32, int8, int4, auto)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads per model")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --ws address (clients need the token)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="read the access token from FILE (default: a new random token in the record)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="accept browser connections from this Origin (default: none)",
+    )
+    p.add_argument(
+        "--idle-exit",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="exit after this long without a client",
+    )
+    p.add_argument("--log-file", metavar="FILE", help="write the log here (default: stderr)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
