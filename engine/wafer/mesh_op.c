@@ -554,9 +554,6 @@ static const OrtCustomOp mesh_linear = {
 #define HAVE_VNNI 0
 #endif
 #define QMAXR 3 /* token rows per pass over the weights */
-#ifndef QPREFETCH
-#define QPREFETCH 4096 /* bytes ahead of the weight stream a decode step prefetches */
-#endif
 
 typedef struct {
   int bits;
@@ -643,7 +640,6 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         size_t k = 0;
         if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
           for (; k + 8 <= bs; k += 8, w += 512) {
-            for (int c = 0; c < 8; c++) _mm_prefetch((const char*)(w + QPREFETCH + 64 * c), _MM_HINT_T0);
             int32_t a0, a1;
             memcpy(&a0, a + k, 4);
             memcpy(&a1, a + k + 4, 4);
