@@ -25,7 +25,7 @@ from .generate import Generation, GenerationParams
 from .gguf import GGUFModel, default_precision, gguf_linear, is_gguf
 from .graph import build_decoder
 from .linears import PRECISIONS, float_linear, make_linear
-from .prefix_cache import PrefixCache, Slot, common_prefix
+from .prefix_cache import PrefixCache, Slot
 from .runtime import Runtime
 from .tokenizer import Tokenizer
 from .weights import file_digest, open_weights, weights_digest
@@ -312,17 +312,6 @@ class Engine:
         """The keys whose KV cache is kept, least recently used first."""
         with self._lock:
             return self._cache.keys()
-
-    def uncached(self, prompt: Sequence[int], slot: Hashable) -> int | None:
-        """How many tokens of ``prompt`` the KV cache of ``slot`` lacks (all of them for an unknown
-        slot); None while a model run holds the engine (the answer would have to wait for it)."""
-        if not self._lock.acquire(blocking=False):
-            return None
-        try:
-            s = self._cache.peek(slot)
-            return len(prompt) - (common_prefix(s.tokens, list(prompt)) if s is not None else 0)
-        finally:
-            self._lock.release()
 
     def slot_tokens(self, slot: Hashable = None) -> int:
         """How many tokens of ``slot`` have KV cached (0 if the slot is unknown)."""

@@ -5,16 +5,12 @@ different slots interleave) and hands every chunk to a :class:`Sink`.  The sink'
 blocks the thread while the client is behind, so a slow reader holds the generation instead of
 growing a queue.  Worker threads are kept (:class:`Workers`) and reused by the next generation:
 starting a thread for every request would put a thread start and its handshake with the event
-loop on every request's way to its first token.  A request whose prompt the slot mostly holds
-(a keystroke: a few new tokens) takes its first step on the caller's thread, the event loop, when
-the engine is free: its first token is then written without any thread hand-over, and a worker
-takes the generation on from the second token.
+loop on every request's way to its first token.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -29,10 +25,6 @@ if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-#: A prompt with at most this many tokens not in its slot's KV cache takes its first step on the
-#: caller's thread (a run as short as a decode step).
-INLINE_TOKENS = 16
 
 
 class Sink(Protocol):
@@ -119,8 +111,6 @@ class LocalRun:
     def __init__(self, start: Callable[[CancelToken], Generation], sink: Sink) -> None:
         self._start = start
         self.gen: Generation | None = None
-        self._first: Any = None  # a first chunk first_step could not deliver yet
-        self._failed: Exception | None = None  # what first_step met
         self.sink = sink
         self._stop = threading.Event()
         self._token = CancelToken()
@@ -129,28 +119,11 @@ class LocalRun:
         self._stop.set()
         self._token.cancel("generation cancelled")
 
-    def first_step(self) -> None:
-        """Create the generation and run its first step here (prefill and first token); ``work``
-        goes on from there (and reports an error met here)."""
-        try:
-            self.gen = self._start(self._token)
-            self._first = next(self.gen, None)
-        except Exception as e:
-            self._failed = e
-            return
-        if self._first is not None and self.sink.credit(self._stop, 0.0):
-            self.sink.chunk(int(self._first.token_id), self._first.text)
-            self._first = None
-
     def work(self) -> None:
         error = None
         try:
-            if self._failed is not None:
-                raise self._failed
-            if self.gen is None:
-                self.gen = self._start(self._token)
-            first = [self._first] if self._first is not None else []
-            for chunk in itertools.chain(first, self.gen):
+            self.gen = self._start(self._token)
+            for chunk in self.gen:
                 while not self._stop.is_set() and not self.sink.credit(self._stop, 0.05):
                     pass
                 if self._stop.is_set():
@@ -210,10 +183,6 @@ class LocalModels:
         eng = self.get(name)
         key = ("service", slot) if slot is not None else None
         run = LocalRun(lambda token: eng.generate(ids, params, slot=key, cancel=token), sink)
-        if key is not None:
-            uncached = eng.uncached(ids, key)
-            if uncached is not None and uncached <= INLINE_TOKENS:
-                run.first_step()
         self.workers.submit(run.work)
         return run
 
