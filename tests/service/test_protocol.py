@@ -576,3 +576,17 @@ async def test_cancel_ends_a_generation_held_by_a_client_that_stopped_reading(en
     assert (
         done[-1]["finish_reason"] == "cancelled" and done[-1]["stats"]["new_tokens"] <= WINDOW + 1
     )
+
+
+async def test_a_keystroke_on_a_warm_slot_generates_what_in_process_does(client, engine):
+    """The second request finds all but its last token in the slot (a keystroke): the service
+    reuses the KV and generates the in-process engine's text for the same two steps."""
+    ids = engine.tokenizer.encode("def mean(xs):\n    total = 0\n    for x in xs:\n")
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    local = [engine.generate(p, params, slot="warm-ref").result() for p in (ids, ids + ids[-1:])]
+    remote = []
+    for p in (ids, ids + ids[-1:]):
+        gen = await client.generate(p, params, slot="warm")
+        remote.append(await gen.result())
+    assert remote == local
+    assert gen.stats["reused_tokens"] == len(ids) and gen.stats["new_tokens"] == 24
