@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -79,11 +80,10 @@ class TypingThrough:
 
     def upgrade(self, uri: str, text: str, offset: int, shown: list[str], items: list[str]) -> None:
         """A suggestion answered early (`shown`) has been finished (`items`): remember the whole
-        one, unless something newer was remembered for the document since."""
+        one, unless another suggestion was remembered for the document since (the answers of
+        requests that joined this generation are for the same text and cursor)."""
         s = self._shown.get(uri)
-        if (s is None and not shown) or (
-            s is not None and (s.text, s.offset, s.items) == (text, offset, list(shown))
-        ):
+        if (s is None and not shown) or (s is not None and (s.text, s.offset) == (text, offset)):
             self.remember(uri, text, offset, items)
 
     def answer(self, uri: str, text: str, offset: int) -> list[str] | None:
@@ -119,6 +119,8 @@ class Inflight:
         )
         self.waiters = 0  # requests awaiting it; the job is cancelled when the last one is
         self.expect_join = False  # a didChange typed along with it: the next request will join
+        self.early: Any = None  # its EarlyAnswer, when it may answer before it is finished
+        self.upgrading = False  # its whole suggestion will replace an early one for typing-through
 
     def typed(self, text: str) -> str | None:
         """The characters inserted at the request's cursor since it started, if nothing else changed."""
@@ -251,7 +253,10 @@ class EarlyAnswer:
     the next token, so it waits for that). The generation itself goes on: typing along with it,
     or accepting it, gets the rest (`inline.InlineCompletions`). With the confidence gate on, a
     first line already below the threshold is answered at once with nothing: more tokens only
-    make the line less likely."""
+    make the line less likely.
+
+    A later request that joins the generation (the user typed what it writes, past what was
+    shown) gets its own answer by the same rules (`join`)."""
 
     def __init__(
         self,
@@ -268,11 +273,21 @@ class EarlyAnswer:
         self.sent = False
         self.last: float | None = None  # when the last chunk came
         self.gap = 0.0  # the time between chunks (a running mean; 0 until two have come)
+        self._joins: list[tuple[str, float, Callable[[Result], None]]] = []
+        self._lock = threading.Lock()  # joins come from the event loop, steps from the engine
 
-    def partial(self, text: str, due: float) -> tuple[str, str] | None:
+    def join(self, typed: str, deadline: float, send: Callable[[Result], None]) -> None:
+        """A request whose user has typed `typed` of the output since: `send` it a Result (items
+        beginning with `typed` and going beyond it) by the rules above, from the next step on."""
+        with self._lock:
+            self._joins.append((typed, deadline, send))
+
+    def partial(
+        self, text: str, due: float, deadline: float | None = None
+    ) -> tuple[str, str] | None:
         """(what may be shown now, why) for the output `text` so far, or None: keep waiting.
-        `due`: when the next chunk would come."""
-        if due < self.deadline:
+        `due`: when the next chunk would come; `deadline`: the request's (default: the first)."""
+        if due < (self.deadline if deadline is None else deadline):
             return None
         head = len(text) - len(text.lstrip())
         last = text.rfind("\n")
@@ -282,13 +297,15 @@ class EarlyAnswer:
         return (cut, "words") if cut.strip() else None
 
     def step(self, text: str, line_logprob: float | None, stats: dict) -> None:
-        if self.sent:
-            return
         now = time.perf_counter()
         if self.last is not None:
             gap = now - self.last
             self.gap = gap if not self.gap else 0.5 * (self.gap + gap)
         self.last = now
+        if self._joins:
+            self._step_joins(text, stats, now)
+        if self.sent:
+            return
         if self.gate and line_logprob is not None:
             if confidence(line_logprob) < self.settings.min_confidence:
                 self._answer([], stats, "low confidence", now)
@@ -299,6 +316,23 @@ class EarlyAnswer:
         item = postprocess.clean(found[0], self.ctx, self.multiline, self.settings.max_lines)
         if item:
             self._answer([item], stats, found[1], now)
+
+    def _step_joins(self, text: str, stats: dict, now: float) -> None:
+        with self._lock:
+            joins, self._joins = self._joins, []
+        for typed, deadline, send in joins:
+            found = self.partial(text, now + self.gap, deadline)
+            item = (
+                postprocess.clean(found[0], self.ctx, self.multiline, self.settings.max_lines)
+                if found is not None
+                else ""
+            )
+            if item.startswith(typed) and item[len(typed) :].strip():
+                ms = (now - self.t0) * 1e3
+                send(Result([item], {**stats, "answered": found[1], "answer_ms": ms}))
+            else:
+                with self._lock:
+                    self._joins.append((typed, deadline, send))
 
     def _answer(self, items: list[str], stats: dict, why: str, now: float) -> None:
         self.sent = True
@@ -326,13 +360,16 @@ def complete_steps(
     answer_at: float | None = None,
     on_answer: Callable[[Result], None] | None = None,
     t0: float | None = None,
+    on_early: Callable[[EarlyAnswer], None] | None = None,
 ):
     """Suggestions for the cursor at `offset` (engine thread, a step generator returning a Result);
     `python`: the document is Python (its indentation rules cut multi-line suggestions);
     `neighbours(budget, count)`: other files' chunks within a token budget
     (`spark_lsp.neighbours.Neighbours.select`), put first in the prompt. With `on_answer`, an
     automatic request's first answer may come before the whole suggestion (`EarlyAnswer`, by
-    `answer_at`); the Result returned is always the whole one. `t0`: when the request arrived."""
+    `answer_at`); the Result returned is always the whole one, and `on_early` gets the
+    `EarlyAnswer` (requests that join the generation ask it for theirs). `t0`: when the request
+    arrived."""
     t0 = time.perf_counter() if t0 is None else t0
     ctx = context_at(text, offset, python=python)
     multiline = settings.multiline and postprocess.choose_multiline(ctx)
@@ -365,6 +402,8 @@ def complete_steps(
         if on_answer is not None and answer_at is not None and trigger != INVOKED
         else None
     )
+    if early is not None and on_early is not None:
+        on_early(early)
     items: list[str] = []
     stats: dict = {}
     for k in range(n):

@@ -97,14 +97,39 @@ class InlineCompletions:
         if typed is None or offset != inf.offset + len(typed):
             return None
         inf.expect_join = False
-        result = await self._await(uri, inf)
+        early: asyncio.Future | None = None
+        answer_ms = self.state.settings.answer_ms
+        if inf.early is not None and answer_ms > 0:  # answered like a fresh request would be
+            early = asyncio.get_running_loop().create_future()
+            inf.early.join(
+                typed,
+                time.perf_counter() + answer_ms / 1000,
+                lambda r: inf.job.call_soon(_settle, early, r),
+            )
+        result = await self._await(uri, inf, early)
         rest = [
             it[len(typed) :] for it in result.items if it.startswith(typed) and len(it) > len(typed)
         ]
         if rest:
             self.state.metrics.joined += 1
             self.typing.remember(uri, inf.text, inf.offset, result.items)
+            self._upgrade_when_done(uri, inf)
         return rest or None
+
+    def _upgrade_when_done(self, uri: str, inf: Inflight) -> None:
+        """A suggestion answered before it was finished: once it is, typing-through serves the
+        whole of it (`TypingThrough.upgrade`)."""
+        job = inf.job
+        if job.future.done() or inf.upgrading:
+            return
+        inf.upgrading = True
+        job.future.add_done_callback(
+            lambda f: (
+                f.cancelled()
+                or f.exception() is not None
+                or self.typing.upgrade(uri, inf.text, inf.offset, [], f.result().items)
+            )
+        )
 
     async def _generate(
         self, uri: str, text: str, offset: int, trigger: int, t0: float | None = None
@@ -140,6 +165,7 @@ class InlineCompletions:
                 answer_at=answer_at,
                 on_answer=(lambda r: job.call_soon(_settle, early, r)) if early else None,
                 t0=t0,
+                on_early=lambda e: setattr(holder["inf"], "early", e),
             )
 
         job = Job(uri, steps, loop, kind="completion")
@@ -149,13 +175,7 @@ class InlineCompletions:
         st.send_status("completion", result.stats)
         if not job.future.done():  # answered early: the whole suggestion serves typing-through
             st.metrics.answered_early += 1
-            job.future.add_done_callback(
-                lambda f: (
-                    f.cancelled()
-                    or f.exception() is not None
-                    or self.typing.upgrade(uri, text, offset, result.items, f.result().items)
-                )
-            )
+            self._upgrade_when_done(uri, inf)
         return result.items
 
     async def _await(

@@ -220,3 +220,50 @@ async def test_typing_through_an_early_answer_keeps_its_generation():
     inf.partial = "bar"
     assert await inline.complete("u", "x = f", 5, AUTOMATIC) == ["oo(bar"]
     assert cancels == ["superseded"]  # the generation went elsewhere: stale
+
+
+def test_a_request_joining_the_generation_gets_its_own_early_answer():
+    """The user typed what the model writes, past what was shown: the joining request is answered
+    by the same rules, with items that begin with what was typed and go beyond it."""
+    sent, joined, later = [], [], []
+    s = Settings(min_confidence=0)
+    ctx = postprocess.Context("x = ", "", (), ())
+    past = time.perf_counter() - 1
+    e = EarlyAnswer(past, ctx, False, s, False, sent.append, 0.0)
+    e.step("foo(", None, {})
+    assert [r.items for r in sent] == [["foo("]]
+    e.join("foo(", past, joined.append)
+    e.join("foo(", time.perf_counter() + 60, later.append)  # its deadline is far: it waits
+    e.step("foo(bar", None, {})  # "bar" may go on: nothing beyond what was typed yet
+    assert joined == []
+    e.step("foo(bar, b", None, {})
+    assert [r.items for r in joined] == [["foo(bar,"]] and later == []
+    e.step("foo(bar, baz", None, {})
+    assert len(joined) == 1 and len(sent) == 1  # each answered once
+
+
+async def test_joining_request_is_answered_before_the_generation_ends():
+    from spark_lsp.completions import Inflight
+    from spark_lsp.inline import InlineCompletions
+    from spark_lsp.status import Metrics
+
+    state = SimpleNamespace(
+        metrics=Metrics(),
+        enabled=True,
+        edit_running=lambda uri: False,
+        cancel=lambda uri, reason, kind=None: None,
+        settings=Settings(answer_ms=1, min_confidence=0),
+    )
+    inline = InlineCompletions(state, lambda uri: True)
+    job = Job("u", lambda j: None, asyncio.get_running_loop())
+    inf = inline.inflight["u"] = Inflight(job, "x = ", 4)
+    inf.partial = "foo(bar"
+    ctx = postprocess.Context("x = ", "", (), ())
+    inf.early = EarlyAnswer(time.perf_counter() - 1, ctx, False, state.settings, False, print, 0)
+    inline.typing.remember("u", "x = ", 4, ["fo"])  # what was answered early
+    task = asyncio.ensure_future(inline.complete("u", "x = foo(", 8, AUTOMATIC))
+    await asyncio.sleep(0.05)
+    assert not task.done()  # joined, waiting for whole words beyond what was typed
+    inf.early.step("foo(bar, b", None, {})  # the engine thread's next step
+    assert await asyncio.wait_for(task, 5) == ["bar,"]
+    assert state.metrics.joined == 1 and not job.future.done()  # the generation goes on
