@@ -639,6 +639,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
       if (t->bits == 8) {
         size_t k = 0;
         if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
+#pragma GCC unroll 2
           for (; k + 8 <= bs; k += 8, w += 512) {
             int32_t a0, a1;
             memcpy(&a0, a + k, 4);
