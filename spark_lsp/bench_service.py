@@ -15,7 +15,9 @@ builder, the document as slot) and asks for a greedy suggestion of `--max-tokens
 Per keystroke: first byte (the keystroke's request is built -> its first text arrives; each
 client's encoding is inside), the engine's own TTFT (from the `done` stats: the engine takes the
 request -> first token), the per-request overhead (first byte - engine TTFT), keystroke-to-
-suggestion (-> the whole suggestion) and the bytes of the request message.  Each server runs in its
+suggestion (-> the whole suggestion), the engine's own time for the whole suggestion (so a
+service's decoding slowed by its own I/O shows apart from the transport) and the bytes of the
+request message.  Each server runs in its
 own process with its own copy of the model; the three transports take turns keystroke by
 keystroke, so a busy machine weighs on each alike.  Cancel: a generation is cancelled from another
 thread a few ms after its third token (as an editor's cancel reaches the language server while
@@ -142,7 +144,7 @@ def summary(rows: list[dict]) -> dict[str, Any]:
         return [r[k] for r in rows if r.get(k) is not None]
 
     out: dict[str, Any] = {"keystrokes": len(rows)}
-    for k in ("first_byte_ms", "ttft_ms", "overhead_ms", "suggestion_ms"):
+    for k in ("first_byte_ms", "ttft_ms", "overhead_ms", "suggestion_ms", "engine_ms"):
         xs = col(k)
         out[k] = {
             "p50": pct(xs, 0.5),
@@ -165,6 +167,7 @@ def _row(t0: float, t_first: float | None, t_end: float, stats: dict) -> dict:
         "ttft_ms": ttft,
         "overhead_ms": first - ttft if first is not None else None,
         "suggestion_ms": (t_end - t0) * 1e3,
+        "engine_ms": stats.get("total_ms"),  # the engine's own time, request taken -> its end
         "prompt_tokens": stats.get("prompt_tokens", 0),
         "reused_tokens": stats.get("reused_tokens", 0),
     }
