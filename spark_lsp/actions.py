@@ -73,6 +73,12 @@ class EditPlan:
     messages: list[dict] | None = None  # chat messages, for a model that takes them (remote chat)
     check: Callable[[str], str | None] | None = None  # final region text -> why not to apply it
 
+    @property
+    def steerable(self) -> bool:
+        """The region shows the generated text as it is (head + raw output), so the user's typing
+        in it maps back onto the output (a chat answer's code is extracted from it instead)."""
+        return self.messages is None and self.prompt_text is None
+
     def judge(self, raw: str) -> tuple[str, str | None]:
         """The region's final text for `raw`, and why it must not be applied (None: it may)."""
         try:
@@ -450,6 +456,12 @@ def run_plan_steps(
     # FIM control tokens end a chat answer too: a chat prompt must not let "<fim_suffix>" through
     stop = p.stop + tuple(builder.stop_strings)
 
+    steering = getattr(job, "steering", None)
+
+    def steered() -> bool:
+        """The user typed into the output: their text is part of the result, never redone."""
+        return steering is not None and bool(steering.typed)
+
     def attempt(lead: str, sampled: bool = False):
         decoding = (
             {"temperature": RETRY_TEMPERATURE, "top_p": 0.95, "seed": RETRY_SEED}
@@ -475,16 +487,17 @@ def run_plan_steps(
             text_prompt=replace(text, prefix=text.prefix + lead)
             if lead and text.messages is None
             else text,
+            **({"steering": steering.starting(lead)} if steering is not None else {}),
         )
         return lead + raw, {**stats, "finish_reason": finish}
 
     raw, stats = yield from attempt("")
-    if p.retry_lead and not raw.strip():  # e.g. a docstring closed at once: ask once more
+    if p.retry_lead and not raw.strip() and not steered():  # e.g. a docstring closed at once
         raw, stats = yield from attempt(p.retry_lead)
         region, reason = p.judge(raw)
     else:
         region, reason = p.judge(raw)
-        if reason is not None:  # a result that would damage the code: once more, sampled
+        if reason is not None and not steered():  # would damage the code: once more, sampled
             raw, stats = yield from attempt(p.retry_lead, sampled=True)
             region, reason = p.judge(raw)
     if reason is not None:

@@ -156,13 +156,17 @@ def generate_steps(
     draft: str | None = None,
     text_prompt: TextPrompt | None = None,
     on_step: Callable[[str, float | None, dict], None] | None = None,
+    steering: Any = None,
 ):
     """One generation of `model` (a model_host.Model), yielding after every decode step so the
     scheduler can interleave documents; stops early once `done(text)` says the output is
     complete. `text_prompt`: what `ids` encode, for a remote model. `on_step(text, first line's
     log-probability so far or None, the generation's stats so far)` runs after every chunk.
+    `steering` (a live edit's `live_edits.Steering`): the stream, steerable when the model is,
+    is attached to it while it runs, so the user's typing steers it.
     Returns (text, stats, finish_reason); raises Cancelled if the job was, BackendError if a
     remote model failed."""
+    steer = steering is not None and getattr(model, "steerable", False)
     gen = model.generate(
         ids,
         params,
@@ -171,17 +175,21 @@ def generate_steps(
         speculative=speculative,
         draft=draft,
         text=text_prompt,
+        **({"steerable": True} if steer else {}),
     )
+    if steer:
+        steering.attach(gen)
     text = ""
     early = False
     line_logprob, line_done = None, False  # the first line's log-probability, when asked for
     try:
         for chunk in gen:
-            text += chunk.text
+            at = getattr(chunk, "at", None)  # a steer put the output back to the typed text
+            text = (text if at is None else text[:at]) + chunk.text
             if getattr(chunk, "logprob", None) is not None and not line_done:
                 line_logprob = (line_logprob or 0.0) + chunk.logprob
                 line_done = "\n" in text
-            if on_text is not None and chunk.text:
+            if on_text is not None and (chunk.text or at is not None):
                 on_text(text)
             if on_step is not None:
                 on_step(text, line_logprob, getattr(gen, "stats", None) or {})
@@ -198,6 +206,8 @@ def generate_steps(
             for _ in gen:  # drain: the engine finishes the cancelled step and releases itself
                 pass
     finally:
+        if steer:
+            steering.detach(gen)
         job.mark_stopped()
     job.check()
     finish = "stop" if early else str(getattr(gen, "finish_reason", ""))

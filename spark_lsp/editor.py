@@ -46,6 +46,11 @@ class Editor(Protocol):
         """Show a progress indicator; None when the editor has none. `on_cancel` runs when the
         user presses its cancel button."""
 
+    @property
+    def versioned_edits(self) -> bool:
+        """The client refuses an edit made for a version its document has moved past (LSP's
+        `workspaceEdit.documentChanges`)."""
+
     async def apply_edit(
         self, uri: str, edits: list[tuple[Pos, Pos, str]], version: int | None, label: str | None
     ) -> bool:

@@ -16,7 +16,7 @@ from .backends import BackendError
 from .completions import prompt_budget
 from .documents import Pos, line_ending, minimal_edits, normalize_eol, position_at
 from .errors import InvalidParams, RequestCancelled, ServerError
-from .live_edits import LiveEdit
+from .live_edits import LiveEdit, Steering
 from .scheduler import Cancelled, Job, run_job
 from .state import ServerState, edit_key
 
@@ -107,10 +107,16 @@ class Edits:
         return {"outcome": "done" if applied else "rejected", "flushes": 1, "complete": applied}
 
     async def job(
-        self, uri: str, p: actions.EditPlan, on_text=None, parent: CancelToken | None = None
+        self,
+        uri: str,
+        p: actions.EditPlan,
+        on_text=None,
+        parent: CancelToken | None = None,
+        steering: Steering | None = None,
     ) -> tuple[str, dict]:
         """Generate the plan's region text on the engine thread; `on_text(raw)` sees the output
-        so far (on the event loop); cancelling `parent` (a live edit's token) stops it."""
+        so far (on the event loop); cancelling `parent` (a live edit's token) stops it;
+        `steering` takes the user's typing to the generation (a live edit's)."""
         st = self.state
         host, speculative = st.host, st.settings.speculative
         budget = prompt_budget(host.model, st.settings.context_tokens, p.max_tokens)
@@ -132,6 +138,7 @@ class Edits:
         job = Job(
             edit_key(uri), steps, asyncio.get_running_loop(), kind="edit", slot=uri, parent=parent
         )
+        job.steering = steering
         try:
             return await run_job(st.sched(), job)
         except Cancelled as exc:
@@ -189,6 +196,12 @@ class _Stream:
             enc=t.enc,
             version=t.version,
         )
+        # the user's typing in the generated text steers the model, when it can be steered and
+        # the client refuses our edits made for a text the user has changed since
+        model = st.host.model
+        if p.steerable and getattr(model, "steerable", False) and st.editor.versioned_edits:
+            self.session.steering = Steering()
+            self.session.head = len(p.head)
         self.latest: str | None = None
         self.interval = 1.0 / st.settings.live_edit_hz if st.settings.live_edits else None
         self.written_final = False
@@ -215,18 +228,32 @@ class _Stream:
                 progress.end(outcome)
         if session.stopped_by_user:
             outcome = "stopped by the user"
-        return {"outcome": outcome, "flushes": session.flushes, "complete": self.written_final}
+        return {
+            "outcome": outcome,
+            "flushes": session.flushes,
+            "complete": self.written_final,
+            "steers": session.steers,  # the user's changes that steered the model
+        }
 
     async def _generate(self) -> str:
         st, session = self.state, self.session
-        job = self.edits.job(self.t.uri, self.p, on_text=self._on_text, parent=session.token)
+        job = self.edits.job(
+            self.t.uri,
+            self.p,
+            on_text=self._on_text,
+            parent=session.token,
+            steering=session.steering,
+        )
         task = asyncio.ensure_future(job)
         while not task.done():
             await asyncio.wait([task], timeout=self.interval)
             if session.stopped:  # the user typed or cancelled (its token stopped the job)
                 break
             live = self.interval is not None and self.latest is not None and not task.done()
-            if live and not await self._flush(self.p.region_text(self.latest, final=False), False):
+            steers = session.steers
+            if live and not await self._flush(self._shown_output(), False):
+                if await self._steered_since(steers):
+                    continue  # refused because the user typed: the next flush follows them
                 st.cancel(self.key, "edit rejected by the client")
                 break
         try:
@@ -234,20 +261,50 @@ class _Stream:
         except RequestCancelled as exc:
             return "stopped by the user" if session.stopped_by_user else str(exc)
         except Refused as exc:
-            # what was streamed is taken back: the document is left exactly as it was
-            if not session.stopped:
+            # what was streamed is taken back (the document is left exactly as it was), unless
+            # the user steered it: what they typed stays
+            if not session.stopped and session.typed is None:
                 await self._restore()
             return str(exc)
         outcome = "done"
+        typed = session.typed
         # a cancel that came after the generation finished still keeps the final write from
         # happening: what was streamed stays, as when the engine is stopped mid-stream
         if session.cancelled is not None:
             outcome = f"edit stopped: {session.cancelled}"
+        elif typed is not None and not region.startswith(self.p.head + typed):
+            outcome = "stopped by the user"  # the result would not keep what they typed
         elif not session.stopped_by_user:
+            steers = session.steers
             self.written_final = await self._flush(region, final=True)
+            if not self.written_final and await self._steered_since(steers):
+                # refused because the user typed just then: the result, if it keeps their text
+                typed = session.typed or ""
+                if region.startswith(self.p.head + typed):
+                    self.written_final = await self._flush(region, final=True)
             outcome = "done" if self.written_final else "rejected"
         st.send_status(f"edit:{self.p.action}", stats)
         return outcome
+
+    def _shown_output(self) -> str:
+        """The region's text mid-stream: the output so far, or, while the model has not caught
+        up with what the user typed into it, their text (never overwritten)."""
+        raw, typed = self.latest or "", self.session.typed
+        if typed is not None and not raw.startswith(typed):
+            raw = typed
+        return self.p.region_text(raw, final=False)
+
+    async def _steered_since(self, steers: int, wait_s: float = 0.5) -> bool:
+        """Whether the user steered the edit after `steers` steers: an edit the client refused
+        because they typed is followed by their didChange (soon, if not already)."""
+        if self.session.steering is None:
+            return False
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while self.session.steers == steers and not self.session.stopped:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return self.session.steers > steers and not self.session.stopped
 
     def _on_text(self, raw: str) -> None:
         self.latest = raw

@@ -11,15 +11,23 @@ the text our edit produces in the client is then the text we expect.
 
 Our own edits come back as `didChange`; they are recognised by the document text they produce
 (compared exactly, else modulo line endings, in case a client converts them in a way not foreseen).
-Any other change to the document is the user's, and stops the session within one decode step. A
-cancel (`spark.cancel`, the progress's cancel button) stops it too: no edit is sent after it, not
-even the final one when the generation had already finished.
+A change the user makes inside the generated text (typing at its end, where the model writes, or
+in it) steers the generation when the model can be steered (`Steering`, the `steer` of the
+engine service; the in-process engine steers the same way): the region's generated text, as the
+user left it, becomes the typed text. If the model was about to write it, it goes on (typing
+through); if not, it stops and a successor continues after the typed text, and its output streams
+on after it. The user's text is never overwritten. Any other change to the document (elsewhere,
+or one that only deletes the end of the generated text) is the user's taking over, and stops the
+session within one decode step. A cancel (`spark.cancel`, the progress's cancel button) stops it
+too: no edit is sent after it, not even the final one when the generation had already finished.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 from engine.cancel import CancelToken
 
@@ -60,6 +68,49 @@ def frame(
     return generated + rest
 
 
+class Steering:
+    """The user's text for a live edit's generated output, handed to the stream writing it.
+
+    The engine thread attaches each generation (`completions.generate_steps`); the event loop
+    calls `send` with the whole output as the user now has it. Only additions reach the stream
+    (`Stream.steer` takes text typed after what was typed before); an attempt started after a
+    lead (`starting`) is steered with the text after the lead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gen: Any = None
+        self._lead = ""
+        self._next_lead = ""
+        self.typed = ""  # the output as the user left it (empty: never steered)
+
+    def starting(self, lead: str) -> Steering:
+        """The next attempt's output begins with `lead` (text the model did not write)."""
+        self._next_lead = lead
+        return self
+
+    def attach(self, gen: Any) -> None:
+        with self._lock:
+            self._gen, self._lead = gen, self._next_lead
+
+    def detach(self, gen: Any) -> None:
+        with self._lock:
+            if self._gen is gen:
+                self._gen = None
+
+    def send(self, typed: str) -> bool:
+        """The output as the user now has it; False when that cannot steer the generation (none
+        is running, or the user changed text they typed before, or the lead)."""
+        with self._lock:
+            gen, lead = self._gen, self._lead
+            if gen is None or not typed.startswith(self.typed) or not typed.startswith(lead):
+                return False
+            sent = max(len(self.typed), len(lead))
+            self.typed = typed
+            if len(typed) > sent:
+                gen.steer(typed[sent:])
+            return True
+
+
 class LiveEdit:
     """State of one streamed edit: the region, what it shows, and the texts our edits produce."""
 
@@ -87,6 +138,14 @@ class LiveEdit:
         self.shown = self.original  # region text as the document has it now
         self._doc = doc_text  # document text once all our sent edits apply
         self._expected: collections.deque[str] = collections.deque()
+        # what the editor has confirmed: (document, region text, generated text the region shows)
+        self._confirmed = (doc_text, self.original, "")
+        self._pending: collections.deque[tuple[str, str, str]] = collections.deque()
+        self._generated = ""  # the generated text (head + output) of the last frame
+        # set: the user's typing in the generated text steers the generation
+        self.steering: Steering | None = None
+        self.head = 0  # characters of fixed text starting the generated text (not steerable)
+        self.steers = 0  # user changes that steered the generation
         self.stopped_by_user = False
         self.cancelled: str | None = None  # why the user cancelled the edit, once they did
         # cancelled when the user types or cancels: the parent of the edit's engine job
@@ -108,7 +167,13 @@ class LiveEdit:
 
     def frame(self, generated: str, final: bool) -> str:
         """The region's text for `generated` (see `frame`), in the document's line ending."""
+        self._generated = generated
         return frame(self.original, generated, final, self.eol, self.line_after)
+
+    @property
+    def typed(self) -> str | None:
+        """The output as the user left it when they steered the generation (None: never)."""
+        return self.steering.typed if self.steering is not None and self.steers else None
 
     def edits_to(self, region_text: str) -> list[RangeEdit]:
         """Minimal edits turning the region's current text into `region_text`; records the
@@ -127,6 +192,7 @@ class LiveEdit:
         self._doc = self._doc[:a] + region_text + self._doc[a + len(self.shown) :]
         self.shown = region_text
         self._expected.append(self._doc)
+        self._pending.append((self._doc, region_text, self._generated))
         self.flushes += 1
         return out
 
@@ -139,6 +205,9 @@ class LiveEdit:
         """The client did not apply our last edit."""
         if self._expected:
             self._expected.pop()
+            self._pending.pop()
+            # the region is as the client last confirmed it (or as the user's steer left it)
+            self._doc, self.shown = self._confirmed[0], self._confirmed[1]
 
     def on_did_change(self, doc_text: str, version: int | None = None) -> bool:
         """Feed every didChange of the document; returns True if it was ours. A change that is
@@ -151,12 +220,45 @@ class LiveEdit:
             doc_text = next((e for e in self._expected if normalize_eol(e) == norm), doc_text)
         if doc_text in self._expected:
             while self._expected and self._expected.popleft() != doc_text:
-                pass
+                self._pending.popleft()
+            self._confirmed = self._pending.popleft()
             if version is not None:
                 self.version = version
             return True
+        if self._steer(doc_text, version):
+            return False
         # a user's version is never adopted: an edit still computed against the old text must be refused
         if not self.stopped_by_user:
             self.stopped_by_user = True
             self.token.cancel("user typed")
         return False
+
+    def _steer(self, doc_text: str, version: int | None) -> bool:
+        """A change by the user inside the generated text steers the generation; True if it did.
+        Our edits not confirmed yet were computed for the text before it: the client refuses
+        them (they are versioned), and the region is taken as the user left it."""
+        if self.steering is None or self.stopped or version is None:
+            return False
+        doc, shown, generated = self._confirmed
+        if "\r" in generated or "\r" in doc_text:  # line breaks the editor converts: not mapped
+            return False
+        e = minimal_edit(doc, doc_text)
+        a = self.region_start
+        if e is None or e.start < a + self.head or e.end > a + len(generated):
+            return False  # not inside the generated text
+        new = doc_text[e.start : len(doc_text) - (len(doc) - e.end)]
+        mine = generated[: e.start - a] + new + generated[e.end - a :]
+        output = generated[self.head :]
+        typed = mine[self.head :]
+        if len(typed) < len(output) and output.startswith(typed):
+            return False  # only deleted the end: the user takes over
+        if not self.steering.send(typed):
+            return False
+        shown = doc_text[a : a + len(shown) + len(doc_text) - len(doc)]
+        self._confirmed = (doc_text, shown, mine)
+        self._doc, self.shown, self._generated = doc_text, shown, mine
+        self._expected.clear()
+        self._pending.clear()
+        self.version = version
+        self.steers += 1
+        return True

@@ -71,6 +71,10 @@ class LspEditor:
     def notify_status(self, payload: dict) -> None:
         self.ls.protocol.notify(STATUS_METHOD, payload)
 
+    @property
+    def versioned_edits(self) -> bool:
+        return self._capability("workspace", "workspace_edit", "document_changes")
+
     def _capability(self, section: str, *path: str) -> bool:
         obj = getattr(self.ls.client_capabilities, section, None)
         for name in path:
@@ -109,9 +113,7 @@ class LspEditor:
         text_edits = [
             T.TextEdit(T.Range(lsp_position(s), lsp_position(e)), new) for s, e, new in edits
         ]
-        if version is not None and self._capability(
-            "workspace", "workspace_edit", "document_changes"
-        ):
+        if version is not None and self.versioned_edits:
             edit = T.WorkspaceEdit(
                 document_changes=[
                     T.TextDocumentEdit(

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from engine.cancel import CancelToken
+from engine.service.steering import SteeredGeneration
 
 from . import preparation
 from .backends import BackendError, TextPrompt, engine_ws, make_remote
@@ -68,6 +69,16 @@ class Stream(Protocol):
     def cancel(self) -> None:
         """Stop this generation only (its caller's token is left alone)."""
 
+    # A steerable stream (Model.generate(..., steerable=True)) also has:
+    #
+    # def steer(self, text: str) -> None:
+    #     """The user typed `text` after what they typed before (all of it relative to the start
+    #     of the output); from any thread, returns at once. Typed text that the output spells
+    #     lets it go on; typed text that differs stops it and a successor continues after the
+    #     typed text (the engine service's `steer`, docs/engine-protocol.md): a chunk with
+    #     `at` = n (not None) then says the output is now its first n characters + the chunk's
+    #     text (the rest of the typed text), and the successor's chunks follow."""
+
 
 class Model(Protocol):
     """What the services need from a loaded model."""
@@ -87,11 +98,14 @@ class Model(Protocol):
         speculative: bool = False,
         draft: str | None = None,
         text: TextPrompt | None = None,
+        steerable: bool = False,
     ) -> Stream:
         """Start a generation of `ids` with `params` (engine.GenerationParams) reusing the KV of
         `slot`; `speculative`: greedy generations may verify drafted tokens (output identical),
         `draft` the text being rewritten; `text`: what `ids` encode (remote backends read it
-        instead of the ids). Work happens while the stream is iterated."""
+        instead of the ids); `steerable` (only asked of a model whose `steerable` is True): the
+        stream takes `steer(text)`, see `Stream.steer`. Work happens while the stream is
+        iterated."""
 
     def status(self) -> dict:
         """What `spark/metrics` shows about the model (name, context, precision...)."""
@@ -99,6 +113,8 @@ class Model(Protocol):
 
 class LocalModel:
     """The in-process engine (engine.Engine) as a Model."""
+
+    steerable = True
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -145,12 +161,18 @@ class LocalModel:
         speculative: bool = False,
         draft: str | None = None,
         text: TextPrompt | None = None,
+        steerable: bool = False,
     ) -> Stream:
-        if speculative and getattr(params, "temperature", 0.0) == 0.0:
-            return self._speculative.generate(
-                self.engine, ids, params, slot, draft=draft, cancel=cancel
-            )
-        return self.engine.generate(ids, params, slot=slot, cancel=cancel)
+        def start(ids: list[int], params: Any) -> Any:
+            if speculative and getattr(params, "temperature", 0.0) == 0.0:
+                return self._speculative.generate(
+                    self.engine, ids, params, slot, draft=draft, cancel=cancel
+                )
+            return self.engine.generate(ids, params, slot=slot, cancel=cancel)
+
+        if steerable:  # steered here, as the engine service steers its generations
+            return SteeredGeneration(start, ids, params, self.tokenizer.encode)
+        return start(ids, params)
 
     def warm_up(self) -> None:
         """One short generation so ONNX Runtime's first-run setup is not paid by the first

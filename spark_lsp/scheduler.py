@@ -58,6 +58,7 @@ class Job:
         self.t_stopped: float | None = None  # when the engine stopped after a cancel
         self.token = parent.child() if parent is not None else CancelToken()
         self.token.on_cancel(self._cancelled_at)
+        self.steering: Any = None  # a live edit's live_edits.Steering: the user's typing steers it
 
     def _cancelled_at(self, reason: str) -> None:
         self.t_cancel = time.perf_counter()

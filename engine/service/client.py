@@ -18,6 +18,7 @@ sends the whole prompt again under the same id.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -491,6 +492,10 @@ class SyncGeneration:
 
     def steer(self, text: str, timeout: float | None = None) -> dict[str, Any]:
         return self._owner._call(self._steer(text), timeout)
+
+    def steer_nowait(self, text: str) -> concurrent.futures.Future:
+        """Send a steer from any thread; the future holds its committed (or failed) event."""
+        return self._owner._submit(self._steer(text))
 
     async def _steer(self, text: str) -> dict[str, Any]:
         return await self._remote.steer(text)

@@ -20,12 +20,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from engine.cancel import CancelToken
 from engine.config import load_config
 from engine.service import launch, rundir
 from engine.service.client import EngineUnavailable, SyncEngineClient
+from engine.service.steering import MATCH, Piece, common_chars, judge
 from engine.tokenizer import Tokenizer
 
 from .base import BackendError, Chunk
@@ -53,6 +55,7 @@ class EngineServiceModel:
     """A `model_host.Model` whose generations run in the engine service."""
 
     kind = "engine-service"
+    steerable = True  # the daemon steers its generations (EngineStream.steer)
 
     def __init__(
         self,
@@ -176,18 +179,26 @@ class EngineServiceModel:
         speculative: bool = False,
         draft: str | None = None,
         text: Any = None,
+        steerable: bool = False,
     ):
         client = self._ensure()
         if client is None:
             return self._local.generate(
-                ids, params, slot, cancel=cancel, speculative=speculative, draft=draft, text=text
+                ids,
+                params,
+                slot,
+                cancel=cancel,
+                speculative=speculative,
+                draft=draft,
+                text=text,
+                steerable=steerable,
             )
         try:
             gen = client.generate(list(ids), params, slot=slot)
         except EngineUnavailable as exc:
             self._lost(str(exc))
             raise BackendError(f"the engine service connection was lost: {exc}") from None
-        return EngineStream(self, gen, cancel)
+        return EngineStream(self, gen, cancel, (list(ids), params, slot))
 
     def status(self) -> dict:
         if self._local is not None:
@@ -210,30 +221,130 @@ class EngineServiceModel:
 
 class EngineStream:
     """One generation in the engine service, read by the scheduler's engine thread: `next()`
-    waits at most POLL_S for text, a cancel of its token reaches the daemon at once."""
+    waits at most POLL_S for text, a cancel of its token reaches the daemon at once.
 
-    def __init__(self, model: EngineServiceModel, gen: Any, cancel: CancelToken) -> None:
+    `steer(text)` sends typed text to the daemon as `steer` messages, one at a time (the next
+    once the daemon has committed the last, so the client always knows which typed text a
+    successor's prompt holds). When a steer stops the generation, the stream goes on with the
+    successor the daemon started: a chunk with `at` first puts the output back to the typed
+    text (model_host.Stream.steer)."""
+
+    def __init__(
+        self,
+        model: EngineServiceModel,
+        gen: Any,
+        cancel: CancelToken,
+        request: tuple[list[int], Any, str] | None = None,
+    ) -> None:
         self._model = model
         self._gen = gen
+        self._request = request  # (prompt ids, params, slot), for a successor started here
         self.finish_reason: str | None = None
         self.stats: dict = {}
         self.text = ""
         self._t0 = time.perf_counter()
-        cancel.on_cancel(lambda _reason: gen.cancel())
+        self._lock = threading.RLock()  # a steer's future may complete as it is sent
+        self._typed = ""  # typed text sent to the daemon, relative to the start of the output
+        self._unsent = ""  # typed, waiting for the steer in flight to be committed
+        self._in_flight: Any = None  # the Future of the steer the daemon has not committed yet
+        self._stopping = False  # a steer stopped the generation: its successor comes next
+        self._late = False  # a steer came after the daemon's generation had ended
+        cancel.on_cancel(lambda _reason: self.cancel())
 
     def __iter__(self) -> EngineStream:
         return self
 
-    def __next__(self) -> Chunk:
+    def __next__(self) -> Any:
         try:
             item = self._gen.poll(POLL_S)
         except StopIteration:
+            piece = self._follow()
+            if piece is not None:
+                return piece
             self._end()
             raise
         if item is None:
             return Chunk("")
         self.text += item.text
         return Chunk(item.text)
+
+    # -- steering ------------------------------------------------------------------------------
+    def steer(self, text: str) -> None:
+        with self._lock:
+            self._unsent += text
+            self._send()
+
+    def _send(self) -> None:
+        """Send what was typed, if no steer is in flight (call with the lock held)."""
+        if self._in_flight is not None or self._stopping or not self._unsent:
+            return
+        piece, self._unsent = self._unsent, ""
+        self._typed += piece
+        fut = self._in_flight = self._gen.steer_nowait(piece)
+        fut.add_done_callback(self._committed)
+
+    def _committed(self, fut: Any) -> None:
+        try:
+            event = fut.result()
+        except Exception:  # the connection is gone: the stream ends with its error
+            event = {}
+        with self._lock:
+            if fut is not self._in_flight:
+                return
+            self._in_flight = None
+            if event.get("state") == "committed" and event.get("outcome") == "stopped":
+                self._stopping = True  # hold what follows for the successor
+            elif event.get("state") == "failed":
+                self._late = True  # judged here once the output read so far ends (_follow)
+            else:
+                self._send()
+
+    def _follow(self) -> Piece | None:
+        """The generation ended: go on with the successor a steer started, if there is one."""
+        g = self._gen
+        fut = self._in_flight
+        if fut is not None:  # its outcome decides what follows
+            try:
+                fut.result(5.0)
+            except Exception:
+                pass
+            self._committed(fut)
+        successor = g.successor if g.finish_reason != "error" else None
+        if successor is None:
+            return self._succeed_here()
+        with self._lock:
+            self._gen = successor
+            self._in_flight, self._stopping = None, False
+            at = common_chars(self._typed, self.text)
+            self.text = self._typed
+            self._send()
+        return Piece(-1, self._typed[at:], at)
+
+    def _succeed_here(self) -> Piece | None:
+        """The daemon's generation ended before the user's typing reached it (it runs ahead of
+        what the editor shows): typed text the output does not spell starts the successor here,
+        as the daemon would have (the prompt, then the typed text; the slot's KV is reused)."""
+        with self._lock:
+            typed = self._typed + self._unsent
+            if not (self._late or self._unsent) or self._request is None:
+                return None
+            if not typed or judge(typed, self.text) == MATCH or _errored(self._gen):
+                return None
+            client = self._model._ensure()
+            if client is None or self._gen.cancelled:
+                return None
+            ids, params, slot = self._request  # the first request: typed is relative to its output
+            healed = getattr(params, "healed_prefix", "") or ""
+            ids = ids + list(self._model.tokenizer.encode(healed + typed))
+            params = replace(params, healed_prefix="") if healed else params
+            try:
+                self._gen = client.generate(ids, params, slot=slot)
+            except EngineUnavailable:
+                return None
+            self._typed, self._unsent, self._late = typed, "", False
+            at = common_chars(typed, self.text)
+            self.text = typed
+        return Piece(-1, typed[at:], at)
 
     def _end(self) -> None:
         g = self._gen
@@ -251,11 +362,17 @@ class EngineStream:
             )
 
     def cancel(self) -> None:
+        # the daemon cancels a successor too (an id that a steer stopped names its successor)
         self._gen.cancel()
 
     def stop(self) -> None:
         """The output is complete (the caller used it): stop generating more."""
         self._gen.cancel()
+
+
+def _errored(gen: Any) -> bool:
+    """A generation that ended in an error (a lost connection): nothing follows it."""
+    return getattr(gen, "finish_reason", None) == "error"
 
 
 def load(

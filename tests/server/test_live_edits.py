@@ -74,7 +74,7 @@ class Scripted:
         self.ls.workspace_apply_edit_async = self.apply_edit
         self.ls.edits.job = self.generate
 
-    async def generate(self, uri, plan, on_text=None, parent=None):
+    async def generate(self, uri, plan, on_text=None, parent=None, steering=None):
         """The engine job (Edits.job), scripted: each chunk of output is flushed before the next comes (a chunk
         that changes nothing on screen is given a few flush intervals)."""
         self.generation = asyncio.current_task()
@@ -385,3 +385,47 @@ def test_a_partial_line_inserted_above_a_line_never_runs_into_it():
     mid = doc.index("1")
     s = LiveEdit("u", doc, mid, mid, Pos(1, 11))
     assert s.frame("2 +", final=False) == "2 +"
+
+
+class _Steerable:
+    def __init__(self):
+        self.pieces: list[str] = []
+
+    def steer(self, text):
+        self.pieces.append(text)
+
+
+def test_typing_in_the_generated_text_steers_and_anything_else_stops():
+    from spark_lsp.live_edits import Steering
+
+    doc = "def f():\n    pass\n"
+    at = doc.index("    pass")
+    s = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
+    s.steering, gen = Steering(), _Steerable()
+    s.steering.attach(gen)
+    s.edits_to(s.frame("    return a", final=False))
+    shown = doc[:at] + "    return a\n"
+    assert s.on_did_change(shown, 2)
+    # typed at the end of the written text, then once more: the output as the user has it, in
+    # pieces (each steer adds to the last)
+    assert not s.on_did_change(shown.replace("return a", "return ab"), 3) and not s.stopped
+    assert not s.on_did_change(shown.replace("return a", "return ab + 1"), 4) and not s.stopped
+    assert gen.pieces == ["    return ab", " + 1"] and s.typed == "    return ab + 1"
+    assert s.steers == 2 and s.version == 4
+    # the next frame is computed from the user's text: our output after it is appended
+    (e,) = s.edits_to(s.frame("    return ab + 1 if a else 0", final=False))
+    assert e.new_text == " if a else 0"
+    # deleting the end of the output is the user taking over: the session stops
+    s2 = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
+    s2.steering = Steering()
+    s2.steering.attach(_Steerable())
+    s2.edits_to(s2.frame("    return a", final=False))
+    assert s2.on_did_change(shown, 2)
+    assert not s2.on_did_change(shown.replace("return a", "return "), 3) and s2.stopped_by_user
+    # as does a change outside the generated text
+    s3 = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
+    s3.steering = Steering()
+    s3.steering.attach(_Steerable())
+    s3.edits_to(s3.frame("    return a", final=False))
+    assert s3.on_did_change(shown, 2)
+    assert not s3.on_did_change("# x\n" + shown, 3) and s3.stopped_by_user

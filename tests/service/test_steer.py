@@ -1,0 +1,183 @@
+"""Steering through the model seam (`model_host.Model.generate(..., steerable=True)`): the
+in-process engine (`engine.service.steering.SteeredGeneration`) and the engine service over its
+WebSocket (`backends.engine_ws.EngineStream`, the daemon's `steer`) give the same outputs for the
+same typing: typed text the model writes lets it go on; typed text that differs stops it and the
+successor continues after the typed text."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from engine import GenerationParams
+from engine.cancel import CancelToken
+from spark_lsp.backends.engine_ws import EngineServiceModel
+from spark_lsp.model_host import LocalModel
+
+
+def _service_module():
+    path = Path(__file__).resolve().parent / "test_lsp_engine.py"
+    spec = importlib.util.spec_from_file_location("service_lsp_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_svc = _service_module()
+run_dir, start_daemon, stop = _svc.run_dir, _svc.start_daemon, _svc.stop
+
+pytestmark = pytest.mark.slow
+PROMPT = "def scale(values, factor):\n    out = []\n    for v in values:\n"
+PARAMS = GenerationParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def read(stream, steer_at: int | None = None, typed: str = "", cancel_after_steer=False):
+    """Iterate `stream` as generate_steps does (a chunk with `at` rewrites the output); once the
+    output has `steer_at` characters (None: before the first chunk), send `typed`."""
+    text, resets = "", 0
+    if steer_at is None and typed:
+        stream.steer(typed)
+    for chunk in stream:
+        at = getattr(chunk, "at", None)
+        resets += at is not None
+        text = (text if at is None else text[:at]) + chunk.text
+        if steer_at is not None and typed and len(text) >= steer_at:
+            stream.steer(typed)
+            typed = ""
+            if cancel_after_steer:
+                stream.cancel()
+    return text, resets, stream.finish_reason
+
+
+@pytest.fixture
+def models(tiny_llama, run_dir):
+    from engine import Engine
+
+    proc, rec = start_daemon(tiny_llama)
+    local = LocalModel(Engine.load(model_dir=tiny_llama, slots=4))
+    remote = EngineServiceModel(rec["url"], str(tiny_llama))
+    try:
+        yield {"local": local, "daemon": remote}
+    finally:
+        remote.close()
+        stop(proc.pid)
+
+
+def _gen(model, slot: str, token: CancelToken | None = None):
+    ids = model.tokenizer.encode(PROMPT)
+    return model.generate(ids, PARAMS, slot, cancel=token or CancelToken(), steerable=True)
+
+
+def test_steering_is_the_same_in_process_and_over_the_service(models):
+    outputs = {}
+    for name, model in models.items():
+        plain, resets, _ = read(_gen(model, "plain"))
+        assert resets == 0 and len(plain) > 20, (name, plain)
+        # typing what the model writes (ahead of it: the steer waits for the tokens) goes on
+        matched, resets, reason = read(_gen(model, "matched"), None, plain[:12])
+        assert (matched, resets, reason) == (plain, 0, "length"), name
+        # typing something else at the 10th character: the rest is the successor's, after it
+        typed = plain[:10] + "ZZ_typed"
+        steered, resets, _ = read(_gen(model, "steered"), 10, typed)
+        assert resets == 1 and steered.startswith(typed) and len(steered) > len(typed), steered
+        # a steer and a cancel right after it: nothing follows the typed text
+        cancelled, _, reason = read(_gen(model, "cancelled"), 10, typed, cancel_after_steer=True)
+        assert reason == "cancelled" and not cancelled[len(typed) :], cancelled
+        outputs[name] = (plain, steered)
+    assert outputs["local"] == outputs["daemon"]
+
+
+# -- a live edit steered by typing, end to end (pytest-lsp, the server's engine local or a daemon)
+_editor = _svc._editor
+start_editor, plain = _editor.start_editor, _editor.plain
+URI = "file:///work/steer.py"
+
+
+def _doc() -> str:
+    body = "".join(f"    value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 40))
+    return "def long():\n" + body
+
+
+async def _steered_edit(ed, cancel: bool = False) -> tuple[dict, int]:
+    """Stream a rewrite; after its first edit, the user types at the end of the written text
+    (in two keystrokes), then (`cancel`) cancels. Returns the command's result and the number of
+    edits applied before the typing."""
+    from lsprotocol import types as T
+
+    from spark_lsp.documents import offset_at
+
+    await ed.command(
+        "spark.configure",
+        {"liveEdits": True, "liveEditHz": 100, "maxEditTokens": 300, "contextTokens": 128},
+    )
+    text = _doc()
+    ed.open(URI, text)
+    start = text.index("value_1 =")  # after the indentation: this random model writes 300 tokens
+    rng = T.Range(ed.pos(URI, start), ed.pos(URI, len(text)))
+    listed = await ed.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(URI), rng, T.CodeActionContext(diagnostics=[]))
+    )
+    rewrite = next(
+        a for a in listed if getattr(a, "data", None) and plain(a.data)["action"] == "rewrite"
+    )
+    resolved = await ed.client.code_action_resolve_async(rewrite)
+    before: list[int] = []
+    cancelling: list = []
+
+    def user_types(uri):
+        if before:
+            return
+        before.append(len(ed.applied))
+        (e,) = ed.applied[-1].edit.document_changes[0].edits
+        doc = ed.text(uri)
+        end = offset_at(doc, e.range.start.line, e.range.start.character) + len(e.new_text)
+        ed.type(uri, ed.type(uri, end, "ZZ"), "_typed")
+        if cancel:
+            cancelling.append(
+                asyncio.ensure_future(
+                    ed.client.workspace_execute_command_async(
+                        T.ExecuteCommandParams(command="spark.cancel", arguments=[URI])
+                    )
+                )
+            )
+
+    ed.after_apply = user_types
+    res = await ed.command(resolved.command.command, *resolved.command.arguments)
+    await asyncio.gather(*cancelling)
+    return res, before[0]
+
+
+@pytest.mark.parametrize("engine", ["local", "daemon"])
+async def test_typing_in_a_live_edit_steers_it(tiny_llama, run_dir, engine):
+    proc = None
+    options = {}
+    if engine == "daemon":
+        proc, rec = start_daemon(tiny_llama)
+        options = {"engine": rec["url"]}
+    client, ed = await start_editor(tiny_llama, options)
+    try:
+        res, n = await _steered_edit(ed)
+        assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
+        doc = ed.text(URI)
+        assert doc.count("ZZ_typed") == 1, doc  # what the user typed stays, once
+        # the model went on after the typed text: the successor's edits follow it
+        typed_end = doc.index("ZZ_typed") + len("ZZ_typed")
+        assert len(ed.applied) > n and doc[typed_end:].strip(), res
+        server = await ed.server_document(URI)
+        assert (server["text"], server["version"]) == (doc, ed.docs[URI][1])
+
+        # a cancel right after the typing: nothing more is written, the typing stays
+        res, n = await _steered_edit(ed, cancel=True)
+        assert "cancel" in res["outcome"] and not res["complete"], res
+        doc = ed.text(URI)
+        assert doc.count("ZZ_typed") == 1, doc
+        server = await ed.server_document(URI)
+        assert server["text"] == doc
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+        if proc is not None:
+            stop(proc.pid)
