@@ -9,8 +9,8 @@ Each benchmark lives in its own module, imported only when run (torch etc. load 
     service -> spark_lsp.bench_service (in-process vs WebSocket vs HTTP+SSE, Ray; not part of ``all``)
 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
-(``spark-lsp bench wafer --help`` shows them); ``engine`` also exposes ``add_arguments``/``run``
-so its options appear here. ``all`` runs every benchmark that is installed with its defaults.
+(``spark-lsp bench wafer --help`` shows them), so building the CLI's parser imports none of them.
+``all`` runs every benchmark that is installed with its defaults.
 
 ``--plot FILE`` (every benchmark): the drawing is ``spark_lsp.bench_plot``; this dispatcher checks
 matplotlib before the run and hands the modules a ``plot(results, FILE)`` callable
@@ -58,10 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
-    eng = bsub.add_parser("engine", help=HELP["engine"], description=HELP["engine"])
-    _add_engine_arguments(eng)
-    eng.set_defaults(func=_run_engine)
-    for name in ("edits", "lsp", "service", "wafer", "profile", "robustness"):
+    for name in ("engine", "edits", "lsp", "service", "wafer", "profile", "robustness"):
         # Options belong to the module (imported lazily): pass every argument through untouched.
         q = bsub.add_parser(name, help=HELP[name], add_help=False, prefix_chars="\0")
         q.add_argument("argv", nargs="*")
@@ -84,10 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=_run_all)
 
 
-def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    importlib.import_module("engine.lab.bench").add_arguments(p)
-
-
 def _plotter(name: str, wanted: bool):
     """(plot callable or None, error exit code or 0): matplotlib is checked before a long run."""
     if not wanted:
@@ -100,11 +93,6 @@ def _plotter(name: str, wanted: bool):
         print(f"spark-lsp bench {name}: {e}", file=sys.stderr)
         return None, 2
     return bench_plot.plotter(name), 0
-
-
-def _run_engine(args: argparse.Namespace) -> int:
-    plot, rc = _plotter("engine", bool(args.plot))
-    return rc or int(importlib.import_module("engine.lab.bench").run(args, plot=plot) or 0)
 
 
 def _module_path(name: str) -> str:
