@@ -31,6 +31,9 @@ class _TextFim:
     stop_ids: frozenset[int] = frozenset()
     supports_spm = False
     name = "text"
+    #: no middle token and no style: the backend lays the text out, so no anchored PSM prompt
+    middle_id = None
+    style = None
 
     def build(self, prefix: str, suffix: str, spm: bool = False, context=None) -> list[int]:
         return []
