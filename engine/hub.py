@@ -505,7 +505,9 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
     """(parameters, bytes of the engine's weights per precision, KV cache bytes per token).
 
     The token embedding stays float32 (a Gather reads one row per token); every linear, the LM
-    head included, is stored at the precision; norms and biases are float32."""
+    head included, is stored at the precision; norms and biases are float32. A tied LM head reads
+    the embedding table in place at fp32 (on a wafer grid, the default) and is its own quantised
+    initializer at the other precisions."""
     shapes = expected_shapes(config)
     embed = config.vocab_size * config.hidden_size
     linear = small = 0
@@ -517,10 +519,12 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
             linear += n
         else:
             small += n
-    if config.tie_word_embeddings:
-        linear += embed  # the LM head is its own (transposed) initializer
-    params = embed + linear + small - (embed if config.tie_word_embeddings else 0)
-    memory = {p: int(4 * (embed + small) + b * linear) for p, b in BYTES_PER_WEIGHT.items()}
+    head = embed if config.tie_word_embeddings else 0  # a tied head, stored apart when quantised
+    params = embed + linear + small
+    memory = {
+        p: int(4 * (embed + small) + b * linear + (0 if p == "fp32" else b * head))
+        for p, b in BYTES_PER_WEIGHT.items()
+    }
     kv = (
         2
         * config.num_hidden_layers

@@ -25,7 +25,7 @@ from . import rundir
 from .address import is_loopback
 from .launch import DaemonError, resolve_models
 from .local import LocalModels
-from .options import DEFAULT_SLOTS, add_arguments
+from .options import DEFAULT_SLOTS, SPINNING, add_arguments
 from .server import EngineServer
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,19 @@ def load_engines(
     slots: int = DEFAULT_SLOTS,
     precision: str = "fp32",
     threads: int | None = None,
+    spinning: bool | None = False,
 ) -> list[Any]:
+    """The daemon's engines. ``spinning`` defaults to off (the in-process engine's default is
+    auto): a daemon hands every token to its event loop and reads cancels there, and ONNX
+    Runtime threads that spin between steps hold the cores that loop needs on a small machine."""
     from ..engine import Engine  # lazily: ONNX Runtime loads only when a daemon really starts
 
     engines = []
     for folder in folders:
         t0 = time.perf_counter()
-        eng = Engine.load(folder, slots=slots, precision=precision, threads=threads)
+        eng = Engine.load(
+            folder, slots=slots, precision=precision, threads=threads, spinning=spinning
+        )
         # a cancel waits for the prefill run in flight: interactive clients need short runs
         eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         eng.tokenizer.byte_index()  # token-healed prompts need it: built now, not in a request
@@ -141,7 +147,13 @@ def main_args(args: argparse.Namespace) -> int:
         token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
         folders = resolve_models(args.model)
         models = LocalModels(
-            load_engines(folders, slots=args.slots, precision=args.precision, threads=args.threads)
+            load_engines(
+                folders,
+                slots=args.slots,
+                precision=args.precision,
+                threads=args.threads,
+                spinning=SPINNING[args.spinning],
+            )
         )
     except (DaemonError, OSError, ValueError) as e:
         print(f"spark-lsp engine serve: {e}", file=sys.stderr)

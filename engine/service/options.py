@@ -9,6 +9,8 @@ from .address import host_port
 
 #: KV slots per model (documents kept warm) unless ``--slots`` says otherwise.
 DEFAULT_SLOTS = 8
+#: ``--spinning`` values -> ``Engine.load(spinning=...)``.
+SPINNING = {"off": False, "on": True, "auto": None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--precision", default="fp32", help="weight precision (fp32, int8, int4, auto)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads per model")
+    p.add_argument(
+        "--spinning",
+        choices=sorted(SPINNING),
+        default="off",
+        help="ONNX Runtime threads spin between steps: off (default: the daemon's event loop "
+        "needs the cores between tokens), on, or auto (while the CPU is calm, as in-process)",
+    )
     p.add_argument(
         "--allow-remote",
         action="store_true",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import GenerationParams
+from engine.models import default_model_dir
 from engine.service import launch, rundir
 from engine.service.client import EngineClient, EngineUnavailable
 
@@ -116,3 +117,22 @@ def test_join_or_start_starts_one_detached_daemon_and_joins_it(run_dir):
             time.sleep(0.05)
         assert not rundir.pid_alive(rec["pid"])
     assert rundir.read_record(rundir.model_key(launch.resolve_models([None]))) is None
+
+
+def test_daemon_engines_do_not_spin_unless_asked():
+    """A daemon's event loop writes every token and reads every cancel between steps: its ONNX
+    Runtime threads must not spin by default (`--spinning off`), and `auto` keeps the in-process
+    behaviour (a spinning decode session for small models while the CPU is calm)."""
+    import argparse
+
+    from engine.service.daemon import load_engines
+    from engine.service.options import SPINNING, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).spinning == "off"
+    (eng,) = load_engines([default_model_dir()], slots=1, spinning=SPINNING["off"])
+    rt = eng.runtime
+    assert rt.calm is rt.busy and not rt.busy.spinning
+    (eng,) = load_engines([default_model_dir()], slots=1, spinning=SPINNING["auto"])
+    assert eng.runtime.calm.spinning  # the bundled model is small: a spinning calm session
