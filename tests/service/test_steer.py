@@ -165,10 +165,9 @@ async def test_typing_in_a_live_edit_steers_it(tiny_llama, run_dir, engine):
             uri = f"file:///work/steer_{attempt}.py"
             res, n = await _steered_edit(ed, uri=uri)
             if res["steers"] == 0 and res["outcome"] == "stopped by the user" and attempt < 3:
-                # Known timing case (see the closing note of this round): when the first flush
-                # ends inside a line, the typing can land outside the generated text as the
-                # server framed it, and a change outside the output stops the edit, as before
-                # steering existed. Tried again with a fresh document.
+                # Known timing case (the known gap in docs/service.md): typing that arrives after the
+                # generation has finished but before its last flush is shown finds nothing to
+                # steer, and stops the edit as before steering existed. A fresh document again.
                 continue
             assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
             doc = ed.text(uri)
