@@ -24,6 +24,9 @@ from pathlib import Path
 from .data import EditConfig, FimConfig, packed_sequences, shuffle_buffer
 from .tokenizer import EOS, PAD, read_file_list
 
+#: The arguments that fix a model's shape: a fine-tune (--init-from) and a resumed run keep them.
+MODEL_SHAPE_ARGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "context")
+
 
 def build_config(args, vocab_size: int, eos_id: int, pad_id: int):
     from transformers import LlamaConfig
@@ -202,26 +205,14 @@ def main(argv=None) -> None:
     init = None
     if ckpt is None and args.init_from is not None:
         init = torch.load(args.init_from, map_location="cpu", weights_only=False)
-        for k in (
-            "hidden",
-            "layers",
-            "heads",
-            "kv_heads",
-            "ffn",
-            "context",
-        ):  # the shape is the parent's
+        for k in MODEL_SHAPE_ARGS:  # the shape is the parent's
             setattr(args, k, init["args"][k])
         args.tokens_before = init["seqs"] * init["args"]["seq_len"] + init["args"].get(
             "tokens_before", 0
         )
     if ckpt:  # the model shape and data stream of a run are fixed by its first invocation
         for k in (
-            "hidden",
-            "layers",
-            "heads",
-            "kv_heads",
-            "ffn",
-            "context",
+            *MODEL_SHAPE_ARGS,
             "seq_len",
             "seed",
             "fim_rate",
