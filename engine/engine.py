@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -318,6 +318,12 @@ class Engine:
         with self._lock:
             s = self._cache.peek(slot)
             return len(s.tokens) if s is not None else 0
+
+    def forget(self, keys: Iterable[Hashable]) -> int:
+        """Forget the cached sequences of ``keys`` and free their KV buffers (a client that goes
+        away, such as a closed editor session sharing this engine); how many were cached."""
+        with self._lock:
+            return sum(self._cache.drop(k) for k in list(keys))
 
     def reset(self) -> None:
         """Forget every cached sequence."""

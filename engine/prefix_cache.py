@@ -85,6 +85,17 @@ class PrefixCache:
         """The slot of ``key`` if it is cached, without changing the recycling order."""
         return self._slots.get(key)
 
+    def drop(self, key: Hashable) -> bool:
+        """Forget ``key``'s sequence and free its KV buffers (a generation still iterating on it
+        notices and stops); False if it was not cached."""
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        slot.owner = None
+        slot.tokens = []
+        slot.kv = None
+        return True
+
     def clear(self) -> None:
         for slot in self._slots.values():
             slot.owner = None

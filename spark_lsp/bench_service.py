@@ -28,7 +28,8 @@ asyncio client's `cancel` sent -> `done` received.
 once, against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse
 rate (reused prompt tokens / prompt tokens, each document's first, cold request included), then
 2 replicas with one killed halfway (every suggestion answered, cancelled, failed or hung).
-`--memory`: resident memory (RSS, PSS) of 4 language servers sharing one daemon vs one
+`--memory`: resident memory (RSS, PSS) of 4 language servers sharing one daemon, and of 4
+editors' bridges (`serve --stdio --shared`) with the one session host they share, vs one
 in-process server, at the bundled model and a real-size one.
 """
 
@@ -65,6 +66,7 @@ from .prompt import PromptBuilder
 ROOT = Path(__file__).resolve().parents[1]
 #: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
 MEMORY_MODELS = "default,synthetic-qwen2.5-coder-0.5b@int4"
+MEMORY_MODES = "daemon,host"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +103,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="models of --memory, NAME[@PRECISION] each; 'default' is --model "
         f"(default {MEMORY_MODELS})",
+    )
+    p.add_argument(
+        "--memory-modes",
+        default=MEMORY_MODES,
+        metavar="LIST",
+        help="what --memory compares with one in-process server: daemon (4 servers with "
+        "engine: auto and their daemon), host (4 bridges and their session host); default "
+        f"{MEMORY_MODES}",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -612,10 +622,16 @@ def maps_onnxruntime(pid: int) -> bool:
     return "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def _server(model: str | None, options: dict, uri: str, text: str):
+def bridge_cmd(model: str | None) -> list[str]:
+    """What an editor runs to share the session host: `spark-lsp serve --stdio --shared`."""
+    cmd = [sys.executable, "-m", "spark_lsp.cli", "serve", "--stdio", "--shared"]
+    return cmd + (["--model", model] if model else [])
+
+
+def _server(model: str | None, options: dict, uri: str, text: str, cmd: list[str] | None = None):
     from .rpc_client import LspClient, server_cmd
 
-    client = LspClient(server_cmd(model))
+    client = LspClient(cmd or server_cmd(model))
     try:
         client.initialize({"tunePrecision": False, "liveEdits": False, **options})
         client.wait_ready(timeout=900)
@@ -632,10 +648,17 @@ def _sum(parts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(p[k] for p in parts) for k in ("rss", "pss")}
 
 
-def run_memory(model: str | None, precision: str | None, text: str, sessions: int = 4) -> dict:
+def run_memory(
+    model: str | None,
+    precision: str | None,
+    text: str,
+    sessions: int = 4,
+    modes: tuple[str, ...] = ("daemon", "host"),
+) -> dict:
     """Resident memory of one in-process language server vs `sessions` language servers with
-    `engine: auto` and the one daemon they share, each server with a document open and one
-    suggestion made."""
+    `engine: auto` and the one daemon they share (mode `daemon`), and vs `sessions` editors'
+    bridges and the one session host they share (mode `host`), each session with a document
+    open and one suggestion made."""
     from engine.lab.models import SYNTHETIC, synthetic_model
 
     if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
@@ -646,6 +669,23 @@ def run_memory(model: str | None, precision: str | None, text: str, sessions: in
         one = memory_mb(local.proc.pid)
     finally:
         local.shutdown()
+    out: dict[str, Any] = {
+        "model": Path(model).name if model else "default",
+        "precision": precision or "default",
+        "sessions": sessions,
+        "one_inproc_server_mb": one,
+    }
+    if "daemon" in modes:
+        out.update(_memory_daemon(model, options, text, sessions, one))
+    if "host" in modes:
+        out["host"] = _memory_host(model, options, text, sessions, one)
+    return out
+
+
+def _memory_daemon(
+    model: str | None, options: dict, text: str, sessions: int, one: dict[str, float]
+) -> dict:
+    """`sessions` language servers with `engine: auto` and their daemon."""
     with tempfile.TemporaryDirectory() as run_dir:
         old = os.environ.get(rundir.ENV_DIR)
         os.environ[rundir.ENV_DIR] = run_dir  # a daemon of this run only, not the user's
@@ -683,16 +723,75 @@ def run_memory(model: str | None, precision: str | None, text: str, sessions: in
                 os.environ[rundir.ENV_DIR] = old
     total = _sum([*servers, daemon])
     return {
-        "model": Path(model).name if model else "default",
-        "precision": precision or "default",
-        "sessions": sessions,
-        "one_inproc_server_mb": one,
         "session_servers_mb": servers,
         "daemon_mb": daemon,
         "shared_total_mb": total,
         "ratio_rss": total["rss"] / one["rss"] if one["rss"] else None,
         "ratio_pss": total["pss"] / one["pss"] if one["pss"] else None,
         "thin_servers_without_onnxruntime": thin,
+    }
+
+
+def _memory_host(
+    model: str | None, options: dict, text: str, sessions: int, one: dict[str, float]
+) -> dict:
+    """`sessions` editors' bridges (`serve --stdio --shared`) and the session host they share
+    (the first bridge starts it; the bench checks that every session runs in it and that they
+    share one engine)."""
+    from spark_lsp import bridge
+
+    with tempfile.TemporaryDirectory(prefix="spark-") as run_dir:
+        old = os.environ.get(bridge.ENV_DIR)
+        os.environ[bridge.ENV_DIR] = run_dir  # a host of this run only, not the user's
+        clients, host_pid = [], None
+        try:
+            hosts = []
+            for i in range(sessions):
+                client, _ = _server(
+                    model, options, f"file:///bench/h{i}.py", text, cmd=bridge_cmd(model)
+                )
+                clients.append(client)
+                hosts.append((client.call("spark/metrics", {}, 30) or {}).get("sessionHost"))
+            pids = {h.get("pid") if h else None for h in hosts}
+            shared = hosts[-1].get("models") if hosts[-1] else None
+            if (
+                len(pids) != 1
+                or None in pids
+                or len(shared or []) != 1
+                or shared[0].get("sessions") != sessions
+            ):
+                raise RuntimeError(
+                    f"the {sessions} sessions did not share one host and one engine: {hosts}"
+                )
+            host_pid = pids.pop()
+            bridges = [memory_mb(c.proc.pid) for c in clients]
+            host = memory_mb(host_pid)
+            thin = not any(maps_onnxruntime(c.proc.pid) for c in clients)
+        finally:
+            for c in clients:
+                c.shutdown()
+            if host_pid is not None:
+                try:
+                    os.kill(host_pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                for _ in range(200):  # not our child: wait for it to go
+                    if not rundir.pid_alive(host_pid):
+                        break
+                    time.sleep(0.05)
+            if old is None:
+                os.environ.pop(bridge.ENV_DIR, None)
+            else:
+                os.environ[bridge.ENV_DIR] = old
+    total = _sum([*bridges, host])
+    return {
+        "bridges_mb": bridges,
+        "host_mb": host,
+        "shared_models": shared,
+        "total_mb": total,
+        "ratio_rss": total["rss"] / one["rss"] if one["rss"] else None,
+        "ratio_pss": total["pss"] / one["pss"] if one["pss"] else None,
+        "bridges_without_onnxruntime": thin,
     }
 
 
@@ -706,7 +805,8 @@ def run_memories(args) -> dict:
             continue
         name, _, precision = spec.partition("@")
         model = args.model if name == "default" else name
-        out[spec] = run_memory(model, precision or None, text)
+        modes = tuple(m.strip() for m in args.memory_modes.split(",") if m.strip())
+        out[spec] = run_memory(model, precision or None, text, modes=modes)
     return out
 
 
@@ -832,7 +932,21 @@ def print_table(r: dict) -> None:
             f"ws - inproc keystroke-to-suggestion p50: {r['ws_minus_inproc_suggestion_p50_ms']:+.2f} ms"
         )
     for name, m in r.get("memory", {}).items():
-        one, total, d = m["one_inproc_server_mb"], m["shared_total_mb"], m["daemon_mb"]
+        one = m["one_inproc_server_mb"]
+        h = m.get("host")
+        if h:
+            print(
+                f"memory {name}: one in-process server RSS {one['rss']:.0f} MB (PSS "
+                f"{one['pss']:.0f}); {m['sessions']} bridges sharing one session host RSS "
+                f"{h['total_mb']['rss']:.0f} MB (PSS {h['total_mb']['pss']:.0f}; host "
+                f"{h['host_mb']['rss']:.0f}, each bridge "
+                f"{statistics.median(s['rss'] for s in h['bridges_mb']):.1f}, PSS "
+                f"{statistics.median(s['pss'] for s in h['bridges_mb']):.1f}): "
+                f"x{f(h['ratio_rss'])} RSS, x{f(h['ratio_pss'])} PSS"
+            )
+        if "daemon_mb" not in m:
+            continue
+        total, d = m["shared_total_mb"], m["daemon_mb"]
         print(
             f"memory {name}: one in-process server RSS {one['rss']:.0f} MB (PSS {one['pss']:.0f}); "
             f"{m['sessions']} servers sharing one daemon RSS {total['rss']:.0f} MB "

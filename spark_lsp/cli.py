@@ -6,11 +6,13 @@ and `spark-lsp serve` start fast and torch/transformers are never imported at ru
 
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
 import importlib
-import importlib.util
 import sys
-from importlib import metadata
 
 from . import __version__
 
@@ -42,6 +44,8 @@ EPILOG = """first steps:
 
 def version() -> str:
     """This installation's version (the package metadata, else the source tree's)."""
+    from importlib import metadata  # not on the bridge's way (`serve --shared` imports little)
+
     try:
         return metadata.version("spark-lsp")
     except metadata.PackageNotFoundError:
@@ -49,6 +53,8 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse  # here, not on `serve --shared`'s way (see main)
+
     parser = argparse.ArgumentParser(
         prog="spark-lsp",
         description=DESCRIPTION,
@@ -70,6 +76,8 @@ def foreign_engine() -> str | None:
     with a package of that name, earlier on the path or installed over it, would otherwise fail
     with an obscure import error inside whichever command runs first.
     """
+    import importlib.util
+
     spec = importlib.util.find_spec("engine")
     if spec is None:
         return "the 'engine' package is not installed (reinstall spark-lsp)"
@@ -85,6 +93,12 @@ def foreign_engine() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["serve"] and "--help" not in args and "-h" not in args:
+        from . import bridge
+
+        if bridge.wants_bridge(args[1:]):  # `serve --stdio --shared`: nothing else is imported
+            return bridge.argv_main(args[1:])
     problem = foreign_engine()
     if problem:
         print(f"spark-lsp: error: {problem}", file=sys.stderr)

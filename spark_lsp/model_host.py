@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.cancel import CancelToken
@@ -133,15 +135,16 @@ class LocalModel:
 
     @classmethod
     def load(
-        cls, model_dir: str | None, precision: str = "auto", progress: Any = None
+        cls, model_dir: str | None, precision: str = "auto", progress: Any = None, slots: int = 4
     ) -> LocalModel:
         """Load `model_dir` (None: the bundled default; a folder, a .gguf file, a catalogue name
-        or hf:ORG/REPO[:FILE], downloaded on first use with `progress` reports) and warm it up."""
+        or hf:ORG/REPO[:FILE], downloaded on first use with `progress` reports) and warm it up.
+        `slots`: documents whose KV prefix the engine keeps (allocated as they are used)."""
         from engine import Engine
         from engine.hub import resolve_model
 
         path = resolve_model(model_dir, progress=progress)
-        eng = Engine.load(model_dir=path, slots=4, precision=precision)
+        eng = Engine.load(model_dir=path, slots=slots, precision=precision)
         if isinstance(getattr(eng, "prefill_chunk", None), int):
             # a cancel waits for the prefill run in flight: keep runs short
             eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
@@ -201,6 +204,174 @@ class LocalModel:
             "precision": getattr(self.engine, "precision", None),
             "precisionReason": getattr(self.engine, "precision_reason", ""),
         }
+
+
+#: KV slots of a model the session host shares: several sessions' documents and edits.
+SHARED_SLOTS = 8
+
+
+class SharedModels:
+    """The models of a session host (`spark_lsp.session_host`), one `LocalModel` per model folder
+    and precision, shared by every session that configures it: one copy of the weights, one KV
+    cache pool and one tokenizer per model in the process.
+
+    Why sessions use the engine directly rather than through an in-process engine daemon: the
+    engine serialises its runs step by step under its lock (`Engine.lock`), so several sessions'
+    engine threads generate at once, interleaved per decode step, exactly as the daemon's worker
+    threads do (`engine.service.local.LocalModels`); and a session then runs the very code of
+    `serve --stdio` with `engine: local` (speculative decoding, warm-up, steering through
+    `SteeredGeneration`, cancel through the job's token, precision status), with no socket, no
+    second protocol and nothing a daemon client leaves out.
+
+    `acquire` returns a `SharedModel` (a `Model`) for one session; its `close()` gives it back,
+    and a model nobody holds any more is dropped (its memory returns with the next collection).
+    Two sessions asking for the same model at once load it once: the second waits for the first.
+    """
+
+    def __init__(self, slots: int = SHARED_SLOTS) -> None:
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], _SharedEntry] = {}
+        self._ids = itertools.count(1)
+
+    def acquire(
+        self, model_dir: str | None, precision: str = "auto", progress: Any = None
+    ) -> SharedModel:
+        """The shared model for `model_dir` at `precision`, loading it if no session holds it."""
+        from engine.hub import resolve_model
+        from engine.models import default_model_dir
+
+        path = resolve_model(model_dir, progress=progress) or default_model_dir()
+        key = (str(Path(path).resolve()), precision)
+        with self._lock:
+            entry = self._entries.get(key)
+            first = entry is None
+            if first:
+                entry = self._entries[key] = _SharedEntry()
+            entry.refs += 1  # held while loading too, so a failed load is not waited on forever
+        if first:
+            try:
+                entry.model = LocalModel.load(path, precision, progress, slots=self.slots)
+            except BaseException as exc:
+                entry.error = exc
+                with self._lock:
+                    self._entries.pop(key, None)
+                raise
+            finally:
+                entry.ready.set()
+        else:
+            entry.ready.wait()
+            if entry.error is not None:
+                with self._lock:
+                    entry.refs -= 1
+                raise entry.error
+        # the background precision measurement runs once per model, not once per session
+        tune = first and entry.model.needs_tuning
+        return SharedModel(self, key, entry, next(self._ids), tune)
+
+    def release(self, key: tuple[str, str], entry: _SharedEntry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs <= 0 and self._entries.get(key) is entry:
+                del self._entries[key]
+
+    def sessions(self, key: tuple[str, str]) -> int:
+        """How many sessions hold the model of `key`."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.refs if entry is not None else 0
+
+    def describe(self) -> list[dict]:
+        """The loaded models: folder, precision and how many sessions share each."""
+        with self._lock:
+            return [
+                {"model": k[0], "precision": k[1], "sessions": e.refs}
+                for k, e in self._entries.items()
+                if e.model is not None
+            ]
+
+
+class _SharedEntry:
+    def __init__(self) -> None:
+        self.model: LocalModel | None = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.refs = 0
+
+
+class SharedModel:
+    """One session's use of a model the session host shares (see `SharedModels`): the
+    `LocalModel`'s members, with the session's KV slots named apart from other sessions' (two
+    editors with the same file open each keep their own prefix) and forgotten when it closes."""
+
+    steerable = True
+
+    def __init__(
+        self, owner: SharedModels, key: tuple[str, str], entry: _SharedEntry, n: int, tune: bool
+    ) -> None:
+        self._owner, self._key, self._entry = owner, key, entry
+        self.shared: LocalModel = entry.model
+        self.engine = self.shared.engine
+        self.model_dir = self.shared.model_dir
+        self.name = self.shared.name
+        self.tokenizer = self.shared.tokenizer
+        self.config = self.shared.config
+        self.context = self.shared.context
+        self.needs_tuning = tune
+        self.prefix = f"session-{n}:"
+        self._slots: set[str] = set()
+        self._closed = False
+
+    def generate(
+        self,
+        ids: list[int],
+        params: Any,
+        slot: str,
+        *,
+        cancel: CancelToken,
+        speculative: bool = False,
+        draft: str | None = None,
+        text: TextPrompt | None = None,
+        steerable: bool = False,
+    ) -> Stream:
+        name = self.prefix + slot
+        self._slots.add(name)
+        return self.shared.generate(
+            ids,
+            params,
+            name,
+            cancel=cancel,
+            speculative=speculative,
+            draft=draft,
+            text=text,
+            steerable=steerable,
+        )
+
+    def status(self) -> dict:
+        return {**self.shared.status(), "sharedBy": self._owner.sessions(self._key)}
+
+    def close(self) -> None:
+        """Give the model back: this session's KV slots are freed; the last session's close
+        drops the model."""
+        if self._closed:
+            return
+        self._closed = True
+        forget = getattr(self.engine, "forget", None)
+        if callable(forget):
+            forget(self._slots)
+        self._owner.release(self._key, self._entry)
+
+
+#: The session host's models (`SharedModels`) when this process is a session host, else None:
+#: then every server loads its own engine, as `serve --stdio` does.
+SHARED: SharedModels | None = None
+
+
+def load_local(model_dir: str | None, precision: str, progress: Any = None) -> Any:
+    """The in-process engine for `model_dir`: the session host's shared one, else a new one."""
+    if SHARED is not None:
+        return SHARED.acquire(model_dir, precision, progress)
+    return LocalModel.load(model_dir, precision, progress)
 
 
 class ModelHost:
@@ -271,12 +442,12 @@ class ModelHost:
 
                 with preparation.reporting(steps):  # graph build, op compile, precision
                     if engine == "local":
-                        model = LocalModel.load(model_dir, precision, progress)
+                        model = load_local(model_dir, precision, progress)
                     else:
                         model = engine_ws.load(
                             engine,
                             model_dir,
-                            lambda: LocalModel.load(model_dir, precision, progress),
+                            lambda: load_local(model_dir, precision, progress),
                             precision,
                         )
                 fim = (
@@ -295,8 +466,10 @@ class ModelHost:
                 msg = f"cannot load model {model_dir or '(bundled default)'}: {exc}"
 
             def finish() -> None:
-                if gen != self._generation:
-                    return  # a newer load superseded this one
+                if gen != self._generation:  # a newer load (or close) superseded this one
+                    if ok and callable(getattr(model, "close", None)):
+                        model.close()  # a shared model is given back
+                    return
                 self._loading = False
                 if ok:
                     self._replace(model)
@@ -348,6 +521,7 @@ class ModelHost:
             old.close()  # a remote backend's connections and I/O thread
 
     def close(self) -> None:
+        self._generation += 1  # a load still running is given back when it ends
         self._replace(None)
 
     async def ready(self, timeout: float) -> None:

@@ -133,6 +133,16 @@ def to_jsonrpc(exc: BaseException) -> JsonRpcException | None:
 class SparkProtocol(LanguageServerProtocol):
     bad_position: str | None = None  # see structure_message
 
+    # pygls memoises these two in a class-wide lru_cache keyed by (protocol, method), which keeps
+    # up to 128 (protocol, method) pairs, and so closed sessions with their documents, alive in a
+    # process that runs many sessions (the session host, the TCP transport); a dict lookup needs
+    # no cache
+    def get_message_type(self, method: str) -> Any:
+        return T.METHOD_TO_TYPES.get(method, (None,))[0]
+
+    def get_result_type(self, method: str) -> Any:
+        return T.METHOD_TO_TYPES.get(method, (None, None))[1]
+
     @property
     def _workspace(self):
         return self.__dict__.get("_spark_workspace")

@@ -10,6 +10,7 @@ Handlers are async and never run model work themselves, so the reader keeps read
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -40,12 +41,17 @@ CMD_ACCEPTED = "spark.accepted"
 class SparkServer(SparkLanguageServer):
     """The pygls server and its services."""
 
-    def __init__(self, model_dir: str | None = None, engine: str | None = None):
+    def __init__(
+        self,
+        model_dir: str | None = None,
+        engine: str | None = None,
+        converter_factory: Callable[[], Any] = default_converter,
+    ):
         super().__init__(
             "spark-lsp",
             _pkg_version,
             protocol_cls=SparkProtocol,
-            converter_factory=default_converter,
+            converter_factory=converter_factory,
             max_workers=4,
         )
         self.editor = LspEditor(self)
@@ -182,8 +188,15 @@ def _code_action(name: str, uri: str, rng: T.Range, version: int | None) -> T.Co
     )
 
 
-def create_server(model_dir: str | None = None, engine: str | None = None) -> SparkServer:
-    ls = SparkServer(model_dir, engine)
+def create_server(
+    model_dir: str | None = None,
+    engine: str | None = None,
+    converter_factory: Callable[[], Any] = default_converter,
+) -> SparkServer:
+    """The language server of one session. `converter_factory`: its LSP (de)serialiser; a
+    session host passes one that returns the same converter for every session (it holds no
+    session state, only the structuring code it generates per message type)."""
+    ls = SparkServer(model_dir, engine, converter_factory)
     st = ls.state
 
     @ls.feature(T.INITIALIZE)

@@ -51,6 +51,8 @@ class ServerState:
         self._loop: asyncio.AbstractEventLoop | None = None
         # False for a network session: it may not point the server at files (settings.update)
         self.trusted = True
+        # in a session host (spark_lsp.session_host): its pid, this session, the shared models
+        self.host_info: Callable[[], dict] | None = None
 
     def observe(self, uri: str, text: str, line: int) -> None:
         """Activity at `line` of a document (open, edit, completion): its chunk may join the
@@ -221,6 +223,7 @@ class ServerState:
             if isinstance(host.model, RemoteBackend)
             else {"kind": self.settings.backend},
             "settings": to_json(self.settings),
+            "sessionHost": self.host_info() if self.host_info is not None else None,
             **self.metrics.snapshot(lat),
         }
 

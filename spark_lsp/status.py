@@ -48,7 +48,8 @@ class WaferProjector:
         """The projection for `model` (a model_host.Model whose `config` is known), else None."""
         if getattr(model, "config", None) is None:
             return None
-        key = (id(model), settings.wafer_chip, settings.wafer_region)
+        # sessions sharing one engine (model_host.SharedModel.shared) share its projection
+        key = (id(getattr(model, "shared", model)), settings.wafer_chip, settings.wafer_region)
         with self._lock:
             if key in self._cache:
                 return self._cache[key]

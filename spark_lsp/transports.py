@@ -161,6 +161,28 @@ def request_token(path: str, headers: Any) -> str | None:
 
 
 # -- servers -------------------------------------------------------------------------------------
+async def run_stream_session(session: Session, reader: asyncio.StreamReader, peer: Any) -> None:
+    """Feed a byte stream's LSP messages (Content-Length framed) to `session` until the peer
+    closes, sends `exit`, or sends a stream that is not LSP (logged; the caller closes)."""
+    framer = Framer(strict=True)
+    try:
+        while not session.exited:
+            data = await reader.read(65536)
+            if not data:
+                break
+            for item in framer.feed(data):
+                if isinstance(item, str):
+                    session.problem(item)
+                else:
+                    session.deliver(item)
+                    if session.exited:
+                        break
+    except FramingError as exc:
+        log.warning("closed %s: %s", peer, exc)
+    except (ConnectionError, OSError) as exc:
+        log.info("connection from %s lost: %s", peer, exc)
+
+
 async def serve_tcp(
     factory: Callable[[], Any],
     host: str,
@@ -179,24 +201,9 @@ async def serve_tcp(
             writer.close()
             return
         session = Session(factory, writer, include_headers=True)
-        framer = Framer(strict=True)
         log.info("session opened for %s", peer)
         try:
-            while not session.exited:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                for item in framer.feed(data):
-                    if isinstance(item, str):
-                        session.problem(item)
-                    else:
-                        session.deliver(item)
-                        if session.exited:
-                            break
-        except FramingError as exc:
-            log.warning("closed %s: %s", peer, exc)
-        except (ConnectionError, OSError) as exc:
-            log.info("connection from %s lost: %s", peer, exc)
+            await run_stream_session(session, reader, peer)
         finally:
             session.close()
             limit.give()

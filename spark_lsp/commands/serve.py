@@ -65,6 +65,13 @@ def register(subparsers) -> None:
         "model, started when none runs) or ws://HOST:PORT (spark-lsp engine serve)",
     )
     p.add_argument(
+        "--shared",
+        action="store_true",
+        help="with --stdio: be a small bridge to your session host, one process that runs every "
+        "editor's session with one copy of each model (started when none runs; "
+        "$SPARK_LSP_SHARED=1 does the same). See docs/service.md",
+    )
+    p.add_argument(
         "--model",
         metavar="MODEL",
         help="model folder, .gguf file, catalogue name (spark-lsp models list) or "
@@ -80,25 +87,48 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    model = args.model
+class BadModel(ValueError):
+    """A --model that is neither a path nor a model name the hub knows."""
+
+
+def model_argument(model: str | None) -> str | None:
+    """`--model` as the server takes it: an existing path made absolute, a catalogue name or
+    hf: spec as given, None for the bundled model; BadModel when it is none of these."""
     if model and os.path.exists(os.path.expanduser(model)):
-        model = os.path.abspath(os.path.expanduser(model))
-    elif model:
+        return os.path.abspath(os.path.expanduser(model))
+    if model:
         from engine.config import ModelError
         from engine.hub import parse_spec
 
         try:
             hub = parse_spec(model)
-        except ModelError as e:
-            hub, model = None, f"{e}"
+        except ModelError:
+            hub = None
         if hub is None:
-            print(
-                f"spark-lsp serve: --model {args.model}: not found (expected a model folder, a .gguf "
-                "file, a catalogue name or hf:ORG/REPO)",
-                file=sys.stderr,
+            raise BadModel(
+                f"--model {model}: not found (expected a model folder, a .gguf file, a "
+                "catalogue name or hf:ORG/REPO)"
             )
+    return model or None
+
+
+def run(args) -> int:
+    shared = getattr(args, "shared", False) or (
+        os.environ.get("SPARK_LSP_SHARED", "").strip() in ("1", "true", "yes")
+        and not (args.tcp or args.ws)
+    )
+    if shared:
+        if args.tcp or args.ws:
+            print("spark-lsp serve: --shared is for --stdio (an editor's bridge)", file=sys.stderr)
             return 2
+        from spark_lsp import bridge  # `spark-lsp serve --shared` comes to it before argparse
+
+        return bridge.main(args.model, args.engine)
+    try:
+        model = model_argument(args.model)
+    except BadModel as exc:
+        print(f"spark-lsp serve: {exc}", file=sys.stderr)
+        return 2
     handler = (
         logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
     )
@@ -116,7 +146,6 @@ def run(args) -> int:
 
     from spark_lsp.server import create_server
 
-    model = model or None
     if not (args.tcp or args.ws):
         return create_server(model, args.engine).start_io()
     return _serve_network(args, lambda: create_server(model, args.engine))

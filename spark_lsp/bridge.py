@@ -1,0 +1,423 @@
+"""`spark-lsp serve --stdio --shared`: the editor's language server process as a tiny stdio bridge
+to the user's session host (`spark_lsp.session_host`), which runs every editor's language-server
+session in one process with one copy of each model.
+
+What an editor starts is then about 10 MB (Python and this module: the standard library only, no
+pygls, numpy or engine), instead of a full server with its own tokenizer or engine. The bridge:
+
+1. reads the host's record in the user's runtime directory (the engine daemon's:
+   `$SPARK_LSP_RUN_DIR`, else `$XDG_RUNTIME_DIR/spark-lsp`, else `~/.cache/spark-lsp/run`, a
+   0700 folder): `lsp-host.json`, mode 0600, with the host's Unix socket, its random token and
+   its pid;
+2. when no live host is recorded, starts one detached (its own session, so it outlives the
+   editor) under a lock file, so two editors starting at once end with one host (the host also
+   holds a lock for its lifetime: a second one exits at once);
+3. connects to the socket (in the 0700 folder; the host also checks the peer's uid), sends one
+   JSON line (the token, and this editor's `--model` / `--engine`), and reads the host's answer;
+4. copies bytes both ways until either side closes. The LSP framing is followed (not parsed
+   into objects) only to see `shutdown` / `exit` go by and to know where a message ends.
+
+If the host goes away while the editor still talks to it, the editor gets a
+`window/showMessage` error saying so and the bridge exits with status 1, which editors report
+(and restart the server: the new bridge starts a new host). After the editor's `exit` the bridge
+exits 0 (1 without a `shutdown` first, as LSP asks).
+
+Only the standard library is imported here: a test checks `sys.modules` of a running bridge.
+"""
+
+from __future__ import annotations
+
+import _socket as socket  # `socket` without its enum/selectors layer: 0.7 MB less per bridge
+import fcntl
+import json
+import os
+import sys
+import threading
+import time
+
+# Only what the copying needs is imported (the bridge's memory is the interpreter's own plus a
+# little): no argparse, pathlib or typing; subprocess only when a host must be started.
+
+ENV_DIR = "SPARK_LSP_RUN_DIR"  # the same override as engine.service.rundir
+ENV_SHARED = (
+    "SPARK_LSP_SHARED"  # "1": `serve --stdio` is a bridge (an editor that cannot add flags)
+)
+RECORD = "lsp-host.json"
+START_LOCK = "lsp-host.start.lock"  # held by a bridge while it starts a host
+LIFE_LOCK = "lsp-host.lock"  # held by the host for its whole life
+SOCKET = "lsp-host.sock"
+LOG = "lsp-host.log"
+PROTOCOL = 1
+START_TIMEOUT_S = 60.0
+HELLO_TIMEOUT_S = 30.0
+CONNECT_TRIES = 4
+
+
+class BridgeError(RuntimeError):
+    """No session host could be reached or started."""
+
+
+class HostRefused(BridgeError):
+    """The host answered the hello with an error (a bad --model, a wrong token)."""
+
+
+# -- the runtime directory (engine.service.rundir's rules, without importing the engine) ---------
+def runtime_dir() -> str:
+    """The user's private folder for daemon and host records (created 0700 if missing)."""
+    env = os.environ.get(ENV_DIR, "").strip()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if env:
+        path = os.path.expanduser(env)
+    elif runtime and os.path.isdir(runtime):
+        path = os.path.join(runtime, "spark-lsp")
+    else:
+        path = os.path.join(os.path.expanduser("~"), ".cache", "spark-lsp", "run")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def read_record(folder: str | None = None) -> dict | None:
+    """The record of a live session host, else None."""
+    try:
+        with open(os.path.join(folder or runtime_dir(), RECORD)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("pid"), int)
+        or not isinstance(data.get("socket"), str)
+        or not isinstance(data.get("token"), str)
+    ):
+        return None
+    return data if pid_alive(data["pid"]) else None
+
+
+# -- finding or starting the host ----------------------------------------------------------------
+def host_command() -> list[str]:
+    return [sys.executable, "-m", "spark_lsp.session_host"]
+
+
+def start_host(folder: str, timeout_s: float = START_TIMEOUT_S) -> dict:
+    """The record of the user's host, starting a detached one if none runs (under a lock file:
+    a second bridge waits and then finds the first one's host)."""
+    import subprocess
+
+    log_path = os.path.join(folder, LOG)
+    with open(os.path.join(folder, START_LOCK), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = read_record(folder)
+        if found is not None:
+            return found
+        env = dict(os.environ)
+        # this spark_lsp must import in the host
+        root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        # every session's engine thread would otherwise get its own malloc arena (~3 MB each
+        # kept after its runs); two suffice for a handful of threads taking turns on the engine
+        env.setdefault("MALLOC_ARENA_MAX", "2")
+        log = open(log_path, "ab")
+        try:
+            proc = subprocess.Popen(
+                host_command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                env=env,
+                close_fds=True,
+                cwd="/",
+            )
+        finally:
+            log.close()
+        # reap it when it exits, so a dead host is not a zombie that looks alive
+        threading.Thread(target=proc.wait, name="spark-host-reaper", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = read_record(folder)
+            if found is not None:  # ours, or one started by hand meanwhile (ours then exits)
+                return found
+            if proc.poll() is not None:
+                raise BridgeError(
+                    f"the session host exited with status {proc.returncode} before serving "
+                    f"(log: {log_path})"
+                )
+            time.sleep(0.02)
+        proc.terminate()
+        raise BridgeError(f"the session host did not start within {timeout_s:g} s")
+
+
+def hello(record: dict, options: dict) -> tuple[socket.socket, dict]:
+    """Connect to the host of `record` and open a session: (the socket, the host's answer)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(HELLO_TIMEOUT_S)
+        sock.connect(record["socket"])
+        line = {"protocol": PROTOCOL, "token": record["token"], **options}
+        sock.sendall(json.dumps(line).encode() + b"\n")
+        answer = b""
+        while not answer.endswith(b"\n"):
+            data = sock.recv(4096)
+            if not data:
+                raise ConnectionError("the session host closed the connection")
+            answer += data
+            if len(answer) > 65536:
+                raise ConnectionError("the session host's answer is too long")
+        reply = json.loads(answer)
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            error = reply.get("error") if isinstance(reply, dict) else reply
+            raise HostRefused(f"the session host refused the session: {error}")
+        sock.settimeout(None)
+        return sock, reply
+    except BaseException:
+        sock.close()
+        raise
+
+
+def open_session(options: dict) -> tuple[socket.socket, dict]:
+    """A session in the user's host (started if none runs): (the socket, the host's answer)."""
+    folder = runtime_dir()
+    problem: Exception | None = None
+    for attempt in range(CONNECT_TRIES):
+        record = read_record(folder) or start_host(folder)
+        try:
+            return hello(record, options)
+        except HostRefused:
+            raise
+        except (OSError, ValueError) as exc:  # a host that was just exiting: start another
+            problem = exc
+            time.sleep(0.05 * (attempt + 1))
+    raise BridgeError(f"cannot reach the session host: {problem}")
+
+
+# -- copying -------------------------------------------------------------------------------------
+class Frames:
+    """Follows Content-Length framing in a byte stream without holding it: whether the stream is
+    between two messages, and the bodies of small messages (`shutdown`, `exit`)."""
+
+    def __init__(self, keep: int = 512) -> None:
+        self.keep = keep
+        self.head = b""
+        self.left = 0  # body bytes still to come; 0: reading a header
+        self.body = b""
+        self.broken = False  # not LSP framing: no more following
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self.broken and self.left == 0 and not self.head
+
+    def feed(self, data: bytes) -> list[bytes]:
+        out = []
+        i = 0
+        while i < len(data) and not self.broken:
+            if self.left:
+                take = data[i : i + self.left]
+                i += len(take)
+                self.left -= len(take)
+                if self.body is not None:
+                    self.body += take
+                if not self.left and self.body is not None:
+                    out.append(self.body)
+                continue
+            end = data.find(b"\r\n\r\n", i)
+            if end < 0:
+                self.head += data[i:]
+                if len(self.head) > 65536:
+                    self.broken = True
+                break
+            header, i = self.head + data[i:end], end + 4
+            self.head = b""
+            length = None
+            for line in header.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    try:
+                        length = int(value)
+                    except ValueError:
+                        length = None
+            if length is None or length < 0:
+                self.broken = True
+                break
+            self.left = length
+            self.body = b"" if length <= self.keep else None
+            if not length:
+                out.append(b"")
+        return out
+
+
+def frame(message: dict) -> bytes:
+    body = json.dumps(message).encode()
+    return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def pump(sock: socket.socket, stdin: int = 0, stdout: int = 1, host_pid: int | None = None) -> int:
+    """Copy the editor's bytes to the host and the host's back until either side closes; the
+    bridge's exit status."""
+    seen = {"shutdown": False, "exit": False, "eof": False}
+    inbound = Frames()
+
+    def editor_to_host() -> None:
+        try:
+            while True:
+                data = os.read(stdin, 65536)
+                if not data:
+                    seen["eof"] = True
+                    break
+                for body in inbound.feed(data):
+                    method = _method(body)
+                    if method in ("shutdown", "exit"):
+                        seen[method] = True
+                sock.sendall(data)
+        except OSError:
+            pass
+        try:
+            sock.shutdown(socket.SHUT_WR)  # the host sees the end of this session
+        except OSError:
+            pass
+
+    threading.Thread(target=editor_to_host, name="spark-bridge-in", daemon=True).start()
+    outbound = Frames(keep=0)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            outbound.feed(data)
+            _write_all(stdout, data)
+    except BrokenPipeError:  # the editor is gone
+        return 0
+    except OSError:
+        pass
+    if seen["exit"]:
+        return 0 if seen["shutdown"] else 1
+    if seen["eof"]:
+        return 0  # the editor closed its end
+    what = (
+        f"the shared spark-lsp session host (pid {host_pid}) stopped"
+        if host_pid
+        else ("the shared spark-lsp session host stopped")
+    )
+    log_path = os.path.join(runtime_dir(), LOG)
+    message = f"spark-lsp: {what}; restart the language server (log: {log_path})"
+    print(f"spark-lsp serve --shared: {message}", file=sys.stderr, flush=True)
+    if outbound.at_boundary:  # never inside a half-written message
+        try:
+            _write_all(
+                stdout,
+                frame(
+                    {
+                        "jsonrpc": "2.0",
+                        "method": "window/showMessage",
+                        "params": {"type": 1, "message": message},
+                    }
+                ),
+            )
+        except OSError:
+            pass
+    return 1
+
+
+def _method(body: bytes) -> str | None:
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        return None
+    return msg.get("method") if isinstance(msg, dict) else None
+
+
+def main(model: str | None = None, engine: str | None = None) -> int:
+    """Run the bridge for one editor: `model` and `engine` as `serve --model/--engine` take
+    them (a model path is made absolute here, where the editor's working directory is known)."""
+    if model and os.path.exists(os.path.expanduser(model)):
+        model = os.path.abspath(os.path.expanduser(model))
+    try:
+        sock, reply = open_session({"model": model or None, "engine": engine})
+    except BridgeError as exc:
+        print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, HostRefused) else 1
+    try:
+        return pump(sock, host_pid=reply.get("pid"))
+    finally:
+        sock.close()
+
+
+#: `serve` options the bridge takes: with a value, or a flag (the host logs to lsp-host.log in
+#: the runtime directory, so --log-file and --log-level are accepted and left to it).
+VALUE_OPTIONS = ("--model", "--engine", "--log-file", "--log-level")
+FLAG_OPTIONS = ("--stdio", "--shared")
+
+
+def parse(argv: list[str]) -> dict[str, str]:
+    """`serve` arguments as the bridge takes them ({option: value}); ValueError names a bad one."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in VALUE_OPTIONS:
+            if not eq:
+                i += 1
+                if i >= len(argv):
+                    raise ValueError(f"{name} needs a value")
+                value = argv[i]
+            out[name] = value
+        elif arg not in FLAG_OPTIONS:
+            raise ValueError(f"{arg}: not an option of `serve --stdio --shared`")
+        i += 1
+    return out
+
+
+def argv_main(argv: list[str]) -> int:
+    """`serve --stdio --shared` with `argv` (the options after `serve`).
+
+    Run by the `spark-lsp` command, this process has imported the installation's site packages
+    (with an editable install, pathlib and an import finder: about 2.5 MB); the bridge needs none
+    of them, so it runs itself again as `python -I -S bridge.py` (isolated: no site, no user
+    paths, no PYTHON* variables) before reading anything from the editor."""
+    try:
+        options = parse(argv)
+    except ValueError as exc:
+        print(f"spark-lsp serve: {exc}", file=sys.stderr)
+        return 2
+    if not sys.flags.no_site and sys.executable and os.path.isfile(__file__):
+        try:
+            os.execv(sys.executable, [sys.executable, "-I", "-S", __file__, *argv])
+        except OSError:
+            pass  # run here, with the site packages loaded
+    return main(options.get("--model"), options.get("--engine"))
+
+
+def wants_bridge(argv: list[str]) -> bool:
+    """`serve` arguments that ask for the bridge: --shared, or $SPARK_LSP_SHARED=1 with stdio."""
+    network = any(a in ("--tcp", "--ws") or a.startswith(("--tcp=", "--ws=")) for a in argv)
+    if network:
+        return False  # `serve` itself refuses --shared with a network transport
+    return "--shared" in argv or os.environ.get(ENV_SHARED, "").strip() in ("1", "true", "yes")
+
+
+if __name__ == "__main__":
+    sys.exit(argv_main(sys.argv[1:]))

@@ -1,0 +1,312 @@
+"""The session host: one process per user that runs every editor's language-server session, the
+sessions sharing one engine per model (`model_host.SharedModels`).
+
+Editors start `spark-lsp serve --stdio --shared`, a tiny bridge (`spark_lsp.bridge`) that
+connects here over a Unix socket in the user's runtime directory and copies the editor's bytes.
+Each connection is one full session of the same server `serve --stdio` runs (`create_server`,
+fed as the TCP transport feeds its sessions: `transports.run_stream_session`), so every feature
+is the same; its own documents, settings, engine thread and responses. Sessions that configure
+the same model (folder and precision) share one `LocalModel` (weights, KV cache pool, tokenizer);
+one that configures another model gets its own; `engine: auto` / `ws://` sessions use a daemon as
+they would from `serve --stdio`.
+
+Access: the socket lives in the 0700 runtime directory, its peer must be this user (SO_PEERCRED),
+and the first line a bridge sends must carry the random token of the host's 0600 record
+(`lsp-host.json`), as the engine daemon's clients present its token. A session that sends garbage
+or fails is closed alone; a session's close frees its documents, its KV slots and, if it was the
+last to use it, its model. The host exits (record and socket removed) `--idle-exit` seconds after
+its last session closes, and on SIGTERM (every session's generations cancelled first).
+
+`python -m spark_lsp.session_host [--idle-exit S]`: what a bridge starts, detached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import hmac
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.service import rundir
+
+from . import __version__, bridge, model_host, transports
+from .framing import MAX_HEADER
+from .status import WaferProjector
+
+log = logging.getLogger("spark_lsp.session_host")
+
+#: Seconds the host stays up with no session (the next editor then finds it loaded).
+IDLE_EXIT_S = 600.0
+IDLE_ENV = "SPARK_LSP_HOST_IDLE_EXIT"
+HELLO_TIMEOUT_S = 10.0
+#: The longest Unix socket path (sun_path holds 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+class HostError(RuntimeError):
+    """The host cannot serve (its socket path is too long, another host holds the lock)."""
+
+
+class SessionHost:
+    """Accepts bridge connections and runs one language-server session per connection."""
+
+    def __init__(self, folder: Path, idle_exit_s: float = IDLE_EXIT_S) -> None:
+        self.folder = folder
+        self.idle_exit_s = idle_exit_s
+        self.socket_path = folder / bridge.SOCKET
+        self.record_path = folder / bridge.RECORD
+        self.token = rundir.new_token()
+        self.sessions: dict[int, transports.Session] = {}
+        self.opened = 0  # sessions since the start
+        self.handshakes = 0  # connections between accept and their session
+        self.last_active = time.monotonic()
+        self.stop = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._life: Any = None
+        self._converter: Any = None  # one LSP converter for every session (see create_server)
+        self._wafer = WaferProjector()
+
+    # -- life ------------------------------------------------------------------------------------
+    def claim(self) -> None:
+        """Take the host's lifetime lock; HostError when another host holds it."""
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise HostError(
+                f"the socket path {self.socket_path} is longer than a Unix socket allows; "
+                f"set {bridge.ENV_DIR} to a shorter folder"
+            )
+        life = open(self.folder / bridge.LIFE_LOCK, "w")
+        try:
+            fcntl.flock(life, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            life.close()
+            raise HostError("another session host is running") from None
+        self._life = life
+
+    async def serve(self) -> None:
+        """Serve until SIGTERM/SIGINT or `idle_exit_s` with no session, then close everything."""
+        self.claim()
+        try:
+            self.socket_path.unlink()  # a dead host's (we hold the lifetime lock)
+        except FileNotFoundError:
+            pass
+        old = os.umask(0o077)
+        try:
+            server = await asyncio.start_unix_server(
+                self.connection, path=str(self.socket_path), limit=MAX_HEADER
+            )
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, 0o600)
+        rundir.write_private(
+            self.record_path,
+            json.dumps(
+                {
+                    "socket": str(self.socket_path),
+                    "token": self.token,
+                    "pid": os.getpid(),
+                    "protocol": bridge.PROTOCOL,
+                    "version": __version__,
+                },
+                indent=1,
+            ),
+        )
+        log.info("session host %d serving on %s", os.getpid(), self.socket_path)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        idle = asyncio.ensure_future(self._idle_watch())
+        try:
+            await self.stop.wait()
+        finally:
+            idle.cancel()
+            self._remove_record()  # a bridge from now on starts a new host
+            server.close()
+            for n, session in list(self.sessions.items()):
+                log.info("closing session %d", n)
+                session.close()
+            self.sessions.clear()
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+            log.info("session host %d stopped", os.getpid())
+
+    def _remove_record(self) -> None:
+        try:
+            if json.loads(self.record_path.read_text()).get("pid") == os.getpid():
+                self.record_path.unlink()
+        except (OSError, ValueError):
+            pass
+
+    async def _idle_watch(self) -> None:
+        while not self.stop.is_set():
+            await asyncio.sleep(min(1.0, self.idle_exit_s))
+            if self.sessions or self.handshakes:
+                self.last_active = time.monotonic()
+            elif time.monotonic() - self.last_active >= self.idle_exit_s:
+                log.info("no session for %.0f s: exiting", self.idle_exit_s)
+                self._remove_record()  # before the listener closes: no bridge is left waiting
+                self.stop.set()
+
+    # -- sessions --------------------------------------------------------------------------------
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.handshakes += 1
+        try:
+            opened = await self._hello(reader, writer)
+        finally:
+            self.handshakes -= 1
+        if opened is None:
+            writer.close()
+            return
+        n, session = opened
+        try:
+            await transports.run_stream_session(session, reader, f"session {n}")
+        except Exception:  # a session's failure ends that session only
+            log.exception("session %d failed", n)
+        finally:
+            self.sessions.pop(n, None)
+            session.close()  # its generations stop, its model and KV slots are given back
+            writer.close()
+            self.last_active = time.monotonic()
+            model_host.settle_heap()  # the closed session's objects are collected, not frozen
+            log.info("session %d closed (%d open)", n, len(self.sessions))
+
+    async def _hello(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[int, transports.Session] | None:
+        """Check the connection and its hello line; the new session, or None (refused)."""
+
+        def refuse(why: str) -> None:
+            log.warning("refused a connection: %s", why)
+            writer.write(json.dumps({"ok": False, "error": why}).encode() + b"\n")
+
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if uid is not None and uid != os.getuid():
+            refuse(f"uid {uid} is not this host's user")
+            return None
+        try:
+            line = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
+            hello = json.loads(line)
+        except (asyncio.TimeoutError, ValueError, ConnectionError, asyncio.LimitOverrunError):
+            refuse("no hello line")
+            return None
+        if not isinstance(hello, dict):
+            refuse("the hello is not an object")
+            return None
+        token = hello.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(
+            token.encode(), self.token.encode()
+        ):
+            refuse("wrong token")
+            return None
+        if hello.get("protocol") != bridge.PROTOCOL:
+            refuse(f"bridge protocol {hello.get('protocol')!r}, this host speaks {bridge.PROTOCOL}")
+            return None
+        from .commands.serve import BadModel, model_argument
+
+        model, engine = hello.get("model"), hello.get("engine")
+        try:
+            if not isinstance(model, (str, type(None))) or not isinstance(
+                engine, (str, type(None))
+            ):
+                raise BadModel("model and engine must be strings")
+            model = model_argument(model)
+        except BadModel as exc:
+            refuse(str(exc))
+            return None
+        n = next(self._ids)
+        session = transports.Session(
+            lambda: self._server(model, engine), writer, include_headers=True, trusted=True
+        )
+        session.ls.state.host_info = lambda: self.info(n)
+        self.sessions[n] = session
+        self.opened += 1
+        writer.write(json.dumps({"ok": True, "pid": os.getpid(), "session": n}).encode() + b"\n")
+        log.info("session %d opened (model %s, engine %s)", n, model or "default", engine)
+        return n, session
+
+    def _server(self, model: str | None, engine: str | None) -> Any:
+        from pygls.protocol import default_converter
+
+        from .server import create_server
+
+        if self._converter is None:
+            self._converter = default_converter()
+        ls = create_server(model, engine, lambda: self._converter)
+        ls.state.wafer = self._wafer  # a model's projection is computed once, not per session
+        return ls
+
+    def info(self, n: int) -> dict:
+        """What `spark/metrics` shows of the host in session `n`."""
+        shared = model_host.SHARED
+        return {
+            "pid": os.getpid(),
+            "session": n,
+            "sessions": len(self.sessions),
+            "models": shared.describe() if shared is not None else [],
+        }
+
+
+def peer_uid(sock: socket.socket | None) -> int | None:
+    """The uid of a Unix socket's peer (None where the platform cannot say)."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spark_lsp.session_host", description=__doc__)
+    p.add_argument(
+        "--idle-exit",
+        type=float,
+        default=float(os.environ.get(IDLE_ENV) or IDLE_EXIT_S),
+        metavar="SECONDS",
+        help=f"exit this long after the last session closes (default {IDLE_EXIT_S:g}, ${IDLE_ENV})",
+    )
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("SPARK_LSP_LOG", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+    args = p.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)  # the bridge points it at lsp-host.log
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(args.log_level)
+    if args.log_level != "DEBUG":
+        logging.getLogger("pygls").setLevel(logging.CRITICAL)
+    # as `serve`: a waiting thread (a cancel, the reader) gets the GIL within 0.5 ms
+    sys.setswitchinterval(0.0005)
+    model_host.SHARED = model_host.SharedModels()
+    host = SessionHost(Path(bridge.runtime_dir()), args.idle_exit)
+    try:
+        asyncio.run(host.serve())
+    except HostError as exc:
+        print(f"spark-lsp session host: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
