@@ -236,13 +236,14 @@ class Frames:
                 if not self.left and self.body is not None:
                     out.append(self.body)
                 continue
-            end = data.find(b"\r\n\r\n", i)
+            buf = self.head + data[i:]  # a header may arrive in pieces, its end split too
+            end = buf.find(b"\r\n\r\n")
             if end < 0:
-                self.head += data[i:]
-                if len(self.head) > 65536:
+                self.head = buf
+                if len(buf) > 65536:
                     self.broken = True
                 break
-            header, i = self.head + data[i:end], end + 4
+            header, i = buf[:end], i + end + 4 - len(self.head)
             self.head = b""
             length = None
             for line in header.split(b"\r\n"):
@@ -316,11 +317,15 @@ def pump(sock: socket.socket, stdin: int = 0, stdout: int = 1, host_pid: int | N
         return 0 if seen["shutdown"] else 1
     if seen["eof"]:
         return 0  # the editor closed its end
-    what = (
-        f"the shared spark-lsp session host (pid {host_pid}) stopped"
+    host = (
+        f"the shared spark-lsp session host (pid {host_pid})"
         if host_pid
-        else ("the shared spark-lsp session host stopped")
+        else ("the shared spark-lsp session host")
     )
+    if host_pid and _outlives(host_pid, 0.3):  # a dying process closes its sockets first
+        what = f"{host} closed this editor's session"
+    else:
+        what = f"{host} stopped"
     log_path = os.path.join(runtime_dir(), LOG)
     message = f"spark-lsp: {what}; restart the language server (log: {log_path})"
     print(f"spark-lsp serve --shared: {message}", file=sys.stderr, flush=True)
@@ -339,6 +344,16 @@ def pump(sock: socket.socket, stdin: int = 0, stdout: int = 1, host_pid: int | N
         except OSError:
             pass
     return 1
+
+
+def _outlives(pid: int, seconds: float) -> bool:
+    """Whether process `pid` is still alive after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def _method(body: bytes) -> str | None:

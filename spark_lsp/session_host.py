@@ -183,6 +183,7 @@ class SessionHost:
             writer.close()
             self.last_active = time.monotonic()
             model_host.settle_heap()  # the closed session's objects are collected, not frozen
+            trim_heap()
             log.info("session %d closed (%d open)", n, len(self.sessions))
 
     async def _hello(
@@ -259,6 +260,17 @@ class SessionHost:
             "sessions": len(self.sessions),
             "models": shared.describe() if shared is not None else [],
         }
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc keeps them after a session's or a
+    model's memory is freed); nothing where malloc_trim does not exist."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peer_uid(sock: socket.socket | None) -> int | None:

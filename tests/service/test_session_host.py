@@ -1,0 +1,383 @@
+"""`spark-lsp serve --stdio --shared`: editors' bridges and the session host they share.
+
+Real processes end to end: each editor runs the `spark-lsp` command as an editor does
+(`python -m spark_lsp.cli serve --stdio --shared`), the first bridge starts the host (detached),
+the tiny model is the engine. pytest-lsp editors (tests/server's client) for the features,
+`rpc_client.LspClient` where a test needs the raw stream (garbage, the host's death).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from lsprotocol import types as T
+
+from engine.service import rundir
+from spark_lsp import bridge
+from spark_lsp.rpc_client import LspClient
+
+
+def _server_conftest():
+    """tests/server's editor client (its conftest module, loaded under its own name)."""
+    path = Path(__file__).resolve().parents[1] / "server" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("server_editor_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_editor = _server_conftest()
+SAMPLE, OPTIONS, start_editor = _editor.SAMPLE, _editor.OPTIONS, _editor.start_editor
+
+ROOT = Path(__file__).resolve().parents[2]
+URI = "file:///work/sample.py"
+OFFSETS = [SAMPLE.index(s) + len(s) for s in ("total = add(", "out.append(", "def scale(")]
+SECRET = 'API_KEY = "sk-very-secret-value"\n\n\ndef handler(event):\n    return '
+
+
+def bridge_cmd(model: Path) -> list[str]:
+    """What an editor runs: the `spark-lsp` command's `serve --stdio --shared`."""
+    return [
+        sys.executable,
+        "-m",
+        "spark_lsp.cli",
+        "serve",
+        "--stdio",
+        "--shared",
+        "--model",
+        str(model),
+    ]
+
+
+@pytest.fixture
+def run_dir(tmp_path_factory, monkeypatch):
+    # short: the host's Unix socket lives here (a socket path holds at most 107 bytes)
+    d = Path(tmp_path_factory.mktemp("run"))
+    monkeypatch.setenv(bridge.ENV_DIR, str(d))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SPARK_LSP_HOST_IDLE_EXIT", "2")
+    yield d
+    rec = bridge.read_record(str(d))
+    if rec is not None:  # a host a failed test left behind
+        stop(rec["pid"])
+
+
+def stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(200):
+        if not rundir.pid_alive(pid):
+            return
+        time.sleep(0.05)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not rundir.pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def bridged(model: Path, options: dict | None = None):
+    """A pytest-lsp editor whose server is a bridge."""
+
+    async def transport(client):
+        await client.start_io(*bridge_cmd(model))
+
+    return await start_editor(model, options, transport=transport)
+
+
+async def suggestions(ed, uri: str, offsets: list[int]) -> list[list[str]]:
+    out = []
+    for off in offsets:
+        res = await ed.inline(uri, off)
+        out.append([i.insert_text for i in res.items])
+    return out
+
+
+def raw(model: Path) -> LspClient:
+    client = LspClient(bridge_cmd(model))
+    client.initialize({**OPTIONS})
+    client.wait_ready(120)
+    return client
+
+
+# -- the bridge alone ----------------------------------------------------------------------------
+def test_bridge_imports_only_the_standard_library():
+    """What the bridge runs as (`python -I -S bridge.py`) imports no pygls, numpy, lsprotocol,
+    engine or spark_lsp module."""
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='bridge'); "
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, str(ROOT / "spark_lsp" / "bridge.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    heavy = [
+        m
+        for m in out
+        if m.split(".")[0]
+        in (
+            "pygls",
+            "numpy",
+            "lsprotocol",
+            "engine",
+            "spark_lsp",
+            "onnxruntime",
+            "cattrs",
+            "argparse",
+        )
+    ]
+    assert heavy == [], heavy
+    assert "json" in out and "_socket" in out  # it did import what it needs
+
+
+def test_bridge_runtime_dir_is_the_daemons(tmp_path, monkeypatch):
+    for env in ({bridge.ENV_DIR: str(tmp_path / "a")}, {"XDG_RUNTIME_DIR": str(tmp_path)}):
+        monkeypatch.delenv(bridge.ENV_DIR, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert Path(bridge.runtime_dir()) == rundir.runtime_dir()
+        assert (Path(bridge.runtime_dir()).stat().st_mode & 0o777) == 0o700
+
+
+def test_bridge_arguments():
+    assert bridge.parse(["--stdio", "--shared", "--model", "m", "--engine=auto"]) == {
+        "--model": "m",
+        "--engine": "auto",
+    }
+    for bad in (["--tcp", "1"], ["--model"], ["extra"]):
+        with pytest.raises(ValueError):
+            bridge.parse(bad)
+    assert bridge.wants_bridge(["--stdio", "--shared"])
+    assert not bridge.wants_bridge(["--tcp", "127.0.0.1:1", "--shared"])
+
+
+def test_frames_follow_lsp_framing_across_chunks():
+    f = bridge.Frames(keep=64)
+    a = bridge.frame({"jsonrpc": "2.0", "id": 1, "method": "shutdown"})
+    b = b"Content-Length: 300\r\n\r\n" + b"x" * 300
+    c = bridge.frame({"jsonrpc": "2.0", "method": "exit"})
+    stream = a + b + c
+    bodies = []
+    for i in range(0, len(stream), 7):
+        bodies += f.feed(stream[i : i + 7])
+        if i + 7 == len(a):
+            assert f.at_boundary
+    assert [json.loads(x)["method"] for x in bodies] == ["shutdown", "exit"]  # the big one skipped
+    assert f.at_boundary
+    f.feed(b"Content-Len")
+    assert not f.at_boundary  # inside a header: nothing may be written in between
+    g = bridge.Frames()
+    g.feed(b"garbage\r\n\r\n")
+    assert g.broken and not g.at_boundary
+
+
+# -- end to end ----------------------------------------------------------------------------------
+@pytest.mark.slow
+async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
+    local, led = await start_editor(tiny_llama)  # `serve --stdio`: what every feature must match
+    try:
+        led.open(URI, SAMPLE)
+        expected = await suggestions(led, URI, OFFSETS)
+    finally:
+        await local.shutdown_session()
+        await local.stop()
+
+    assert bridge.read_record(str(run_dir)) is None
+    a, ea = await bridged(tiny_llama)
+    b, eb = await bridged(tiny_llama)
+    try:
+        rec = bridge.read_record(str(run_dir))
+        assert rec is not None  # the first bridge started it, the second joined it
+        host = rec["pid"]
+        assert os.getsid(host) == host  # detached: its own session, it outlives the editor
+        assert (run_dir / bridge.RECORD).stat().st_mode & 0o777 == 0o600
+        # the same file open in both editors: each session its own document and KV slot
+        ea.open(URI, SAMPLE)
+        eb.open(URI, SAMPLE)
+        assert await suggestions(ea, URI, OFFSETS) == expected
+        assert await suggestions(eb, URI, OFFSETS) == expected
+        ma, mb = await ea.metrics(), await eb.metrics()
+        assert ma["sessionHost"]["pid"] == mb["sessionHost"]["pid"] == host
+        assert ma["sessionHost"]["session"] != mb["sessionHost"]["session"]
+        assert [m["sessions"] for m in mb["sessionHost"]["models"]] == [2]  # one engine, 2 users
+        assert mb["engine"]["sharedBy"] == 2
+        # a thin editor process: neither ONNX Runtime nor numpy, run without site packages
+        for client in (a, b):
+            pid = client._server.pid
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "onnxruntime" not in maps and "numpy" not in maps
+            assert b"-S" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        # typing-through and cancel work as with `serve --stdio`
+        await ea.command("spark.configure", {"maxTokens": 300, "maxLines": 200})
+        mid, fut = ea.start_inline(URI, OFFSETS[0], T.InlineCompletionTriggerKind.Invoked)
+        await asyncio.sleep(0.01)
+        ea.client.protocol.notify("$/cancelRequest", T.CancelParams(id=mid))
+        try:
+            await fut
+        except Exception:
+            pass
+        assert isinstance(await eb.inline(URI, OFFSETS[1]), T.InlineCompletionList)
+        assert (await eb.metrics())["settings"]["maxTokens"] == OPTIONS["maxTokens"]  # its own
+        # a session configuring another model gets its own engine; the first one is kept
+        await eb.command("spark.configure", {"precision": "int8"})
+        for _ in range(200):
+            models = (await eb.metrics())["sessionHost"]["models"]
+            if len(models) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted((m["precision"], m["sessions"]) for m in models) == [("auto", 1), ("int8", 1)]
+    finally:
+        for client in (a, b):
+            await client.shutdown_session()
+            await client.stop()
+    # the host exits (record removed) a while after its last session closed
+    assert wait_gone(host, 30)
+    assert bridge.read_record(str(run_dir)) is None
+    assert not (run_dir / bridge.SOCKET).exists()
+
+
+@pytest.mark.slow
+def test_sessions_are_isolated_and_one_failing_leaves_the_others(tiny_llama, run_dir):
+    a = raw(tiny_llama)
+    b = c = None
+    try:
+        b = raw(tiny_llama)
+        a.open(URI, SECRET)
+        pos = {"line": 3, "character": 14}
+        # the other session does not see the first one's document through any request
+        for method, params in (
+            (
+                "textDocument/inlineCompletion",
+                {"textDocument": {"uri": URI}, "position": pos, "context": {"triggerKind": 1}},
+            ),
+            ("spark/document", {"uri": URI}),
+        ):
+            with pytest.raises(Exception, match="unknown document"):
+                b.call(method, params, 30)
+        # both ask at once: each answer reaches the one who asked, on its own stream
+        fa = a.inline(URI, len(SECRET), trigger=1)
+        b.open("file:///work/other.py", SAMPLE)
+        fb = b.inline("file:///work/other.py", OFFSETS[0], trigger=1)
+        fa.result(60), fb.result(60)
+        host = a.call("spark/metrics", {})["sessionHost"]["pid"]
+        assert b.call("spark/metrics", {})["sessionHost"]["pid"] == host
+        # a third session sends garbage: that message is lost, the session goes on
+        c = LspClient(bridge_cmd(tiny_llama))
+        c.proc.stdin.write(b"Content-Length: nope\r\n\r\n{}")
+        c.proc.stdin.flush()
+        c.initialize({**OPTIONS})
+        assert c.call("spark/metrics", {}, 30)["sessionHost"]["pid"] == host
+        # ... and then a stream that is not LSP at all (an HTTP request): it is closed, alone
+        c.proc.stdin.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        c.proc.stdin.flush()
+        assert c.proc.wait(30) == 1  # its bridge saw the host close it, and says so
+        shown = [p for _, m, p in c.notifications if m == "window/showMessage"]
+        assert shown and "closed this editor's session" in shown[-1]["message"]
+        # the two others go on; the first session's exit frees its documents, not the second's
+        assert "result" in {"result": a.inline(URI, len(SECRET), trigger=2).result(60)}
+        a.shutdown()
+        for _ in range(100):
+            if b.call("spark/metrics", {})["sessionHost"]["sessions"] == 1:
+                break
+            time.sleep(0.05)
+        m = b.call("spark/metrics", {})
+        assert m["sessionHost"]["sessions"] == 1 and m["engine"]["sharedBy"] == 1
+        assert b.inline("file:///work/other.py", OFFSETS[1]).result(60) is not None
+        # nothing of one session reached another
+        for client in (a, b):
+            assert client.orphans == []
+            assert "sk-very-secret" not in json.dumps(client.notifications)
+        assert "sk-very-secret" not in json.dumps(b.notifications)
+    finally:
+        for client in (a, b, c):
+            if client is not None and client.proc.poll() is None:
+                client.shutdown()
+
+
+@pytest.mark.slow
+def test_host_death_is_reported_to_the_editor(tiny_llama, run_dir):
+    client = raw(tiny_llama)
+    try:
+        host = client.call("spark/metrics", {})["sessionHost"]["pid"]
+        os.kill(host, signal.SIGKILL)
+        assert client.proc.wait(30) == 1  # a clean exit the editor reports (and restarts)
+        shown = [p for _, m, p in client.notifications if m == "window/showMessage"]
+        assert shown and shown[-1]["type"] == 1 and "session host" in shown[-1]["message"]
+        assert f"(pid {host}) stopped" in shown[-1]["message"]
+    finally:
+        if client.proc.poll() is None:
+            client.proc.kill()
+    # the next editor starts a new host over the dead one's record and socket
+    again = raw(tiny_llama)
+    try:
+        new = again.call("spark/metrics", {})["sessionHost"]["pid"]
+        assert new != host
+        again.open(URI, SAMPLE)
+        assert again.inline(URI, OFFSETS[0]).result(60) is not None
+    finally:
+        again.shutdown()
+
+
+@pytest.mark.slow
+def test_editors_starting_at_once_get_one_host(tiny_llama, run_dir):
+    clients: list[LspClient] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def editor() -> None:
+        try:
+            c = raw(tiny_llama)
+            with lock:
+                clients.append(c)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=editor) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    try:
+        assert errors == [] and len(clients) == 3
+        pids = {c.call("spark/metrics", {})["sessionHost"]["pid"] for c in clients}
+        assert len(pids) == 1
+        assert bridge.read_record(str(run_dir))["pid"] == pids.pop()
+    finally:
+        for c in clients:
+            c.shutdown()
+
+
+@pytest.mark.slow
+def test_a_wrong_token_is_refused(tiny_llama, run_dir):
+    client = raw(tiny_llama)
+    try:
+        rec = bridge.read_record(str(run_dir))
+        with pytest.raises(bridge.HostRefused, match="wrong token"):
+            bridge.hello({**rec, "token": rec["token"][:-1] + "x"}, {"model": str(tiny_llama)})
+        with pytest.raises(bridge.HostRefused, match="not found"):
+            bridge.hello(rec, {"model": "/no/such/model"})
+        sock, reply = bridge.hello(rec, {"model": str(tiny_llama)})  # the right one is let in
+        sock.close()
+        assert reply["ok"] and reply["pid"] == rec["pid"]
+        assert "result" in {"result": client.call("spark/metrics", {})}
+    finally:
+        client.shutdown()
