@@ -194,6 +194,19 @@ def settings_md(_: str = "") -> str:
             "|---|---|---|---|",
             *rows,
             "",
+            "## One process for every editor: `--shared` (not a setting)",
+            "",
+            "`spark-lsp serve --stdio --shared` (or `SPARK_LSP_SHARED=1` in the environment of",
+            "`serve --stdio`) makes the editor's server process a small bridge to your session",
+            "host, one process that runs every editor's session with one copy of each model",
+            "([service.md](service.md#one-process-for-every-editor-serve---stdio---shared)).",
+            "It is a command-line flag, not a setting: the process is a bridge or a full server",
+            "before the editor sends any settings. Each session's settings (`model`, `engine`,",
+            "`precision` and the rest) work as without it; sessions with the same `model` and",
+            "`precision` share one engine. To opt in: VS Code",
+            '`"spark.server.extraArgs": ["--shared"]`; Neovim',
+            "`require('spark').setup({ shared = true })`.",
+            "",
         ]
     )
 

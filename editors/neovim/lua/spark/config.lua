@@ -6,6 +6,10 @@ M.defaults = {
   -- Server command. nil: `spark-lsp serve --stdio` if spark-lsp is executable, else
   -- `python3 -m spark_lsp.cli serve --stdio`.
   cmd = nil,
+  -- true: `spark-lsp serve --stdio --shared`, a small bridge to your session host (one process
+  -- that runs every editor's session with one copy of each model; docs/service.md). Not used
+  -- with `cmd`.
+  shared = false,
   -- Model: a folder, a .gguf file, a catalogue name (`spark-lsp models list`) or
   -- 'hf:ORG/REPO[:FILE.gguf]' (downloaded on first use); nil/'' = the bundled default model.
   -- Sent as the `model` setting.
@@ -92,6 +96,7 @@ function M.resolve(opts)
   local o = vim.tbl_deep_extend('force', vim.deepcopy(M.defaults), opts or {})
   check('cmd', o.cmd, { 'table', 'string' }, true)
   check('model', o.model, 'string', true)
+  check('shared', o.shared, 'boolean')
   check('filetypes', o.filetypes, { 'table', 'string' })
   check('root_markers', o.root_markers, 'table')
   check('debounce_ms', o.debounce_ms, 'number')
@@ -134,11 +139,17 @@ function M.server_cmd(o)
   if o.cmd then
     return o.cmd
   end
+  local cmd
   if vim.fn.executable('spark-lsp') == 1 then
-    return { 'spark-lsp', 'serve', '--stdio' }
+    cmd = { 'spark-lsp', 'serve', '--stdio' }
+  else
+    local py = vim.fn.executable('python3') == 1 and 'python3' or 'python'
+    cmd = { py, '-m', 'spark_lsp.cli', 'serve', '--stdio' }
   end
-  local py = vim.fn.executable('python3') == 1 and 'python3' or 'python'
-  return { py, '-m', 'spark_lsp.cli', 'serve', '--stdio' }
+  if o.shared then
+    table.insert(cmd, '--shared')
+  end
+  return cmd
 end
 
 return M
