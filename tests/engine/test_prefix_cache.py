@@ -142,3 +142,18 @@ def test_unwritable_cache_falls_back_to_temp(tiny_llama, tmp_path, monkeypatch):
     eng = Engine.load(tiny_llama, cache_dir=blocker / "graphs", wafer=False)
     assert eng.graph_path.is_relative_to(tmp_path / "tmp")
     assert greedy(eng, random_ids(eng, 8, seed=46), 4).finish_reason == "length"
+
+
+def test_forget_frees_the_slots_it_names(tiny_llama, tmp_path_factory):
+    """A client that goes away (a closed session of the session host) frees its KV slots; the
+    others keep theirs, and a forgotten key starts cold."""
+    eng = load_engine(tiny_llama, tmp_path_factory, slots=4)
+    a, b = random_ids(eng, 30, seed=50), random_ids(eng, 30, seed=51)
+    greedy(eng, a, 4, slot="s1:a")
+    greedy(eng, b, 4, slot="s2:b")
+    assert eng.forget(["s1:a", "s1:never-used"]) == 1
+    assert eng.cached_slots() == ["s2:b"]
+    assert eng.slot_tokens("s1:a") == 0
+    assert greedy(eng, b, 4, slot="s2:b").stats["reused_tokens"] == 29  # untouched
+    gen = greedy(eng, a, 4, slot="s1:a")
+    assert gen.stats["reused_tokens"] == 0 and gen.tokens == hf_greedy(tiny_llama, a, 4)
