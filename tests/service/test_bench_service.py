@@ -49,6 +49,18 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
     )
     # a thin server holds no engine: it is smaller than the server that has one in-process
     assert max(p["rss"] for p in m["session_servers_mb"]) < m["one_inproc_server_mb"]["rss"]
+    # mode host: 4 bridges and the one session host they share (run_memory checks one host, one
+    # engine used by the 4 sessions)
+    h = m["host"]
+    assert len(h["bridges_mb"]) == 4 and h["bridges_without_onnxruntime"]
+    assert h["shared_models"][0]["sessions"] == 4
+    for k in ("rss", "pss"):
+        assert h["total_mb"][k] == pytest.approx(
+            sum(p[k] for p in [*h["bridges_mb"], h["host_mb"]])
+        )
+        # a bridge is Python alone: far smaller than a thin server (pygls, the tokenizer)
+        assert max(p[k] for p in h["bridges_mb"]) < min(p[k] for p in m["session_servers_mb"]) / 2
+    assert h["ratio_rss"] < m["ratio_rss"]  # the point of it
 
 
 def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request():

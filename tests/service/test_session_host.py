@@ -101,6 +101,29 @@ async def bridged(model: Path, options: dict | None = None):
     return await start_editor(model, options, transport=transport)
 
 
+async def live_rewrite(ed, uri: str) -> tuple[dict, str, bool]:
+    """A live `rewrite` of `scale`'s body streamed into the document: (the command's result
+    without timings, the document's text after it, whether edits were streamed). The random
+    tiny model's rewrite fails the edit checks, so it is streamed and then taken back."""
+    await ed.command("spark.configure", {"liveEdits": True, "liveEditHz": 100})
+    ed.open(uri, SAMPLE)
+    start, end = SAMPLE.index("    out = []"), SAMPLE.index("\n\n\ndef main")
+    rng = T.Range(ed.pos(uri, start), ed.pos(uri, end))
+    listed = await ed.client.text_document_code_action_async(
+        T.CodeActionParams(T.TextDocumentIdentifier(uri), rng, T.CodeActionContext(diagnostics=[]))
+    )
+    rewrite = next(
+        a
+        for a in listed
+        if getattr(a, "data", None) and _editor.plain(a.data)["action"] == "rewrite"
+    )
+    resolved = await ed.client.code_action_resolve_async(rewrite)
+    applied = len(ed.applied)
+    res = await ed.command(resolved.command.command, *resolved.command.arguments)
+    streamed = len(ed.applied) > applied  # workspace/applyEdit reached this editor
+    return {k: res[k] for k in ("outcome", "complete")}, ed.text(uri), streamed
+
+
 async def suggestions(ed, uri: str, offsets: list[int]) -> list[list[str]]:
     out = []
     for off in offsets:
@@ -197,6 +220,7 @@ async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
     try:
         led.open(URI, SAMPLE)
         expected = await suggestions(led, URI, OFFSETS)
+        expected_edit = await live_rewrite(led, "file:///work/edit.py")
     finally:
         await local.shutdown_session()
         await local.stop()
@@ -215,6 +239,12 @@ async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
         eb.open(URI, SAMPLE)
         assert await suggestions(ea, URI, OFFSETS) == expected
         assert await suggestions(eb, URI, OFFSETS) == expected
+        # a live edit streams into the editor as from `serve --stdio`, while the other session
+        # has a suggestion made on the same engine
+        edit = asyncio.ensure_future(live_rewrite(ea, "file:///work/edit.py"))
+        assert await suggestions(eb, URI, OFFSETS[:1]) == expected[:1]
+        assert await edit == expected_edit
+        assert expected_edit[2]  # it streamed
         ma, mb = await ea.metrics(), await eb.metrics()
         assert ma["sessionHost"]["pid"] == mb["sessionHost"]["pid"] == host
         assert ma["sessionHost"]["session"] != mb["sessionHost"]["session"]
