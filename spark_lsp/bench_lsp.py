@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "then builds the model's graph and compiles the native op, as on a fresh install",
     )
     p.add_argument("--answer-ms", type=int, default=None, help="server setting answerMs")
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="run the server as `serve --stdio --shared` (a bridge to a session host, one of this "
+        "run only) instead of `serve --stdio`",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument(
         "--plot",
@@ -279,10 +285,41 @@ def run(args, plot=None) -> int:
             fimTemplate=args.fim_template,
         )
 
-    with tempfile.TemporaryDirectory(prefix="spark-bench-cold-") as cold:
-        env = {"SPARK_LSP_CACHE": cold} if args.cold else None
-        client = LspClient(server_cmd(model), env=env)
-        return _replay(args, plot, client, options, path, source, keys)
+    with (
+        tempfile.TemporaryDirectory(prefix="spark-bench-cold-") as cold,
+        tempfile.TemporaryDirectory(prefix="spark-") as run_dir,
+    ):
+        env = {"SPARK_LSP_CACHE": cold} if args.cold else {}
+        cmd = server_cmd(model)
+        if args.shared:  # what an editor runs: the `spark-lsp` command's `serve --stdio --shared`
+            cmd = [sys.executable, "-m", "spark_lsp.cli", "serve", *cmd[3:], "--shared"]
+            env["SPARK_LSP_RUN_DIR"] = run_dir  # a host of this run, not the user's
+        client = LspClient(cmd, env=env or None)
+        try:
+            return _replay(args, plot, client, options, path, source, keys)
+        finally:
+            if args.shared:
+                _stop_host(run_dir)
+
+
+def _stop_host(run_dir: str) -> None:
+    """Stop the session host of `run_dir` (the bench's own) and wait for it to go."""
+    import os
+    import signal
+
+    from . import bridge
+
+    rec = bridge.read_record(run_dir)
+    if rec is None:
+        return
+    try:
+        os.kill(rec["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(200):
+        if not bridge.pid_alive(rec["pid"]):
+            return
+        time.sleep(0.05)
 
 
 def _replay(args, plot, client, options: dict, path: Path, source: str, keys: list[str]) -> int:
@@ -422,6 +459,7 @@ def _replay(args, plot, client, options: dict, path: Path, source: str, keys: li
         "engine_ms_median": round(statistics.median(engine_ms), 2) if engine_ms else None,
         # requests the backend got, how many were closed before it finished, and the tokens it
         # generated for them that were never shown (waste)
+        "shared": bool(getattr(args, "shared", False)),  # through a bridge and a session host
         "backend": b1.get("kind", args.backend),
         "backend_requests": backend.get("requests"),
         "backend_cancelled": backend.get("cancelled"),

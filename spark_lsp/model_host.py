@@ -135,16 +135,22 @@ class LocalModel:
 
     @classmethod
     def load(
-        cls, model_dir: str | None, precision: str = "auto", progress: Any = None, slots: int = 4
+        cls,
+        model_dir: str | None,
+        precision: str = "auto",
+        progress: Any = None,
+        slots: int = 4,
+        spinning: bool | None = None,
     ) -> LocalModel:
         """Load `model_dir` (None: the bundled default; a folder, a .gguf file, a catalogue name
         or hf:ORG/REPO[:FILE], downloaded on first use with `progress` reports) and warm it up.
-        `slots`: documents whose KV prefix the engine keeps (allocated as they are used)."""
+        `slots`: documents whose KV prefix the engine keeps (allocated as they are used);
+        `spinning`: ONNX Runtime's threads spin between steps (None: while the CPU is calm)."""
         from engine import Engine
         from engine.hub import resolve_model
 
         path = resolve_model(model_dir, progress=progress)
-        eng = Engine.load(model_dir=path, slots=slots, precision=precision)
+        eng = Engine.load(model_dir=path, slots=slots, precision=precision, spinning=spinning)
         if isinstance(getattr(eng, "prefill_chunk", None), int):
             # a cancel waits for the prefill run in flight: keep runs short
             eng.prefill_chunk = min(eng.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
@@ -228,8 +234,9 @@ class SharedModels:
     Two sessions asking for the same model at once load it once: the second waits for the first.
     """
 
-    def __init__(self, slots: int = SHARED_SLOTS) -> None:
+    def __init__(self, slots: int = SHARED_SLOTS, spinning: bool | None = False) -> None:
         self.slots = slots
+        self.spinning = spinning
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], _SharedEntry] = {}
         self._ids = itertools.count(1)
@@ -251,7 +258,9 @@ class SharedModels:
             entry.refs += 1  # held while loading too, so a failed load is not waited on forever
         if first:
             try:
-                entry.model = LocalModel.load(path, precision, progress, slots=self.slots)
+                entry.model = LocalModel.load(
+                    path, precision, progress, slots=self.slots, spinning=self.spinning
+                )
             except BaseException as exc:
                 entry.error = exc
                 with self._lock:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.service import rundir
+from engine.service.options import SPINNING
 
 from . import __version__, bridge, model_host, transports
 from .framing import MAX_HEADER
@@ -49,6 +50,7 @@ log = logging.getLogger("spark_lsp.session_host")
 #: Seconds the host stays up with no session (the next editor then finds it loaded).
 IDLE_EXIT_S = 600.0
 IDLE_ENV = "SPARK_LSP_HOST_IDLE_EXIT"
+SPINNING_ENV = "SPARK_LSP_HOST_SPINNING"
 HELLO_TIMEOUT_S = 10.0
 #: The longest Unix socket path (sun_path holds 108 bytes with its terminating NUL).
 MAX_SOCKET_PATH = 107
@@ -294,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"exit this long after the last session closes (default {IDLE_EXIT_S:g}, ${IDLE_ENV})",
     )
     p.add_argument(
+        "--spinning",
+        choices=sorted(SPINNING),
+        default=os.environ.get(SPINNING_ENV) or "off",
+        help="ONNX Runtime threads spin between steps: off (default: the editors' bridges need "
+        f"the cores to pass messages), on, or auto (while the CPU is calm); ${SPINNING_ENV}",
+    )
+    p.add_argument(
         "--log-level",
         default=os.environ.get("SPARK_LSP_LOG", "INFO"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("pygls").setLevel(logging.CRITICAL)
     # as `serve`: a waiting thread (a cancel, the reader) gets the GIL within 0.5 ms
     sys.setswitchinterval(0.0005)
-    model_host.SHARED = model_host.SharedModels()
+    model_host.SHARED = model_host.SharedModels(spinning=SPINNING[args.spinning])
     host = SessionHost(Path(bridge.runtime_dir()), args.idle_exit)
     try:
         asyncio.run(host.serve())
