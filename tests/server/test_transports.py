@@ -162,7 +162,8 @@ def test_demo_runs_without_a_terminal(tiny_llama):
 
 
 @pytest.mark.slow
-def test_bench_lsp_replays_typing(tiny_llama):
+@pytest.mark.parametrize("shared", [[], ["--shared"]], ids=["stdio", "shared"])
+def test_bench_lsp_replays_typing(tiny_llama, shared):
     out = subprocess.run(
         [
             sys.executable,
@@ -179,6 +180,7 @@ def test_bench_lsp_replays_typing(tiny_llama):
             "256",
             "--max-tokens",
             "8",
+            *shared,  # through a bridge and a session host of the run's own
         ],
         capture_output=True,
         text=True,
@@ -187,6 +189,7 @@ def test_bench_lsp_replays_typing(tiny_llama):
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["lines"] > 900 and r["keystrokes"] > 0
+    assert r["shared"] == bool(shared)
     assert r["answered"] + r["cancelled_or_superseded"] == r["keystrokes"]
     assert r["latency_ms_median"] is not None and r["latency_ms_p95"] >= r["latency_ms_median"]
     # every inline request (one per keystroke, plus the Invoked ones the replay starts and cancels
