@@ -191,6 +191,27 @@ def hello(record: dict, options: dict) -> tuple[socket.socket, dict]:
         raise
 
 
+def clear_stale(folder: str) -> bool:
+    """Remove the record of a host that no longer runs although its pid does (the pid was
+    reused): no process holds the host's lifetime lock. Under the start lock, so a host a bridge
+    is starting (it takes the lifetime lock before it writes its record) is never mistaken."""
+    with open(os.path.join(folder, START_LOCK), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        fd = os.open(os.path.join(folder, LIFE_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # a host holds it: it runs
+            try:
+                os.unlink(os.path.join(folder, RECORD))
+            except FileNotFoundError:
+                pass
+            return True
+        finally:
+            os.close(fd)
+
+
 def open_session(options: dict) -> tuple[socket.socket, dict]:
     """A session in the user's host (started if none runs): (the socket, the host's answer)."""
     folder = runtime_dir()
@@ -203,6 +224,8 @@ def open_session(options: dict) -> tuple[socket.socket, dict]:
             raise
         except (OSError, ValueError) as exc:  # a host that was just exiting: start another
             problem = exc
+            if not isinstance(exc, TimeoutError):
+                clear_stale(folder)
             time.sleep(0.05 * (attempt + 1))
     raise BridgeError(f"cannot reach the session host: {problem}")
 

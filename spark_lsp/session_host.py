@@ -232,9 +232,14 @@ class SessionHost:
             refuse(str(exc))
             return None
         n = next(self._ids)
-        session = transports.Session(
-            lambda: self._server(model, engine), writer, include_headers=True, trusted=True
-        )
+        try:
+            session = transports.Session(
+                lambda: self._server(model, engine), writer, include_headers=True, trusted=True
+            )
+        except Exception as exc:  # noqa: BLE001 - told to the bridge, the host goes on
+            log.exception("cannot start session %d", n)
+            refuse(f"cannot start a session: {type(exc).__name__}: {exc}")
+            return None
         session.ls.state.host_info = lambda: self.info(n)
         self.sessions[n] = session
         self.opened += 1

@@ -411,3 +411,18 @@ def test_a_wrong_token_is_refused(tiny_llama, run_dir):
         assert "result" in {"result": client.call("spark/metrics", {})}
     finally:
         client.shutdown()
+
+
+@pytest.mark.slow
+def test_a_stale_record_whose_pid_runs_is_replaced(tiny_llama, run_dir):
+    """A record left by a host that died, its pid since taken by another process (here: this
+    test's own): no process holds the host's lifetime lock, so the bridge starts a new host."""
+    (run_dir / bridge.RECORD).write_text(
+        json.dumps({"socket": str(run_dir / bridge.SOCKET), "token": "x" * 43, "pid": os.getpid()})
+    )
+    client = raw(tiny_llama)
+    try:
+        host = client.call("spark/metrics", {})["sessionHost"]["pid"]
+        assert host != os.getpid() and bridge.read_record(str(run_dir))["pid"] == host
+    finally:
+        client.shutdown()
