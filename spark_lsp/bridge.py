@@ -42,10 +42,38 @@ ENV_DIR = "SPARK_LSP_RUN_DIR"  # the same override as engine.service.rundir
 ENV_SHARED = (
     "SPARK_LSP_SHARED"  # "1": `serve --stdio` is a bridge (an editor that cannot add flags)
 )
-RECORD = "lsp-host.json"
+
+
+def install_key(root: str | None = None) -> str:
+    """Names this installation of spark-lsp: its interpreter, its folder and the size and time of
+    every source file of `spark_lsp` and `engine`. A host serves only bridges of its own
+    installation (the record, socket and lock names carry the key), so after an upgrade or an
+    edit the next editor starts a host that runs the new code, and the old host exits when its
+    own sessions have closed (`--idle-exit`); two virtual environments never share one."""
+    import hashlib
+
+    root = root or os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    h = hashlib.sha256(f"{os.path.realpath(sys.executable)}\0{root}".encode())
+    stack = [os.path.join(root, "spark_lsp"), os.path.join(root, "engine")]
+    while stack:
+        try:
+            entries = sorted(os.scandir(stack.pop()), key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False) and e.name != "__pycache__":
+                stack.append(e.path)
+            elif e.name.endswith((".py", ".c")):
+                st = e.stat()
+                h.update(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:12]
+
+
+INSTALL = install_key()
+RECORD = f"lsp-host-{INSTALL}.json"
 START_LOCK = "lsp-host.start.lock"  # held by a bridge while it starts a host
-LIFE_LOCK = "lsp-host.lock"  # held by the host for its whole life
-SOCKET = "lsp-host.sock"
+LIFE_LOCK = f"lsp-host-{INSTALL}.lock"  # held by the host for its whole life
+SOCKET = f"lsp-host-{INSTALL}.sock"
 LOG = "lsp-host.log"
 PROTOCOL = 1
 START_TIMEOUT_S = 60.0

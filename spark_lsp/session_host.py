@@ -12,7 +12,7 @@ they would from `serve --stdio`.
 
 Access: the socket lives in the 0700 runtime directory, its peer must be this user (SO_PEERCRED),
 and the first line a bridge sends must carry the random token of the host's 0600 record
-(`lsp-host.json`), as the engine daemon's clients present its token. A session that sends garbage
+(`lsp-host-KEY.json`, KEY naming this installation: `bridge.install_key`), as the engine daemon's clients present its token. A session that sends garbage
 or fails is closed alone; a session's close frees its documents, its KV slots and, if it was the
 last to use it, its model. The host exits (record and socket removed) `--idle-exit` seconds after
 its last session closes, and on SIGTERM (every session's generations cancelled first).

@@ -193,6 +193,27 @@ def test_bridge_arguments():
     assert not bridge.wants_bridge(["--tcp", "127.0.0.1:1", "--shared"])
 
 
+def test_a_host_serves_only_its_own_installation(tmp_path):
+    """The host's files are named by the installation's key, which changes when the interpreter,
+    the folder or any source file does: an upgraded spark-lsp starts its own host."""
+    root = tmp_path / "site"
+    for rel in ("spark_lsp/a.py", "engine/wafer/mesh_op.c", "engine/__pycache__/x.pyc"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    key = bridge.install_key(str(root))
+    assert key == bridge.install_key(str(root))  # stable
+    assert bridge.install_key(str(tmp_path / "elsewhere")) != key
+    pyc = root / "engine/__pycache__/x.pyc"
+    os.utime(pyc, ns=(1, 1))
+    assert bridge.install_key(str(root)) == key  # compiled files do not count
+    src = root / "engine/wafer/mesh_op.c"
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert bridge.install_key(str(root)) != key  # an edited source file does
+    assert bridge.INSTALL in bridge.RECORD and bridge.INSTALL in bridge.SOCKET
+    assert bridge.INSTALL in bridge.LIFE_LOCK
+
+
 def test_frames_follow_lsp_framing_across_chunks():
     f = bridge.Frames(keep=64)
     a = bridge.frame({"jsonrpc": "2.0", "id": 1, "method": "shutdown"})
