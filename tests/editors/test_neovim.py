@@ -164,3 +164,31 @@ def test_neovim(scenario, check):
         f"[{mode}] {check} did not run; scenario stopped early: {problems}\n{diag}"
     )
     assert result[check]["ok"], f"[{mode}] {check} failed: {result[check].get('detail')!r}\n{diag}"
+
+
+def test_neovim_shared_option_reaches_the_server_command(tmp_path):
+    """`shared = true` adds `--shared` to the server command, also beside the `cmd` that
+    `spark-lsp editor neovim` prints (the plugin's own config module, in a real Neovim)."""
+    script = tmp_path / "cmd.lua"
+    script.write_text(
+        f"vim.opt.runtimepath:append({json.dumps(str(HERE.parents[1] / 'editors' / 'neovim'))})\n"
+        "local c = require('spark.config')\n"
+        "local printed = { '/x/spark-lsp', 'serve', '--stdio' }\n"
+        "for _, o in ipairs({ { cmd = printed, shared = true }, { cmd = printed, shared = false },\n"
+        "    { cmd = { '/x/spark-lsp', 'serve', '--stdio', '--shared' }, shared = true } }) do\n"
+        "  io.stdout:write(vim.json.encode(c.server_cmd(o)) .. '\\n')\n"
+        "end\n"
+    )
+    proc = subprocess.run(
+        [_nvim("nvim"), "--headless", "-l", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("[")]
+    assert lines == [
+        ["/x/spark-lsp", "serve", "--stdio", "--shared"],
+        ["/x/spark-lsp", "serve", "--stdio"],
+        ["/x/spark-lsp", "serve", "--stdio", "--shared"],
+    ]

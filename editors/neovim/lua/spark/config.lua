@@ -136,17 +136,17 @@ end
 
 --- The server command line.
 function M.server_cmd(o)
-  if o.cmd then
-    return o.cmd
-  end
   local cmd
-  if vim.fn.executable('spark-lsp') == 1 then
+  if o.cmd then
+    cmd = vim.deepcopy(o.cmd)
+  elseif vim.fn.executable('spark-lsp') == 1 then
     cmd = { 'spark-lsp', 'serve', '--stdio' }
   else
     local py = vim.fn.executable('python3') == 1 and 'python3' or 'python'
     cmd = { py, '-m', 'spark_lsp.cli', 'serve', '--stdio' }
   end
-  if o.shared then
+  -- also with the `cmd` `spark-lsp editor neovim` prints: `shared` must not be lost beside it
+  if o.shared and not vim.tbl_contains(cmd, '--shared') then
     table.insert(cmd, '--shared')
   end
   return cmd
