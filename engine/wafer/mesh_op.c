@@ -593,18 +593,36 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
         const float* v = xr + kx + k0;
         int8_t* q = qr + k0;
         float amax = 0.0f;
+        int32_t sum = 0;
+#if HAVE_VNNI /* the same values 16 at a time (cvtps rounds to nearest even, as round_even) */
+        const __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1);
+        __m512 vmax = _mm512_setzero_ps();
+        for (size_t i = 0; i < len; i += 16)
+          vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(i + 16 <= len ? 0xFFFF : tail, v + i)), vmax);
+        amax = _mm512_reduce_max_ps(vmax);
+        const __m512 inv = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        __m512i vsum = _mm512_setzero_si512();
+        size_t i = 0;
+        for (; i < len; i += 16) {
+          const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(i + 16 <= len ? 0xFFFF : tail, v + i), inv));
+          _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(c));
+          vsum = _mm512_add_epi32(vsum, c);
+        }
+        sum = _mm512_reduce_add_epi32(vsum);
+        memset(q + i, 0, t->bs - i);
+#else
         for (size_t i = 0; i < len; i++) {
           const float a = v[i] < 0 ? -v[i] : v[i];
           amax = a > amax ? a : amax;
         }
         const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
         for (size_t i = 0; i < len; i++) {
           const int32_t c = (int32_t)round_even(v[i] * inv);
           q[i] = (int8_t)c;
           sum += c;
         }
         memset(q + len, 0, t->bs - len);
+#endif
         xs[m * t->blocks + blk] = amax / 127.0f;
         xsum[m * t->blocks + blk] = sum;
       }
@@ -885,6 +903,29 @@ static inline void amx_scale(const QJob* j, const int32_t* dots, const float* sc
   }
 }
 
+/* Ask for block b of a line's panel (codes cb bytes, its 64 scales and zero points) into L1, if
+   the line has that block. */
+static inline void prefetch_block(const uint8_t* codes, const float* sc, const uint8_t* zp, size_t b, size_t nb,
+                                  size_t cb) {
+  if (b >= nb) return;
+  const char* pc = (const char*)codes + b * cb;
+  for (size_t o = 0; o < cb; o += 64) _mm_prefetch(pc + o, _MM_HINT_T0);
+  for (size_t o = 0; o < NR * sizeof(float); o += 64) _mm_prefetch((const char*)(sc + b * NR) + o, _MM_HINT_T0);
+  _mm_prefetch((const char*)(zp + b * NR), _MM_HINT_T0);
+}
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* how far ahead of the codes being read to prefetch (measured: 2-8 KB) */
+#endif
+
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 2 /* int4 blocks unpacked ahead of the one the tiles read */
+#endif
+#ifndef AMX_LAG
+#define AMX_LAG 2 /* units (block, pass) whose dots wait in memory before they are scaled */
+#endif
+#define AMX_RING 4 /* buffers of unpacked blocks and of dots: > AMX_AHEAD and > AMX_LAG */
+
 /* One task of the AMX path: a run of panels for every token row (layout and numerics above).
    Software-pipelined, since tiles are not renamed and each block's products must leave the C
    tiles before the next block's start: while block b's tile products run, the vector units
@@ -903,9 +944,9 @@ static void qtask_amx(void* data, size_t i) {
   for (int u = 4; u < 6; u++) cfg.rows[u] = (uint8_t)R, cfg.colsb[u] = (uint16_t)kc;
   for (int u = 6; u < 8; u++) cfg.rows[u] = (uint8_t)(kc / 4), cfg.colsb[u] = 64;
   float* part = NULL;       /* [M, 64]: one line's partial products for every row */
-  uint8_t* unpacked = NULL; /* int4: two blocks of codes as int8, [2][bs / 4, 256] */
+  uint8_t* unpacked = NULL; /* int4: AMX_RING blocks of codes as int8, [AMX_RING][bs / 4, 256] */
   if (posix_memalign((void**)&part, 64, j->M * NR * sizeof(float)) ||
-      (t->bits == 4 && posix_memalign((void**)&unpacked, 64, 2 * bs * NR))) {
+      (t->bits == 4 && posix_memalign((void**)&unpacked, 64, AMX_RING * bs * NR))) {
     free(part); /* out of memory: the VNNI path needs no buffers */
     for (size_t q = q0; q < q1; q++) {
       size_t m = 0;
@@ -914,7 +955,7 @@ static void qtask_amx(void* data, size_t i) {
     }
     return;
   }
-  int32_t dots[2][16 * NR] __attribute__((aligned(64)));
+  int32_t dots[AMX_RING][16 * NR] __attribute__((aligned(64)));
   __atomic_fetch_add(&amx_tasks, 1, __ATOMIC_RELAXED);
   _tile_loadconfig(&cfg);
   for (size_t q = q0; q < q1; q++) {
@@ -925,26 +966,32 @@ static void qtask_amx(void* data, size_t i) {
       const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
       const float* sc = t->scales[p] + q * nb * NR;
       const uint8_t* zp = t->zp[p] + q * nb * NR;
+      const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = PREFETCH_BYTES / cb ? PREFETCH_BYTES / cb : 1;
       memset(part, 0, j->M * NR * sizeof(float));
-      if (t->bits == 4) amx_unpack4(w, zp, bs, unpacked);
+      for (size_t b = 0; b < AMX_AHEAD && b < nb && t->bits == 4; b++)
+        amx_unpack4(w + b * (bs / 8) * 256, zp + b * NR, bs, unpacked + (b % AMX_RING) * bs * NR);
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      size_t unit = 0, pend_b = 0, pend_pass = 0; /* units done; the one whose dots wait to be scaled */
-      for (size_t b = 0; b < nb; b++) {
-        const uint8_t* bw = t->bits == 4 ? unpacked + (b & 1) * bs * NR : w + b * (bs / 4) * 256;
-        for (size_t pass = 0; pass < passes; pass++, unit++) {
+      const size_t units = nb * passes; /* unit u: block u / passes, rows of pass u % passes */
+      for (size_t u = 0; u < units + AMX_LAG; u++) {
+        if (u < units) {
+          const size_t b = u / passes, pass = u % passes;
+          const uint8_t* bw = t->bits == 4 ? unpacked + (b % AMX_RING) * bs * NR : w + b * (bs / 4) * 256;
           const int8_t* a = j->xq + pass * R * Kq + kq + b * bs;
           size_t kk = 0;
+          if (pass == 0) /* from DRAM: fetch a block a few KB ahead (hardware prefetchers stop at pages) */
+            prefetch_block(w, sc, zp, b + pf_ahead, nb, cb);
           if (t->bits == 4) {
             for (; kk + 2 * kc <= bs; kk += 2 * kc) {
               AMX_STEP(4, _tile_dpbssd, kk);
               AMX_STEP(5, _tile_dpbssd, kk + kc);
             }
             if (kk < bs) AMX_STEP(4, _tile_dpbssd, kk);
-            if (pass == 0 && b + 1 < nb)
-              amx_unpack4(w + (b + 1) * (bs / 8) * 256, zp + (b + 1) * NR, bs, unpacked + ((b + 1) & 1) * bs * NR);
+            const size_t ahead = b + AMX_AHEAD;
+            if (pass == 0 && ahead < nb)
+              amx_unpack4(w + ahead * (bs / 8) * 256, zp + ahead * NR, bs, unpacked + (ahead % AMX_RING) * bs * NR);
           } else {
             for (; kk + 2 * kc <= bs; kk += 2 * kc) {
               AMX_STEP(4, _tile_dpbsud, kk);
@@ -952,11 +999,13 @@ static void qtask_amx(void* data, size_t i) {
             }
             if (kk < bs) AMX_STEP(4, _tile_dpbsud, kk);
           }
-          if (unit) { /* the previous unit's dots, while this one's products run */
-            const size_t m0 = pend_pass * R, m1 = m0 + R < j->M ? m0 + R : j->M;
-            amx_scale(j, dots[(unit - 1) & 1], sc + pend_b * NR, zp + pend_b * NR, blk + pend_b, m0, m1, part);
-          }
-          int32_t* d = dots[unit & 1];
+        }
+        if (u >= AMX_LAG) { /* an earlier unit's dots, while this one's products run */
+          const size_t v = u - AMX_LAG, b = v / passes, m0 = (v % passes) * R, m1 = m0 + R < j->M ? m0 + R : j->M;
+          amx_scale(j, dots[v % AMX_RING], sc + b * NR, zp + b * NR, blk + b, m0, m1, part);
+        }
+        if (u < units) {
+          int32_t* d = dots[u % AMX_RING];
           _tile_stored(0, d, NR * sizeof(int32_t));
           _tile_stored(1, d + 16, NR * sizeof(int32_t));
           _tile_stored(2, d + 32, NR * sizeof(int32_t));
@@ -965,12 +1014,7 @@ static void qtask_amx(void* data, size_t i) {
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
-          pend_b = b, pend_pass = pass;
         }
-      }
-      {
-        const size_t m0 = pend_pass * R, m1 = m0 + R < j->M ? m0 + R : j->M;
-        amx_scale(j, dots[(unit - 1) & 1], sc + pend_b * NR, zp + pend_b * NR, blk + pend_b, m0, m1, part);
       }
       /* the chain reduction into y, as the VNNI path (the same float adds) */
       const float* bias = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
