@@ -16,6 +16,11 @@ models; see docs/wafer.md).  The quantised op is self-tested on its own: where o
 :func:`quantized` is ``False`` (reason in :func:`why_not_quantized`) and quantised engines use
 the fused ``MatMulNBits`` form.
 
+``MeshLinearQ`` runs passes of several token rows (speculative verification, prefill) on AMX-INT8
+tiles where the CPU and kernel allow it (:func:`amx`), bit-identical to its VNNI path;
+``SPARK_LSP_AMX=0`` keeps sessions created while it is set on the VNNI path and
+``SPARK_LSP_AMX_MIN_ROWS`` moves the row count from which AMX runs (docs/wafer.md).
+
 :func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
 layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
 ``mesh_op.c``), so a session maps the graph's initializers and keeps no second copy;
