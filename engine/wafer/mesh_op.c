@@ -574,6 +574,8 @@ typedef struct {
   float* y;            /* [M, N] */
   size_t M, panels_per_task;
   size_t amx_rows; /* > 0: the AMX path, this many token rows per tile pass (see below) */
+  const int8_t* xqb; /* AMX: the quantised activations block-major, [blocks][xrows][bs] */
+  size_t xrows;      /* AMX: rows padded to whole passes */
 } QJob;
 
 /* Round to nearest even for |v| < 2^22 (the FPU's default mode), without libm. */
@@ -778,7 +780,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
  *
  * Layout (no repacking: the op reads the same initializers):
  *   tiles 0-3  C, int32 [R rows, 16 columns]: the panel's 4 column groups for R token rows
- *   tiles 4-5  A, int8  [R rows, kc k]: the quantised activations (rows Kq bytes apart), the two
+ *   tiles 4-5  A, int8  [R rows, kc k]: the quantised activations, copied block-major once per call
+ *              ([blocks][rows][bs]: a tile's rows are bs bytes apart, one contiguous run), the two
  *              taking turns along k (AMX does not rename tiles: reloading the one the previous
  *              products still read would wait for them)
  *   tiles 6-7  B, [kc/4 rows, 64 bytes]: 4 consecutive k of 16 columns per row, the VNNI order
@@ -855,7 +858,7 @@ typedef struct __attribute__((aligned(64))) {
 #define AMX_STEP(TA, DP, kk)                  \
   do {                                        \
     const uint8_t* bk = bw + ((kk) / 4) * 256; \
-    _tile_loadd(TA, a + (kk), Kq);            \
+    _tile_loadd(TA, a + (kk), bs);            \
     _tile_loadd(6, bk, 256);                  \
     DP(0, TA, 6);                             \
     _tile_loadd(7, bk + 64, 256);             \
@@ -940,7 +943,7 @@ static void qtask_amx(void* data, size_t i) {
   const QTiles* t = j->t;
   const size_t q0 = i * j->panels_per_task;
   const size_t q1 = q0 + j->panels_per_task < t->panels ? q0 + j->panels_per_task : t->panels;
-  const size_t R = j->amx_rows, passes = (j->M + R - 1) / R, bs = t->bs, Kq = t->Kq;
+  const size_t R = j->amx_rows, passes = (j->M + R - 1) / R, bs = t->bs;
   const size_t kc = bs % 64 == 0 ? 64 : bs % 32 == 0 ? 32 : 16;
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -965,7 +968,7 @@ static void qtask_amx(void* data, size_t i) {
   _tile_loadconfig(&cfg);
   for (size_t q = q0; q < q1; q++) {
     const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR;
-    size_t kq = 0, blk = 0;
+    size_t blk = 0;
     for (size_t p = 0; p < t->lines; p++) {
       const size_t nb = t->nb[p];
       const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
@@ -984,7 +987,7 @@ static void qtask_amx(void* data, size_t i) {
         if (u < units) {
           const size_t b = u / passes, pass = u % passes;
           const uint8_t* bw = t->bits == 4 ? unpacked + (b % AMX_RING) * bs * NR : w + b * (bs / 4) * 256;
-          const int8_t* a = j->xq + pass * R * Kq + kq + b * bs;
+          const int8_t* a = j->xqb + ((blk + b) * j->xrows + pass * R) * bs;
           size_t kk = 0;
           if (pass == 0) /* from DRAM: fetch a block a few KB ahead (hardware prefetchers stop at pages) */
             prefetch_block(w, sc, zp, b + pf_ahead, nb, cb);
@@ -1037,7 +1040,6 @@ static void qtask_amx(void* data, size_t i) {
           _mm512_mask_storeu_ps(yr + 16 * c, keep[c], v);
         }
       }
-      kq += nb * bs;
       blk += nb;
     }
   }
@@ -1150,15 +1152,23 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
   (void)amx_min;
 #endif
   /* one allocation: quantised activations (64-byte aligned rows of Kq), then scales and sums */
-  const size_t qbytes = (rows * t->Kq + 63) & ~(size_t)63;
+  const size_t qbytes = (rows * t->Kq + 63) & ~(size_t)63, bbytes = j.amx_rows ? qbytes : 0;
   char* buf = NULL;
-  if (posix_memalign((void**)&buf, 64, qbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
+  if (posix_memalign((void**)&buf, 64, qbytes + bbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
     return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
   j.xq = (const int8_t*)buf;
-  j.xs = (const float*)(buf + qbytes);
-  j.xsum = (const int32_t*)(buf + qbytes + j.M * t->blocks * sizeof(float));
+  j.xs = (const float*)(buf + qbytes + bbytes);
+  j.xsum = (const int32_t*)(buf + qbytes + bbytes + j.M * t->blocks * sizeof(float));
   quantize_rows(t, x, j.M, (int8_t*)j.xq, (float*)j.xs, (int32_t*)j.xsum);
   memset((int8_t*)j.xq + j.M * t->Kq, 0, (rows - j.M) * t->Kq);
+  if (j.amx_rows) { /* block-major for AMX: one block's rows are one contiguous run (an A tile is
+                       R x bs bytes in a row instead of R rows Kq bytes apart) */
+    int8_t* xqb = (int8_t*)buf + qbytes;
+    for (size_t g = 0; g < t->blocks; g++)
+      for (size_t r = 0; r < rows; r++) memcpy(xqb + (g * rows + r) * t->bs, j.xq + r * t->Kq + g * t->bs, t->bs);
+    j.xqb = xqb;
+    j.xrows = rows;
+  }
   /* Tasks of >= ~64K multiply-adds, in whole panels (as MeshLinear). */
   size_t tasks = (size_t)((double)j.M * (double)t->N * (double)t->K / 65536.0);
   if (tasks < 1) tasks = 1;
