@@ -35,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 /* ---- the slice of the ONNX Runtime C API this op uses (slots of struct OrtApi) ---- */
 
@@ -572,6 +573,9 @@ typedef struct {
   const int32_t* xsum; /* [M, blocks] sums of the quantised activations (for the zero points) */
   float* y;            /* [M, N] */
   size_t M, panels_per_task;
+  size_t amx_rows; /* > 0: the AMX path, this many token rows per tile pass (see below) */
+  const int8_t* xqb; /* AMX: the quantised activations block-major, [blocks][xrows][bs] */
+  size_t xrows;      /* AMX: rows padded to whole passes */
 } QJob;
 
 /* Round to nearest even for |v| < 2^22 (the FPU's default mode), without libm. */
@@ -591,18 +595,36 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
         const float* v = xr + kx + k0;
         int8_t* q = qr + k0;
         float amax = 0.0f;
+        int32_t sum = 0;
+#if HAVE_VNNI /* the same values 16 at a time (cvtps rounds to nearest even, as round_even) */
+        const __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1);
+        __m512 vmax = _mm512_setzero_ps();
+        for (size_t i = 0; i < len; i += 16)
+          vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(i + 16 <= len ? 0xFFFF : tail, v + i)), vmax);
+        amax = _mm512_reduce_max_ps(vmax);
+        const __m512 inv = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        __m512i vsum = _mm512_setzero_si512();
+        size_t i = 0;
+        for (; i < len; i += 16) {
+          const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(i + 16 <= len ? 0xFFFF : tail, v + i), inv));
+          _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(c));
+          vsum = _mm512_add_epi32(vsum, c);
+        }
+        sum = _mm512_reduce_add_epi32(vsum);
+        memset(q + i, 0, t->bs - i);
+#else
         for (size_t i = 0; i < len; i++) {
           const float a = v[i] < 0 ? -v[i] : v[i];
           amax = a > amax ? a : amax;
         }
         const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
         for (size_t i = 0; i < len; i++) {
           const int32_t c = (int32_t)round_even(v[i] * inv);
           q[i] = (int8_t)c;
           sum += c;
         }
         memset(q + len, 0, t->bs - len);
+#endif
         xs[m * t->blocks + blk] = amax / 127.0f;
         xsum[m * t->blocks + blk] = sum;
       }
@@ -738,6 +760,295 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
   }
 }
 
+/* ---- MeshLinearQ's AMX path: passes of many token rows (speculative verification, prefill) ----
+ *
+ * Why: the VNNI loop above reads a panel's codes once per QMAXR rows and spends one dpbusd per
+ * 16 columns x 4 k x row, so a 9-row verification pass costs ~9x the integer work of a decode step
+ * (compute-bound, although the weights are read about once).  AMX-INT8 (Sapphire Rapids and
+ * later) multiplies a [rows <= 16, 64 k] int8 tile by a [64 k, 16 columns] tile in one TDPB*D
+ * instruction, so the same integer dot products cost a small fraction of that.  What a pass
+ * still pays per block and row (storing the dots from the tiles, scaling them to float, the int4
+ * unpack) is vector work, as on the VNNI path.
+ *
+ * When: M >= amx_min_rows (default AMX_MIN_ROWS: measured on a 896 x 4864 linear, AMX is as fast
+ * as VNNI at 3 rows and faster from 4, 1.6x at 9 rows with int4 weights streamed from DRAM;
+ * $SPARK_LSP_AMX_MIN_ROWS overrides it,
+ * $SPARK_LSP_AMX=0 turns the path off so the VNNI one runs at every M), the library was built
+ * with AMX (-march=native on such a CPU) and the CPU and kernel allow it: cpuid leaf 7 has
+ * AMX-TILE and AMX-INT8, and Linux grants the process the tile data state (one
+ * arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) per process).  Otherwise: the VNNI path.
+ *
+ * Layout (no repacking: the op reads the same initializers):
+ *   tiles 0-3  C, int32 [R rows, 16 columns]: the panel's 4 column groups for R token rows
+ *   tiles 4-5  A, int8  [R rows, kc k]: the quantised activations, copied block-major once per call
+ *              ([blocks][rows][bs]: a tile's rows are bs bytes apart, one contiguous run), the two
+ *              taking turns along k (AMX does not rename tiles: reloading the one the previous
+ *              products still read would wait for them)
+ *   tiles 6-7  B, [kc/4 rows, 64 bytes]: 4 consecutive k of 16 columns per row, the VNNI order
+ *              the weights are already stored in: 16 columns of one 256-byte code group are 64
+ *              bytes, so column group c is read in place at offset 64c with a 256-byte stride.
+ *              int4 codes are first unpacked per block into a scratch block in the int8 order
+ *              (low nibbles: k 0..3, high: k 4..7), with the block's zero point subtracted
+ *              (code - zp is in [-15, 15], so TDPBSSD, signed x signed, and no correction);
+ *              int8 codes are used as they are (TDPBSUD, signed activations x unsigned codes)
+ *              and the zero point is corrected after the block, -zp * sum(a), as on the VNNI path.
+ * R = M when M <= 16, else 16 (the activation rows are zero-padded to whole passes); kc = the
+ * largest of 64, 32, 16 that divides the block size.
+ * Numerics: per (row, block, column) the same exact int32 dot product as the VNNI path, then the
+ * same float operations in the same order (part += float(dot) * (scale * x_scale), blocks in
+ * order, lines reduced in chain order), so both paths give bit-identical outputs; a row's result
+ * still does not depend on the other rows.
+ */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 4
+#endif
+#if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HAVE_AMX 0
+#endif
+
+static int amx_usable;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void) {
+#if HAVE_AMX
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return;
+  amx_usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+}
+
+/* Whether the AMX path can run in this process (asks Linux for the tile state on first call). */
+__attribute__((visibility("default"))) int spark_mesh_amx(void) {
+  pthread_once(&amx_once, amx_probe);
+  return amx_usable;
+}
+
+/* AMX tasks run so far in this process (a diagnostic: tests check which path ran). */
+static unsigned long amx_tasks;
+__attribute__((visibility("default"))) unsigned long spark_mesh_amx_tasks(void) {
+  return __atomic_load_n(&amx_tasks, __ATOMIC_RELAXED);
+}
+
+/* Token rows from which MeshLinearQ takes the AMX path in sessions created now (0: never). */
+static size_t amx_min_rows(void) {
+  const char* off = getenv("SPARK_LSP_AMX");
+  if (off && (!strcmp(off, "0") || !strcasecmp(off, "off") || !strcasecmp(off, "false") || !strcasecmp(off, "no")))
+    return 0;
+  if (!spark_mesh_amx()) return 0;
+  const char* rows = getenv("SPARK_LSP_AMX_MIN_ROWS");
+  const long v = rows && *rows ? strtol(rows, NULL, 10) : AMX_MIN_ROWS;
+  return v < 1 ? 1 : (size_t)v;
+}
+
+#if HAVE_AMX
+typedef struct __attribute__((aligned(64))) {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+/* kc more k of every column group into C tiles 0-3: the activations in tile TA (4 or 5, taking
+   turns so a load need not wait for the previous step's products), the codes' column groups in
+   tiles 6 and 7 (taking turns likewise; tiles are not renamed, so reusing one stalls). */
+#define AMX_STEP(TA, DP, kk)                  \
+  do {                                        \
+    const uint8_t* bk = bw + ((kk) / 4) * 256; \
+    _tile_loadd(TA, a + (kk), bs);            \
+    _tile_loadd(6, bk, 256);                  \
+    DP(0, TA, 6);                             \
+    _tile_loadd(7, bk + 64, 256);             \
+    DP(1, TA, 7);                             \
+    _tile_loadd(6, bk + 128, 256);            \
+    DP(2, TA, 6);                             \
+    _tile_loadd(7, bk + 192, 256);            \
+    DP(3, TA, 7);                             \
+  } while (0)
+
+/* int4: block b's codes minus their zero points, as int8 in the 4-k order B tiles read
+   ([bs / 4, 256]: row 2g holds k 8g..8g+3 of the 64 columns, row 2g+1 k 8g+4..8g+7). */
+static inline void amx_unpack4(const uint8_t* codes, const uint8_t* zp, size_t bs, uint8_t* out) {
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  __m512i zx[4];
+  for (int c = 0; c < 4; c++) /* column c's zero point in each of its 4 bytes */
+    zx[c] = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + 16 * c))),
+                               _mm512_set1_epi32(0x01010101));
+  for (size_t g = 0; g < bs / 8; g++, codes += 256, out += 512)
+    for (int c = 0; c < 4; c++) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+      _mm512_store_si512(out + 64 * c, _mm512_sub_epi8(_mm512_and_si512(v, lo_mask), zx[c]));
+      _mm512_store_si512(out + 256 + 64 * c, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask), zx[c]));
+    }
+}
+
+/* Rows [m0, m1) of one block's int32 dot products (dots: [R, 64], row m0 first) into the line's
+   float partial products: part += float(dot - zp * sum(a)) * (scale * x_scale), the VNNI path's
+   arithmetic (int4: the zero point is already in the dots). */
+static inline void amx_scale(const QJob* j, const int32_t* dots, const float* sc, const uint8_t* zp, size_t blk,
+                             size_t m0, size_t m1, float* part) {
+  const QTiles* t = j->t;
+  __m512i z[4];
+  __m512 s[4];
+  for (int c = 0; c < 4; c++) {
+    z[c] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + 16 * c)));
+    s[c] = _mm512_loadu_ps(sc + 16 * c);
+  }
+  for (size_t m = m0; m < m1; m++, dots += NR) {
+    const __m512 xs = _mm512_set1_ps(j->xs[m * t->blocks + blk]);
+    const __m512i nx = _mm512_set1_epi32(-j->xsum[m * t->blocks + blk]);
+    float* pr = part + m * NR;
+    for (int c = 0; c < 4; c++) {
+      __m512i acc = _mm512_load_si512(dots + 16 * c);
+      if (t->bits == 8) acc = _mm512_add_epi32(_mm512_mullo_epi32(z[c], nx), acc);
+      _mm512_store_ps(pr + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(s[c], xs),
+                                                   _mm512_load_ps(pr + 16 * c)));
+    }
+  }
+}
+
+/* Ask for block b of a line's panel (codes cb bytes, its 64 scales and zero points) into L1, if
+   the line has that block. */
+static inline void prefetch_block(const uint8_t* codes, const float* sc, const uint8_t* zp, size_t b, size_t nb,
+                                  size_t cb) {
+  if (b >= nb) return;
+  const char* pc = (const char*)codes + b * cb;
+  for (size_t o = 0; o < cb; o += 64) _mm_prefetch(pc + o, _MM_HINT_T0);
+  for (size_t o = 0; o < NR * sizeof(float); o += 64) _mm_prefetch((const char*)(sc + b * NR) + o, _MM_HINT_T0);
+  _mm_prefetch((const char*)(zp + b * NR), _MM_HINT_T0);
+}
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* how far ahead of the codes being read to prefetch (measured: 2-8 KB) */
+#endif
+
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 2 /* int4 blocks unpacked ahead of the one the tiles read */
+#endif
+#ifndef AMX_LAG
+#define AMX_LAG 2 /* units (block, pass) whose dots wait in memory before they are scaled */
+#endif
+#define AMX_RING 4 /* buffers of unpacked blocks and of dots: > AMX_AHEAD and > AMX_LAG */
+
+/* One task of the AMX path: a run of panels for every token row (layout and numerics above).
+   Software-pipelined, since tiles are not renamed and each block's products must leave the C
+   tiles before the next block's start: while a unit's tile products run, the vector units unpack
+   the int4 block AMX_AHEAD ahead and scale the dots of the unit AMX_LAG behind (rings of
+   AMX_RING buffers), and the codes are prefetched PREFETCH_BYTES ahead. */
+static void qtask_amx(void* data, size_t i) {
+  const QJob* j = (const QJob*)data;
+  const QTiles* t = j->t;
+  const size_t q0 = i * j->panels_per_task;
+  const size_t q1 = q0 + j->panels_per_task < t->panels ? q0 + j->panels_per_task : t->panels;
+  const size_t R = j->amx_rows, passes = (j->M + R - 1) / R, bs = t->bs;
+  const size_t kc = bs % 64 == 0 ? 64 : bs % 32 == 0 ? 32 : 16;
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int u = 0; u < 4; u++) cfg.rows[u] = (uint8_t)R, cfg.colsb[u] = 64;
+  for (int u = 4; u < 6; u++) cfg.rows[u] = (uint8_t)R, cfg.colsb[u] = (uint16_t)kc;
+  for (int u = 6; u < 8; u++) cfg.rows[u] = (uint8_t)(kc / 4), cfg.colsb[u] = 64;
+  float* part = NULL;       /* [M, 64]: one line's partial products for every row */
+  uint8_t* unpacked = NULL; /* int4: AMX_RING blocks of codes as int8, [AMX_RING][bs / 4, 256] */
+  if (posix_memalign((void**)&part, 64, j->M * NR * sizeof(float)) ||
+      (t->bits == 4 && posix_memalign((void**)&unpacked, 64, AMX_RING * bs * NR))) {
+    free(part); /* out of memory: the VNNI path needs no buffers */
+    for (size_t q = q0; q < q1; q++) {
+      size_t m = 0;
+      for (; m + QMAXR <= j->M; m += QMAXR) qpanel(j, m, q, QMAXR);
+      for (; m < j->M; m++) qpanel(j, m, q, 1);
+    }
+    return;
+  }
+  int32_t dots[AMX_RING][16 * NR] __attribute__((aligned(64)));
+  __atomic_fetch_add(&amx_tasks, 1, __ATOMIC_RELAXED);
+  _tile_loadconfig(&cfg);
+  for (size_t q = q0; q < q1; q++) {
+    const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR;
+    size_t blk = 0;
+    for (size_t p = 0; p < t->lines; p++) {
+      const size_t nb = t->nb[p];
+      const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
+      const float* sc = t->scales[p] + q * nb * NR;
+      const uint8_t* zp = t->zp[p] + q * nb * NR;
+      const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = PREFETCH_BYTES / cb ? PREFETCH_BYTES / cb : 1;
+      memset(part, 0, j->M * NR * sizeof(float));
+      for (size_t b = 0; b < AMX_AHEAD && b < nb && t->bits == 4; b++)
+        amx_unpack4(w + b * (bs / 8) * 256, zp + b * NR, bs, unpacked + (b % AMX_RING) * bs * NR);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const size_t units = nb * passes; /* unit u: block u / passes, rows of pass u % passes */
+      for (size_t u = 0; u < units + AMX_LAG; u++) {
+        if (u < units) {
+          const size_t b = u / passes, pass = u % passes;
+          const uint8_t* bw = t->bits == 4 ? unpacked + (b % AMX_RING) * bs * NR : w + b * (bs / 4) * 256;
+          const int8_t* a = j->xqb + ((blk + b) * j->xrows + pass * R) * bs;
+          size_t kk = 0;
+          if (pass == 0) /* from DRAM: fetch a block a few KB ahead (hardware prefetchers stop at pages) */
+            prefetch_block(w, sc, zp, b + pf_ahead, nb, cb);
+          if (t->bits == 4) {
+            for (; kk + 2 * kc <= bs; kk += 2 * kc) {
+              AMX_STEP(4, _tile_dpbssd, kk);
+              AMX_STEP(5, _tile_dpbssd, kk + kc);
+            }
+            if (kk < bs) AMX_STEP(4, _tile_dpbssd, kk);
+            const size_t ahead = b + AMX_AHEAD;
+            if (pass == 0 && ahead < nb)
+              amx_unpack4(w + ahead * (bs / 8) * 256, zp + ahead * NR, bs, unpacked + (ahead % AMX_RING) * bs * NR);
+          } else {
+            for (; kk + 2 * kc <= bs; kk += 2 * kc) {
+              AMX_STEP(4, _tile_dpbsud, kk);
+              AMX_STEP(5, _tile_dpbsud, kk + kc);
+            }
+            if (kk < bs) AMX_STEP(4, _tile_dpbsud, kk);
+          }
+        }
+        if (u >= AMX_LAG) { /* an earlier unit's dots, while this one's products run */
+          const size_t v = u - AMX_LAG, b = v / passes, m0 = (v % passes) * R, m1 = m0 + R < j->M ? m0 + R : j->M;
+          amx_scale(j, dots[v % AMX_RING], sc + b * NR, zp + b * NR, blk + b, m0, m1, part);
+        }
+        if (u < units) {
+          int32_t* d = dots[u % AMX_RING];
+          _tile_stored(0, d, NR * sizeof(int32_t));
+          _tile_stored(1, d + 16, NR * sizeof(int32_t));
+          _tile_stored(2, d + 32, NR * sizeof(int32_t));
+          _tile_stored(3, d + 48, NR * sizeof(int32_t));
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+      }
+      /* the chain reduction into y, as the VNNI path (the same float adds) */
+      const float* bias = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
+      const __mmask16 keep[4] = {(__mmask16)(nc >= 16 ? 0xFFFF : (1u << nc) - 1),
+                                 (__mmask16)(nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (1u << (nc - 16)) - 1),
+                                 (__mmask16)(nc >= 48 ? 0xFFFF : nc <= 32 ? 0 : (1u << (nc - 32)) - 1),
+                                 (__mmask16)(nc >= 64 ? 0xFFFF : nc <= 48 ? 0 : (1u << (nc - 48)) - 1)};
+      for (size_t m = 0; m < j->M; m++) {
+        float* yr = j->y + m * t->N + n0;
+        const float* pr = part + m * NR;
+        for (int c = 0; c < 4; c++) {
+          __m512 v = _mm512_load_ps(pr + 16 * c);
+          if (p) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep[c], yr + 16 * c), v);
+          if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep[c], bias + 16 * c));
+          _mm512_mask_storeu_ps(yr + 16 * c, keep[c], v);
+        }
+      }
+      blk += nb;
+    }
+  }
+  _tile_release();
+  free(part);
+  free(unpacked);
+}
+#endif
+
 static void qtask(void* data, size_t i) {
   const QJob* j = (const QJob*)data;
   const size_t q0 = i * j->panels_per_task;
@@ -808,10 +1119,11 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
 typedef struct {
   int bits;
   size_t bs;
-  QTiles tiles; /* resolved at load time when every weight input is a constant initializer */
+  size_t amx_min_rows; /* token rows from which the AMX path runs (0: never), fixed when the session loads */
+  QTiles tiles;        /* resolved at load time when every weight input is a constant initializer */
 } QKernel;
 
-static OrtStatus* qrun(const QTiles* t, OrtKernelContext* ctx, const OrtValue* xv) {
+static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, const OrtValue* xv) {
   int type = 0;
   size_t rank = 0;
   int64_t dims[8];
@@ -829,26 +1141,49 @@ static OrtStatus* qrun(const QTiles* t, OrtKernelContext* ctx, const OrtValue* x
   TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
   if (j.M == 0) return NULL;
+  /* AMX passes of R rows: the activation rows are zero-padded to whole passes */
+  size_t rows = j.M;
+#if HAVE_AMX
+  if (amx_min && j.M >= amx_min) {
+    j.amx_rows = j.M <= 16 ? j.M : 16;
+    rows = (j.M + j.amx_rows - 1) / j.amx_rows * j.amx_rows;
+  }
+#else
+  (void)amx_min;
+#endif
   /* one allocation: quantised activations (64-byte aligned rows of Kq), then scales and sums */
-  const size_t qbytes = (j.M * t->Kq + 63) & ~(size_t)63;
+  const size_t qbytes = (rows * t->Kq + 63) & ~(size_t)63, bbytes = j.amx_rows ? qbytes : 0;
   char* buf = NULL;
-  if (posix_memalign((void**)&buf, 64, qbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
+  if (posix_memalign((void**)&buf, 64, qbytes + bbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
     return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
   j.xq = (const int8_t*)buf;
-  j.xs = (const float*)(buf + qbytes);
-  j.xsum = (const int32_t*)(buf + qbytes + j.M * t->blocks * sizeof(float));
+  j.xs = (const float*)(buf + qbytes + bbytes);
+  j.xsum = (const int32_t*)(buf + qbytes + bbytes + j.M * t->blocks * sizeof(float));
   quantize_rows(t, x, j.M, (int8_t*)j.xq, (float*)j.xs, (int32_t*)j.xsum);
+  memset((int8_t*)j.xq + j.M * t->Kq, 0, (rows - j.M) * t->Kq);
+  if (j.amx_rows) { /* block-major for AMX: one block's rows are one contiguous run (an A tile is
+                       R x bs bytes in a row instead of R rows Kq bytes apart) */
+    int8_t* xqb = (int8_t*)buf + qbytes;
+    for (size_t g = 0; g < t->blocks; g++)
+      for (size_t r = 0; r < rows; r++) memcpy(xqb + (g * rows + r) * t->bs, j.xq + r * t->Kq + g * t->bs, t->bs);
+    j.xqb = xqb;
+    j.xrows = rows;
+  }
   /* Tasks of >= ~64K multiply-adds, in whole panels (as MeshLinear). */
   size_t tasks = (size_t)((double)j.M * (double)t->N * (double)t->K / 65536.0);
   if (tasks < 1) tasks = 1;
   if (tasks > t->panels) tasks = t->panels;
   j.panels_per_task = (t->panels + tasks - 1) / tasks;
   tasks = (t->panels + j.panels_per_task - 1) / j.panels_per_task;
+  void (*fn)(void*, size_t) = qtask;
+#if HAVE_AMX
+  if (j.amx_rows) fn = qtask_amx;
+#endif
   OrtStatus* s = NULL;
   if (tasks == 1)
-    qtask(&j, 0);
+    fn(&j, 0);
   else
-    s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, qtask, tasks, 0, &j);
+    s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
   free(buf);
   return s;
 }
@@ -859,7 +1194,7 @@ static OrtStatus* qcompute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* x = NULL;
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
-  if (k->tiles.lines) return qrun(&k->tiles, ctx, x);
+  if (k->tiles.lines) return qrun(&k->tiles, k->amx_min_rows, ctx, x);
   /* weights fed at run time (not initializers): check and resolve them for this call */
   const OrtValue* vals[2 + 3 * MAX_LINES];
   if (n_in < 2 || n_in - 1 > 2 + 3 * MAX_LINES)
@@ -868,7 +1203,7 @@ static OrtStatus* qcompute(void* kernel, OrtKernelContext* ctx) {
   for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   QTiles t;
   TRY(resolve_qtiles(vals, n_in - 1, k->bits, k->bs, &t));
-  return qrun(&t, ctx, x);
+  return qrun(&t, k->amx_min_rows, ctx, x);
 }
 
 static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
@@ -887,6 +1222,7 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
   k->bits = (int)bits;
   k->bs = (size_t)bs;
+  k->amx_min_rows = amx_min_rows();
   const OrtValue* vals[2 + 3 * MAX_LINES];
   int all_constant = 1;
   for (size_t i = 1; i < n_in && all_constant; i++) {

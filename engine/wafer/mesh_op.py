@@ -16,6 +16,11 @@ models; see docs/wafer.md).  The quantised op is self-tested on its own: where o
 :func:`quantized` is ``False`` (reason in :func:`why_not_quantized`) and quantised engines use
 the fused ``MatMulNBits`` form.
 
+``MeshLinearQ`` runs passes of several token rows (speculative verification, prefill) on AMX-INT8
+tiles where the CPU and kernel allow it (:func:`amx`), bit-identical to its VNNI path;
+``SPARK_LSP_AMX=0`` keeps sessions created while it is set on the VNNI path and
+``SPARK_LSP_AMX_MIN_ROWS`` moves the row count from which AMX runs (docs/wafer.md).
+
 :func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
 layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
 ``mesh_op.c``), so a session maps the graph's initializers and keeps no second copy;
@@ -25,6 +30,7 @@ tests compare against it).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -242,12 +248,16 @@ def _self_test_quantized(path: str) -> None:
                     k,
                 )
             )
-        x = rng.standard_normal((5, 77)).astype(np.float32)
-        y = _run_quantized(path, x, lines, bits, 16)
-        want = reference_quantized(x, lines, 16)
-        err = float(np.abs(y - want).max() / max(1e-6, float(np.abs(want).max())))
-        if not err < 1e-5:
-            raise RuntimeError(f"self-test ({bits} bits): relative error {err:g} against numpy")
+        # 3 rows: the VNNI path; 19: the AMX one where the CPU has it (one full pass + 3 rows)
+        x = rng.standard_normal((19, 77)).astype(np.float32)
+        for rows in (3, 19):
+            y = _run_quantized(path, x[:rows], lines, bits, 16)
+            want = reference_quantized(x[:rows], lines, 16)
+            err = float(np.abs(y - want).max() / max(1e-6, float(np.abs(want).max())))
+            if not err < 1e-5:
+                raise RuntimeError(
+                    f"self-test ({bits} bits, {rows} rows): relative error {err:g} against numpy"
+                )
 
 
 def _run_quantized(path: str, x: np.ndarray, lines, bits: int, block: int) -> np.ndarray:
@@ -354,6 +364,36 @@ def why_not_quantized() -> str | None:
     """Why :func:`quantized` is ``False`` (``None`` if it is not)."""
     library()
     return _state.get("q_reason")  # type: ignore[return-value]
+
+
+def _native():
+    """The op library loaded with ctypes (the same copy ONNX Runtime loads), or ``None``."""
+    path = library()
+    if path is None:
+        return None
+    with _lock:
+        if "cdll" not in _state:
+            _state["cdll"] = ctypes.CDLL(path)
+        return _state["cdll"]
+
+
+def amx() -> bool:
+    """Whether ``MeshLinearQ`` can run passes of many token rows on AMX-INT8 tiles here: the
+    library was built with AMX (``-march=native`` on such a CPU), cpuid reports AMX-TILE and
+    AMX-INT8, and Linux granted this process the tile state.  ``SPARK_LSP_AMX=0`` keeps sessions
+    created while it is set on the VNNI path, whatever this says."""
+    lib = _native()
+    return bool(lib is not None and lib.spark_mesh_amx())
+
+
+def amx_tasks() -> int:
+    """How many tasks ``MeshLinearQ`` has run on the AMX path in this process (tests use it to
+    tell which path ran: both give the same results)."""
+    lib = _native()
+    if lib is None:
+        return 0
+    lib.spark_mesh_amx_tasks.restype = ctypes.c_ulong
+    return int(lib.spark_mesh_amx_tasks())
 
 
 def reset() -> None:

@@ -1,6 +1,7 @@
 """The MeshLinearQ op (engine/wafer/mesh_op.c): int8 / int4 partitioned linears against numpy for
-every row/column blocking path, rows independent of the batch, weights fed at run time, clear
-errors, thread counts, the quantised emitter on a grid, and the fallbacks to fused MatMulNBits."""
+every row/column blocking path, on both the VNNI and the AMX path (bit-identical to each other),
+rows independent of the batch, weights fed at run time, clear errors, thread counts, the quantised
+emitter on a grid, and the fallbacks to fused MatMulNBits."""
 
 from __future__ import annotations
 
@@ -16,6 +17,31 @@ from engine.quant import QuantLinear, quantize_blockwise, unpack_codes
 from engine.runtime import session_options
 from engine.wafer import mesh_op
 from engine.wafer.partition import TiledLinear
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_int8" in flags and "amx_tile" in flags
+
+
+@pytest.fixture(params=["vnni", "amx"])
+def kernel_path(request, monkeypatch):
+    """Sessions made in the test take this MeshLinearQ path at every row count: the VNNI loop
+    (``SPARK_LSP_AMX=0``) or AMX tiles (``SPARK_LSP_AMX_MIN_ROWS=1``; skipped on a CPU without
+    AMX-INT8, but on one with it the path must be usable)."""
+    if request.param == "vnni":
+        monkeypatch.setenv("SPARK_LSP_AMX", "0")
+    else:
+        if not _cpu_has_amx():
+            pytest.skip("this CPU has no AMX-INT8")
+        assert mesh_op.amx(), "the CPU has AMX-INT8 but MeshLinearQ cannot use it"
+        monkeypatch.delenv("SPARK_LSP_AMX", raising=False)
+        monkeypatch.setenv("SPARK_LSP_AMX_MIN_ROWS", "1")
+    return request.param
 
 
 def _lines(k_sizes, N, bits, block, rng):
@@ -107,18 +133,70 @@ def _op_built():
         ([1, 1], 1),
     ],
 )
-def test_matches_numpy(bits, block, T, k_sizes, N):
+def test_matches_numpy(bits, block, T, k_sizes, N, kernel_path):
     rng = np.random.default_rng(T + N)
     lines = _lines(k_sizes, N, bits, block, rng)
     sess, _ = _session(lines, bits, block)
     x = rng.standard_normal((T, sum(k_sizes))).astype(np.float32)
     x[0, :3] = 0.0  # an all-zero block in some lines: scale 0, codes 0
+    before = mesh_op.amx_tasks()
     _close(sess.run(None, {"x": x})[0], mesh_op.reference_quantized(x, lines, block))
+    assert (mesh_op.amx_tasks() > before) == (kernel_path == "amx")
+
+
+@pytest.mark.parametrize("bits,block", [(8, 128), (8, 64), (8, 16), (4, 32), (4, 128), (4, 48)])
+@pytest.mark.parametrize("T", [2, 4, 9, 16, 17, 33, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_and_vnni_paths_are_bit_identical(bits, block, T, threads, monkeypatch):
+    """The same exact integer dot products, scaled and summed in the same order: the AMX path
+    gives the VNNI path's outputs bit for bit (ragged columns, uneven lines, a bias, passes of
+    16 rows and a remainder), so a verification pass matches single steps whichever path runs."""
+    if not _cpu_has_amx():
+        pytest.skip("this CPU has no AMX-INT8")
+    rng = np.random.default_rng(T * block + bits)
+    lines = _lines([3 * block - 5, 2 * block, block + 1], 200, bits, block, rng)
+    bias = rng.standard_normal(200).astype(np.float32)
+    x = rng.standard_normal((T, 6 * block - 4)).astype(np.float32)
+    x *= rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
+    monkeypatch.setenv("SPARK_LSP_AMX", "0")
+    vnni, _ = _session(lines, bits, block, threads=threads, bias=bias)
+    monkeypatch.delenv("SPARK_LSP_AMX")
+    monkeypatch.setenv("SPARK_LSP_AMX_MIN_ROWS", "1")
+    amx, _ = _session(lines, bits, block, threads=threads, bias=bias)
+    before = mesh_op.amx_tasks()
+    want = vnni.run(None, {"x": x})[0]
+    assert mesh_op.amx_tasks() == before
+    got = amx.run(None, {"x": x})[0]
+    assert mesh_op.amx_tasks() > before
+    np.testing.assert_array_equal(got, want)
+
+
+def test_amx_takes_passes_from_the_default_row_count(monkeypatch):
+    """By default a decode step (one row) stays on the VNNI path and a verification pass (9 rows)
+    takes AMX where the CPU has it; SPARK_LSP_AMX=0 turns AMX off for sessions made after."""
+    monkeypatch.delenv("SPARK_LSP_AMX", raising=False)
+    monkeypatch.delenv("SPARK_LSP_AMX_MIN_ROWS", raising=False)
+    rng = np.random.default_rng(12)
+    lines = _lines([64, 64], 130, 4, 32, rng)
+    x = rng.standard_normal((9, 128)).astype(np.float32)
+    sess, _ = _session(lines, 4, 32)
+    before = mesh_op.amx_tasks()
+    sess.run(None, {"x": x[:1]})
+    assert mesh_op.amx_tasks() == before
+    sess.run(None, {"x": x})
+    assert (mesh_op.amx_tasks() > before) == mesh_op.amx()
+    assert mesh_op.amx() == _cpu_has_amx()
+    monkeypatch.setenv("SPARK_LSP_AMX", "off")
+    off, _ = _session(lines, 4, 32)
+    before = mesh_op.amx_tasks()
+    y = off.run(None, {"x": x})[0]
+    assert mesh_op.amx_tasks() == before
+    np.testing.assert_array_equal(y, sess.run(None, {"x": x})[0])
 
 
 @pytest.mark.parametrize("const", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_bias_is_added_after_the_reduction(bits, const):
+def test_bias_is_added_after_the_reduction(bits, const, kernel_path):
     """An optional last input: the op adds the bias after the chain, as an Add node would."""
     rng = np.random.default_rng(11)
     lines = _lines([40, 37], 70, bits, 16, rng)
@@ -144,7 +222,7 @@ def test_quantised_activations_are_what_the_reference_says():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_3d_input_and_threads(bits, threads):
+def test_3d_input_and_threads(bits, threads, kernel_path):
     """[1, T, K] activations (the decoder's form) and a linear big enough to be split into tasks."""
     rng = np.random.default_rng(1)
     lines = _lines([256, 256], 2000, bits, 32, rng)
@@ -156,7 +234,7 @@ def test_3d_input_and_threads(bits, threads):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_rows_do_not_depend_on_the_batch(bits):
+def test_rows_do_not_depend_on_the_batch(bits, kernel_path):
     """A batch of rows gives bit for bit the results of one row at a time (speculative
     verification relies on it)."""
     rng = np.random.default_rng(2)
