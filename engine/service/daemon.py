@@ -25,7 +25,7 @@ from . import rundir
 from .address import is_loopback
 from .launch import DaemonError, resolve_models
 from .local import LocalModels
-from .options import DEFAULT_SLOTS, SPINNING, add_arguments
+from .options import DEFAULT_SLOTS, DEFAULT_SPINNING, SPINNING, add_arguments
 from .server import EngineServer
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,12 @@ def load_engines(
     slots: int = DEFAULT_SLOTS,
     precision: str = "fp32",
     threads: int | None = None,
-    spinning: bool | None = False,
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
 ) -> list[Any]:
     """The daemon's engines. ``spinning`` defaults to off (the in-process engine's default is
-    auto): a daemon hands every token to its event loop and reads cancels there, and ONNX
-    Runtime threads that spin between steps hold the cores that loop needs on a small machine."""
+    auto): between two steps a generation's thread writes its token and the connection's thread
+    reads cancels, and ONNX Runtime threads that spin between steps hold the cores those threads
+    need on a small machine."""
     from ..engine import Engine  # lazily: ONNX Runtime loads only when a daemon really starts
 
     engines = []
