@@ -49,6 +49,9 @@ MAX_GENERATIONS = 32
 RECENT_IDS = 1024
 #: How often a generation waiting for a full socket looks at its cancel (ThreadConnection).
 WAIT_SLICE_S = 0.005
+#: A generation's tokens after its first are written at most this often (ThreadConnection): the
+#: ones made in between go in its next ``tokens`` message (or with its ``done``).
+COALESCE_S = 0.004
 
 
 class Run:
@@ -418,6 +421,7 @@ class ThreadConnection(Session):
         self._send = send
         self._sock = sock
         self.dead = False  # a write failed: the client is gone
+        self._held: dict[str, list[Any]] = {}  # generation id -> tokens not written yet
 
     def handle(self, raw: str | bytes) -> None:
         self._message(raw)
@@ -433,15 +437,40 @@ class ThreadConnection(Session):
             log.debug("engine client %s: write failed: %s", self.peer, e)
             self._lost()
 
-    _reply = _write
-    _emit = _write
+    def _reply(self, msg: dict[str, Any]) -> None:
+        self._flush(msg.get("id"))
+        self._write(msg)
+
+    _emit = _reply
 
     def _tokens(self, run: Run, token_id: int, text: str) -> None:
-        self._write(P.tokens(run.id, text, [token_id]))
+        """A generation's first token leaves at once; later ones at most every COALESCE_S (a
+        write, and the client's wake-up to read it, per token would take the cores from the
+        engine on a small machine): those made in between wait for the next write, which the
+        generation's next token or its end makes."""
+        held = self._held.get(run.id)
+        if held is None:
+            held = self._held[run.id] = [None, "", []]  # last write, text, ids
+        held[1] += text
+        held[2].append(token_id)
+        now = time.monotonic()
+        if held[0] is None or now - held[0] >= COALESCE_S:
+            held[0] = now
+            self._write(P.tokens(run.id, held[1], held[2]))
+            held[1], held[2] = "", []
+
+    def _flush(self, gid: str | None) -> None:
+        """Write the tokens of ``gid`` that wait, before another message about it."""
+        held = self._held.get(gid) if gid is not None else None
+        if held is not None and held[2]:
+            self._write(P.tokens(gid, held[1], held[2]))
+            held[1], held[2] = "", []
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         with self.lock:
             fn(*args)
+            if fn == self._on_finish:
+                self._held.pop(args[0].id, None)  # its `done` flushed what was held
             if not self.runs:
                 self._ended.notify_all()
 

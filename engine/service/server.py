@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from websockets.datastructures import Headers
-from websockets.frames import CONT, DATA_OPCODES, Frame
 from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, serve
 
 from . import protocol as P
 from .connection import MAX_GENERATIONS, ThreadConnection
+from .direct import DirectServerConnection
 
 log = logging.getLogger(__name__)
 
@@ -39,45 +39,6 @@ def bearer(headers: Headers) -> str | None:
     if scheme.lower() == "bearer" and value:
         return value.strip()
     return None
-
-
-class _Socket(ServerConnection):
-    """A server connection that hands each received message to ``on_message`` on the thread
-    that read it (``websockets`` would queue it for another thread's ``recv()``).  Messages that
-    arrive before ``attach`` are kept and handed over by it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._attach_lock = threading.Lock()
-        self._on_message: Any = None
-        self._early: list[bytes] = []
-        self._parts: list[bytes] = []  # the frames of a fragmented message so far
-        super().__init__(*args, **kwargs)
-
-    def attach(self, on_message: Any) -> None:
-        with self._attach_lock:
-            early, self._early = self._early, []
-            for raw in early:
-                on_message(raw)
-            self._on_message = on_message
-
-    def process_event(self, event: Any) -> None:
-        if self.request is None or not isinstance(event, Frame) or event.opcode not in DATA_OPCODES:
-            return super().process_event(event)  # the handshake, pings and pongs, close
-        if event.opcode is not CONT:
-            self._parts = []
-        self._parts.append(bytes(event.data))
-        if not event.fin:
-            return  # the protocol bounds a message's size over its frames (max_size)
-        raw = b"".join(self._parts)
-        self._parts = []
-        on_message = self._on_message
-        if on_message is None:
-            with self._attach_lock:
-                if self._on_message is None:
-                    self._early.append(raw)
-                    return
-                on_message = self._on_message
-        on_message(raw)
 
 
 class EngineServer:
@@ -121,7 +82,7 @@ class EngineServer:
             ping_interval=20,
             ping_timeout=60,
             close_timeout=2,
-            create_connection=_Socket,
+            create_connection=DirectServerConnection,
         )
         self.host, self.port = self._server.socket.getsockname()[:2]
         self._thread = threading.Thread(
@@ -145,7 +106,7 @@ class EngineServer:
             return conn.respond(http.HTTPStatus.UNAUTHORIZED, "a valid engine token is required\n")
         return None
 
-    def _handler(self, ws: _Socket) -> None:
+    def _handler(self, ws: DirectServerConnection) -> None:
         """One connection's life (on its own thread, which waits while the reading thread and
         the generations do the work)."""
         peer = _peer(ws)
