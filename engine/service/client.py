@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from websockets.sync.client import connect as sync_connect
 from ..params import GenerationParams
 from . import protocol as P
 from .direct import DirectClientConnection
+
+log = logging.getLogger(__name__)
 
 DISCONNECTED = "disconnected"
 
@@ -466,6 +469,17 @@ class SyncGeneration:
         self.stats: dict[str, Any] = {}
         self.error: dict[str, str] | None = None
         self.successor: SyncGeneration | None = None
+        self._callbacks: list[Callable[[], None]] | None = []  # None once it has ended
+        self._callbacks_lock = threading.Lock()
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the generation ends (now, if it has): on the client's reading
+        thread, or the thread that closes the client."""
+        with self._callbacks_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn()
 
     # -- fed by the client's reading thread ------------------------------------------------------
     def _push(self, text: str, ids: list[int]) -> None:
@@ -482,6 +496,13 @@ class SyncGeneration:
         self.error = error
         self.finish_reason = reason
         self._queue.put(None)
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a callback's failure must not stop the reading thread
+                log.exception("a generation's done callback failed")
 
     # -- the consumer's side ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[_Chunk]:
