@@ -718,7 +718,10 @@ class SyncEngineClient:
                 self.close_reason = reason
             reason = self.close_reason
         if not self._hello.done():
-            self._hello.set_exception(EngineUnavailable(reason))
+            try:
+                self._hello.set_exception(EngineUnavailable(reason))
+            except concurrent.futures.InvalidStateError:  # the reply came just now
+                pass
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
@@ -745,7 +748,10 @@ class SyncEngineClient:
             self.ws.close()
             return
         if not self._hello.done():
-            self._hello.set_result(msg)
+            try:
+                self._hello.set_result(msg)
+            except concurrent.futures.InvalidStateError:  # the connection was lost just now
+                pass
             return
         resend = None
         with self._lock:
