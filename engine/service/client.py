@@ -1,8 +1,9 @@
 """A client of the engine service: one WebSocket, many generations multiplexed on it.
 
-:class:`EngineClient` is the asyncio client.  :class:`SyncEngineClient` runs one in a background
-event loop for callers that live in threads (it returns :class:`SyncGeneration` objects that
-iterate, cancel and report like the in-process ``engine.Generation``).
+:class:`EngineClient` is the asyncio client.  :class:`SyncEngineClient` is the client of callers
+that live in threads (the language server's engine thread), with no event loop: the calling
+thread writes its requests, the socket's reading thread feeds its :class:`SyncGeneration`
+objects, which iterate, cancel and report like the in-process ``engine.Generation``.
 
 A lost connection ends every generation in flight with finish_reason ``error`` (error code
 ``disconnected``) and makes later calls raise :class:`EngineUnavailable`; reconnecting is the
