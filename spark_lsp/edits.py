@@ -240,6 +240,8 @@ class _Stream:
             "flushes": session.flushes,
             "complete": self.written_final,
             "steers": session.steers,  # the user's changes that steered the model
+            # why the user's typing stopped the edit instead of steering it, when it could not
+            "unsteerable": session.unsteerable if session.stopped_by_user else None,
         }
 
     async def _generate(self) -> str:

@@ -164,6 +164,7 @@ class LiveEdit:
         self.steering: Steering | None = None
         self.head = 0  # characters of fixed text starting the generated text (not steerable)
         self.steers = 0  # user changes that steered the generation
+        self.unsteerable: str | None = None  # why a change inside the output could not steer it
         self.stopped_by_user = False
         self.cancelled: str | None = None  # why the user cancelled the edit, once they did
         # cancelled when the user types or cancels: the parent of the edit's engine job
@@ -259,6 +260,7 @@ class LiveEdit:
             return False
         doc, shown, generated = self._confirmed
         if "\r" in generated or "\r" in doc_text:  # line breaks the editor converts: not mapped
+            self.unsteerable = "carriage return"
             return False
         e = minimal_edit(doc, doc_text)
         a = self.region_start
