@@ -436,9 +436,11 @@ def run_plan_steps(
     context_tokens: int,
     on_text: Callable[[str], None] | None = None,
     speculative: bool = False,
+    lead: str = "",
 ):
     """Generate the region's final text for plan `p` (engine thread, a step generator returning
-    (region text, stats))."""
+    (region text, stats)). `lead`: the output starts with this text (the user's, typed after an
+    earlier generation of the edit ended), and the model continues after it."""
     from .completions import control_ids, generate_steps
 
     healed = ""
@@ -491,7 +493,7 @@ def run_plan_steps(
         )
         return lead + raw, {**stats, "finish_reason": finish}
 
-    raw, stats = yield from attempt("")
+    raw, stats = yield from attempt(lead)
     if p.retry_lead and not raw.strip() and not steered():  # e.g. a docstring closed at once
         raw, stats = yield from attempt(p.retry_lead)
         region, reason = p.judge(raw)

@@ -5,8 +5,10 @@ keystroke); every keystroke builds the inline-completion prompt the server would
 builder, the document as slot) and asks for a greedy suggestion of `--max-tokens` tokens:
 
 - `inproc`: `engine.Engine` in this process (what `spark-lsp serve` does by default);
-- `ws`: the engine daemon (`engine.service`) over one persistent WebSocket, with the asyncio
-  client: after the first keystroke a request is a prompt delta against the previous one;
+- `ws`: the engine daemon (`engine.service`: its threaded server, where the thread reading the
+  socket takes each request and each generation writes its own tokens) over one persistent
+  WebSocket, with the asyncio client: after the first keystroke a request is a prompt delta
+  against the previous one;
 - `sse`: the same engine behind a plain HTTP endpoint (`engine.service.sse`), the
   request-per-generation baseline as a client without a connection pool does it: a new TCP
   connection, one HTTP/1.1 POST with the whole prompt as JSON token ids, the tokens streamed

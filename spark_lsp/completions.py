@@ -202,13 +202,20 @@ def generate_steps(
                 getattr(gen, "stop", gen.cancel)()
                 break
             yield
-        if job.cancelled or early:
+        abandon = getattr(gen, "abandon", None) if job.cancelled else None
+        if abandon is not None:
+            # a remote engine stops on its own: the next job need not wait for it; the cancel
+            # latency is timed when the engine says it stopped
+            job.stopping = True
+            abandon(job.mark_stopped)
+        elif job.cancelled or early:
             for _ in gen:  # drain: the engine finishes the cancelled step and releases itself
                 pass
     finally:
         if steer:
             steering.detach(gen)
-        job.mark_stopped()
+        if not job.stopping:
+            job.mark_stopped()
     job.check()
     finish = "stop" if early else str(getattr(gen, "finish_reason", ""))
     if finish == "cancelled":  # stopped by the engine, e.g. another generation took its KV slot

@@ -113,10 +113,12 @@ class Edits:
         on_text=None,
         parent: CancelToken | None = None,
         steering: Steering | None = None,
+        lead: str = "",
     ) -> tuple[str, dict]:
         """Generate the plan's region text on the engine thread; `on_text(raw)` sees the output
         so far (on the event loop); cancelling `parent` (a live edit's token) stops it;
-        `steering` takes the user's typing to the generation (a live edit's)."""
+        `steering` takes the user's typing to the generation (a live edit's); the output starts
+        with `lead` (run_plan_steps)."""
         st = self.state
         host, speculative = st.host, st.settings.speculative
         budget = prompt_budget(host.model, st.settings.context_tokens, p.max_tokens)
@@ -133,6 +135,7 @@ class Edits:
                 budget,
                 on_text=feed,
                 speculative=speculative,
+                lead=lead,
             )
 
         job = Job(
@@ -177,6 +180,10 @@ class Edits:
         """Feed a didChange to the live edit of `uri`; True if it was our own edit coming back."""
         session = self.state.live.get(uri)
         return session is not None and text is not None and session.on_did_change(text, version)
+
+
+#: Successors a live edit starts for typing that came after its generation ended.
+LATE_SUCCESSORS = 8
 
 
 class _Stream:
@@ -233,56 +240,76 @@ class _Stream:
             "flushes": session.flushes,
             "complete": self.written_final,
             "steers": session.steers,  # the user's changes that steered the model
+            # why the user's typing stopped the edit instead of steering it, when it could not
+            "unsteerable": session.unsteerable if session.stopped_by_user else None,
         }
 
     async def _generate(self) -> str:
         st, session = self.state, self.session
-        job = self.edits.job(
-            self.t.uri,
-            self.p,
-            on_text=self._on_text,
-            parent=session.token,
-            steering=session.steering,
-        )
-        task = asyncio.ensure_future(job)
-        while not task.done():
-            await asyncio.wait([task], timeout=self.interval)
-            if session.stopped:  # the user typed or cancelled (its token stopped the job)
+        lead = ""
+        for _ in range(LATE_SUCCESSORS + 1):
+            job = self.edits.job(
+                self.t.uri,
+                self.p,
+                on_text=self._on_text,
+                parent=session.token,
+                steering=session.steering,
+                **({"lead": lead} if lead else {}),
+            )
+            task = asyncio.ensure_future(job)
+            while not task.done():
+                await asyncio.wait([task], timeout=self.interval)
+                if session.stopped:  # the user typed or cancelled (its token stopped the job)
+                    break
+                live = self.interval is not None and self.latest is not None and not task.done()
+                steers = session.steers
+                if live and not await self._flush(self._shown_output(), False):
+                    if await self._steered_since(steers):
+                        continue  # refused because the user typed: the next flush follows them
+                    st.cancel(self.key, "edit rejected by the client")
+                    break
+            try:
+                region, stats = await task
+            except RequestCancelled as exc:
+                return "stopped by the user" if session.stopped_by_user else str(exc)
+            except Refused as exc:
+                # what was streamed is taken back (the document is left exactly as it was),
+                # unless the user steered it: what they typed stays
+                if not session.stopped and session.typed is None:
+                    await self._restore()
+                return str(exc)
+            typed = session.typed
+            head = self.p.head
+            # a cancel that came after the generation finished still keeps the final write
+            # from happening: what was streamed stays, as when the engine is stopped mid-stream
+            if session.cancelled is not None:
+                outcome = f"edit stopped: {session.cancelled}"
                 break
-            live = self.interval is not None and self.latest is not None and not task.done()
-            steers = session.steers
-            if live and not await self._flush(self._shown_output(), False):
-                if await self._steered_since(steers):
-                    continue  # refused because the user typed: the next flush follows them
-                st.cancel(self.key, "edit rejected by the client")
+            if typed is not None and not region.startswith(head + typed):
+                if session.steering.take_late():
+                    # the user typed after the generation ended, before its last output showed:
+                    # a successor continues after their text, as a steer would have
+                    lead = typed
+                    continue
+                outcome = "stopped by the user"  # the result would not keep what they typed
                 break
-        try:
-            region, stats = await task
-        except RequestCancelled as exc:
-            return "stopped by the user" if session.stopped_by_user else str(exc)
-        except Refused as exc:
-            # what was streamed is taken back (the document is left exactly as it was), unless
-            # the user steered it: what they typed stays
-            if not session.stopped and session.typed is None:
-                await self._restore()
-            return str(exc)
-        outcome = "done"
-        typed = session.typed
-        # a cancel that came after the generation finished still keeps the final write from
-        # happening: what was streamed stays, as when the engine is stopped mid-stream
-        if session.cancelled is not None:
-            outcome = f"edit stopped: {session.cancelled}"
-        elif typed is not None and not region.startswith(self.p.head + typed):
-            outcome = "stopped by the user"  # the result would not keep what they typed
-        elif not session.stopped_by_user:
+            if session.stopped_by_user:
+                outcome = "done"
+                break
             steers = session.steers
             self.written_final = await self._flush(region, final=True)
             if not self.written_final and await self._steered_since(steers):
                 # refused because the user typed just then: the result, if it keeps their text
                 typed = session.typed or ""
-                if region.startswith(self.p.head + typed):
+                if region.startswith(head + typed):
                     self.written_final = await self._flush(region, final=True)
+                elif session.steering.take_late():
+                    lead = typed  # else a successor after their text, as above
+                    continue
             outcome = "done" if self.written_final else "rejected"
+            break
+        else:
+            outcome = "stopped by the user"  # typing kept outrunning LATE_SUCCESSORS generations
         st.send_status(f"edit:{self.p.action}", stats)
         return outcome
 

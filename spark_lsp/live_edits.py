@@ -81,6 +81,8 @@ class Steering:
         self._gen: Any = None
         self._lead = ""
         self._next_lead = ""
+        self._ended = False  # a generation was attached and has ended
+        self._late = False  # typing came after the generation ended (see `send`)
         self.typed = ""  # the output as the user left it (empty: never steered)
 
     def starting(self, lead: str) -> Steering:
@@ -96,19 +98,35 @@ class Steering:
         with self._lock:
             if self._gen is gen:
                 self._gen = None
+                self._ended = True
 
     def send(self, typed: str) -> bool:
         """The output as the user now has it; False when that cannot steer the generation (none
-        is running, or the user changed text they typed before, or the lead)."""
+        has run yet, or the user changed text they typed before, or the lead).
+
+        Typing that comes after the generation ended (the editor shows its output later than
+        the engine makes it) is taken too: `take_late` then tells the live edit to start a
+        successor that continues after the typed text, as a steer of a running generation
+        would have."""
         with self._lock:
             gen, lead = self._gen, self._lead
-            if gen is None or not typed.startswith(self.typed) or not typed.startswith(lead):
+            if gen is None and not self._ended:
+                return False
+            if not typed.startswith(self.typed) or not typed.startswith(lead):
                 return False
             sent = max(len(self.typed), len(lead))
             self.typed = typed
-            if len(typed) > sent:
+            if gen is None:
+                self._late = True
+            elif len(typed) > sent:
                 gen.steer(typed[sent:])
             return True
+
+    def take_late(self) -> bool:
+        """Whether typing came after the generation ended (since the last call)."""
+        with self._lock:
+            late, self._late = self._late, False
+            return late
 
 
 class LiveEdit:
@@ -146,6 +164,7 @@ class LiveEdit:
         self.steering: Steering | None = None
         self.head = 0  # characters of fixed text starting the generated text (not steerable)
         self.steers = 0  # user changes that steered the generation
+        self.unsteerable: str | None = None  # why a change inside the output could not steer it
         self.stopped_by_user = False
         self.cancelled: str | None = None  # why the user cancelled the edit, once they did
         # cancelled when the user types or cancels: the parent of the edit's engine job
@@ -241,6 +260,7 @@ class LiveEdit:
             return False
         doc, shown, generated = self._confirmed
         if "\r" in generated or "\r" in doc_text:  # line breaks the editor converts: not mapped
+            self.unsteerable = "carriage return"
             return False
         e = minimal_edit(doc, doc_text)
         a = self.region_start

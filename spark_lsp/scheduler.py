@@ -56,6 +56,11 @@ class Job:
         self.t_start: float | None = None
         self.t_cancel: float | None = None
         self.t_stopped: float | None = None  # when the engine stopped after a cancel
+        # the generation stops on its own after a cancel (a remote engine): the job ends at
+        # once, and `t_stopped` is set when the engine says it stopped (`when_stopped`)
+        self.stopping = False
+        self._stopped_lock = threading.Lock()
+        self._on_stopped: Callable[[Job], None] | None = None
         self.token = parent.child() if parent is not None else CancelToken()
         self.token.on_cancel(self._cancelled_at)
         self.steering: Any = None  # a live edit's live_edits.Steering: the user's typing steers it
@@ -79,9 +84,23 @@ class Job:
         self.token.check()
 
     def mark_stopped(self) -> None:
-        """Called by the job when its generation has actually ended; times the cancel latency."""
-        if self.cancelled and self.t_stopped is None:
+        """Called by the job when its generation has actually ended (from any thread); times
+        the cancel latency."""
+        with self._stopped_lock:
+            if not self.cancelled or self.t_stopped is not None:
+                return
             self.t_stopped = time.perf_counter()
+            fn, self._on_stopped = self._on_stopped, None
+        if fn is not None:
+            fn(self)
+
+    def when_stopped(self, fn: Callable[[Job], None]) -> None:
+        """Run ``fn(job)`` once ``t_stopped`` is set (now, if it is)."""
+        with self._stopped_lock:
+            if self.t_stopped is None:
+                self._on_stopped = fn
+                return
+        fn(self)
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run fn(*args) on the event loop (from the engine thread)."""
@@ -170,14 +189,21 @@ class Scheduler:
         return not self._thread.is_alive()
 
     def _finish(self, job: Job, result: Any = None, error: BaseException | None = None) -> None:
-        # record before resolving, so whoever awaits the job sees its cancel latency
+        # record before resolving, so whoever awaits the job sees its cancel latency (a job
+        # whose remote engine stops on its own: when the engine says it has)
         if job.cancelled and job.t_cancel is not None:
-            job.mark_stopped()
-            self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
+            if job.stopping:
+                job.when_stopped(self._record_cancel)
+            else:
+                job.mark_stopped()
+                self._record_cancel(job)
         with self._cond:
             if self._active.get(job.key, (None,))[0] is job:
                 del self._active[job.key]
         job._resolve(result, error)
+
+    def _record_cancel(self, job: Job) -> None:
+        self.cancel_latencies_ms.append((job.t_stopped - job.t_cancel) * 1e3)
 
     def _step(self, job: Job, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """Run one piece of a job; (done, result). Errors finish the job."""

@@ -1,8 +1,9 @@
 """A client of the engine service: one WebSocket, many generations multiplexed on it.
 
-:class:`EngineClient` is the asyncio client.  :class:`SyncEngineClient` runs one in a background
-event loop for callers that live in threads (it returns :class:`SyncGeneration` objects that
-iterate, cancel and report like the in-process ``engine.Generation``).
+:class:`EngineClient` is the asyncio client.  :class:`SyncEngineClient` is the client of callers
+that live in threads (the language server's engine thread), with no event loop: the calling
+thread writes its requests, the socket's reading thread feeds its :class:`SyncGeneration`
+objects, which iterate, cancel and report like the in-process ``engine.Generation``.
 
 A lost connection ends every generation in flight with finish_reason ``error`` (error code
 ``disconnected``) and makes later calls raise :class:`EngineUnavailable`; reconnecting is the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 from collections import OrderedDict
@@ -29,9 +31,13 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from websockets.sync.client import connect as sync_connect
 
 from ..params import GenerationParams
 from . import protocol as P
+from .direct import DirectClientConnection
+
+log = logging.getLogger(__name__)
 
 DISCONNECTED = "disconnected"
 
@@ -133,6 +139,42 @@ class RemoteGeneration:
         self._done.set()
 
 
+class _PromptDeltas:
+    """Which prompt each slot last sent (the base of the next one's delta), and the whole
+    ``generate`` of each request sent as a delta until the server accepts it (``unknown_base``:
+    it is sent again whole).  ``slots``: how many slots' prompts the server keeps (0: none)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._bases: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # slot -> id, ids
+        self._whole: dict[str, dict[str, Any]] = {}  # id -> its generate with the whole prompt
+
+    def wire(self, gid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """The message to send for ``msg``: its prompt as a delta of the slot's last prompt when
+        that saves sending most of it.  Records the prompt as the slot's next base."""
+        prompt, slot = msg["prompt"], msg.get("slot")
+        if not self.slots or slot is None or isinstance(prompt, str):
+            return msg
+        base = self._bases.pop(slot, None)
+        self._bases[slot] = (gid, prompt)
+        while len(self._bases) > self.slots:
+            self._bases.popitem(last=False)
+        if base is None:
+            return msg
+        head, middle, tail = P.prompt_delta(base[1], prompt)
+        if len(middle) * 2 > len(prompt):  # mostly new: the whole prompt is as short
+            return msg
+        self._whole[gid] = msg
+        return {**msg, "prompt": {"base": base[0], "head": head, "ids": middle, "tail": tail}}
+
+    def accepted(self, gid: str | None) -> dict[str, Any] | None:
+        """The server answered ``gid``: forget (and return) its whole message."""
+        return self._whole.pop(gid, None) if gid is not None else None
+
+    def clear(self) -> None:
+        self._whole.clear()
+
+
 class EngineClient:
     """One connection to an engine service; ``hello`` holds the server's handshake reply."""
 
@@ -145,8 +187,8 @@ class EngineClient:
         memory = hello.get("capabilities", {}).get("prompt_delta", 0)
         #: how many slots' last prompts are kept as delta bases (0: the server takes none)
         self.delta_slots = int(memory) if prompt_deltas and isinstance(memory, int) else 0
-        self._bases: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # slot -> id, ids
-        self._whole: dict[str, dict[str, Any]] = {}  # id -> its generate with the whole prompt
+        self._deltas = _PromptDeltas(self.delta_slots)
+        self._unsent: dict[str, dict[str, Any]] = {}  # id -> its generate, started, not sent
         self._gens: dict[str, RemoteGeneration] = {}
         self._steers: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
@@ -227,10 +269,10 @@ class EngineClient:
     ) -> RemoteGeneration:
         gen = self.start(prompt, params, slot=slot, model=model, id=id)
         try:
-            await self._send(self._wire(gen.id, self._whole.get(gen.id)))
+            await self._send(self._wire(gen.id))
         except EngineUnavailable:
             self._gens.pop(gen.id, None)
-            self._whole.pop(gen.id, None)
+            self._deltas.accepted(gen.id)
             raise
         return gen
 
@@ -266,14 +308,12 @@ class EngineClient:
             msg["slot"] = slot
         if model is not None:
             msg["model"] = model
-        self._whole[gid] = msg
+        self._unsent[gid] = msg
         return gen
 
     def send_generate(self, gen: RemoteGeneration) -> asyncio.Future:
         """Send a ``start``ed generation without waiting (a lost connection ends it)."""
-        return asyncio.ensure_future(
-            self._send_quietly(self._wire(gen.id, self._whole.get(gen.id)))
-        )
+        return asyncio.ensure_future(self._send_quietly(self._wire(gen.id)))
 
     async def _send_quietly(self, msg: dict[str, Any]) -> None:
         try:
@@ -281,28 +321,13 @@ class EngineClient:
         except EngineUnavailable:  # _send ended every generation (this one too)
             pass
 
-    def _wire(self, gid: str, msg: dict[str, Any] | None) -> dict[str, Any]:
-        """The message to send for ``msg``: its prompt as a delta of the slot's last prompt when
-        that saves sending most of it.  Records the prompt as the slot's next base."""
+    def _wire(self, gid: str) -> dict[str, Any]:
+        """The message to send for a started generation (its prompt as a delta when that saves
+        sending most of it: ``_PromptDeltas``)."""
+        msg = self._unsent.pop(gid, None)
         if msg is None:
             raise EngineUnavailable("the generation was ended before it was sent")
-        prompt, slot = msg["prompt"], msg.get("slot")
-        if not self.delta_slots or slot is None or isinstance(prompt, str):
-            self._whole.pop(gid, None)
-            return msg
-        base = self._bases.pop(slot, None)
-        self._bases[slot] = (gid, prompt)
-        while len(self._bases) > self.delta_slots:
-            self._bases.popitem(last=False)
-        if base is None:
-            self._whole.pop(gid, None)
-            return msg
-        head, middle, tail = P.prompt_delta(base[1], prompt)
-        if len(middle) * 2 > len(prompt):  # mostly new: the whole prompt is as short
-            self._whole.pop(gid, None)
-            return msg
-        delta = {"base": base[0], "head": head, "ids": middle, "tail": tail}
-        return {**msg, "prompt": delta}  # _whole keeps msg until the server accepts the delta
+        return self._deltas.wire(gid, msg)
 
     async def status(self) -> dict[str, Any]:
         rid = f"s{next(self._ids)}"
@@ -367,7 +392,8 @@ class EngineClient:
         for gen in list(self._gens.values()):
             gen._finish("error", {}, err)
         self._gens.clear()
-        self._whole.clear()
+        self._unsent.clear()
+        self._deltas.clear()
         for fut in [*self._steers.values(), *self._replies.values()]:
             if not fut.done():
                 fut.set_exception(EngineUnavailable(reason))
@@ -378,12 +404,12 @@ class EngineClient:
         kind = msg.get("type")
         gid = msg.get("id")
         if kind == "tokens":
-            self._whole.pop(gid, None)
+            self._deltas.accepted(gid)
             gen = self._gens.get(gid)
             if gen is not None:
                 gen._push(msg.get("text", ""), list(msg.get("ids", ())))
         elif kind == "done":
-            self._whole.pop(gid, None)
+            self._deltas.accepted(gid)
             gen = self._gens.pop(gid, None)
             if gen is not None:
                 succ = msg.get("successor")
@@ -409,7 +435,7 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif kind == "error":
-            whole = self._whole.pop(gid, None) if gid else None
+            whole = self._deltas.accepted(gid) if gid else None
             if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
                 asyncio.ensure_future(self._send_quietly(whole))  # the server forgot the base
                 return
@@ -425,34 +451,61 @@ class EngineClient:
 
 
 class SyncGeneration:
-    """A thread-side view of a :class:`RemoteGeneration`, shaped like ``engine.Generation``:
-    iterate for chunks (``token_id``, ``text``), ``cancel()`` from any thread, then read
-    ``text``, ``tokens``, ``finish_reason``, ``stats``.
+    """A generation of a :class:`SyncEngineClient`, shaped like ``engine.Generation``: iterate
+    for chunks (``token_id``, ``text``), ``cancel()`` from any thread, then read ``text``,
+    ``tokens``, ``finish_reason``, ``stats``.  ``successor`` is set when a steer stopped it.
 
-    The client's reader hands each piece straight to this object's queue (no task between the
-    socket and the consuming thread); the remote generation is attached on the event loop before
-    its first piece can arrive."""
+    The client's reading thread appends each piece to this object's queue, which the consuming
+    thread reads: one hand-over between the socket and the consumer."""
 
-    def __init__(
-        self, owner: SyncEngineClient, gid: str, remote: RemoteGeneration | None = None
-    ) -> None:
+    def __init__(self, owner: SyncEngineClient, gid: str) -> None:
         self._owner = owner
         self._id = gid
-        self._remote = remote
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = False
         self._ended = False
-        self._successor: SyncGeneration | None = None
-        if remote is not None:  # a steer successor: pieces may have arrived already
-            owner._soon(remote.listen, self._on_piece)
+        self.text = ""
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats: dict[str, Any] = {}
+        self.error: dict[str, str] | None = None
+        self.successor: SyncGeneration | None = None
+        self._callbacks: list[Callable[[], None]] | None = []  # None once it has ended
+        self._callbacks_lock = threading.Lock()
 
-    def _on_piece(self, piece: Piece | None) -> None:
-        """From the client's reader (event loop thread)."""
-        if piece is None:
-            self._queue.put(None)
-        else:
-            self._queue.put(_Chunk(piece.ids[-1] if piece.ids else -1, piece.text))
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the generation ends (now, if it has): on the client's reading
+        thread, or the thread that closes the client."""
+        with self._callbacks_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn()
 
+    # -- fed by the client's reading thread ------------------------------------------------------
+    def _push(self, text: str, ids: list[int]) -> None:
+        self.text += text
+        self.tokens.extend(ids)
+        self._queue.put(_Chunk(ids[-1] if ids else -1, text))
+
+    def _finish(
+        self, reason: str, stats: dict[str, Any], error: dict[str, str] | None = None
+    ) -> None:
+        if self.finish_reason is not None:
+            return
+        self.stats = stats
+        self.error = error
+        self.finish_reason = reason
+        self._queue.put(None)
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a callback's failure must not stop the reading thread
+                log.exception("a generation's done callback failed")
+
+    # -- the consumer's side ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[_Chunk]:
         while True:
             item = self._queue.get()
@@ -481,24 +534,18 @@ class SyncGeneration:
         return self.text
 
     def cancel(self) -> None:
-        """Ask the service to stop it (from any thread; the message is sent by the event loop)."""
+        """Ask the service to stop it (from any thread: the message leaves from this one)."""
         self._cancelled = True
-        self._owner._soon(self._send_cancel)
-
-    def _send_cancel(self) -> None:
-        if self._remote is not None and not self._remote.done:
-            client = self._owner.client
-            asyncio.ensure_future(client._send_quietly({"type": "cancel", "id": self._id}))
+        if self.finish_reason is None:
+            self._owner._send_quietly({"type": "cancel", "id": self._id})
 
     def steer(self, text: str, timeout: float | None = None) -> dict[str, Any]:
-        return self._owner._call(self._steer(text), timeout)
+        """Send typed ``text``; returns the committed (or failed) ``steer`` event."""
+        return self.steer_nowait(text).result(timeout)
 
     def steer_nowait(self, text: str) -> concurrent.futures.Future:
         """Send a steer from any thread; the future holds its committed (or failed) event."""
-        return self._owner._submit(self._steer(text))
-
-    async def _steer(self, text: str) -> dict[str, Any]:
-        return await self._remote.steer(text)
+        return self._owner._steer(self._id, text)
 
     @property
     def id(self) -> str:
@@ -510,34 +557,7 @@ class SyncGeneration:
 
     @property
     def done(self) -> bool:
-        return self._remote is not None and self._remote.done
-
-    @property
-    def text(self) -> str:
-        return self._remote.text if self._remote is not None else ""
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._remote.tokens if self._remote is not None else []
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._remote.finish_reason if self._remote is not None else None
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self._remote.stats if self._remote is not None else {}
-
-    @property
-    def error(self) -> dict[str, str] | None:
-        return self._remote.error if self._remote is not None else None
-
-    @property
-    def successor(self) -> SyncGeneration | None:
-        remote = self._remote.successor if self._remote is not None else None
-        if self._successor is None and remote is not None:
-            self._successor = SyncGeneration(self._owner, remote.id, remote)
-        return self._successor
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -547,7 +567,10 @@ class _Chunk:
 
 
 class SyncEngineClient:
-    """An :class:`EngineClient` on its own event-loop thread, for callers in ordinary threads."""
+    """One connection to an engine service for callers in ordinary threads (the language
+    server's engine thread), without an event loop: a request, a cancel or a steer is written
+    by the thread that makes it, and the socket's reading thread hands each message to its
+    generation (``engine.service.direct``)."""
 
     def __init__(
         self,
@@ -556,32 +579,67 @@ class SyncEngineClient:
         *,
         client: str = "spark-lsp",
         open_timeout: float = 10.0,
+        origin: str | None = None,
+        prompt_deltas: bool = True,
     ) -> None:
         self.url = url
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="spark-engine-client", daemon=True
-        )
-        self._thread.start()
+        self._lock = threading.Lock()  # the state below (taken by the reading thread too)
+        self._send_lock = threading.Lock()  # generate messages leave in the order they are built
+        self._gens: dict[str, SyncGeneration] = {}
+        self._steers: dict[str, concurrent.futures.Future] = {}
+        self._replies: dict[str, concurrent.futures.Future] = {}
+        self._ids = itertools.count(1)
+        self._deltas = _PromptDeltas(0)
+        self.closed = False
+        self.close_reason = ""
+        self.last_error: EngineRequestError | None = None  # the last error no request claimed
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            self.client: EngineClient = self._call(
-                EngineClient.connect(url, token, client=client, open_timeout=open_timeout), None
+            self.ws = sync_connect(
+                url,
+                additional_headers=headers,
+                open_timeout=open_timeout,
+                compression=None,
+                max_size=P.MAX_FRAME_BYTES,
+                origin=origin,
+                ping_interval=20,
+                ping_timeout=60,
+                close_timeout=2,
+                proxy=None,
+                create_connection=DirectClientConnection,
+                legacy=True,  # the connection itself (this client closes it)
             )
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    @property
-    def hello(self) -> dict[str, Any]:
-        return self.client.hello
-
-    @property
-    def closed(self) -> bool:
-        return self.client.closed
-
-    @property
-    def close_reason(self) -> str:
-        return self.client.close_reason
+        except InvalidStatus as e:
+            code = e.response.status_code
+            why = {401: "wrong or missing token", 403: "origin refused"}.get(code, "refused")
+            raise EngineUnavailable(
+                f"engine service at {url} refused the connection: HTTP {code} ({why})"
+            ) from None
+        except (OSError, WebSocketException, TimeoutError) as e:
+            raise EngineUnavailable(f"cannot reach the engine service at {url}: {e}") from None
+        self._hello: concurrent.futures.Future = concurrent.futures.Future()
+        self.ws.attach(self._on_raw, self._on_close)
+        try:
+            self.ws.send(
+                P.encode(
+                    {"type": "hello", "protocol": list(P.SUPPORTED_VERSIONS), "client": client}
+                )
+            )
+            reply = self._hello.result(open_timeout)
+        except (ConnectionClosed, concurrent.futures.TimeoutError, EngineUnavailable) as e:
+            self.ws.close()
+            raise EngineUnavailable(f"engine service at {url}: no handshake ({e})") from None
+        if reply.get("type") != "hello":
+            self.ws.close()
+            raise EngineUnavailable(
+                f"engine service at {url}: {reply.get('code')}: {reply.get('message')}"
+            )
+        self.hello = reply
+        self.models: list[dict[str, Any]] = reply.get("models", [])
+        memory = reply.get("capabilities", {}).get("prompt_delta", 0)
+        self._deltas = _PromptDeltas(
+            int(memory) if prompt_deltas and isinstance(memory, int) else 0
+        )
 
     def generate(
         self,
@@ -590,64 +648,164 @@ class SyncEngineClient:
         slot: Any = None,
         model: str | None = None,
     ) -> SyncGeneration:
-        """Start a generation; returns at once (the event loop sends it, the caller's thread
-        never waits for the socket).  EngineUnavailable when the connection is known lost."""
-        client = self.client
-        if client.closed:
-            raise EngineUnavailable(
-                f"the engine connection is closed ({client.close_reason or 'closed'})"
-            )
-        sync = SyncGeneration(self, client.new_id())
-        prompt = (
-            prompt if isinstance(prompt, str) else list(prompt)
-        )  # the caller may reuse its list
-        slot = None if slot is None else str(slot)
-        self._soon(self._start, sync, prompt, params, slot, model)
-        return sync
-
-    def _start(self, sync: SyncGeneration, prompt, params, slot, model) -> None:
-        """On the event loop: register the generation, attach ``sync``, send without waiting."""
-        client = self.client
-        try:
-            remote = client.start(
-                prompt, params, slot=slot, model=model, id=sync.id, listener=sync._on_piece
-            )
-        except EngineUnavailable as exc:
-            remote = RemoteGeneration(client, sync.id)
-            remote.listen(sync._on_piece)
-            remote._finish("error", {}, {"code": DISCONNECTED, "message": str(exc)})
-        sync._remote = remote
-        if not remote.done:
-            client.send_generate(remote)
+        """Start a generation; the request leaves from this thread before it returns.
+        EngineUnavailable when the connection is known lost (a loss while sending ends the
+        generation with finish_reason ``error``, code ``disconnected``)."""
+        msg: dict[str, Any] = {
+            "type": "generate",
+            "prompt": prompt if isinstance(prompt, str) else list(map(int, prompt)),
+        }
+        if params is not None:
+            msg["params"] = P.params_to_json(params)
+        if slot is not None:
+            msg["slot"] = str(slot)
+        if model is not None:
+            msg["model"] = model
+        with self._send_lock:
+            with self._lock:
+                if self.closed:
+                    raise EngineUnavailable(
+                        f"the engine connection is closed ({self.close_reason or 'closed'})"
+                    )
+                gid = f"g{next(self._ids)}"
+                msg["id"] = gid
+                gen = self._gens[gid] = SyncGeneration(self, gid)
+                wire = self._deltas.wire(gid, msg)
+            self._send_quietly(wire)
+        return gen
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        return self._call(self.client.status(), timeout)
+        rid = f"s{next(self._ids)}"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._replies[rid] = fut
+        self._send_quietly({"type": "status", "id": rid})
+        return fut.result(timeout)
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._call(self.client.close(), 5.0)
-        except Exception:
-            pass
-        self._stop_loop()
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self.close_reason = "the client closed the connection"
+        self.ws.close()
+        self._fail_all("the client closed the connection")
 
     # -- internals ------------------------------------------------------------------------------
-    def _submit(self, coro) -> asyncio.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def _soon(self, fn, *args) -> None:
-        """Run ``fn(*args)`` on the event loop (nothing when the client is closed)."""
+    def _send_quietly(self, msg: dict[str, Any]) -> None:
+        """Send from the calling thread; a lost connection ends every generation instead."""
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed
-            pass
+            self.ws.send(P.encode(msg))
+        except (ConnectionClosed, OSError) as e:
+            self._lost(f"the engine connection was lost: {e}")
 
-    def _call(self, coro, timeout: float | None):
-        return self._submit(coro).result(timeout)
+    def _steer(self, gid: str, text: str) -> concurrent.futures.Future:
+        sid = f"t{next(self._ids)}"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.closed:
+                fut.set_exception(EngineUnavailable(self.close_reason or "closed"))
+                return fut
+            self._steers[sid] = fut
+        self._send_quietly({"type": "steer", "id": gid, "text": text, "steer": sid})
+        return fut
 
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5.0)
-        if not self._thread.is_alive():
-            self._loop.close()
+    def _on_close(self) -> None:
+        self._lost("the engine service closed the connection")
+
+    def _lost(self, reason: str) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self.close_reason = reason
+            reason = self.close_reason
+        if not self._hello.done():
+            try:
+                self._hello.set_exception(EngineUnavailable(reason))
+            except concurrent.futures.InvalidStateError:  # the reply came just now
+                pass
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        err = {"code": DISCONNECTED, "message": reason}
+        with self._lock:
+            gens = list(self._gens.values())
+            futs = [*self._steers.values(), *self._replies.values()]
+            self._gens.clear()
+            self._steers.clear()
+            self._replies.clear()
+            self._deltas.clear()
+        for gen in gens:
+            gen._finish("error", {}, err)
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(reason))
+
+    def _on_raw(self, raw: bytes) -> None:
+        """A message from the service (on the socket's reading thread)."""
+        try:
+            msg = P.decode(raw)
+        except P.ProtocolError as e:
+            self._lost(f"the engine service sent a bad message: {e}")
+            self.ws.close()
+            return
+        if not self._hello.done():
+            try:
+                self._hello.set_result(msg)
+            except concurrent.futures.InvalidStateError:  # the connection was lost just now
+                pass
+            return
+        resend = None
+        with self._lock:
+            resend = self._on_message(msg)
+        if resend is not None:
+            self._send_quietly(resend)
+
+    def _on_message(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply one message (with the lock held); returns a message to send again, if any."""
+        kind = msg.get("type")
+        gid = msg.get("id")
+        if kind == "tokens":
+            self._deltas.accepted(gid)
+            gen = self._gens.get(gid)
+            if gen is not None:
+                gen._push(msg.get("text", ""), list(msg.get("ids", ())))
+        elif kind == "done":
+            self._deltas.accepted(gid)
+            gen = self._gens.pop(gid, None)
+            if gen is not None:
+                succ = msg.get("successor")
+                if succ is not None and gen.successor is None:
+                    gen.successor = self._gens.get(succ)
+                gen._finish(
+                    msg.get("finish_reason", "error"), msg.get("stats", {}), msg.get("error")
+                )
+        elif kind == "steer":
+            if msg.get("state") == P.COMMITTED and msg.get("outcome") == P.STOPPED:
+                succ = msg.get("successor")
+                gen = self._gens.get(gid)
+                if succ and succ not in self._gens:
+                    self._gens[succ] = SyncGeneration(self, succ)
+                if gen is not None and succ:
+                    gen.successor = self._gens[succ]
+            if msg.get("state") in (P.COMMITTED, P.FAILED):
+                fut = self._steers.pop(msg.get("steer"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        elif kind == "status":
+            fut = self._replies.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif kind == "error":
+            whole = self._deltas.accepted(gid) if gid else None
+            if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
+                return whole  # the server forgot the base: the whole prompt again
+            err = EngineRequestError(msg.get("code", "error"), msg.get("message", ""))
+            gen = self._gens.pop(gid, None) if gid else None
+            if gen is not None:
+                gen._finish("error", {}, {"code": err.code, "message": err.message})
+            fut = self._replies.pop(gid, None) if gid else None
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+            if gen is None and fut is None:
+                self.last_error = err
+        return None

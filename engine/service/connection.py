@@ -1,20 +1,32 @@
 """One client connection of the engine service, independent of the WebSocket library carrying it.
 
-A :class:`Connection` reads client messages (``handle``), runs their generations on a models
-backend (``engine.service.local.LocalModels`` in the daemon, the Ray Serve router in a cluster)
-and writes server messages through one sender task.  The outbox is bounded: each generation may
-have at most ``window`` undelivered ``tokens`` messages (its thread waits for credit beyond
-that; when the client is behind, queued tokens of one generation are merged into one message,
-still holding their credits),
-and replies to control messages wait for room, which stops the reading of further messages.  A
-slow client therefore slows only its own generations and never grows the server's memory.
+:class:`Session` is the protocol: it reads client messages, runs their generations on a models
+backend (``engine.service.local.LocalModels`` in the daemon, the Ray Serve router in a cluster),
+steers them, and decides what to send back.  How the messages travel is its subclass's:
+
+- :class:`ThreadConnection` (the daemon, ``engine.service.server``): the thread that read a
+  message handles it at once (a cancel stops its generation from the socket's reading thread),
+  and each generation's own thread writes its tokens to the socket as it makes them, with no
+  hand-over to another thread on either way.  Before each token the generation waits for the
+  socket to take more (``credit``): a client that stops reading holds its own generations and
+  fills nothing but the kernel's socket buffer; one that reads slowly slows only its connection.
+- :class:`Connection` (asyncio; the Ray Serve ingress and protocol tests): messages go through a
+  bounded outbox written by one sender task.  Each generation may have at most ``WINDOW``
+  undelivered ``tokens`` messages (its thread waits for credit beyond that; when the client is
+  behind, queued tokens of one generation are merged into one message, still holding their
+  credits), and no message is read while ``CONTROL_WINDOW`` replies are undelivered.
+
+Either way a slow client slows only its own generations and never grows the server's memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import select
 import threading
+import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -27,50 +39,30 @@ from . import steering
 
 log = logging.getLogger(__name__)
 
-#: Undelivered ``tokens`` messages one generation may have before its thread waits.
+#: Undelivered ``tokens`` messages one generation may have before its thread waits (asyncio).
 WINDOW = 32
-#: Undelivered replies to control messages before the connection stops reading.
+#: Undelivered replies to control messages before the connection stops reading (asyncio).
 CONTROL_WINDOW = 64
 #: Generations one connection may run at once.
 MAX_GENERATIONS = 32
 #: Finished generation ids remembered (a late cancel of one is a no-op, a late steer fails).
 RECENT_IDS = 1024
-
-
-class _Outbox:
-    """The messages waiting for the sender, with credit bookkeeping (used on the event loop only)."""
-
-    def __init__(self) -> None:
-        self.items: deque[list[Any]] = deque()  # [message, release callbacks]
-        self.ready = asyncio.Event()
-        self.control = asyncio.Semaphore(CONTROL_WINDOW)
-
-    def put(self, msg: dict[str, Any], release: Callable[[], None] | None = None) -> None:
-        self.items.append([msg, [release] if release else []])
-        self.ready.set()
-
-    def merge_tokens(
-        self, gid: str, text: str, ids: list[int], release: Callable[[], None]
-    ) -> bool:
-        """Append to the last queued message when it is ``tokens`` of the same generation."""
-        if not self.items:
-            return False
-        last = self.items[-1]
-        msg = last[0]
-        if msg.get("type") != "tokens" or msg.get("id") != gid:
-            return False
-        msg["text"] += text
-        msg["ids"].extend(ids)
-        last[1].append(release)  # the credit comes back when the merged message is sent
-        return True
+#: How often a generation waiting for a full socket looks at its cancel (ThreadConnection).
+WAIT_SLICE_S = 0.005
+#: A generation's tokens after its first are written at most this often (ThreadConnection): the
+#: ones made in between go in its next ``tokens`` message (or with its ``done``).
+COALESCE_S = 0.004
 
 
 class Run:
-    """One generation as the connection sees it: ids, what it streamed, the steering state."""
+    """One generation as the connection sees it: ids, what it streamed, the steering state.
+
+    It is the generation's ``Sink`` (engine.service.local.Sink): its thread calls ``credit``,
+    ``chunk`` and ``finish``, which the session's transport carries out."""
 
     def __init__(
         self,
-        conn: Connection,
+        conn: Session,
         gid: str,
         model: str | None,
         prompt: list[int],
@@ -90,12 +82,11 @@ class Run:
         self.steered = False  # diverged: stop, and start the successor when it has stopped
         self.successor_id: str | None = None
         self.handle: Any = None
-        self._credits = threading.Semaphore(WINDOW)
-        self._loop = conn.loop
+        self._credits = threading.Semaphore(WINDOW)  # undelivered tokens (asyncio Connection)
 
-    # -- the Sink interface (engine.service.local.Sink), called from the generation's thread -----
+    # -- the Sink interface, called from the generation's thread ---------------------------------
     def credit(self, stop: threading.Event, timeout: float) -> bool:
-        return self._credits.acquire(timeout=timeout)
+        return self.conn._credit(self, stop, timeout)
 
     async def acredit(self) -> None:
         """The asyncio form of ``credit`` for backends that stream on the event loop."""
@@ -103,46 +94,39 @@ class Run:
             await asyncio.sleep(0.002)
 
     def chunk(self, token_id: int, text: str) -> None:
-        self._call(self.conn._on_chunk, self, token_id, text)
+        self.conn._deliver(self.conn._on_chunk, self, token_id, text)
 
     def finish(
         self, finish_reason: str, stats: dict[str, Any], error: tuple[str, str] | None
     ) -> None:
-        self._call(self.conn._on_finish, self, finish_reason, stats, error)
+        self.conn._deliver(self.conn._on_finish, self, finish_reason, stats, error)
 
     def release(self) -> None:
         self._credits.release()
 
     def stop(self) -> None:
-        """Stop the generation; a thread waiting for credit wakes at once (the extra credit is
-        never used: the generation ends)."""
-        self.handle.cancel()
-        self._credits.release()
-
-    def _call(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the process is exiting
-            pass
+        """Stop the generation (within one decode step); a thread waiting for credit wakes."""
+        if self.handle is not None:
+            self.handle.cancel()
+        self.conn._wake(self)
 
 
-class Connection:
-    """Protocol state of one client; ``send`` writes one text frame (awaits while the peer is slow)."""
+class Session:
+    """The protocol state of one client, whatever carries its messages.
+
+    Subclasses say how messages leave (``_reply``: the answer to a client message; ``_emit``:
+    an event of a generation; ``_tokens``), on which thread a generation's output is handled
+    (``_deliver``), and how a generation waits for room (``_credit``, ``_wake``).  ``lock`` is
+    held while the state changes (a no-op where one event loop does everything)."""
+
+    lock: Any = contextlib.nullcontext()
 
     def __init__(
-        self,
-        models: Any,
-        send: Callable[[str], Awaitable[None]],
-        *,
-        peer: str = "?",
-        max_generations: int = MAX_GENERATIONS,
+        self, models: Any, *, peer: str = "?", max_generations: int = MAX_GENERATIONS
     ) -> None:
         self.models = models
-        self._send = send
         self.peer = peer
         self.max_generations = max_generations
-        self.loop = asyncio.get_running_loop()
-        self.outbox = _Outbox()
         self.runs: dict[str, Run] = {}
         self.aliases: dict[str, str] = {}  # a steered-away id -> its successor's id
         self.recent: deque[str] = deque(maxlen=RECENT_IDS)
@@ -150,30 +134,49 @@ class Connection:
         self.prompts: OrderedDict[str, array] = OrderedDict()
         self.greeted = False
         self.closing = False
-        self._sender = asyncio.ensure_future(self._send_loop())
         self._successors = 0
 
+    # -- the transport's part --------------------------------------------------------------------
+    def _reply(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _emit(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _tokens(self, run: Run, token_id: int, text: str) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        raise NotImplementedError
+
+    def _credit(self, run: Run, stop: threading.Event, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def _wake(self, run: Run) -> None:
+        pass
+
     # -- reading -------------------------------------------------------------------------------
-    async def handle(self, raw: str | bytes) -> None:
+    def _message(self, raw: str | bytes) -> None:
         """One frame from the client.  Never raises for a bad message: it is answered instead."""
         try:
             msg = P.parse(P.decode(raw))
-            await self._dispatch(msg)
         except P.ProtocolError as e:
-            await self.reply(P.error(e.code, e.message, e.id))
+            with self.lock:
+                self._reply(P.error(e.code, e.message, e.id))
+            return
+        with self.lock:
+            try:
+                self._dispatch(msg)
+            except P.ProtocolError as e:
+                self._reply(P.error(e.code, e.message, e.id))
 
-    async def reply(self, msg: dict[str, Any]) -> None:
-        """Queue a control reply, waiting while CONTROL_WINDOW of them are undelivered."""
-        await self.outbox.control.acquire()
-        self.outbox.put(msg, self.outbox.control.release)
-
-    async def _dispatch(self, msg: Any) -> None:
+    def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, P.Hello):
-            return await self._hello(msg)
+            return self._hello(msg)
         if not self.greeted:
             raise P.ProtocolError(P.HELLO_REQUIRED, "send 'hello' first", getattr(msg, "id", None))
         if isinstance(msg, P.Generate):
-            return await self._generate(msg)
+            return self._generate(msg)
         if isinstance(msg, P.Cancel):
             run = self._live(msg.id)
             if run is not None:
@@ -181,7 +184,7 @@ class Connection:
                 run.stop()
             return None
         if isinstance(msg, P.Steer):
-            return await self._steer(msg)
+            return self._steer(msg)
         if isinstance(msg, P.Status):
             reply = {
                 "type": "status",
@@ -190,10 +193,10 @@ class Connection:
             }
             if msg.id is not None:
                 reply["id"] = msg.id
-            return await self.reply(reply)
+            return self._reply(reply)
         raise AssertionError(msg)
 
-    async def _hello(self, msg: P.Hello) -> None:
+    def _hello(self, msg: P.Hello) -> None:
         common = sorted(set(msg.versions) & set(P.SUPPORTED_VERSIONS))
         if not common:
             raise P.ProtocolError(
@@ -208,7 +211,7 @@ class Connection:
             msg.client or "unnamed",
             common[-1],
         )
-        await self.reply(
+        self._reply(
             {
                 "type": "hello",
                 "protocol": common[-1],
@@ -227,7 +230,7 @@ class Connection:
             }
         )
 
-    async def _generate(self, msg: P.Generate) -> None:
+    def _generate(self, msg: P.Generate) -> None:
         if self.closing:
             raise P.ProtocolError(P.SHUTTING_DOWN, "the engine service is shutting down", msg.id)
         if msg.id in self.runs or msg.id in self.aliases:
@@ -280,9 +283,7 @@ class Connection:
             run.handle = self.models.start(run.model, run.prompt, run.params, run.slot, run)
         except (ValueError, ModelError) as e:
             del self.runs[run.id]
-            self.outbox.put(
-                P.done(run.id, "error", {}, error={"code": P.BAD_PROMPT, "message": str(e)})
-            )
+            self._emit(P.done(run.id, "error", {}, error={"code": P.BAD_PROMPT, "message": str(e)}))
 
     def _live(self, gid: str) -> Run | None:
         """The running generation for an id, following steer successors."""
@@ -294,19 +295,19 @@ class Connection:
         return self.runs.get(gid)
 
     # -- steering ------------------------------------------------------------------------------
-    async def _steer(self, msg: P.Steer) -> None:
+    def _steer(self, msg: P.Steer) -> None:
         run = self._live(msg.id)
         if run is None:
-            await self.reply(
+            self._reply(
                 P.steer_event(
                     msg.id, msg.steer, P.FAILED, text=msg.text, reason="the generation has ended"
                 )
             )
             return
-        await self.reply(P.steer_event(run.id, msg.steer, P.ACCEPTED))
+        self._reply(P.steer_event(run.id, msg.steer, P.ACCEPTED))
         if run.steered:  # stopping already: the text joins the successor's prompt
             run.typed += msg.text
-            await self.reply(
+            self._reply(
                 P.steer_event(
                     run.id, msg.steer, P.COMMITTED, outcome=P.STOPPED, successor=run.successor_id
                 )
@@ -325,7 +326,7 @@ class Connection:
             return
         if verdict == steering.MATCH:
             for sid in run.pending_steers:
-                self.outbox.put(
+                self._emit(
                     P.steer_event(
                         run.id, sid, P.COMMITTED, outcome=P.CONTINUED, matched=len(run.typed)
                     )
@@ -337,7 +338,7 @@ class Connection:
         run.steered = True
         run.successor_id = f"{run.id}~{self._successors}"
         for sid in run.pending_steers:
-            self.outbox.put(
+            self._emit(
                 P.steer_event(
                     run.id, sid, P.COMMITTED, outcome=P.STOPPED, successor=run.successor_id
                 )
@@ -357,7 +358,7 @@ class Connection:
             ids = self.models.encode(run.model, ids)
         except (ValueError, ModelError) as e:
             self.aliases.pop(run.id, None)
-            self.outbox.put(
+            self._emit(
                 P.done(
                     run.successor_id, "error", {}, error={"code": P.BAD_PROMPT, "message": str(e)}
                 )
@@ -366,14 +367,13 @@ class Connection:
         succ = Run(self, run.successor_id, run.model, ids, params, run.slot)
         self._start(succ)
 
-    # -- output from the generations (event loop) ----------------------------------------------
+    # -- output from the generations (on the thread ``_deliver`` chose, with ``lock`` held) ----
     def _on_chunk(self, run: Run, token_id: int, text: str) -> None:
         if run.steered:  # stopped by a steer: what it generates past the divergence is dropped
             run.release()
             return
         run.stream.push(token_id, text)
-        if not self.outbox.merge_tokens(run.id, text, [token_id], run.release):
-            self.outbox.put(P.tokens(run.id, text, [token_id]), run.release)
+        self._tokens(run, token_id, text)
         if run.pending_steers:
             self._judge(run, final=False)
 
@@ -387,17 +387,213 @@ class Connection:
         self.runs.pop(run.id, None)
         self.recent.append(run.id)
         err = {"code": error[0], "message": error[1]} if error else None
-        self.outbox.put(P.done(run.id, reason, stats, successor=run.successor_id, error=err))
+        self._emit(P.done(run.id, reason, stats, successor=run.successor_id, error=err))
         if run.steered and not (self.closing or run.cancelled):
             self._start_successor(run)
         elif run.steered:  # cancelled while stopping for a steer: the successor never starts
             self.aliases.pop(run.id, None)
-            self.outbox.put(P.done(run.successor_id, "cancelled", {}))
+            self._emit(P.done(run.successor_id, "cancelled", {}))
         if len(self.aliases) > RECENT_IDS:  # forget the oldest steer chains
             for key in list(self.aliases)[: len(self.aliases) - RECENT_IDS]:
                 del self.aliases[key]
 
-    # -- writing -------------------------------------------------------------------------------
+
+class ThreadConnection(Session):
+    """A session whose messages are handled on the thread that read them and whose generations
+    write their own output (the daemon).
+
+    ``send(text)`` writes one text frame from the calling thread (blocking while the socket is
+    full; it raises once the connection is closed); ``sock`` is the socket under it, watched for
+    room before each token.  ``handle`` is called by the socket's reading thread."""
+
+    def __init__(
+        self,
+        models: Any,
+        send: Callable[[str], None],
+        sock: Any,
+        *,
+        peer: str = "?",
+        max_generations: int = MAX_GENERATIONS,
+    ) -> None:
+        super().__init__(models, peer=peer, max_generations=max_generations)
+        self.lock = threading.RLock()
+        self._ended = threading.Condition(self.lock)  # notified when a generation ends
+        self._send = send
+        self._sock = sock
+        self.dead = False  # a write failed: the client is gone
+        self._held: dict[str, list[Any]] = {}  # generation id -> tokens not written yet
+
+    def handle(self, raw: str | bytes) -> None:
+        self._message(raw)
+
+    # -- the transport ---------------------------------------------------------------------------
+    def _write(self, msg: dict[str, Any]) -> None:
+        """Send one message (with ``lock`` held, so messages leave in the order decided)."""
+        if self.dead:
+            return
+        try:
+            self._send(P.encode(msg))
+        except Exception as e:  # ConnectionClosed, OSError: the client is gone
+            log.debug("engine client %s: write failed: %s", self.peer, e)
+            self._lost()
+
+    def _reply(self, msg: dict[str, Any]) -> None:
+        self._flush(msg.get("id"))
+        self._write(msg)
+
+    _emit = _reply
+
+    def _tokens(self, run: Run, token_id: int, text: str) -> None:
+        """A generation's first token leaves at once; later ones at most every COALESCE_S (a
+        write, and the client's wake-up to read it, per token would take the cores from the
+        engine on a small machine): those made in between wait for the next write, which the
+        generation's next token or its end makes."""
+        held = self._held.get(run.id)
+        if held is None:
+            held = self._held[run.id] = [None, "", []]  # last write, text, ids
+        held[1] += text
+        held[2].append(token_id)
+        now = time.monotonic()
+        if held[0] is None or now - held[0] >= COALESCE_S:
+            held[0] = now
+            self._write(P.tokens(run.id, held[1], held[2]))
+            held[1], held[2] = "", []
+
+    def _flush(self, gid: str | None) -> None:
+        """Write the tokens of ``gid`` that wait, before another message about it."""
+        held = self._held.get(gid) if gid is not None else None
+        if held is not None and held[2]:
+            self._write(P.tokens(gid, held[1], held[2]))
+            held[1], held[2] = "", []
+
+    def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        with self.lock:
+            fn(*args)
+            if fn == self._on_finish:
+                self._held.pop(args[0].id, None)  # its `done` flushed what was held
+            if not self.runs:
+                self._ended.notify_all()
+
+    def _credit(self, run: Run, stop: threading.Event, timeout: float) -> bool:
+        """Wait until the socket takes more (at most ``timeout`` s, looking at ``stop``)."""
+        deadline = time.monotonic() + timeout
+        while not self.dead:
+            try:
+                _, ready, _ = select.select((), (self._sock,), (), WAIT_SLICE_S)
+            except (OSError, ValueError):  # the socket is closed
+                return True  # the write fails, the generation stops
+            if ready:
+                return True
+            if stop.is_set() or time.monotonic() >= deadline:
+                return False
+        return True
+
+    def _lost(self) -> None:
+        self.dead = True
+        for run in list(self.runs.values()):
+            run.stop()
+
+    def close(self, drain_s: float = 5.0) -> None:
+        """Cancel every generation and wait (up to ``drain_s``) for their ``done`` messages."""
+        deadline = time.monotonic() + drain_s
+        with self.lock:
+            self.closing = True
+            for run in list(self.runs.values()):
+                run.stop()
+            while self.runs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._ended.wait(left)
+
+
+class _Outbox:
+    """The messages waiting for the sender, with credit bookkeeping (used on the event loop only)."""
+
+    def __init__(self) -> None:
+        self.items: deque[list[Any]] = deque()  # [message, release callbacks]
+        self.ready = asyncio.Event()
+        self.control = 0  # undelivered replies to control messages
+        self.room = asyncio.Event()  # set while control < CONTROL_WINDOW
+        self.room.set()
+
+    def put(self, msg: dict[str, Any], release: Callable[[], None] | None = None) -> None:
+        self.items.append([msg, [release] if release else []])
+        self.ready.set()
+
+    def put_control(self, msg: dict[str, Any]) -> None:
+        self.control += 1
+        if self.control >= CONTROL_WINDOW:
+            self.room.clear()
+        self.put(msg, self._control_sent)
+
+    def _control_sent(self) -> None:
+        self.control -= 1
+        if self.control < CONTROL_WINDOW:
+            self.room.set()
+
+    def merge_tokens(
+        self, gid: str, text: str, ids: list[int], release: Callable[[], None]
+    ) -> bool:
+        """Append to the last queued message when it is ``tokens`` of the same generation."""
+        if not self.items:
+            return False
+        last = self.items[-1]
+        msg = last[0]
+        if msg.get("type") != "tokens" or msg.get("id") != gid:
+            return False
+        msg["text"] += text
+        msg["ids"].extend(ids)
+        last[1].append(release)  # the credit comes back when the merged message is sent
+        return True
+
+
+class Connection(Session):
+    """A session on an asyncio event loop; ``send`` writes one text frame (awaits while the peer
+    is slow).  Generations hand their output to the loop; one sender task writes the outbox."""
+
+    def __init__(
+        self,
+        models: Any,
+        send: Callable[[str], Awaitable[None]],
+        *,
+        peer: str = "?",
+        max_generations: int = MAX_GENERATIONS,
+    ) -> None:
+        super().__init__(models, peer=peer, max_generations=max_generations)
+        self._send = send
+        self.loop = asyncio.get_running_loop()
+        self.outbox = _Outbox()
+        self._sender = asyncio.ensure_future(self._send_loop())
+
+    async def handle(self, raw: str | bytes) -> None:
+        """One frame from the client, read once fewer than CONTROL_WINDOW replies wait."""
+        await self.outbox.room.wait()
+        self._message(raw)
+
+    # -- the transport ---------------------------------------------------------------------------
+    def _reply(self, msg: dict[str, Any]) -> None:
+        self.outbox.put_control(msg)
+
+    def _emit(self, msg: dict[str, Any]) -> None:
+        self.outbox.put(msg)
+
+    def _tokens(self, run: Run, token_id: int, text: str) -> None:
+        if not self.outbox.merge_tokens(run.id, text, [token_id], run.release):
+            self.outbox.put(P.tokens(run.id, text, [token_id]), run.release)
+
+    def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
+
+    def _credit(self, run: Run, stop: threading.Event, timeout: float) -> bool:
+        return run._credits.acquire(timeout=timeout)
+
+    def _wake(self, run: Run) -> None:
+        run._credits.release()  # never used: the generation ends
+
     async def _send_loop(self) -> None:
         box = self.outbox
         while True:

@@ -10,12 +10,12 @@ a detached daemon and waits for its record.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +25,7 @@ from . import rundir
 from .address import is_loopback
 from .launch import DaemonError, resolve_models
 from .local import LocalModels
-from .options import DEFAULT_SLOTS, SPINNING, add_arguments
+from .options import DEFAULT_SLOTS, DEFAULT_SPINNING, SPINNING, add_arguments
 from .server import EngineServer
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,12 @@ def load_engines(
     slots: int = DEFAULT_SLOTS,
     precision: str = "fp32",
     threads: int | None = None,
-    spinning: bool | None = False,
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
 ) -> list[Any]:
     """The daemon's engines. ``spinning`` defaults to off (the in-process engine's default is
-    auto): a daemon hands every token to its event loop and reads cancels there, and ONNX
-    Runtime threads that spin between steps hold the cores that loop needs on a small machine."""
+    auto): between two steps a generation's thread writes its token and the connection's thread
+    reads cancels, and ONNX Runtime threads that spin between steps hold the cores those threads
+    need on a small machine."""
     from ..engine import Engine  # lazily: ONNX Runtime loads only when a daemon really starts
 
     engines = []
@@ -68,7 +69,7 @@ def read_token_file(path: str) -> str:
     return token
 
 
-async def run(
+def run(
     models: Any,
     folders: Sequence[Path],
     *,
@@ -79,11 +80,12 @@ async def run(
     idle_exit_s: float | None = None,
     record: bool = True,
     announce=None,
-    stop: asyncio.Event | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
     """Serve ``models`` until SIGTERM/SIGINT (or ``stop`` is set, or ``idle_exit_s`` passes with
-    no client); every generation in flight is cancelled and its ``done`` delivered before exit."""
-    server = await EngineServer(models, token=token, origins=origins).start(host, port)
+    no client); every generation in flight is cancelled and its ``done`` delivered before exit.
+    The server runs on its own threads; this one waits for the end."""
+    server = EngineServer(models, token=token, origins=origins).open(host, port)
     key = rundir.model_key(folders)
     path = (
         rundir.write_record(key, server.url, token, [str(f) for f in folders]) if record else None
@@ -96,36 +98,27 @@ async def run(
     )
     if announce is not None:
         announce(server, path)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
-    idle = asyncio.ensure_future(_idle_watch(server, idle_exit_s, stop)) if idle_exit_s else None
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     try:
-        await stop.wait()
+        last = time.monotonic()
+        while not stop.wait(min(0.5, idle_exit_s or 0.5)):
+            if idle_exit_s is None:
+                continue
+            if server.connections:
+                last = time.monotonic()
+            elif time.monotonic() - last >= idle_exit_s:
+                log.info("engine: no client for %.0f s, exiting", idle_exit_s)
+                break
         log.info("engine: stopping (%d connection(s))", len(server.connections))
     finally:
-        if idle is not None:
-            idle.cancel()
         if path is not None:
             rundir.remove_record(key, os.getpid())
-        await server.stop()
+        server.close()
         models.close()
         log.info("engine: stopped")
-
-
-async def _idle_watch(server: EngineServer, idle_exit_s: float, stop: asyncio.Event) -> None:
-    last = time.monotonic()
-    while not stop.is_set():
-        await asyncio.sleep(min(5.0, idle_exit_s))
-        if server.connections:
-            last = time.monotonic()
-        elif time.monotonic() - last >= idle_exit_s:
-            log.info("engine: no client for %.0f s, exiting", idle_exit_s)
-            stop.set()
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -170,17 +163,15 @@ def main_args(args: argparse.Namespace) -> int:
     # reach, a full collection no longer stops every thread (a cancel, a token) for tens of ms.
     gc.collect()
     gc.freeze()
-    asyncio.run(
-        run(
-            models,
-            folders,
-            host=host,
-            port=port,
-            token=token,
-            origins=args.allow_origin,
-            idle_exit_s=args.idle_exit,
-            announce=announce,
-        )
+    run(
+        models,
+        folders,
+        host=host,
+        port=port,
+        token=token,
+        origins=args.allow_origin,
+        idle_exit_s=args.idle_exit,
+        announce=announce,
     )
     return 0
 

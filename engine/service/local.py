@@ -1,11 +1,12 @@
 """Models served from this process: loaded ``Engine`` objects, each generation in its own thread.
 
 A generation iterates in a worker thread (the engine's lock is held per step, so generations on
-different slots interleave) and hands every chunk to a :class:`Sink`.  The sink's credit window
+different slots interleave) and hands every chunk to a :class:`Sink`, which (in the daemon)
+writes it to the client's socket from that thread.  Before each chunk the sink's ``credit``
 blocks the thread while the client is behind, so a slow reader holds the generation instead of
 growing a queue.  Worker threads are kept (:class:`Workers`) and reused by the next generation:
-starting a thread for every request would put a thread start and its handshake with the event
-loop on every request's way to its first token.
+starting a thread for every request would put a thread start on every request's way to its
+first token.
 """
 
 from __future__ import annotations

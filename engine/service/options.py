@@ -11,6 +11,8 @@ from .address import host_port
 DEFAULT_SLOTS = 8
 #: ``--spinning`` values -> ``Engine.load(spinning=...)``.
 SPINNING = {"off": False, "on": True, "auto": None}
+#: The daemon's and the Ray replicas' ``--spinning`` (the in-process engine's default is auto).
+DEFAULT_SPINNING = "off"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spinning",
         choices=sorted(SPINNING),
-        default="off",
-        help="ONNX Runtime threads spin between steps: off (default: the daemon's event loop "
-        "needs the cores between tokens), on, or auto (while the CPU is calm, as in-process)",
+        default=DEFAULT_SPINNING,
+        help="ONNX Runtime threads spin between steps: off (default: the threads that read "
+        "the socket and write the tokens need the cores between steps), on, or auto (while the "
+        "CPU is calm, as in-process); for the daemon and for --ray replicas",
     )
     p.add_argument(
         "--allow-remote",

@@ -66,6 +66,7 @@ from .connection import Connection
 from .daemon import INTERACTIVE_PREFILL_CHUNK, read_token_file
 from .launch import DaemonError, resolve_models
 from .local import describe
+from .options import DEFAULT_SPINNING, SPINNING
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +103,15 @@ class EngineReplica:
         threads: int | None = None,
         slots: int = SLOTS,
         precision: str = "fp32",
+        spinning: bool | None = SPINNING[DEFAULT_SPINNING],
     ) -> None:
         from ..engine import Engine  # ONNX Runtime loads in the replica process only
 
-        self.engine = Engine.load(model_dir, slots=slots, threads=threads, precision=precision)
+        # spinning: the daemon's default (off), for the same reason: a replica hands every
+        # token to its event loop (Serve's streaming), which needs a core between steps
+        self.engine = Engine.load(
+            model_dir, slots=slots, threads=threads, precision=precision, spinning=spinning
+        )
         self.engine.prefill_chunk = min(self.engine.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         self.engine.tokenizer.byte_index()  # token-healed prompts need it: built now
         self.where = f"{os.uname().nodename}:{os.getpid()}"
@@ -425,11 +431,12 @@ def build_app(
     threads: int | None = 1,
     slots: int = SLOTS,
     precision: str = "fp32",
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
 ):
     shards = [
         EngineReplica.options(
             name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
-        ).bind(model_dir, threads, slots, precision)
+        ).bind(model_dir, threads, slots, precision, spinning)
         for i in range(replicas)
     ]
     return EngineIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(
@@ -449,6 +456,7 @@ def deploy(
     threads: int | None = None,
     slots: int = SLOTS,
     precision: str = "fp32",
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
 ) -> str:
     """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
     ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
@@ -464,6 +472,7 @@ def deploy(
             threads=threads or replica_threads(replicas),
             slots=slots,
             precision=precision,
+            spinning=spinning,
         ),
         name=APP_NAME,
         route_prefix="/",
@@ -508,6 +517,7 @@ def main_args(args) -> int:
         threads=args.threads,
         slots=args.slots,
         precision=args.precision,
+        spinning=SPINNING[args.spinning],
     )
     key = rundir.model_key(folders)
     path = rundir.write_record(key, url, token, [str(f) for f in folders], ray=True)

@@ -1,9 +1,14 @@
-"""The engine service over WebSocket (the ``websockets`` library's asyncio server).
+"""The engine service over WebSocket: the ``websockets`` library's threaded server.
 
 Before the upgrade, a connection must present the daemon's token (``Authorization: Bearer …``)
 and, if it comes from a browser, an allowed ``Origin``; anything else gets HTTP 401 / 403.  After
-it, each connection is an :class:`engine.service.connection.Connection`.  ``stop()`` cancels
-every generation in flight and delivers their ``done`` messages before closing the sockets.
+it, each connection is an :class:`engine.service.connection.ThreadConnection`: the thread that
+reads the socket handles every message as it arrives (a ``cancel`` stops its generation from
+there), and each generation's thread writes its own tokens.  No event loop sits between the
+socket and the engine, so a token or a cancel crosses no thread hand-over in the daemon (on a
+machine whose cores the engine keeps busy, each hand-over is a wait for a core).  ``stop()``
+cancels every generation in flight and delivers their ``done`` messages before closing the
+sockets.
 """
 
 from __future__ import annotations
@@ -12,16 +17,18 @@ import asyncio
 import hmac
 import http
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.sync.server import Server, ServerConnection, serve
 
 from . import protocol as P
-from .connection import MAX_GENERATIONS, Connection
+from .connection import MAX_GENERATIONS, ThreadConnection
+from .direct import DirectServerConnection
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +56,11 @@ class EngineServer:
         self.token = token
         self.origins = tuple(origins)
         self.max_generations = max_generations
-        self.connections: set[Connection] = set()
+        self.connections: set[ThreadConnection] = set()
+        self._lock = threading.Lock()
         self._server: Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
         self.host = ""
         self.port = 0
 
@@ -59,26 +69,35 @@ class EngineServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"ws://{host}:{self.port}"
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
-        self._server = await serve(
+    def open(self, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
+        """Listen on ``host``:``port`` (0: a free port) and serve from a background thread."""
+        self._server = serve(
             self._handler,
             host,
             port,
-            origins=[
-                None,
-                *self.origins,
-            ],  # no Origin header: not a browser; browsers only if allowed
+            origins=[None, *self.origins],  # no Origin header: not a browser; browsers if allowed
             process_request=self._authorise,
             max_size=P.MAX_FRAME_BYTES,
             compression=None,  # small JSON frames: deflate costs latency and buys nothing
             ping_interval=20,
             ping_timeout=60,
+            close_timeout=2,
+            create_connection=DirectServerConnection,
         )
-        sock = next(iter(self._server.sockets))
-        self.host, self.port = sock.getsockname()[:2]
+        self.host, self.port = self._server.socket.getsockname()[:2]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="spark-engine-accept", daemon=True
+        )
+        self._thread.start()
         return self
 
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
+        """``open`` for asyncio callers (the server itself runs on its own threads)."""
+        return self.open(host, port)
+
     def _authorise(self, conn: ServerConnection, request: Request) -> Response | None:
+        if self._stopping:
+            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "shutting down\n")
         if self.token is None:
             return None
         given = bearer(request.headers)
@@ -87,7 +106,9 @@ class EngineServer:
             return conn.respond(http.HTTPStatus.UNAUTHORIZED, "a valid engine token is required\n")
         return None
 
-    async def _handler(self, ws: ServerConnection) -> None:
+    def _handler(self, ws: DirectServerConnection) -> None:
+        """One connection's life (on its own thread, which waits while the reading thread and
+        the generations do the work)."""
         peer = _peer(ws)
         log.info(
             "engine: client %s connected (origin %s, %s)",
@@ -95,33 +116,43 @@ class EngineServer:
             ws.request.headers.get("Origin", "-"),
             ws.request.headers.get("User-Agent", "-"),
         )
-        conn = Connection(self.models, ws.send, peer=peer, max_generations=self.max_generations)
-        self.connections.add(conn)
+        conn = ThreadConnection(
+            self.models, ws.send, ws.socket, peer=peer, max_generations=self.max_generations
+        )
+        with self._lock:
+            self.connections.add(conn)
         try:
-            async for raw in ws:
-                await conn.handle(raw)
-        except ConnectionClosed:
-            pass
+            ws.attach(conn.handle)
+            ws.recv_events_thread.join()  # until the socket closes
         finally:
-            await conn.close(drain_s=0.0 if ws.state.name != "OPEN" else 2.0)
-            self.connections.discard(conn)
+            conn.close(drain_s=0.0)
+            with self._lock:
+                self.connections.discard(conn)
             log.info("engine: client %s disconnected", peer)
 
-    async def stop(self, drain_s: float = 5.0) -> None:
+    def close(self, drain_s: float = 5.0) -> None:
         """Cancel all generations, deliver their last messages, close every socket."""
         if self._server is None:
             return
-        self._server.close(close_connections=False)  # stop accepting
-        await asyncio.gather(
-            *(c.close(drain_s) for c in list(self.connections)), return_exceptions=True
-        )
-        self._server.close(close_connections=True)
-        await self._server.wait_closed()
+        self._stopping = True  # new connections are refused (HTTP 503)
+        with self._lock:
+            conns = list(self.connections)
+        for c in conns:  # every generation is told to stop at once ...
+            with c.lock:
+                c.closing = True
+                for run in list(c.runs.values()):
+                    run.stop()
+        deadline = time.monotonic() + drain_s
+        for c in conns:  # ... then their `done` messages are awaited
+            c.close(max(0.0, deadline - time.monotonic()))
+        self._server.shutdown()  # closes the sockets (1001) and waits for their handlers
+        if self._thread is not None:
+            self._thread.join(5.0)
         self._server = None
 
-    async def serve_forever(self) -> None:
-        assert self._server is not None
-        await self._server.serve_forever()
+    async def stop(self, drain_s: float = 5.0) -> None:
+        """``close`` for asyncio callers, off the event loop (its clients keep reading)."""
+        await asyncio.to_thread(self.close, drain_s)
 
 
 def _peer(ws: ServerConnection) -> str:

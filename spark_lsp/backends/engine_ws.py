@@ -365,6 +365,12 @@ class EngineStream:
         # the daemon cancels a successor too (an id that a steer stopped names its successor)
         self._gen.cancel()
 
+    def abandon(self, on_stopped: Callable[[], None]) -> None:
+        """The stream was cancelled and will not be read any more: the daemon stops the
+        generation on its own, and ``on_stopped()`` runs when its ``done`` arrives (or the
+        connection is lost), on the client's reading thread."""
+        self._gen.on_done(on_stopped)
+
     def stop(self) -> None:
         """The output is complete (the caller used it): stop generating more."""
         self._gen.cancel()

@@ -455,6 +455,66 @@ async def test_scheduler_supersedes_cancels_and_is_fair():
         sched.shutdown()
 
 
+class _RemoteStream:
+    """A stream of a remote engine (as `backends.engine_ws.EngineStream`): after a cancel the
+    engine stops on its own, and says so later (`stopped()`, its `done` arriving)."""
+
+    def __init__(self, token):
+        self.token, self.drained, self.on_stopped = token, False, None
+        self.finish_reason, self.stats = None, {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.token.cancelled:  # reading on would wait for the engine's `done`
+            self.drained = True
+            raise StopIteration
+        time.sleep(0.002)
+        return type("C", (), {"text": "x", "token_id": 1})()
+
+    def abandon(self, on_stopped):
+        self.on_stopped = on_stopped
+
+
+async def test_a_cancelled_remote_stream_is_not_waited_for_and_its_stop_is_timed_later():
+    """The next job starts without waiting for a cancelled remote generation's `done`; the
+    cancel latency is recorded when that `done` comes, measured to it."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    sched = Scheduler()
+    streams = []
+
+    class Remote:
+        def generate(self, ids, params, slot, cancel, **kw):
+            streams.append(_RemoteStream(cancel))
+            return streams[-1]
+
+    try:
+        first = Job("a", lambda j: completions.generate_steps(Remote(), j, [1], None), loop)
+        sched.submit(first)
+        await asyncio.sleep(0.05)
+        second = Job("a", lambda j: "second", loop)
+        sched.submit(second)  # supersedes the running one
+        with pytest.raises(Cancelled, match="superseded"):
+            await first.future
+        assert await second.future == "second"
+        (stream,) = streams
+        assert not stream.drained and stream.on_stopped is not None and first.stopping
+        assert not sched.cancel_latencies_ms and first.t_stopped is None  # not stopped yet
+        time.sleep(0.03)
+        threading.Thread(target=stream.on_stopped).start()  # the `done`, on the reader thread
+        for _ in range(200):
+            if sched.cancel_latencies_ms:
+                break
+            await asyncio.sleep(0.005)
+        (latency,) = sched.cancel_latencies_ms
+        assert latency >= 30 and first.t_stopped is not None
+    finally:
+        sched.shutdown()
+
+
 # -- chat-template instruction edits --------------------------------------------------------------
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -429,3 +429,30 @@ def test_typing_in_the_generated_text_steers_and_anything_else_stops():
     s3.edits_to(s3.frame("    return a", final=False))
     assert s3.on_did_change(shown, 2)
     assert not s3.on_did_change("# x\n" + shown, 3) and s3.stopped_by_user
+
+
+def test_typing_after_the_generation_ended_is_taken_for_a_successor():
+    """The generation has ended but its last output is not shown yet: the user's typing is
+    still a steer (the live edit starts a successor after it, `take_late`), not a stop; before
+    any generation ran there is nothing to steer."""
+    from spark_lsp.live_edits import Steering
+
+    doc = "def f():\n    pass\n"
+    at = doc.index("    pass")
+    s = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
+    s.steering, gen = Steering(), _Steerable()
+    assert not s.steering.send("    x")  # nothing attached yet: cannot steer
+    s.steering.attach(gen)
+    s.edits_to(s.frame("    return a", final=False))
+    shown = doc[:at] + "    return a\n"
+    assert s.on_did_change(shown, 2)
+    s.steering.detach(gen)  # the generation ended; its final text is not shown yet
+    assert not s.steering.take_late()
+    assert not s.on_did_change(shown.replace("return a", "return ab"), 3) and not s.stopped
+    assert gen.pieces == [] and s.typed == "    return ab" and s.steers == 1
+    assert s.steering.take_late() and not s.steering.take_late()  # once per late typing
+    # a successor attached with the typed text as its lead is steered with what follows it
+    succ = _Steerable()
+    s.steering.starting("    return ab").attach(succ)
+    assert not s.on_did_change(shown.replace("return a", "return ab + 1"), 4) and not s.stopped
+    assert succ.pieces == [" + 1"] and not s.steering.take_late()

@@ -590,3 +590,167 @@ async def test_a_keystroke_on_a_warm_slot_generates_what_in_process_does(client,
         remote.append(await gen.result())
     assert remote == local
     assert gen.stats["reused_tokens"] == len(ids) and gen.stats["new_tokens"] == 24
+
+
+# -- the daemon's threaded connection: generations write their own tokens --------------------
+def _socket_connection(engine):
+    """A ThreadConnection writing newline-separated messages into one end of a socket pair with
+    small buffers (the client end, which the test reads or not)."""
+    import socket
+
+    from engine.service.connection import ThreadConnection
+
+    server_end, client_end = socket.socketpair()
+    server_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client_end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+
+    def send(text: str) -> None:
+        server_end.sendall(text.encode() + b"\n")
+
+    conn = ThreadConnection(LocalModels([engine]), send, server_end)
+    return conn, server_end, client_end
+
+
+def _read_all(sock) -> list[dict]:
+    sock.setblocking(False)
+    data = b""
+    while True:
+        try:
+            part = sock.recv(1 << 16)
+        except BlockingIOError:
+            break
+        if not part:
+            break
+        data += part
+    return [json.loads(line) for line in data.splitlines() if line]
+
+
+def _wait(cond, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_threaded_a_client_that_stops_reading_holds_its_generation(engine):
+    """The generation writes its own tokens; when the client reads nothing, it stops once the
+    socket's buffers are full (nothing queues in the server), and goes on when the client
+    reads again, delivering every token."""
+    import time
+
+    conn, server_end, client_end = _socket_connection(engine)
+    conn.handle(json.dumps({"type": "hello"}))
+    conn.handle(
+        json.dumps(
+            {
+                "type": "generate",
+                "id": "g",
+                "prompt": PROMPT,
+                "slot": "tbp",
+                "params": {"max_new_tokens": 600, "ignore_eos": True},
+            }
+        )
+    )
+    run = conn.runs["g"]
+    stalled = -1
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the stream stops growing for 0.3 s
+        n = len(run.stream.ids)
+        time.sleep(0.3)
+        if len(run.stream.ids) == n:
+            stalled = n
+            break
+    assert 0 < stalled < 600, "the generation never waited for the client"
+    assert "g" in conn.runs
+    received: list[dict] = []
+    client_end.settimeout(30)
+    buf = b""
+    while not any(m.get("type") == "done" for m in received):
+        buf += client_end.recv(1 << 16)
+        *lines, buf = buf.split(b"\n")
+        received += [json.loads(line) for line in lines if line]
+    done = [m for m in received if m["type"] == "done"][-1]
+    assert done["finish_reason"] == "length" and done["stats"]["new_tokens"] == 600
+    tokens = [m for m in received if m["type"] == "tokens"]
+    assert len(tokens[0]["ids"]) == 1  # the first token leaves alone, at once
+    assert [i for m in tokens for i in m["ids"]] == run.stream.ids  # all, in order
+    assert "".join(m["text"] for m in tokens) == run.stream.text
+    conn.close()
+    server_end.close()
+    client_end.close()
+
+
+def test_threaded_cancel_ends_a_generation_held_by_a_client_that_stopped_reading(engine):
+    import time
+
+    conn, server_end, client_end = _socket_connection(engine)
+    conn.handle(json.dumps({"type": "hello"}))
+    conn.handle(
+        json.dumps(
+            {"type": "generate", "id": "g", "prompt": PROMPT, "params": {"ignore_eos": True}}
+        )
+    )
+    run = conn.runs["g"]
+    while True:  # held by the full socket
+        n = len(run.stream.ids)
+        time.sleep(0.3)
+        if n and len(run.stream.ids) == n:
+            break
+    conn.handle(json.dumps({"type": "cancel", "id": "g"}))
+    _wait(lambda: run.handle.gen is not None and run.handle.gen.done)  # stopped, unread
+    assert run.handle.gen.finish_reason == "cancelled"
+    client_end.settimeout(30)
+    buf = b""
+    while b'"done"' not in buf:
+        buf += client_end.recv(1 << 16)
+    done = [json.loads(x) for x in buf.splitlines() if b'"done"' in x][-1]
+    assert done["finish_reason"] == "cancelled"
+    _wait(lambda: "g" not in conn.runs)
+    conn.close()
+    server_end.close()
+    client_end.close()
+
+
+def test_threaded_close_cancels_and_delivers_done(engine):
+    """close(): every generation is cancelled and its `done` written before it returns."""
+    import threading
+
+    conn, server_end, client_end = _socket_connection(engine)
+    received: list[dict] = []
+
+    def reader() -> None:  # the client reads all along
+        client_end.settimeout(60)
+        buf = b""
+        while buf.count(b'"type":"done"') < 2:
+            part = client_end.recv(1 << 16)
+            if not part:
+                break
+            buf += part
+        received.extend(json.loads(x) for x in buf.splitlines() if x)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    conn.handle(json.dumps({"type": "hello"}))
+    for gid in ("a", "b"):
+        conn.handle(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": gid,
+                    "prompt": PROMPT,
+                    "slot": gid,
+                    "params": {"max_new_tokens": 400, "ignore_eos": True},
+                }
+            )
+        )
+    runs = list(conn.runs.values())
+    _wait(lambda: all(len(r.stream.ids) >= 2 for r in runs))
+    conn.close(drain_s=30)
+    assert not conn.runs
+    t.join(60)
+    done = {m["id"]: m["finish_reason"] for m in received if m["type"] == "done"}
+    assert done == {"a": "cancelled", "b": "cancelled"}
+    server_end.close()
+    client_end.close()

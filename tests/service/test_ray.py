@@ -151,3 +151,18 @@ def test_idle_documents_weigh_nothing_and_are_forgotten():
     clock.t += ray_app.Shards.FORGET_S + 1
     shards.pick("other")  # placing a document forgets the long-unused ones
     assert set(shards._placed) == {"other"}
+
+
+def test_replicas_load_engines_that_do_not_spin_like_the_daemon():
+    """A replica hands every token to its event loop as the daemon's generations hand theirs
+    to the socket: its ONNX Runtime threads do not spin between steps (the daemon's default)."""
+    from engine.service.daemon import load_engines
+
+    replica = ray_app.EngineReplica.func_or_class(str(default_model_dir()), threads=1, slots=2)
+    try:
+        (daemon_engine,) = load_engines([default_model_dir()], slots=2, threads=1)
+        for eng in (replica.engine, daemon_engine):
+            rt = eng.runtime
+            assert not any(t.spinning for t in (rt.wide, rt.busy, rt.calm))
+    finally:
+        replica.pool.shutdown()

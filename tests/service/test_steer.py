@@ -164,11 +164,13 @@ async def test_typing_in_a_live_edit_steers_it(tiny_llama, run_dir, engine):
         for attempt in range(4):
             uri = f"file:///work/steer_{attempt}.py"
             res, n = await _steered_edit(ed, uri=uri)
-            if res["steers"] == 0 and res["outcome"] == "stopped by the user" and attempt < 3:
-                # Known timing case (the known gap in docs/service.md): typing that arrives after the
-                # generation has finished but before its last flush is shown finds nothing to
-                # steer, and stops the edit as before steering existed. A fresh document again.
+            if res["unsteerable"] == "carriage return" and attempt < 3:
+                # the random model wrote a carriage return before the typing: line breaks the
+                # editor may convert are not mapped, so typing there stops the edit
+                # (docs/service.md, "Not steered"). A fresh document again.
                 continue
+            # typing that reaches the server after the generation ended (before its last
+            # output showed) steers too: a successor continues after it (live_edits.Steering)
             assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
             doc = ed.text(uri)
             assert doc.count("ZZ_typed") == 1, doc  # what the user typed stays, once
@@ -185,8 +187,11 @@ async def test_typing_in_a_live_edit_steers_it(tiny_llama, run_dir, engine):
 
         # a cancel right after the typing: nothing more is written, the typing stays
         res, n = await _steered_edit(ed, cancel=True)
-        stopped = res["steers"] == 0 and res["outcome"] == "stopped by the user"  # as above
-        assert ("cancel" in res["outcome"] or stopped) and not res["complete"], res
+        stopped = res["unsteerable"] == "carriage return"  # as above
+        # or the successor finished before the cancel came, and its result failed the final
+        # check (as above): nothing more was written either way
+        refused = res["steers"] == 2 and "not valid Python" in res["outcome"]
+        assert ("cancel" in res["outcome"] or stopped or refused) and not res["complete"], res
         doc = ed.text(URI)
         assert doc.count("ZZ_typed") == 1, doc
         server = await ed.server_document(URI)

@@ -1,0 +1,84 @@
+"""WebSocket connections (``websockets``' threaded implementation) that hand every received
+message to a callback on the thread that read it.
+
+``websockets.sync`` reads each socket on its own thread and queues the messages for another
+thread's ``recv()``: a hand-over between two threads for every message.  Here the reading
+thread calls ``on_message(raw)`` itself (``raw``: the message's bytes), so a ``cancel`` reaches
+the generation, or a token the consumer's queue, without waiting for another thread to be
+scheduled.  Messages that arrive before ``attach`` are kept and handed over by it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from websockets.frames import CONT, DATA_OPCODES, Frame
+from websockets.sync.client import ClientConnection
+from websockets.sync.server import ServerConnection
+
+
+class _Direct:
+    """The part shared by the server and client connections below."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._attach_lock = threading.Lock()
+        self._on_message: Callable[[bytes], None] | None = None
+        self._on_close: Callable[[], None] | None = None
+        self._early: list[bytes] = []
+        self._parts: list[bytes] = []  # the frames of a fragmented message so far
+        self._ended = False
+        super().__init__(*args, **kwargs)
+
+    def attach(
+        self, on_message: Callable[[bytes], None], on_close: Callable[[], None] | None = None
+    ) -> None:
+        """Hand every message to ``on_message`` from now on (and those that came before), and
+        call ``on_close`` once the socket has closed (at once if it has)."""
+        with self._attach_lock:
+            early, self._early = self._early, []
+            for raw in early:
+                on_message(raw)
+            self._on_message = on_message
+            self._on_close = on_close
+            ended = self._ended
+        if ended and on_close is not None:
+            on_close()
+
+    def process_event(self, event: Any) -> None:
+        if not isinstance(event, Frame) or event.opcode not in DATA_OPCODES:
+            return super().process_event(event)  # the handshake, pings and pongs, close
+        if event.opcode is not CONT:
+            self._parts = []
+        self._parts.append(bytes(event.data))
+        if not event.fin:
+            return  # the protocol bounds a message's size over its frames (max_size)
+        raw = b"".join(self._parts)
+        self._parts = []
+        on_message = self._on_message
+        if on_message is None:
+            with self._attach_lock:
+                if self._on_message is None:
+                    self._early.append(raw)
+                    return
+                on_message = self._on_message
+        on_message(raw)
+
+    def recv_events(self) -> None:
+        try:
+            super().recv_events()
+        finally:
+            with self._attach_lock:
+                self._ended = True
+                on_close = self._on_close
+            if on_close is not None:
+                on_close()
+
+
+class DirectServerConnection(_Direct, ServerConnection):
+    """A server-side connection whose messages go to ``attach``'s callback."""
+
+
+class DirectClientConnection(_Direct, ClientConnection):
+    """A client-side connection whose messages go to ``attach``'s callback."""
