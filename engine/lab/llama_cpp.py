@@ -199,6 +199,36 @@ def probe(path: Path, threads: int) -> None:
         )
 
 
+#: CPU features worth naming in a llama.cpp build (its system info) and this CPU's flag for each.
+_FEATURES = {
+    "AVX2": "avx2",
+    "AVX512": "avx512f",
+    "AVX512_VNNI": "avx512_vnni",
+    "AMX_INT8": "amx_int8",
+}
+
+
+def build_features() -> tuple[list[str], list[str]]:
+    """(the features the installed llama.cpp was compiled with, of those in ``_FEATURES``; the
+    ones this CPU has that the build lacks).  A build without this CPU's vector extensions is a
+    weak peer (a wheel built with ``GGML_NATIVE=OFF`` alone stops at AVX2), so the benchmark
+    says so next to its figures instead of reporting an unfair ratio silently."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    built = [f for f in _FEATURES if f"{f} = 1" in info]
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    # AMX is left out of llama.cpp builds on purpose where its kernels crash (see docs/speed.md)
+    missing = [
+        f for f, flag in _FEATURES.items() if flag in flags and f not in built and f != "AMX_INT8"
+    ]
+    return built, missing
+
+
 class LlamaCppPeer:
     """llama.cpp (``llama-cpp-python``) on one GGUF file: greedy, eos ignored, a fresh KV cache per call."""
 
@@ -222,7 +252,14 @@ class LlamaCppPeer:
         self.bits = GGUF_TYPES[gguf_type]
         self.gguf_type = gguf_type
         self.path = path
-        self.version = f"llama-cpp-python {version}"
+        built, missing = build_features()
+        self.version = f"llama-cpp-python {version} ({', '.join(built) or 'no SIMD features'})"
+        if missing:
+            log(
+                f"warning: llama.cpp is built without {', '.join(missing)}, which this CPU has: "
+                "its figures understate llama.cpp here; rebuild llama-cpp-python with them "
+                "(docs/speed.md, 'llama.cpp')"
+            )
         try:
             self.llm = llama_cpp.Llama(
                 model_path=str(path),

@@ -175,8 +175,75 @@ class _PromptDeltas:
         self._whole.clear()
 
 
-class EngineClient:
+class _Dispatch:
+    """The client side of the protocol's server messages, for :class:`EngineClient` (asyncio)
+    and :class:`SyncEngineClient` (threads): what each message does to the generations
+    (``_gens``), steers (``_steers``) and replies (``_replies``) the client waits on."""
+
+    _generation: Any  # the generation class the client makes for a steer's successor
+    _gens: dict[str, Any]
+    _steers: dict[str, Any]
+    _replies: dict[str, Any]
+    _deltas: _PromptDeltas
+    last_error: Exception | None
+
+    def _apply(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply one server message to the generations, steers and replies waiting for it;
+        returns a message to send again (the whole prompt, when the server forgot a delta's
+        base), if any.  Shared by both clients so they read the protocol the same way."""
+        kind = msg.get("type")
+        gid = msg.get("id")
+        if kind == "tokens":
+            self._deltas.accepted(gid)
+            gen = self._gens.get(gid)
+            if gen is not None:
+                gen._push(msg.get("text", ""), list(msg.get("ids", ())))
+        elif kind == "done":
+            self._deltas.accepted(gid)
+            gen = self._gens.pop(gid, None)
+            if gen is not None:
+                succ = msg.get("successor")
+                if succ is not None and gen.successor is None:
+                    gen.successor = self._gens.get(succ)
+                gen._finish(
+                    msg.get("finish_reason", "error"), msg.get("stats", {}), msg.get("error")
+                )
+        elif kind == "steer":
+            if msg.get("state") == P.COMMITTED and msg.get("outcome") == P.STOPPED:
+                succ = msg.get("successor")
+                gen = self._gens.get(gid)
+                if succ and succ not in self._gens:
+                    self._gens[succ] = self._generation(self, succ)
+                if gen is not None and succ:
+                    gen.successor = self._gens[succ]
+            if msg.get("state") in (P.COMMITTED, P.FAILED):
+                fut = self._steers.pop(msg.get("steer"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        elif kind == "status":
+            fut = self._replies.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif kind == "error":
+            whole = self._deltas.accepted(gid) if gid else None
+            if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
+                return whole  # the server forgot the base: the whole prompt again
+            err = EngineRequestError(msg.get("code", "error"), msg.get("message", ""))
+            gen = self._gens.pop(gid, None) if gid else None
+            if gen is not None:
+                gen._finish("error", {}, {"code": err.code, "message": err.message})
+            fut = self._replies.pop(gid, None) if gid else None
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+            if gen is None and fut is None:
+                self.last_error = err
+        return None
+
+
+class EngineClient(_Dispatch):
     """One connection to an engine service; ``hello`` holds the server's handshake reply."""
+
+    _generation = RemoteGeneration
 
     def __init__(
         self, ws: ClientConnection, hello: dict[str, Any], *, prompt_deltas: bool = True
@@ -401,53 +468,9 @@ class EngineClient:
         self._replies.clear()
 
     def _on_message(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        gid = msg.get("id")
-        if kind == "tokens":
-            self._deltas.accepted(gid)
-            gen = self._gens.get(gid)
-            if gen is not None:
-                gen._push(msg.get("text", ""), list(msg.get("ids", ())))
-        elif kind == "done":
-            self._deltas.accepted(gid)
-            gen = self._gens.pop(gid, None)
-            if gen is not None:
-                succ = msg.get("successor")
-                if succ is not None and gen.successor is None:
-                    gen.successor = self._gens.get(succ)
-                gen._finish(
-                    msg.get("finish_reason", "error"), msg.get("stats", {}), msg.get("error")
-                )
-        elif kind == "steer":
-            if msg.get("state") == P.COMMITTED and msg.get("outcome") == P.STOPPED:
-                succ = msg.get("successor")
-                gen = self._gens.get(gid)
-                if succ and succ not in self._gens:
-                    self._gens[succ] = RemoteGeneration(self, succ)
-                if gen is not None and succ:
-                    gen.successor = self._gens[succ]
-            if msg.get("state") in (P.COMMITTED, P.FAILED):
-                fut = self._steers.pop(msg.get("steer"), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-        elif kind == "status":
-            fut = self._replies.pop(msg.get("id"), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-        elif kind == "error":
-            whole = self._deltas.accepted(gid) if gid else None
-            if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
-                asyncio.ensure_future(self._send_quietly(whole))  # the server forgot the base
-                return
-            err = EngineRequestError(msg.get("code", "error"), msg.get("message", ""))
-            gen = self._gens.pop(gid, None) if gid else None
-            if gen is not None:
-                gen._finish("error", {}, {"code": err.code, "message": err.message})
-            fut = self._replies.pop(gid, None) if gid else None
-            if fut is not None and not fut.done():
-                fut.set_exception(err)
-            if gen is None and fut is None:
-                self.last_error = err
+        resend = self._apply(msg)
+        if resend is not None:  # the server forgot the base
+            asyncio.ensure_future(self._send_quietly(resend))
 
 
 class SyncGeneration:
@@ -566,11 +589,13 @@ class _Chunk:
     text: str
 
 
-class SyncEngineClient:
+class SyncEngineClient(_Dispatch):
     """One connection to an engine service for callers in ordinary threads (the language
     server's engine thread), without an event loop: a request, a cancel or a steer is written
     by the thread that makes it, and the socket's reading thread hands each message to its
     generation (``engine.service.direct``)."""
+
+    _generation = SyncGeneration
 
     def __init__(
         self,
@@ -756,56 +781,6 @@ class SyncEngineClient:
             return
         resend = None
         with self._lock:
-            resend = self._on_message(msg)
+            resend = self._apply(msg)
         if resend is not None:
             self._send_quietly(resend)
-
-    def _on_message(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        """Apply one message (with the lock held); returns a message to send again, if any."""
-        kind = msg.get("type")
-        gid = msg.get("id")
-        if kind == "tokens":
-            self._deltas.accepted(gid)
-            gen = self._gens.get(gid)
-            if gen is not None:
-                gen._push(msg.get("text", ""), list(msg.get("ids", ())))
-        elif kind == "done":
-            self._deltas.accepted(gid)
-            gen = self._gens.pop(gid, None)
-            if gen is not None:
-                succ = msg.get("successor")
-                if succ is not None and gen.successor is None:
-                    gen.successor = self._gens.get(succ)
-                gen._finish(
-                    msg.get("finish_reason", "error"), msg.get("stats", {}), msg.get("error")
-                )
-        elif kind == "steer":
-            if msg.get("state") == P.COMMITTED and msg.get("outcome") == P.STOPPED:
-                succ = msg.get("successor")
-                gen = self._gens.get(gid)
-                if succ and succ not in self._gens:
-                    self._gens[succ] = SyncGeneration(self, succ)
-                if gen is not None and succ:
-                    gen.successor = self._gens[succ]
-            if msg.get("state") in (P.COMMITTED, P.FAILED):
-                fut = self._steers.pop(msg.get("steer"), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-        elif kind == "status":
-            fut = self._replies.pop(msg.get("id"), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-        elif kind == "error":
-            whole = self._deltas.accepted(gid) if gid else None
-            if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
-                return whole  # the server forgot the base: the whole prompt again
-            err = EngineRequestError(msg.get("code", "error"), msg.get("message", ""))
-            gen = self._gens.pop(gid, None) if gid else None
-            if gen is not None:
-                gen._finish("error", {}, {"code": err.code, "message": err.message})
-            fut = self._replies.pop(gid, None) if gid else None
-            if fut is not None and not fut.done():
-                fut.set_exception(err)
-            if gen is None and fut is None:
-                self.last_error = err
-        return None

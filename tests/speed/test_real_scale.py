@@ -210,6 +210,11 @@ def test_llama_cpp_peer_same_weights(tiny_llama, tmp_path, monkeypatch, capsys):
     res = json.loads(out)
     p = res["peers"]["llama.cpp F32"]
     assert p["bits"] == 32 and p["greedy_agreement"] == "6/6" and p["weight_mb_per_token"] > 0
+    # the build's vector features are named with its figures (a build without them is weak)
+    from engine.lab.llama_cpp import build_features
+
+    built, _ = build_features()
+    assert p["version"].endswith(f"({', '.join(built) or 'no SIMD features'})")
     assert res["ours"]["fp32"]["bandwidth_pct"] > 0 and res["bandwidth_gb_s"] > 0
     assert any("llama.cpp F32" in ln for ln in bench.format_classes(res))
 
