@@ -50,10 +50,10 @@ def install_key(root: str | None = None) -> str:
     installation (the record, socket and lock names carry the key), so after an upgrade or an
     edit the next editor starts a host that runs the new code, and the old host exits when its
     own sessions have closed (`--idle-exit`); two virtual environments never share one."""
-    import hashlib
+    import zlib  # not hashlib: it maps OpenSSL's libcrypto, 4 MB more per bridge
 
     root = root or os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    h = hashlib.sha256(f"{os.path.realpath(sys.executable)}\0{root}".encode())
+    crc = zlib.crc32(f"{os.path.realpath(sys.executable)}\0{root}".encode())
     stack = [os.path.join(root, "spark_lsp"), os.path.join(root, "engine")]
     while stack:
         try:
@@ -65,8 +65,8 @@ def install_key(root: str | None = None) -> str:
                 stack.append(e.path)
             elif e.name.endswith((".py", ".c")):
                 st = e.stat()
-                h.update(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:12]
+                crc = zlib.crc32(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode(), crc)
+    return f"{crc:08x}"
 
 
 INSTALL = install_key()
