@@ -127,17 +127,39 @@ class EngineReplica:
         except (ValueError, ModelError) as e:
             yield {"done": "error", "stats": {}, "error": {"code": P.BAD_PROMPT, "message": str(e)}}
             return
-        it = iter(gen)
+        # The generation runs on a worker thread that queues each token here; every item this
+        # stream yields carries all the tokens ready by then, so a caller that falls behind (many
+        # editors on few cores) gets one Ray message for several tokens instead of one each.
         loop = asyncio.get_running_loop()
+        ready: asyncio.Queue = asyncio.Queue()
+
+        def produce() -> None:
+            try:
+                for chunk in gen:
+                    loop.call_soon_threadsafe(ready.put_nowait, [int(chunk.token_id), chunk.text])
+                end: BaseException | None = None
+            except BaseException as e:  # raised again on the event loop
+                end = e
+            loop.call_soon_threadsafe(ready.put_nowait, end)
+
+        worker = loop.run_in_executor(self.pool, produce)
         try:
             while True:
-                chunk = await loop.run_in_executor(self.pool, next, it, None)
-                if chunk is None:
+                items = [await ready.get()]
+                while not ready.empty():
+                    items.append(ready.get_nowait())
+                tokens = [x for x in items if isinstance(x, list)]
+                if tokens:
+                    yield {"tokens": tokens}
+                if len(tokens) < len(items):  # the end (None) or the generation's error
+                    end = items[-1]
+                    if end is not None:
+                        raise end
                     break
-                yield {"id": int(chunk.token_id), "text": chunk.text}
         except BaseException:  # the caller cancelled (or went away): stop within one step
             gen.cancel()
             raise
+        await worker
         yield {
             "done": gen.finish_reason or "cancelled",
             "stats": dict(gen.stats),
@@ -269,11 +291,12 @@ class RayRun:
                             item["done"], stats, (err["code"], err["message"]) if err else None
                         )
                         return
-                    await self.sink.acredit()
-                    if first_ms is None:
-                        first_ms = (time.perf_counter() - t0) * 1e3
-                    delivered.append(item["id"])
-                    self.sink.chunk(item["id"], item["text"])
+                    for token_id, text in item["tokens"]:
+                        await self.sink.acredit()
+                        if first_ms is None:
+                            first_ms = (time.perf_counter() - t0) * 1e3
+                        delivered.append(token_id)
+                        self.sink.chunk(token_id, text)
                 raise RuntimeError("the replica's stream ended without a result")
             except asyncio.CancelledError:
                 self.sink.finish("cancelled", {"new_tokens": len(delivered)}, None)
