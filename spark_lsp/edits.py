@@ -254,7 +254,7 @@ class _Stream:
                 on_text=self._on_text,
                 parent=session.token,
                 steering=session.steering,
-                **({"lead": lead} if lead else {}),
+                lead=lead,
             )
             task = asyncio.ensure_future(job)
             while not task.done():

@@ -74,7 +74,7 @@ class Scripted:
         self.ls.workspace_apply_edit_async = self.apply_edit
         self.ls.edits.job = self.generate
 
-    async def generate(self, uri, plan, on_text=None, parent=None, steering=None):
+    async def generate(self, uri, plan, on_text=None, parent=None, steering=None, lead=""):
         """The engine job (Edits.job), scripted: each chunk of output is flushed before the next comes (a chunk
         that changes nothing on screen is given a few flush intervals)."""
         self.generation = asyncio.current_task()
