@@ -469,10 +469,14 @@ class ThreadConnection(Session):
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         with self.lock:
             fn(*args)
-            if fn == self._on_finish:
-                self._held.pop(args[0].id, None)  # its `done` flushed what was held
             if not self.runs:
                 self._ended.notify_all()
+
+    def _on_finish(
+        self, run: Run, reason: str, stats: dict[str, Any], error: tuple[str, str] | None
+    ) -> None:
+        super()._on_finish(run, reason, stats, error)
+        self._held.pop(run.id, None)  # its `done` flushed what was held
 
     def _credit(self, run: Run, stop: threading.Event, timeout: float) -> bool:
         """Wait until the socket takes more (at most ``timeout`` s, looking at ``stop``)."""
