@@ -10,6 +10,8 @@ Handlers are async and never run model work themselves, so the reader keeps read
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -36,6 +38,21 @@ CMD_TOGGLE = "spark.toggle"
 CMD_CONFIGURE = "spark.configure"
 CMD_STATUS = "spark.status"
 CMD_ACCEPTED = "spark.accepted"
+
+
+def configure_process(handler: logging.Handler, level: str) -> None:
+    """Logging and thread switching of a process that runs language-server sessions (`serve`,
+    the session host): `handler` at `level` on the root logger, pygls quiet below DEBUG (it logs
+    every message at INFO and every error response with a traceback), and a waiting thread (a
+    cancel, the reader) given the GIL within 0.5 ms instead of the default 5 ms, which bounds how
+    fast a cancel reaches the engine thread."""
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level)
+    if level != "DEBUG":
+        logging.getLogger("pygls").setLevel(logging.CRITICAL)
+    sys.setswitchinterval(0.0005)
 
 
 class SparkServer(SparkLanguageServer):

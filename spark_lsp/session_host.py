@@ -313,15 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
     )
     args = p.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)  # the bridge points it at lsp-host.log
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(args.log_level)
-    if args.log_level != "DEBUG":
-        logging.getLogger("pygls").setLevel(logging.CRITICAL)
-    # as `serve`: a waiting thread (a cancel, the reader) gets the GIL within 0.5 ms
-    sys.setswitchinterval(0.0005)
+    from .server import configure_process  # pygls and the server, once the arguments are good
+
+    # the bridge points stderr at lsp-host.log
+    configure_process(logging.StreamHandler(sys.stderr), args.log_level)
     model_host.SHARED = model_host.SharedModels(spinning=SPINNING[args.spinning])
     host = SessionHost(Path(bridge.runtime_dir()), args.idle_exit)
     try:

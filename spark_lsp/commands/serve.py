@@ -129,22 +129,12 @@ def run(args) -> int:
     except BadModel as exc:
         print(f"spark-lsp serve: {exc}", file=sys.stderr)
         return 2
-    handler = (
-        logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    from spark_lsp.server import configure_process, create_server
+
+    configure_process(
+        logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr),
+        args.log_level,
     )
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(args.log_level)
-    if args.log_level != "DEBUG":
-        # pygls logs every message at INFO and every error response with a traceback
-        logging.getLogger("pygls").setLevel(logging.CRITICAL)
-
-    # The engine thread, the event loop and pygls' reader share the GIL; a waiting thread gets it
-    # after at most this long (default 5 ms), which bounds how fast a cancel reaches the engine.
-    sys.setswitchinterval(0.0005)
-
-    from spark_lsp.server import create_server
 
     if not (args.tcp or args.ws):
         return create_server(model, args.engine).start_io()
