@@ -63,26 +63,58 @@ class Piece:
     ids: list[int]
 
 
-class RemoteGeneration:
-    """A generation running in the service: ``async for piece in gen``, then ``text``,
-    ``tokens``, ``finish_reason``, ``stats``.  ``successor`` is set when a steer stopped it."""
+class _Received:
+    """What the clients' dispatcher (:class:`_Dispatch`) records of one generation: ``text``,
+    ``tokens``, ``finish_reason``, ``stats``, ``error`` and ``successor``.  Subclasses say how a
+    piece (``_piece``) and the end (``_ended``) reach their consumer."""
 
-    def __init__(self, client: EngineClient, gid: str) -> None:
-        self.client = client
-        self.id = gid
+    def __init__(self) -> None:
         self.text = ""
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.stats: dict[str, Any] = {}
         self.error: dict[str, str] | None = None
-        self.successor: RemoteGeneration | None = None
-        self._events: asyncio.Queue[Piece | None] = asyncio.Queue()
-        self._listener: Callable[[Piece | None], None] | None = None
-        self._done = asyncio.Event()
+        self.successor: Any = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def _push(self, text: str, ids: list[int]) -> None:
+        self.text += text
+        self.tokens.extend(ids)
+        self._piece(text, ids)
+
+    def _finish(
+        self, reason: str, stats: dict[str, Any], error: dict[str, str] | None = None
+    ) -> None:
+        if self.finish_reason is not None:
+            return
+        self.stats = stats  # before finish_reason: another thread may read them once it is set
+        self.error = error
+        self.finish_reason = reason
+        self._ended()
+
+    def _piece(self, text: str, ids: list[int]) -> None:
+        raise NotImplementedError
+
+    def _ended(self) -> None:
+        raise NotImplementedError
+
+
+class RemoteGeneration(_Received):
+    """A generation running in the service: ``async for piece in gen``, then ``text``,
+    ``tokens``, ``finish_reason``, ``stats``.  ``successor`` is set when a steer stopped it."""
+
+    successor: RemoteGeneration | None
+
+    def __init__(self, client: EngineClient, gid: str) -> None:
+        super().__init__()
+        self.client = client
+        self.id = gid
+        self._events: asyncio.Queue[Piece | None] = asyncio.Queue()
+        self._listener: Callable[[Piece | None], None] | None = None
+        self._done = asyncio.Event()
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         while True:
@@ -122,19 +154,10 @@ class RemoteGeneration:
         else:
             self._events.put_nowait(item)
 
-    def _push(self, text: str, ids: list[int]) -> None:
-        self.text += text
-        self.tokens.extend(ids)
+    def _piece(self, text: str, ids: list[int]) -> None:
         self._emit(Piece(text, ids))
 
-    def _finish(
-        self, reason: str, stats: dict[str, Any], error: dict[str, str] | None = None
-    ) -> None:
-        if self.finish_reason is not None:
-            return
-        self.finish_reason = reason
-        self.stats = stats
-        self.error = error
+    def _ended(self) -> None:
         self._emit(None)
         self._done.set()
 
@@ -473,7 +496,7 @@ class EngineClient(_Dispatch):
             asyncio.ensure_future(self._send_quietly(resend))
 
 
-class SyncGeneration:
+class SyncGeneration(_Received):
     """A generation of a :class:`SyncEngineClient`, shaped like ``engine.Generation``: iterate
     for chunks (``token_id``, ``text``), ``cancel()`` from any thread, then read ``text``,
     ``tokens``, ``finish_reason``, ``stats``.  ``successor`` is set when a steer stopped it.
@@ -481,18 +504,15 @@ class SyncGeneration:
     The client's reading thread appends each piece to this object's queue, which the consuming
     thread reads: one hand-over between the socket and the consumer."""
 
+    successor: SyncGeneration | None
+
     def __init__(self, owner: SyncEngineClient, gid: str) -> None:
+        super().__init__()
         self._owner = owner
         self._id = gid
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = False
-        self._ended = False
-        self.text = ""
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.stats: dict[str, Any] = {}
-        self.error: dict[str, str] | None = None
-        self.successor: SyncGeneration | None = None
+        self._consumed = False  # the consumer has read the end
         self._callbacks: list[Callable[[], None]] | None = []  # None once it has ended
         self._callbacks_lock = threading.Lock()
 
@@ -506,19 +526,10 @@ class SyncGeneration:
         fn()
 
     # -- fed by the client's reading thread ------------------------------------------------------
-    def _push(self, text: str, ids: list[int]) -> None:
-        self.text += text
-        self.tokens.extend(ids)
+    def _piece(self, text: str, ids: list[int]) -> None:
         self._queue.put(_Chunk(ids[-1] if ids else -1, text))
 
-    def _finish(
-        self, reason: str, stats: dict[str, Any], error: dict[str, str] | None = None
-    ) -> None:
-        if self.finish_reason is not None:
-            return
-        self.stats = stats
-        self.error = error
-        self.finish_reason = reason
+    def _ended(self) -> None:
         self._queue.put(None)
         with self._callbacks_lock:
             callbacks, self._callbacks = self._callbacks or [], None
@@ -533,21 +544,21 @@ class SyncGeneration:
         while True:
             item = self._queue.get()
             if item is None:
-                self._ended = True
+                self._consumed = True
                 return
             yield item
 
     def poll(self, timeout: float) -> _Chunk | None:
         """The next chunk, or None when none arrived within ``timeout`` s; StopIteration at the end
         (for a consumer that serves other work between chunks)."""
-        if self._ended:
+        if self._consumed:
             raise StopIteration
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
         if item is None:
-            self._ended = True
+            self._consumed = True
             raise StopIteration
         return item
 
@@ -577,10 +588,6 @@ class SyncGeneration:
     @property
     def cancelled(self) -> bool:
         return self._cancelled or self.finish_reason == "cancelled"
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True, slots=True)
