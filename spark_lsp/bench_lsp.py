@@ -304,22 +304,11 @@ def run(args, plot=None) -> int:
 
 def _stop_host(run_dir: str) -> None:
     """Stop the session host of `run_dir` (the bench's own) and wait for it to go."""
-    import os
-    import signal
-
     from . import bridge
 
     rec = bridge.read_record(run_dir)
-    if rec is None:
-        return
-    try:
-        os.kill(rec["pid"], signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(200):
-        if not bridge.pid_alive(rec["pid"]):
-            return
-        time.sleep(0.05)
+    if rec is not None:
+        bridge.stop_host(rec["pid"])
 
 
 def _replay(args, plot, client, options: dict, path: Path, source: str, keys: list[str]) -> int:

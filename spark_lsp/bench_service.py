@@ -773,14 +773,7 @@ def _memory_host(
             for c in clients:
                 c.shutdown()
             if host_pid is not None:
-                try:
-                    os.kill(host_pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                for _ in range(200):  # not our child: wait for it to go
-                    if not rundir.pid_alive(host_pid):
-                        break
-                    time.sleep(0.05)
+                bridge.stop_host(host_pid)
             if old is None:
                 os.environ.pop(bridge.ENV_DIR, None)
             else:

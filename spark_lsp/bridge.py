@@ -397,6 +397,18 @@ def pump(sock: socket.socket, stdin: int = 0, stdout: int = 1, host_pid: int | N
     return 1
 
 
+def stop_host(pid: int, timeout_s: float = 10.0) -> bool:
+    """SIGTERM the session host `pid` (not our child, so not waitable) and wait up to
+    `timeout_s` for it to go; whether it went."""
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    return not _outlives(pid, timeout_s)
+
+
 def _outlives(pid: int, seconds: float) -> bool:
     """Whether process `pid` is still alive after `seconds`."""
     deadline = time.monotonic() + seconds

@@ -73,14 +73,7 @@ def run_dir(tmp_path_factory, monkeypatch):
 
 
 def stop(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(200):
-        if not rundir.pid_alive(pid):
-            return
-        time.sleep(0.05)
+    bridge.stop_host(pid)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
