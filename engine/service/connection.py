@@ -49,8 +49,8 @@ MAX_GENERATIONS = 32
 RECENT_IDS = 1024
 #: How often a generation waiting for a full socket looks at its cancel (ThreadConnection).
 WAIT_SLICE_S = 0.005
-#: A generation's tokens after its first are written at most this often (ThreadConnection): the
-#: ones made in between go in its next ``tokens`` message (or with its ``done``).
+#: A generation's tokens after its first are written at most this often: the ones made in between
+#: go in its next ``tokens`` message (or with its ``done``).
 COALESCE_S = 0.004
 
 
@@ -536,20 +536,32 @@ class _Outbox:
         if self.control < CONTROL_WINDOW:
             self.room.set()
 
-    def merge_tokens(
-        self, gid: str, text: str, ids: list[int], release: Callable[[], None]
-    ) -> bool:
-        """Append to the last queued message when it is ``tokens`` of the same generation."""
-        if not self.items:
-            return False
-        last = self.items[-1]
-        msg = last[0]
-        if msg.get("type") != "tokens" or msg.get("id") != gid:
-            return False
-        msg["text"] += text
-        msg["ids"].extend(ids)
-        last[1].append(release)  # the credit comes back when the merged message is sent
-        return True
+    def put_tokens(
+        self, gid: str, text: str, ids: list[int], releases: list[Callable[[], None]]
+    ) -> None:
+        """Queue tokens of ``gid``: appended to the last queued message when it is ``tokens`` of
+        the same generation (the sender is behind), else a new message."""
+        last = self.items[-1] if self.items else None
+        if last is not None and last[0].get("type") == "tokens" and last[0].get("id") == gid:
+            last[0]["text"] += text
+            last[0]["ids"].extend(ids)
+            last[1].extend(releases)  # the credits come back when the merged message is sent
+            return
+        self.items.append([P.tokens(gid, text, list(ids)), list(releases)])
+        self.ready.set()
+
+
+class _Held:
+    """A generation's tokens not queued yet (asyncio Connection), and when it last queued some."""
+
+    __slots__ = ("queued", "text", "ids", "releases", "timer")
+
+    def __init__(self) -> None:
+        self.queued: float | None = None
+        self.text = ""
+        self.ids: list[int] = []
+        self.releases: list[Callable[[], None]] = []
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class Connection(Session):
@@ -568,6 +580,7 @@ class Connection(Session):
         self._send = send
         self.loop = asyncio.get_running_loop()
         self.outbox = _Outbox()
+        self._held: dict[str, _Held] = {}
         self._sender = asyncio.ensure_future(self._send_loop())
 
     async def handle(self, raw: str | bytes) -> None:
@@ -577,14 +590,49 @@ class Connection(Session):
 
     # -- the transport ---------------------------------------------------------------------------
     def _reply(self, msg: dict[str, Any]) -> None:
+        self._flush(msg.get("id"))
         self.outbox.put_control(msg)
 
     def _emit(self, msg: dict[str, Any]) -> None:
+        self._flush(msg.get("id"))
         self.outbox.put(msg)
 
     def _tokens(self, run: Run, token_id: int, text: str) -> None:
-        if not self.outbox.merge_tokens(run.id, text, [token_id], run.release):
-            self.outbox.put(P.tokens(run.id, text, [token_id]), run.release)
+        """As ThreadConnection's: a generation's first token is queued at once, later ones at
+        most every COALESCE_S (a timer queues what came in between, or the generation's next
+        message does).  Behind Ray Serve every message crosses the proxy as its own Ray call,
+        whose cost, not the engine, bounds how many editors the ingress serves."""
+        held = self._held.get(run.id)
+        if held is None:
+            held = self._held[run.id] = _Held()
+        held.text += text
+        held.ids.append(token_id)
+        held.releases.append(run.release)
+        if held.queued is None or self.loop.time() - held.queued >= COALESCE_S:
+            self._flush(run.id)
+        elif held.timer is None:
+            held.timer = self.loop.call_at(held.queued + COALESCE_S, self._flush, run.id)
+
+    def _flush(self, gid: str | None) -> None:
+        """Queue the tokens of ``gid`` that wait (before any other message about it)."""
+        held = self._held.get(gid) if gid is not None else None
+        if held is None:
+            return
+        if held.timer is not None:
+            held.timer.cancel()
+            held.timer = None
+        if held.ids:
+            held.queued = self.loop.time()
+            self.outbox.put_tokens(gid, held.text, held.ids, held.releases)
+            held.text, held.ids, held.releases = "", [], []
+
+    def _on_finish(
+        self, run: Run, reason: str, stats: dict[str, Any], error: tuple[str, str] | None
+    ) -> None:
+        super()._on_finish(run, reason, stats, error)  # its `done` queued what was held
+        held = self._held.pop(run.id, None)
+        if held is not None and held.timer is not None:
+            held.timer.cancel()
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -616,6 +664,9 @@ class Connection(Session):
         self.closing = True
         for run in list(self.runs.values()):
             run.stop()
+        for held in self._held.values():
+            if held.timer is not None:
+                held.timer.cancel()
         deadline = self.loop.time() + drain_s
         while (
             (self.runs or self.outbox.items)

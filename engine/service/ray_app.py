@@ -77,6 +77,9 @@ RETRIES = 3
 #: Seconds a shard that failed is tried last.
 DOWN_S = 5.0
 APP_NAME = "spark-lsp-engine"
+#: Replicas of the WebSocket ingress (None: one per engine shard).  Serve's proxy spreads the
+#: editors' connections over them, so relaying tokens is not one process's work.
+INGRESS_REPLICAS: int | None = None
 
 
 def rank_shards(key: str | None, n: int, down: set[int] = frozenset()) -> list[int]:
@@ -338,8 +341,10 @@ class Shards:
     ACTIVE_S = 30.0
     #: A placement is forgotten after this long unused (its KV slot is long recycled).
     FORGET_S = 3600.0
-    #: A shard takes a new document while its load is under BALANCE x the mean load.
-    BALANCE = 1.25
+    #: A shard takes a new document while its load is under BALANCE x the mean load (rounded
+    #: up).  1.0: the shards' document counts differ by at most one; a looser bound lets hashing
+    #: pile up to BALANCE x the mean on one replica, whose queue then sets every editor's p95.
+    BALANCE = 1.0
 
     def __init__(self, handles: list[DeploymentHandle], clock=time.monotonic) -> None:
         self.handles = handles
@@ -462,9 +467,9 @@ def build_app(
         ).bind(model_dir, threads, slots, precision, spinning)
         for i in range(replicas)
     ]
-    return EngineIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(
-        shards, model_dir, token, origins
-    )
+    return EngineIngress.options(
+        num_replicas=INGRESS_REPLICAS or replicas, ray_actor_options={"num_cpus": 0.1}
+    ).bind(shards, model_dir, token, origins)
 
 
 def deploy(

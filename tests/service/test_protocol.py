@@ -509,6 +509,74 @@ async def test_a_client_that_stops_reading_holds_its_generation(engine):
     assert sum(len(json.loads(s).get("ids", ())) for s in sent) == 300
 
 
+class _Burst:
+    """A models backend whose generations deliver a scripted burst of tokens from a thread:
+    ``script`` is a list of (seconds to wait, tokens to deliver at once), then the end."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+
+    def describe(self):
+        return [{"name": "burst", "vocab_size": 100, "context": 1000}]
+
+    def encode(self, name, prompt):
+        return [1, 2, 3]
+
+    def start(self, name, ids, params, slot, sink):
+        import threading
+        import time
+
+        class Handle:
+            def cancel(self) -> None:
+                pass
+
+        def run() -> None:
+            n = 0
+            for wait, count in self.script:
+                time.sleep(wait)
+                for _ in range(count):
+                    sink.chunk(n, f"t{n} ")
+                    n += 1
+            sink.finish("length", {"new_tokens": n}, None)
+
+        threading.Thread(target=run, daemon=True).start()
+        return Handle()
+
+
+async def test_tokens_leave_at_once_then_coalesced_and_never_after_done():
+    """The asyncio connection (the Ray ingress) sends a generation's first token at once and
+    the rest at most every COALESCE_S: a burst goes as one message; tokens that wait are sent by
+    a timer, not held until the end; everything reaches the client in order, before `done`."""
+    from engine.service.connection import COALESCE_S
+
+    sent: list[dict] = []
+    loop = asyncio.get_running_loop()
+
+    async def send(data: str) -> None:
+        sent.append({**json.loads(data), "at": loop.time()})
+
+    pause = 20 * COALESCE_S
+    conn = Connection(_Burst([(0, 1), (0.05, 20), (0, 0), (pause, 0)]), send)
+    await conn.handle(json.dumps({"type": "hello"}))
+    await conn.handle(json.dumps({"type": "generate", "id": "g", "prompt": "x"}))
+    for _ in range(500):
+        if any(m.get("type") == "done" for m in sent):
+            break
+        await asyncio.sleep(0.01)
+    await conn.close()
+    msgs = [m for m in sent if m.get("id") == "g"]
+    kinds = [m["type"] for m in msgs]
+    assert kinds[-1] == "done" and kinds.count("done") == 1
+    tokens = [m for m in msgs if m["type"] == "tokens"]
+    assert tokens[0]["ids"] == [0]  # the first token at once, alone
+    assert [i for m in tokens for i in m["ids"]] == list(range(21))
+    assert "".join(m["text"] for m in tokens) == "".join(f"t{i} " for i in range(21))
+    assert len(tokens) <= 3  # the burst of 20: at most one message at once and one by the timer
+    # the burst's last tokens were sent by the timer during the pause, not held for the `done`
+    assert msgs[-1]["at"] - tokens[-1]["at"] > pause / 2
+    assert conn._held == {}
+
+
 def test_generation_workers_are_reused_never_starve_and_retire():
     import threading
     import time
