@@ -44,7 +44,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 5
+GRAPH_VERSION = 6
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -487,11 +487,32 @@ def build_decoder(
             ).T
             b_gate, b_up = mlp_bias(m + "gate_proj"), mlp_bias(m + "up_proj")
             b_gu = np.concatenate([b_gate, b_up]) if b_gate is not None else None
-            gu = linear.emit(gb, x, w_gu, name=f"layers.{i}.gate_up", role="gate_up", bias=b_gu)
-            gate, up = gb.node(
-                "Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1
+            # act(gate) * up inside the linear where the emitter can (one node instead of four)
+            emit_gated = getattr(linear, "emit_gated", None)
+            act = (
+                emit_gated(
+                    gb,
+                    x,
+                    w_gu,
+                    name=f"layers.{i}.gate_up",
+                    act=getattr(c, "mlp_act", "silu"),
+                    bias=b_gu,
+                )
+                if emit_gated
+                else None
             )
-            act = gb.node("Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu")
+            if act is None:
+                gu = linear.emit(gb, x, w_gu, name=f"layers.{i}.gate_up", role="gate_up", bias=b_gu)
+                gate, up = gb.node(
+                    "Split",
+                    [gu, gb.const_i64([F, F])],
+                    n_out=2,
+                    name=f"layers.{i}.split",
+                    axis=-1,
+                )
+                act = gb.node(
+                    "Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu"
+                )
             w_down, b_down = _linear_weight(w, m + "down_proj.weight"), mlp_bias(m + "down_proj")
         else:
             w_fc = _linear_weight(w, m + "c_fc.weight").T

@@ -313,7 +313,7 @@ class QuantLinear:
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
-        form = "meshq-v2" if self.form == "op" else self.form
+        form = "meshq-v3" if self.form == "op" else self.form
         return (
             f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
             f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}"
@@ -353,13 +353,25 @@ class QuantLinear:
         )
 
     def _mesh_q(
-        self, gb, x: str, w: np.ndarray, parts: list[int], name: str, block: int, bias=None
+        self,
+        gb,
+        x: str,
+        w: np.ndarray,
+        parts: list[int],
+        name: str,
+        block: int,
+        bias=None,
+        *,
+        glu: str | None = None,
+        out_n: int | None = None,
     ) -> str:
         """One MeshLinearQ node: each mesh line's tiles quantised on their own (blocks never cross
-        a line), stored in the op's layout; the op adds ``bias`` after the reduction."""
+        a line), stored in the op's layout; the op adds ``bias`` after the reduction.  ``glu``:
+        ``w`` is in the op's ``glu`` column order and the node returns act(gate) * up, ``out_n``
+        columns."""
         offs = np.cumsum([0] + parts)
         ins = [x, None]
-        N = w.shape[1]
+        N = w.shape[1] if out_n is None else out_n
         for p in range(len(parts)):
             c, s, z = self._pack_line(w[offs[p] : offs[p + 1]], block)
             ins += [
@@ -374,9 +386,10 @@ class QuantLinear:
             mesh_op.QOP,
             ins,
             domain=mesh_op.DOMAIN,
-            name=f"{name}/mesh_linear_q",
+            name=f"{name}/mesh_linear_q" + ("_glu" if glu else ""),
             bits=self.bits,
             block_size=block,
+            glu=mesh_op.GLU[glu] if glu else None,
         )
 
     def _pack_line(self, w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -456,13 +469,62 @@ class QuantLinear:
                 for p in range(len(parts))
             ]
             y = gb.node("Sum", ys, name=f"{name}/mesh_reduce") if len(ys) > 1 else ys[0]
+        self._record(name, role, (K, N), parts, block or 16, form)
+        if bias is not None:
+            b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
+            y = gb.node("Add", [y, b], name=f"{name}/bias")
+        return y
+
+    def emit_gated(
+        self,
+        gb,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        act: str,
+        bias: np.ndarray | None = None,
+    ) -> str | None:
+        """A gated MLP's ``act(x @ W_gate) * (x @ W_up)`` as one ``MeshLinearQ(glu=...)`` node
+        (form ``op``; see ``TiledLinear.emit_gated``).  Quantisation blocks run along K within
+        one column, so storing the columns in the op's ``glu`` order quantises every column
+        exactly as :meth:`emit` does: the same codes and dot products, only the gating moves
+        into the op.  ``None`` where this emitter cannot (other forms, rowq, an activation the
+        op lacks); ``gate_up`` outside ``roles`` goes to the inner emitter's ``emit_gated``."""
+        if self.roles is not None and "gate_up" not in self.roles:
+            inner = getattr(self.inner, "emit_gated", None)
+            return inner(gb, x, weight, name=name, act=act, bias=bias) if inner else None
+        if self.form != "op" or self.op != "nbits" or act not in mesh_op.GLU:
+            return None
+        w = np.asarray(weight, dtype=np.float32)
+        K, N2 = w.shape
+        if N2 % 2:
+            raise ValueError(f"{name}: a [gate | up] weight needs an even column count, got {N2}")
+        F = N2 // 2
+        parts = self._k_parts((K, N2), "gate_up")
+        block = (
+            _block_for(parts[0], self.block_size) if len(parts) > 1 else None
+        ) or self.block_size
+        glu_bias = mesh_op.glu_interleave(bias, F) if bias is not None else None
+        y = self._mesh_q(
+            gb, x, mesh_op.glu_interleave(w, F), parts, name, block, glu_bias, glu=act, out_n=F
+        )
+        self._record(name, "gate_up", (K, N2), parts, block, "op", glu=act)
+        return y
+
+    def _record(
+        self, name: str, role: str, shape, parts: list[int], block: int, form: str, **extra
+    ) -> None:
+        """Fill in this emitter's ``layout`` report for one linear (and the inner TiledLinear's)."""
+        K, N = shape
         self.layout[name] = {
             "role": role,
             "shape": (K, N),
             "k_tiles": parts,
             "bits": self.bits,
-            "block_size": block or 16,
+            "block_size": block,
             "form": form,
+            **extra,
         }
         inner_layout = getattr(self.inner, "layout", None)
         if isinstance(inner_layout, dict) and getattr(self.inner, "grid", None) is not None:
@@ -475,12 +537,9 @@ class QuantLinear:
                 "reduce_axis": axis,
                 "k_blocks": parts,
                 "n_blocks": block_sizes(N, C if axis == "rows" else R),
-                "quant": f"int{self.bits}/b{block or 16}/{form}",
+                "quant": f"int{self.bits}/b{block}/{form}",
+                **extra,
             }
-        if bias is not None:
-            b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
-            y = gb.node("Add", [y, b], name=f"{name}/bias")
-        return y
 
     def _emit_rowq(
         self,

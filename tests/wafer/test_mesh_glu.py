@@ -1,0 +1,242 @@
+"""The gated-MLP epilogue of MeshLinear / MeshLinearQ (attribute ``glu``): ``emit_gated`` nodes
+against numpy (fp32) and against the unfused op followed by the activation and the product
+(int8 / int4, so the only difference is where the gating runs), for one row (the VNNI / GEMV path)
+and many (multi-row passes, AMX where the CPU has it), odd F, several mesh lines, with and without
+bias; the column order; and the builder's node count and outputs against the unfused graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+from engine.graph import GraphBuilder, build_decoder
+from engine.quant import QuantLinear
+from engine.runtime import session_options
+from engine.wafer import mesh_op
+from engine.wafer.partition import TiledLinear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _op_built():
+    if not mesh_op.quantized():  # CI has a compiler; say why if this machine does not
+        pytest.fail(f"MeshLinearQ op unavailable: {mesh_op.why_not_quantized()}")
+
+
+@pytest.fixture(params=["vnni", "amx"])
+def kernel_path(request, monkeypatch):
+    """MeshLinearQ sessions made in the test take the VNNI path, or AMX from one row (skipped
+    where this machine has no AMX)."""
+    if request.param == "vnni":
+        monkeypatch.setenv("SPARK_LSP_AMX", "0")
+    else:
+        if not mesh_op.amx():
+            pytest.skip("no AMX-INT8 here")
+        monkeypatch.delenv("SPARK_LSP_AMX", raising=False)
+        monkeypatch.setenv("SPARK_LSP_AMX_MIN_ROWS", "1")
+    return request.param
+
+
+def _act(kind: str, g: np.ndarray) -> np.ndarray:
+    g = g.astype(np.float64)
+    if kind == "silu":
+        return g / (1.0 + np.exp(-g))
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+
+
+def _run(build, x: np.ndarray, libs) -> np.ndarray:
+    gb = GraphBuilder()
+    y = build(gb, gb.input("x", TensorProto.FLOAT, ["s", x.shape[1]]))
+    gb.output(y, "y", TensorProto.FLOAT, None)
+    sess = ort.InferenceSession(
+        gb.to_model().SerializeToString(),
+        session_options(1, custom_ops=libs),
+        providers=["CPUExecutionProvider"],
+    )
+    return sess.run(None, {"x": x})[0], gb
+
+
+def _case(K: int, F: int, bias: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((K, 2 * F)) * (2.0 / np.sqrt(K))).astype(np.float32)
+    b = (rng.standard_normal(2 * F) * 0.5).astype(np.float32) if bias else None
+    x = rng.standard_normal((19, K)).astype(np.float32)
+    return w, b, x
+
+
+def test_glu_columns_order():
+    """Panel q: gate columns [32q, 32q + 32), then the same up columns; padding past F is -1."""
+    cols = mesh_op.glu_columns(40)
+    assert cols.shape == (128,)
+    assert list(cols[:32]) == list(range(32)) and list(cols[32:64]) == list(range(40, 72))
+    assert list(cols[64:72]) == list(range(32, 40)) and (cols[72:96] == -1).all()
+    assert list(cols[96:104]) == list(range(72, 80)) and (cols[104:] == -1).all()
+    a = np.arange(80, dtype=np.float32)
+    np.testing.assert_array_equal(mesh_op.glu_interleave(a, 40), np.where(cols >= 0, cols, 0))
+    with pytest.raises(ValueError, match="gate | up"):
+        mesh_op.glu_interleave(a, 41)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grid,K,F", [((2, 2), 64, 96), ((3, 2), 70, 45), ((1, 1), 33, 1)])
+@pytest.mark.parametrize("T", [1, 4, 19])
+def test_float_matches_numpy(act, bias, grid, K, F, T):
+    w, b, x = _case(K, F, bias)
+    lin = TiledLinear(grid, form="op")
+    y, gb = _run(
+        lambda gb, xi: lin.emit_gated(gb, xi, w, name="gu", act=act, bias=b),
+        x[:T],
+        lin.custom_op_libraries,
+    )
+    h = x[:T].astype(np.float64) @ w + (0 if b is None else b)
+    want = _act(act, h[:, :F]) * h[:, F:]
+    assert y.shape == (T, F)
+    np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    (node,) = [n for n in gb.nodes if n.op_type != "Identity"]
+    assert node.op_type == mesh_op.OP and lin.layout["gu"]["glu"] == act
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grid,K,F", [((2, 2), 128, 96), ((3, 2), 96, 45), ((2, 2), 64, 7)])
+@pytest.mark.parametrize("T", [1, 2, 5, 19])
+def test_quantised_equals_the_unfused_op(bits, act, bias, grid, K, F, T, kernel_path):
+    """The same codes and dot products as emit(role='gate_up'); only the gating moved: the
+    difference is the activation's float rounding."""
+    w, b, x = _case(K, F, bias, seed=bits)
+    x = x[:T]
+    lin = QuantLinear(bits, inner=TiledLinear(grid), form="op", block_size=16)
+    fused, gb = _run(
+        lambda gb, xi: lin.emit_gated(gb, xi, w, name="gu", act=act, bias=b),
+        x,
+        lin.custom_op_libraries,
+    )
+    (node,) = [n for n in gb.nodes if n.op_type != "Identity"]
+    assert node.op_type == mesh_op.QOP
+    h, _ = _run(
+        lambda gb, xi: lin.emit(gb, xi, w, name="gu", role="gate_up", bias=b),
+        x,
+        lin.custom_op_libraries,
+    )
+    want = _act(act, h[:, :F]) * h[:, F:].astype(np.float64)
+    assert fused.shape == (T, F)
+    np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_rows_are_independent_and_3d_input_works(kernel_path):
+    """A row's gated output does not depend on the batch; [1, S, K] input gives [1, S, F]."""
+    w, b, x = _case(96, 50, True, seed=3)
+    lin = QuantLinear(4, inner=TiledLinear((2, 2)), form="op", block_size=16)
+    gb = GraphBuilder()
+    y = lin.emit_gated(gb, gb.input("x", TensorProto.FLOAT, [1, "s", 96]), w, name="gu", act="silu")
+    gb.output(y, "y", TensorProto.FLOAT, None)
+    sess = ort.InferenceSession(
+        gb.to_model().SerializeToString(),
+        session_options(2, custom_ops=lin.custom_op_libraries),
+        providers=["CPUExecutionProvider"],
+    )
+    many = sess.run(None, {"x": x[None]})[0]
+    assert many.shape == (1, 19, 50)
+    for t in (0, 7, 18):
+        np.testing.assert_array_equal(
+            sess.run(None, {"x": x[None, t : t + 1]})[0][0, 0], many[0, t]
+        )
+
+
+def test_emitters_that_cannot_return_none():
+    """The standard-op form, rowq, fused MatMulNBits and an activation without an epilogue (erf
+    GELU) keep the separate Split + activation + Mul."""
+    w, _, _ = _case(32, 16, False)
+    gb = GraphBuilder()
+    x = gb.input("x", TensorProto.FLOAT, ["s", 32])
+    for lin, act in [
+        (TiledLinear((2, 2), form="graph"), "silu"),
+        (TiledLinear((2, 2), form="op"), "gelu"),
+        (TiledLinear((2, 2), form="op", roles=("qkv",)), "silu"),
+        (QuantLinear(8, inner=TiledLinear((2, 2)), form="fused"), "silu"),
+        (QuantLinear(8, inner=TiledLinear((2, 2)), op="rowq"), "silu"),
+        (QuantLinear(8, inner=TiledLinear((2, 2)), form="op"), "gelu"),
+    ]:
+        assert lin.emit_gated(gb, x, w, name="gu", act=act) is None, (lin, act)
+    assert not gb.nodes and not gb.initializers
+
+
+def test_bad_glu_attribute_fails_the_load():
+    from onnx import helper
+
+    shape, lines = mesh_op.float_node_inputs(np.zeros((8, 64), np.float32), [8])
+    shape[0] = 32
+    node = helper.make_node(mesh_op.OP, ["x", "shape", "w0"], ["y"], domain=mesh_op.DOMAIN, glu=7)
+    with pytest.raises(Exception, match="glu must be"):
+        mesh_op._run_node(
+            mesh_op.library(),
+            node,
+            np.zeros((1, 8), np.float32),
+            [
+                __import__("onnx").numpy_helper.from_array(shape, "shape"),
+                __import__("onnx").numpy_helper.from_array(lines[0], "w0"),
+            ],
+        )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+def test_decoder_drops_the_gating_nodes_and_keeps_its_outputs(tiny_models, precision):
+    """build_decoder with emit_gated: no Split / Sigmoid / Mul after gate_up, and the logits of
+    the unfused graph (the same emitter with emit_gated hidden) to float rounding."""
+    from engine.config import load_config
+    from engine.linears import make_linear
+    from engine.weights import load_weights
+
+    path = tiny_models["llama"]
+    config = load_config(path)
+    weights = load_weights(path, config)
+
+    class Unfused:
+        """The same emitter without emit_gated: the builder's separate gating."""
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name == "emit_gated":
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    models = {}
+    for kind in ("fused", "unfused"):
+        lin = make_linear(precision, grid=(2, 2))
+        models[kind] = (
+            build_decoder(config, weights, lin if kind == "fused" else Unfused(lin), max_len=64),
+            lin.custom_op_libraries,
+        )
+    counts = {k: len(m.graph.node) for k, (m, _) in models.items()}
+    L = config.num_hidden_layers
+    # Split, Sigmoid, Mul (SiLU) and Mul (gating) per layer; ORT fuses the SiLU into one node
+    assert counts["unfused"] - counts["fused"] == 4 * L
+    ops = [n.op_type for n in models["fused"][0].graph.node]
+    assert "Split" not in ops and "Sigmoid" not in ops
+    outs = {}
+    for kind, (model, libs) in models.items():
+        sess = ort.InferenceSession(
+            model.SerializeToString(),
+            session_options(1, custom_ops=libs),
+            providers=["CPUExecutionProvider"],
+        )
+        ids = np.array([[1, 5, 9, 2, 7, 3]], np.int64)
+        feeds = {
+            "input_ids": ids,
+            "seqlens_k": np.array([ids.shape[1] - 1], np.int32),
+            "total_sequence_length": np.array(ids.shape[1], np.int32),
+            "logits_from": np.array([0], np.int64),
+        }
+        for i in sess.get_inputs():
+            if i.name.startswith("past."):
+                shape = [1, config.num_key_value_heads, 64, i.shape[3]]
+                feeds[i.name] = np.zeros(shape, np.float32)
+        outs[kind] = sess.run(["logits"], feeds)[0]
+    a, b = outs["unfused"], outs["fused"]
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    assert (a.argmax(-1) == b.argmax(-1)).all()
