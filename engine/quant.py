@@ -40,7 +40,7 @@ import numpy as np
 
 from .graph import DenseLinear
 from .wafer import mesh_op
-from .wafer.partition import block_sizes, reduce_axis
+from .wafer.partition import block_sizes, mesh_node, reduce_axis
 
 MS_DOMAIN = "com.microsoft"
 TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (no onnx import here)
@@ -307,6 +307,12 @@ class QuantLinear:
             libs += (mesh_op.library(),)
         return libs
 
+    @property
+    def fuses_norm(self) -> bool:
+        """Form ``op`` runs the RMSNorm before a linear in MeshLinearQ (``norm=`` of :meth:`emit`
+        and :meth:`emit_gated`; see ``engine.wafer.partition.mesh_node``)."""
+        return self.form == "op" and self.op == "nbits" and self.roles is None
+
     def cache_key(self) -> str:
         inner = getattr(self.inner, "cache_key", None)
         inner_key = inner() if callable(inner) else "dense"
@@ -364,11 +370,12 @@ class QuantLinear:
         *,
         glu: str | None = None,
         out_n: int | None = None,
-    ) -> str:
+        norm=None,
+    ):
         """One MeshLinearQ node: each mesh line's tiles quantised on their own (blocks never cross
         a line), stored in the op's layout; the op adds ``bias`` after the reduction.  ``glu``:
         ``w`` is in the op's ``glu`` column order and the node returns act(gate) * up, ``out_n``
-        columns."""
+        columns.  ``norm``: the op's RMSNorm prologue (returns ``(y, sum)``, see ``mesh_node``)."""
         offs = np.cumsum([0] + parts)
         ins = [x, None]
         N = w.shape[1] if out_n is None else out_n
@@ -382,11 +389,13 @@ class QuantLinear:
         ins[1] = gb.initializer(f"{name}.mesh_shape", np.array([N, *parts], np.int64))
         if bias is not None:
             ins.append(gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32)))
-        return gb.node(
+        return mesh_node(
+            gb,
             mesh_op.QOP,
-            ins,
-            domain=mesh_op.DOMAIN,
+            x,
+            ins[1:],
             name=f"{name}/mesh_linear_q" + ("_glu" if glu else ""),
+            norm=norm,
             bits=self.bits,
             block_size=block,
             glu=mesh_op.GLU[glu] if glu else None,
@@ -421,7 +430,12 @@ class QuantLinear:
         name: str,
         role: str,
         bias: np.ndarray | None = None,
-    ) -> str:
+        norm=None,
+    ):
+        """``x @ weight (+ bias)`` with quantised weights; with ``norm`` (``fuses_norm`` only)
+        MeshLinearQ's RMSNorm prologue first, and the result is ``(y, sum)``."""
+        if norm is not None and not self.fuses_norm:
+            raise ValueError(f"{name}: this emitter does not fuse norms (form {self.form!r})")
         if self.roles is not None and role not in self.roles:
             inner = self.inner
             if inner is None:
@@ -439,11 +453,11 @@ class QuantLinear:
         form = (
             self.form if block is not None or self.form == "op" else "mesh"
         )  # no block fits: mesh lines
-        if form == "op":
+        if form == "op":  # the op adds the bias (and runs the norm)
             block = block or self.block_size
-            y = self._mesh_q(gb, x, w, parts, name, block, bias)
-            bias = None  # the op added it
-        elif form == "fused":
+            self._record(name, role, (K, N), parts, block, form)
+            return self._mesh_q(gb, x, w, parts, name, block, bias, norm=norm)
+        if form == "fused":
             y = self._nbits(gb, x, w, name, block)
         else:
             offs = np.cumsum([0] + parts)
@@ -484,16 +498,18 @@ class QuantLinear:
         name: str,
         act: str,
         bias: np.ndarray | None = None,
-    ) -> str | None:
+        norm=None,
+    ):
         """A gated MLP's ``act(x @ W_gate) * (x @ W_up)`` as one ``MeshLinearQ(glu=...)`` node
-        (form ``op``; see ``TiledLinear.emit_gated``).  Quantisation blocks run along K within
+        (form ``op``; see ``TiledLinear.emit_gated``; ``norm`` as :meth:`emit`).  Quantisation blocks run along K within
         one column, so storing the columns in the op's ``glu`` order quantises every column
         exactly as :meth:`emit` does: the same codes and dot products, only the gating moves
         into the op.  ``None`` where this emitter cannot (other forms, rowq, an activation the
         op lacks); ``gate_up`` outside ``roles`` goes to the inner emitter's ``emit_gated``."""
         if self.roles is not None and "gate_up" not in self.roles:
             inner = getattr(self.inner, "emit_gated", None)
-            return inner(gb, x, weight, name=name, act=act, bias=bias) if inner else None
+            kw = {} if norm is None else {"norm": norm}
+            return inner(gb, x, weight, name=name, act=act, bias=bias, **kw) if inner else None
         if self.form != "op" or self.op != "nbits" or act not in mesh_op.GLU:
             return None
         w = np.asarray(weight, dtype=np.float32)
@@ -506,11 +522,19 @@ class QuantLinear:
             _block_for(parts[0], self.block_size) if len(parts) > 1 else None
         ) or self.block_size
         glu_bias = mesh_op.glu_interleave(bias, F) if bias is not None else None
-        y = self._mesh_q(
-            gb, x, mesh_op.glu_interleave(w, F), parts, name, block, glu_bias, glu=act, out_n=F
-        )
         self._record(name, "gate_up", (K, N2), parts, block, "op", glu=act)
-        return y
+        return self._mesh_q(
+            gb,
+            x,
+            mesh_op.glu_interleave(w, F),
+            parts,
+            name,
+            block,
+            glu_bias,
+            glu=act,
+            out_n=F,
+            norm=norm,
+        )
 
     def _record(
         self, name: str, role: str, shape, parts: list[int], block: int, form: str, **extra

@@ -469,12 +469,114 @@ static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int 
   return NULL;
 }
 
+/* ---- the RMSNorm prologue (attributes norm, epsilon) ----
+ *
+ * In a pre-norm decoder every qkv and gate_up linear (and the LM head) reads
+ * RMSNorm(residual + pending) * gamma, and the next layer needs residual + pending: one
+ * SkipSimplifiedLayerNormalization node before the linear.  With norm != 0 the op does it
+ * itself, once per token row before the linear's tasks:
+ *   NORM_SKIP_RMS: inputs (x, skip, gamma, shape, ...), s = x + skip, the linear reads
+ *                  s / sqrt(mean(s^2) + epsilon) * gamma; the optional second output is s [..., K]
+ *                  (SkipSimplifiedLayerNormalization's input_skip_bias_sum);
+ *   NORM_RMS:      inputs (x, gamma, shape, ...), the same without skip (a first layer's norm).
+ * The same float operations as ONNX Runtime's kernels (sum of squares in float, divide, then
+ * multiply by gamma), so the outputs match the separate nodes' to float rounding.
+ */
+enum { NORM_NONE = 0, NORM_SKIP_RMS = 1, NORM_RMS = 2 };
+#define SLOT_KernelInfoGetAttribute_float 85
+typedef OrtStatus* (*GetAttrFloatFn)(const OrtKernelInfo* info, const char* name, float* out);
+
+/* Inputs the norm takes between x and shape. */
+static size_t norm_inputs(int norm) { return norm == NORM_SKIP_RMS ? 2 : norm == NORM_RMS ? 1 : 0; }
+
+/* The optional norm and epsilon attributes (absent: NORM_NONE; epsilon 1e-6). */
+static OrtStatus* norm_attributes(const char* op, const OrtKernelInfo* info, int* norm, float* eps) {
+  int64_t v = NORM_NONE;
+  OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "norm", &v);
+  if (s) {
+    CALL(ReleaseStatus, ReleaseStatusFn)(s);
+    v = NORM_NONE;
+  }
+  if (v != NORM_NONE && v != NORM_SKIP_RMS && v != NORM_RMS)
+    return error("%s: norm must be 0 (none), 1 (skip + RMSNorm) or 2 (RMSNorm), got %lld", op, (long long)v);
+  *norm = (int)v;
+  *eps = 1e-6f;
+  s = CALL(KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "epsilon", eps);
+  if (s) CALL(ReleaseStatus, ReleaseStatusFn)(s);
+  if (!(*eps >= 0.0f)) return error("%s: epsilon must be >= 0", op);
+  return NULL;
+}
+
+/* The norm's rows into *xn (a new [M, K] buffer the caller frees; NULL when norm is NORM_NONE),
+   and with NORM_SKIP_RMS x + skip into the second output where the node has one. */
+static OrtStatus* norm_prologue(const char* op, int norm, float eps, size_t K, OrtKernelContext* ctx,
+                                const OrtValue* xv, float** xn) {
+  *xn = NULL;
+  if (norm == NORM_NONE) return NULL;
+  int type = 0, ty2 = 0;
+  size_t rank = 0, r2 = 0;
+  int64_t dims[8], d2[8];
+  const OrtValue *skv = NULL, *gv = NULL;
+  const float *x = NULL, *skip = NULL, *gamma = NULL;
+  TRY(shape_of(xv, &type, &rank, dims));
+  if (type != ELEM_FLOAT || rank < 1 || (size_t)dims[rank - 1] != K)
+    return error("%s: x must be a float tensor [..., %zu]", op, K);
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&x));
+  if (norm == NORM_SKIP_RMS) {
+    TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 1, &skv));
+    TRY(shape_of(skv, &ty2, &r2, d2));
+    if (ty2 != ELEM_FLOAT || r2 != rank || memcmp(d2, dims, rank * sizeof *dims))
+      return error("%s: skip must be a float tensor of x's shape", op);
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)skv, (void**)&skip));
+  }
+  TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, norm == NORM_SKIP_RMS ? 2 : 1, &gv));
+  TRY(shape_of(gv, &ty2, &r2, d2));
+  if (ty2 != ELEM_FLOAT || r2 != 1 || (size_t)d2[0] != K) return error("%s: gamma must be a float tensor [%zu]", op, K);
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)gv, (void**)&gamma));
+  size_t M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
+  float* sum = NULL; /* the second output, where the node has one */
+  if (norm == NORM_SKIP_RMS) {
+    OrtValue* sv = NULL;
+    OrtStatus* s = CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 1, dims, rank, &sv);
+    if (s) CALL(ReleaseStatus, ReleaseStatusFn)(s);
+    else if (sv) TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(sv, (void**)&sum));
+  }
+  float* out = NULL;
+  if (posix_memalign((void**)&out, 64, (M ? M : 1) * K * sizeof(float)))
+    return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory in the norm");
+  for (size_t m = 0; m < M; m++) {
+    const float* a = x + m * K;
+    float* o = out + m * K;
+    float ms = 0.0f;
+    if (skip) {
+      for (size_t k = 0; k < K; k++) {
+        const float v = a[k] + skip[m * K + k];
+        o[k] = v;
+        ms += v * v;
+      }
+      if (sum) memcpy(sum + m * K, o, K * sizeof(float));
+    } else {
+      for (size_t k = 0; k < K; k++) {
+        o[k] = a[k];
+        ms += a[k] * a[k];
+      }
+    }
+    const float denom = __builtin_sqrtf(ms / (float)K + eps);
+    for (size_t k = 0; k < K; k++) o[k] = o[k] / denom * gamma[k];
+  }
+  *xn = out;
+  return NULL;
+}
+
 typedef struct {
-  int transposed, glu;
+  int transposed, glu, norm;
+  float eps;
   Tiles tiles; /* resolved at load time when every weight input is a constant initializer */
 } Kernel;
 
-static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv) {
+/* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
+static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv, const float* xdata) {
   int type = 0;
   size_t rank = 0;
   int64_t dims[8];
@@ -484,6 +586,7 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv)
   if ((size_t)dims[rank - 1] != t->K)
     return error("MeshLinear: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&j.x));
+  if (xdata) j.x = xdata;
   j.M = 1;
   for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
   dims[rank - 1] = (int64_t)t->out_n;
@@ -530,16 +633,23 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* x = NULL;
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
-  if (k->tiles.lines) return run(&k->tiles, ctx, x);
-  /* weights fed at run time (not initializers): check and resolve them for this call */
-  const OrtValue* vals[2 + MAX_LINES];
-  if (n_in < 3 || n_in - 1 > 2 + MAX_LINES)
-    return error("MeshLinear: expected x, shape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
-                 MAX_LINES, n_in);
-  for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   Tiles t;
-  TRY(resolve_tiles(vals, n_in - 1, k->transposed, k->glu, &t));
-  return run(&t, ctx, x);
+  const Tiles* tp = &k->tiles;
+  if (!k->tiles.lines) { /* weights fed at run time (not initializers): check and resolve them for this call */
+    const size_t skip = 1 + norm_inputs(k->norm);
+    const OrtValue* vals[2 + MAX_LINES];
+    if (n_in < skip + 2 || n_in - skip > 2 + MAX_LINES)
+      return error("MeshLinear: expected x, %sshape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
+                   k->norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
+    for (size_t i = skip; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - skip]));
+    TRY(resolve_tiles(vals, n_in - skip, k->transposed, k->glu, &t));
+    tp = &t;
+  }
+  float* xn = NULL;
+  TRY(norm_prologue("MeshLinear", k->norm, k->eps, tp->K, ctx, x, &xn));
+  OrtStatus* s = run(tp, ctx, x, xn);
+  free(xn);
+  return s;
 }
 
 /* The optional glu attribute (GLU_*; absent: GLU_NONE). */
@@ -559,9 +669,6 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   size_t n_in = 0;
   int64_t transposed = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 3 || n_in - 1 > 2 + MAX_LINES)
-    return error("MeshLinear: expected x, shape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
-                 MAX_LINES, n_in);
   OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "transposed", &transposed);
   if (s) { /* absent: the default, 0 */
     CALL(ReleaseStatus, ReleaseStatusFn)(s);
@@ -570,23 +677,32 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   if (transposed != 0 && transposed != 1) return error("MeshLinear: transposed must be 0 or 1, got %lld", (long long)transposed);
   int64_t glu = 0;
   TRY(glu_attribute("MeshLinear", info, &glu));
+  int norm = NORM_NONE;
+  float eps = 0.0f;
+  TRY(norm_attributes("MeshLinear", info, &norm, &eps));
+  const size_t first = 1 + norm_inputs(norm); /* shape's input index */
+  if (n_in < first + 2 || n_in - first > 2 + MAX_LINES)
+    return error("MeshLinear: expected x, %sshape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
+                 norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
   Kernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory");
   k->transposed = (int)transposed;
   k->glu = (int)glu;
+  k->norm = norm;
+  k->eps = eps;
   const OrtValue* vals[2 + MAX_LINES];
   int all_constant = 1;
-  for (size_t i = 1; i < n_in && all_constant; i++) {
+  for (size_t i = first; i < n_in && all_constant; i++) {
     int is_const = 0;
-    s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - 1]);
+    s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - first]);
     if (s) {
       free(k);
       return s;
     }
-    all_constant = is_const && vals[i - 1];
+    all_constant = is_const && vals[i - first];
   }
   if (all_constant) {
-    s = resolve_tiles(vals, n_in - 1, k->transposed, k->glu, &k->tiles);
+    s = resolve_tiles(vals, n_in - first, k->transposed, k->glu, &k->tiles);
     if (s) {
       free(k);
       return s;
@@ -603,9 +719,9 @@ static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExe
 static int float_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static int x_then_any(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : 0 /* any */; }
 static size_t two(const OrtCustomOp* op) { (void)op; return 2; }
-static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
 static int input_char(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? CHAR_REQUIRED : CHAR_VARIADIC; }
-static int output_char(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return CHAR_REQUIRED; }
+/* output 1: the norm prologue's x + skip (optional) */
+static int output_char(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? CHAR_REQUIRED : CHAR_OPTIONAL; }
 static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int min_arity(const OrtCustomOp* op) { (void)op; return 1; }
 static int homogeneous(const OrtCustomOp* op) { (void)op; return 1; }
@@ -618,7 +734,7 @@ static const OrtCustomOp mesh_linear = {
     .GetInputType = x_then_any,
     .GetInputTypeCount = two,
     .GetOutputType = float_type,
-    .GetOutputTypeCount = one,
+    .GetOutputTypeCount = two,
     .KernelDestroy = destroy_kernel,
     .GetInputCharacteristic = input_char,
     .GetOutputCharacteristic = output_char,
@@ -1241,13 +1357,16 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
 }
 
 typedef struct {
-  int bits, glu;
+  int bits, glu, norm;
+  float eps;
   size_t bs;
   size_t amx_min_rows; /* token rows from which the AMX path runs (0: never), fixed when the session loads */
   QTiles tiles;        /* resolved at load time when every weight input is a constant initializer */
 } QKernel;
 
-static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, const OrtValue* xv) {
+/* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
+static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, const OrtValue* xv,
+                       const float* xdata) {
   int type = 0;
   size_t rank = 0;
   int64_t dims[8];
@@ -1258,6 +1377,7 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
   if ((size_t)dims[rank - 1] != t->K)
     return error("MeshLinearQ: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&x));
+  if (xdata) x = xdata;
   j.M = 1;
   for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
   dims[rank - 1] = (int64_t)t->out_n;
@@ -1329,16 +1449,23 @@ static OrtStatus* qcompute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* x = NULL;
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
-  if (k->tiles.lines) return qrun(&k->tiles, k->amx_min_rows, ctx, x);
-  /* weights fed at run time (not initializers): check and resolve them for this call */
-  const OrtValue* vals[2 + 3 * MAX_LINES];
-  if (n_in < 2 || n_in - 1 > 2 + 3 * MAX_LINES)
-    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
-                 MAX_LINES, n_in);
-  for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   QTiles t;
-  TRY(resolve_qtiles(vals, n_in - 1, k->bits, k->bs, k->glu, &t));
-  return qrun(&t, k->amx_min_rows, ctx, x);
+  const QTiles* tp = &k->tiles;
+  if (!k->tiles.lines) { /* weights fed at run time (not initializers): check and resolve them for this call */
+    const size_t skip = 1 + norm_inputs(k->norm);
+    const OrtValue* vals[2 + 3 * MAX_LINES];
+    if (n_in < skip + 1 || n_in - skip > 2 + 3 * MAX_LINES)
+      return error("MeshLinearQ: expected x, %sshape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu "
+                   "inputs", k->norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
+    for (size_t i = skip; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - skip]));
+    TRY(resolve_qtiles(vals, n_in - skip, k->bits, k->bs, k->glu, &t));
+    tp = &t;
+  }
+  float* xn = NULL;
+  TRY(norm_prologue("MeshLinearQ", k->norm, k->eps, tp->K, ctx, x, &xn));
+  OrtStatus* s = qrun(tp, k->amx_min_rows, ctx, x, xn);
+  free(xn);
+  return s;
 }
 
 static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
@@ -1346,9 +1473,13 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
   size_t n_in = 0;
   int64_t bits = 0, bs = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 5 || (n_in - 2) % 3 > 1 || (n_in - 2) / 3 > MAX_LINES)
-    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
-                 MAX_LINES, n_in);
+  int norm = NORM_NONE;
+  float eps = 0.0f;
+  TRY(norm_attributes("MeshLinearQ", info, &norm, &eps));
+  const size_t first = 1 + norm_inputs(norm); /* shape's input index */
+  if (n_in < first + 4 || (n_in - first - 1) % 3 > 1 || (n_in - first - 1) / 3 > MAX_LINES)
+    return error("MeshLinearQ: expected x, %sshape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu "
+                 "inputs", norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "bits", &bits));
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "block_size", &bs));
   if (bits != 8 && bits != 4) return error("MeshLinearQ: bits must be 8 or 4, got %lld", (long long)bits);
@@ -1359,21 +1490,23 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
   k->bits = (int)bits;
   k->glu = (int)glu;
+  k->norm = norm;
+  k->eps = eps;
   k->bs = (size_t)bs;
   k->amx_min_rows = amx_min_rows();
   const OrtValue* vals[2 + 3 * MAX_LINES];
   int all_constant = 1;
-  for (size_t i = 1; i < n_in && all_constant; i++) {
+  for (size_t i = first; i < n_in && all_constant; i++) {
     int is_const = 0;
-    OrtStatus* s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - 1]);
+    OrtStatus* s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - first]);
     if (s) {
       free(k);
       return s;
     }
-    all_constant = is_const && vals[i - 1];
+    all_constant = is_const && vals[i - first];
   }
   if (all_constant) {
-    OrtStatus* s = resolve_qtiles(vals, n_in - 1, k->bits, k->bs, k->glu, &k->tiles);
+    OrtStatus* s = resolve_qtiles(vals, n_in - first, k->bits, k->bs, k->glu, &k->tiles);
     if (s) {
       free(k);
       return s;
@@ -1394,7 +1527,7 @@ static const OrtCustomOp mesh_linear_q = {
     .GetInputType = qinput_type,
     .GetInputTypeCount = two,
     .GetOutputType = float_type,
-    .GetOutputTypeCount = one,
+    .GetOutputTypeCount = two,
     .KernelDestroy = qdestroy_kernel,
     .GetInputCharacteristic = input_char,
     .GetOutputCharacteristic = output_char,

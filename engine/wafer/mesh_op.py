@@ -60,7 +60,15 @@ PANEL = 64
 GLU = {"silu": 1, "gelu_tanh": 2}
 #: The C API table version the op is compiled against (its slots exist from this release on).
 MIN_ORT = (1, 20)
-FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-std=gnu11")
+FLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-fvisibility=hidden",
+    "-std=gnu11",
+    "-fno-math-errno",  # sqrtf as one instruction: no libm
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

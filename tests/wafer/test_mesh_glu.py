@@ -183,9 +183,11 @@ def test_bad_glu_attribute_fails_the_load():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
-def test_decoder_drops_the_gating_nodes_and_keeps_its_outputs(tiny_models, precision):
-    """build_decoder with emit_gated: no Split / Sigmoid / Mul after gate_up, and the logits of
-    the unfused graph (the same emitter with emit_gated hidden) to float rounding."""
+@pytest.mark.parametrize("hidden", [("emit_gated",), ("fuses_norm",), ("emit_gated", "fuses_norm")])
+def test_decoder_drops_the_fused_nodes_and_keeps_its_outputs(tiny_models, precision, hidden):
+    """build_decoder with emit_gated and the norm prologue against the same emitter with either
+    or both hidden: no Split / Sigmoid / Mul after gate_up (4 nodes per layer), no norm nodes
+    (2 per layer and the final one), and the logits of the unfused graph to float rounding."""
     from engine.config import load_config
     from engine.linears import make_linear
     from engine.weights import load_weights
@@ -195,13 +197,13 @@ def test_decoder_drops_the_gating_nodes_and_keeps_its_outputs(tiny_models, preci
     weights = load_weights(path, config)
 
     class Unfused:
-        """The same emitter without emit_gated: the builder's separate gating."""
+        """The same emitter without some of its fusions (what an emitter lacking them emits)."""
 
         def __init__(self, inner):
             self._inner = inner
 
         def __getattr__(self, name):
-            if name == "emit_gated":
+            if name in hidden:
                 raise AttributeError(name)
             return getattr(self._inner, name)
 
@@ -215,9 +217,11 @@ def test_decoder_drops_the_gating_nodes_and_keeps_its_outputs(tiny_models, preci
     counts = {k: len(m.graph.node) for k, (m, _) in models.items()}
     L = config.num_hidden_layers
     # Split, Sigmoid, Mul (SiLU) and Mul (gating) per layer; ORT fuses the SiLU into one node
-    assert counts["unfused"] - counts["fused"] == 4 * L
+    want = (4 * L if "emit_gated" in hidden else 0) + (2 * L + 1 if "fuses_norm" in hidden else 0)
+    assert counts["unfused"] - counts["fused"] == want
     ops = [n.op_type for n in models["fused"][0].graph.node]
-    assert "Split" not in ops and "Sigmoid" not in ops
+    assert not {"Split", "Sigmoid", "SimplifiedLayerNormalization"} & set(ops)
+    assert "SkipSimplifiedLayerNormalization" not in ops
     outs = {}
     for kind, (model, libs) in models.items():
         sess = ort.InferenceSession(
