@@ -23,6 +23,8 @@ holds its own int codes and scales, exactly as it would on the mesh.  Three ONNX
   line order — the partition executed, as ``MeshLinear`` does for float weights.  Same weights and
   activation quantisation as the fused form, so the same greedy tokens; every row is computed on
   its own, so a multi-token pass gives exactly the single steps' results (speculation works).
+  Like MeshLinear it also runs a gated MLP's gating (:meth:`QuantLinear.emit_gated`) and the
+  RMSNorm before a linear (``norm=``), fewer nodes per decode step.
 * ``form="mesh"``: the input is split along the reduction axis, one MatMulNBits per mesh line
   and an explicit ``Sum`` (the reduction as a separate op, like TiledLinear's ReduceSum).  Same
   numbers, slower on CPU; kept for inspection and tests.

@@ -1,6 +1,9 @@
 /* spark.wafer::MeshLinear — one mesh line's worth of GEMVs and their reduction as one ONNX Runtime op.
  *
  *   y[..., N] = MeshLinear(x[..., K], shape, W_0, ..., W_{L-1} [, bias])   attribute transposed (0 or 1)
+ *   optional attributes: glu (the gated-MLP epilogue: y = act(gate) * up, see "the gated-MLP
+ *   epilogue" below), norm and epsilon (an RMSNorm of x first, with a skip input and the sum as a
+ *   second output: inputs (x, [skip,] gamma, shape, ...), see "the RMSNorm prologue" below)
  *
  * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent
  * (sum k_p = K).  Line p takes its slice x[..., k-block p], multiplies it by its tiles and adds the
@@ -188,7 +191,10 @@ typedef struct {
  * The weight's columns are stored interleaved by panel: panel q holds gate columns [32q, 32q + 32)
  * in its first 32 columns and the matching up columns in its last 32 (zero-padded past F; see
  * engine/wafer/mesh_op.py: glu_columns), so a panel's reduction (and bias) finishes both halves of
- * its 32 outputs, and the epilogue runs once per panel on the panel's sums:
+ * its 32 outputs.  shape[0] is then F, the output columns; the weights (and the bias, in the same
+ * column order) hold 64 * ceil(F / 32) columns.  The panels' sums go to a scratch buffer and the
+ * epilogue runs once per panel, at the end of the task that computed it (the panel loops are
+ * unchanged):
  *     out[m, 32q + c] = act(y[m, 64q + c]) * y[m, 64q + 32 + c]
  * act: GLU_SILU x * sigmoid(x); GLU_GELU_TANH 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
  * computed as x * sigmoid(2u), which has no cancellation for large negative x.  The sigmoid uses a
@@ -750,7 +756,8 @@ static const OrtCustomOp mesh_linear = {
 /* ---- spark.wafer::MeshLinearQ: the same partitioned linear with int8 / int4 weights ----
  *
  *   y[..., N] = MeshLinearQ(x[..., K], shape, codes_0, scales_0, zero_points_0, ..., codes_{L-1}, ... [, bias])
- *   attributes: bits (8 or 4), block_size (weights per scale along K, a multiple of 16)
+ *   attributes: bits (8 or 4), block_size (weights per scale along K, a multiple of 16); glu, norm and
+ *   epsilon as MeshLinear's (the epilogue and prologue are the same functions)
  *
  * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent.
  * Line p's weights are block-quantised along K like MatMulNBits' (one scale and zero point per

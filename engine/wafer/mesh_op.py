@@ -21,6 +21,11 @@ tiles where the CPU and kernel allow it (:func:`amx`), bit-identical to its VNNI
 ``SPARK_LSP_AMX=0`` keeps sessions created while it is set on the VNNI path and
 ``SPARK_LSP_AMX_MIN_ROWS`` moves the row count from which AMX runs (docs/wafer.md).
 
+Both ops can also run the gated MLP's act(gate) * up after a ``gate_up`` linear (attribute
+``glu``; :func:`glu_interleave` writes the weight columns in the order it needs) and the RMSNorm
+before a linear, with the skip add (attributes ``norm``, ``epsilon``): nodes a small model's
+decode step would otherwise pay ONNX Runtime's per-node cost for (docs/wafer.md).
+
 :func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
 layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
 ``mesh_op.c``), so a session maps the graph's initializers and keeps no second copy;

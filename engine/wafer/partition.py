@@ -24,7 +24,10 @@ line p-1 — an explicit chain (systolic) reduction along the mesh axis.
 * ``op`` (the default where it builds): one ``spark.wafer::MeshLinear`` node per linear over the
   lines' tile initializers (``mesh_op.c``, compiled on first use, see :mod:`.mesh_op`).  Each
   line computes its partial products in registers and reduces them into the output in line
-  order.  A decode step has as many nodes as the dense graph.
+  order.  The op also takes over what surrounds a linear in a pre-norm decoder: a gated MLP's
+  act(gate) * up (:meth:`TiledLinear.emit_gated`) and the RMSNorm before a linear, with the skip
+  add (``norm=`` of the emit methods, :func:`mesh_node`), so a decode step has fewer nodes than
+  the dense graph.
 * ``graph`` (standard ONNX ops, the fallback without a C compiler): the input is ``Split`` over
   the reduction axis, line 0 runs ``MatMul`` and every next line ``Gemm(x_p, W_p, C=partial)``.
   Same numbers, but about twice the nodes (a ``Split`` and a second GEMV per linear, reshapes

@@ -1,8 +1,14 @@
-"""The gated-MLP epilogue of MeshLinear / MeshLinearQ (attribute ``glu``): ``emit_gated`` nodes
-against numpy (fp32) and against the unfused op followed by the activation and the product
-(int8 / int4, so the only difference is where the gating runs), for one row (the VNNI / GEMV path)
-and many (multi-row passes, AMX where the CPU has it), odd F, several mesh lines, with and without
-bias; the column order; and the builder's node count and outputs against the unfused graph."""
+"""What MeshLinear / MeshLinearQ take over around a linear.
+
+The gated-MLP epilogue (attribute ``glu``): ``emit_gated`` nodes against numpy (fp32) and against
+the unfused op followed by the activation and the product (int8 / int4, so the only difference is
+where the gating runs), for one row (the GEMV / VNNI path) and many (multi-row passes, AMX where
+the CPU has it), odd F, several mesh lines, with and without bias; the column order.
+
+The RMSNorm prologue (attributes ``norm``, ``epsilon``): against the plain op fed rows normed in
+numpy, with and without skip, the second output, with glu and the transposed head; errors.
+
+And the decoder: node counts and logits against the unfused graph."""
 
 from __future__ import annotations
 
@@ -244,3 +250,160 @@ def test_decoder_drops_the_fused_nodes_and_keeps_its_outputs(tiny_models, precis
     a, b = outs["unfused"], outs["fused"]
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+# -- the RMSNorm prologue (attribute norm) --------------------------------------------------------
+
+
+def _rms(s: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
+    s = s.astype(np.float64)
+    return s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * gamma
+
+
+def _norm_graph(emit, K: int, skip: bool, keep_sum: bool, gamma: np.ndarray, eps: float):
+    """A graph x[, skip] -> emit(..., norm=NormInput) with outputs y[, sum]."""
+    from engine.graph import NormInput
+
+    gb = GraphBuilder()
+    x = gb.input("x", TensorProto.FLOAT, ["s", K])
+    s = gb.input("skip", TensorProto.FLOAT, ["s", K]) if skip else None
+    g = gb.initializer("gamma", gamma)
+    y, total = emit(gb, x, NormInput(g, eps, skip=s, keep_sum=keep_sum))
+    gb.output(y, "y", TensorProto.FLOAT, None)
+    if total is not None:
+        gb.output(total, "sum", TensorProto.FLOAT, None)
+    return gb
+
+
+def _run_graph(gb, libs, feeds, threads=1):
+    sess = ort.InferenceSession(
+        gb.to_model().SerializeToString(),
+        session_options(threads, custom_ops=libs),
+        providers=["CPUExecutionProvider"],
+    )
+    return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("skip,keep_sum", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("T", [1, 4, 19])
+def test_norm_prologue_matches_the_separate_norm(precision, skip, keep_sum, T, kernel_path):
+    """emit(norm=...) equals the plain op fed the rows normed in numpy (and, fp32, numpy's
+    product) to float rounding; the second output is x + skip exactly."""
+    from engine.linears import make_linear
+
+    K, N, eps = 96, 70, 1e-5
+    rng = np.random.default_rng(T)
+    w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+    gamma = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    sk = rng.standard_normal((T, K)).astype(np.float32)
+    lin = make_linear(precision, grid=(3, 2))
+    assert lin.fuses_norm
+    gb = _norm_graph(
+        lambda gb, xi, norm: lin.emit(gb, xi, w, name="qkv", role="qkv", norm=norm),
+        K,
+        skip,
+        keep_sum,
+        gamma,
+        eps,
+    )
+    feeds = {"x": x, **({"skip": sk} if skip else {})}
+    outs = _run_graph(gb, lin.custom_op_libraries, feeds)
+    total = x + sk if skip else x
+    normed = _rms(total, gamma, eps).astype(np.float32)
+    plain, _ = _run(
+        lambda gb, xi: lin.emit(gb, xi, w, name="qkv", role="qkv"), normed, lin.custom_op_libraries
+    )
+    assert len(outs) == (2 if keep_sum else 1)
+    if keep_sum:
+        np.testing.assert_array_equal(outs[1], total)
+    if precision == "fp32":
+        np.testing.assert_allclose(outs[0], normed.astype(np.float64) @ w, rtol=1e-4, atol=1e-5)
+    # (with these inputs no activation code rounds the other way: float rounding only)
+    assert float(np.abs(outs[0] - plain).max()) <= 1e-5 * float(np.abs(plain).max())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_norm_prologue_with_glu_and_the_tied_head(precision):
+    """The prologue composes with the glu epilogue (gate_up) and, fp32, the transposed head."""
+    from engine.linears import make_linear
+
+    K, F, V, eps = 64, 40, 300, 1e-6
+    rng = np.random.default_rng(11)
+    w, b, x = _case(K, F, True, seed=5)
+    x = x[:5]
+    sk = rng.standard_normal(x.shape).astype(np.float32)
+    gamma = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    lin = make_linear(precision, grid=(2, 2))
+    gb = _norm_graph(
+        lambda gb, xi, norm: lin.emit_gated(gb, xi, w, name="gu", act="silu", bias=b, norm=norm),
+        K,
+        True,
+        True,
+        gamma,
+        eps,
+    )
+    y, total = _run_graph(gb, lin.custom_op_libraries, {"x": x, "skip": sk})
+    normed = _rms(x + sk, gamma, eps).astype(np.float32)
+    plain, _ = _run(
+        lambda gb, xi: lin.emit_gated(gb, xi, w, name="gu", act="silu", bias=b),
+        normed,
+        lin.custom_op_libraries,
+    )
+    np.testing.assert_array_equal(total, x + sk)
+    assert float(np.abs(y - plain).max()) <= 1e-5 * float(np.abs(plain).max())
+    if precision == "fp32":
+        table = rng.standard_normal((V, K)).astype(np.float32)
+
+        def head(gb, xi, norm):
+            t = gb.initializer("table", table)
+            return lin.emit_tied(gb, xi, t, (V, K), name="lm_head", norm=norm)
+
+        gb = _norm_graph(head, K, True, False, gamma, eps)
+        (logits,) = _run_graph(gb, lin.custom_op_libraries, {"x": x, "skip": sk}, threads=2)
+        np.testing.assert_allclose(
+            logits, normed.astype(np.float64) @ table.T.astype(np.float64), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_norm_needs_an_emitter_that_fuses_it():
+    from engine.graph import NormInput
+
+    w, _, _ = _case(32, 16, False)
+    gb = GraphBuilder()
+    x = gb.input("x", TensorProto.FLOAT, ["s", 32])
+    norm = NormInput("gamma", 1e-6)
+    for lin in (
+        TiledLinear((2, 2), form="graph"),
+        QuantLinear(8, inner=TiledLinear((2, 2)), form="fused"),
+    ):
+        assert not lin.fuses_norm
+        with pytest.raises(ValueError, match="does not fuse norms"):
+            lin.emit(gb, x, w, name="qkv", role="qkv", norm=norm)
+
+
+def test_bad_norm_inputs_give_clear_errors():
+    """A skip of another shape or a gamma of the wrong size fails the run with the op's message,
+    and the session lives on."""
+    from engine.graph import NormInput
+
+    K = 32
+    w, _, x = _case(K, 24, False)
+    lin = TiledLinear((2, 2), form="op")
+    gb = GraphBuilder()
+    xi = gb.input("x", TensorProto.FLOAT, ["s", K])
+    si = gb.input("skip", TensorProto.FLOAT, ["t", K])
+    g = gb.initializer("gamma", np.ones(K, np.float32))
+    y, total = lin.emit(gb, xi, w, name="qkv", role="qkv", norm=NormInput(g, 1e-6, skip=si))
+    gb.output(y, "y", TensorProto.FLOAT, None)
+    gb.output(total, "sum", TensorProto.FLOAT, None)
+    sess = ort.InferenceSession(
+        gb.to_model().SerializeToString(),
+        session_options(1, custom_ops=lin.custom_op_libraries),
+        providers=["CPUExecutionProvider"],
+    )
+    with pytest.raises(Exception, match="skip must be a float tensor of x's shape"):
+        sess.run(None, {"x": x[:3], "skip": x[:2]})
+    y, _ = sess.run(None, {"x": x[:3], "skip": x[:3]})
+    assert y.shape == (3, 48)
