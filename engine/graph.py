@@ -31,10 +31,11 @@ Every weight matmul goes through a *linear emitter* (``DenseLinear`` by default)
 package can replace it with a partitioned version without touching the rest of the graph.  An
 emitter may take over more than the matmul: ``emit_gated`` (a gated MLP's act(gate) * up),
 ``emit_tied`` (an LM head read from the embedding table) and, with ``fuses_norm``, the RMSNorm
-before a linear (``norm=NormInput(...)``; the residual add of the skip norm with it).  A decode
-step of a small model costs mostly per-node overhead, so each of these saves time, not arithmetic.  The
-weight reaches the emitter as ``[K, N]``, usually a transposed view of the checkpoint's ``[N, K]``:
-each emitter copies it once, into the layout it stores (a quantiser reads it back column-major).
+before a linear (``norm=NormInput(...)``; the residual add of the skip norm with it): each
+spares a decode step ONNX Runtime's per-node cost (dispatch, allocation, a thread-pool hand-off),
+which on a small model is a real share of the step.  The weight reaches the emitter as
+``[K, N]``, usually a transposed view of the checkpoint's ``[N, K]``: each emitter copies it once,
+into the layout it stores (a quantiser reads it back column-major).
 """
 
 from __future__ import annotations
