@@ -28,14 +28,20 @@ the cache is preallocated once and rewinding a sequence only means passing a sma
 around the attention op: fewer kernels per decode step).
 
 Every weight matmul goes through a *linear emitter* (``DenseLinear`` by default) so the wafer
-package can replace it with a partitioned version without touching the rest of the graph.  The
-weight reaches the emitter as ``[K, N]``, usually a transposed view of the checkpoint's ``[N, K]``:
-each emitter copies it once, into the layout it stores (a quantiser reads it back column-major).
+package can replace it with a partitioned version without touching the rest of the graph.  An
+emitter may take over more than the matmul: ``emit_gated`` (a gated MLP's act(gate) * up),
+``emit_tied`` (an LM head read from the embedding table) and, with ``fuses_norm``, the RMSNorm
+before a linear (``norm=NormInput(...)``; the residual add of the skip norm with it): each
+spares a decode step ONNX Runtime's per-node cost (dispatch, allocation, a thread-pool hand-off),
+which on a small model is a real share of the step.  The weight reaches the emitter as
+``[K, N]``, usually a transposed view of the checkpoint's ``[N, K]``: each emitter copies it once,
+into the layout it stores (a quantiser reads it back column-major).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -44,7 +50,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 5
+GRAPH_VERSION = 7
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -178,6 +184,19 @@ class GraphBuilder:
             entry = model.metadata_props.add()
             entry.key, entry.value = k, v
         return model
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """An RMSNorm a linear applies to its input first, for emitters that fuse it
+    (``fuses_norm``): the linear reads ``rmsnorm(x + skip) * gamma`` (``skip`` None: of ``x``).
+    ``gamma`` is the initializer's name; ``keep_sum``: the node also outputs ``x + skip`` (the
+    residual stream the next layer adds to)."""
+
+    gamma: str
+    epsilon: float
+    skip: str | None = None
+    keep_sum: bool = True
 
 
 class LinearEmitter(Protocol):
@@ -358,6 +377,33 @@ def build_decoder(
         gb.nodes[-1].output[2] = ""
         return outs[0], outs[3]
 
+    # The norm before qkv, gate_up and the LM head inside the linear where the emitter can (its
+    # RMSNorm prologue, the skip norm's residual add included): one node fewer per norm.
+    fuse_norm = bool(getattr(linear, "fuses_norm", False)) and norm_kind != "layer"
+
+    def normed(emit, pending, residual, key, name, keep_sum=True):
+        """``emit(x, norm)`` -> ``(y, sum)`` on the norm of ``residual`` (+ ``pending``): with
+        ``norm=NormInput`` where the emitter fuses norms, else after a norm node (``norm=None``).
+        Returns ``y`` and the residual stream after the add."""
+        if fuse_norm:
+            gamma = norm_params(key, name)[0]
+            if pending is None:
+                return emit(residual, NormInput(gamma, eps))[0], residual
+            return emit(pending, NormInput(gamma, eps, skip=residual, keep_sum=keep_sum))
+        if pending is None:
+            x = first_norm(residual, key, name)
+        else:
+            x, residual = skip_norm(pending, residual, key, name)
+        return emit(x, None)[0], residual
+
+    def with_norm(norm) -> dict:
+        """The emitter keywords for ``norm`` (none without one, so any emitter takes them)."""
+        return {} if norm is None else {"norm": norm}
+
+    def pair(out, norm):
+        """An emitter's result as ``(y, sum)``: with a norm it already is one."""
+        return out if norm is not None else (out, None)
+
     def head_norm(x: str, key: str, heads: int, name: str) -> str:
         """Per-head RMSNorm over head_dim (Qwen3's q_norm / k_norm) on a [1, S, heads * H] value.
 
@@ -409,17 +455,19 @@ def build_decoder(
 
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        if pending is None:
-            x = first_norm(residual, p + "input_layernorm", f"layers.{i}.input_norm")
-        else:
-            x, residual = skip_norm(
-                pending, residual, p + "input_layernorm", f"layers.{i}.input_norm"
-            )
-
         a = p + "self_attn."
         w_qkv = _fused_qkv(w, a, "weight", N, NKV, H0, H).T
         b_qkv = _fused_qkv(w, a, "bias", N, NKV, H0, H) if c.attention_bias else None
-        qkv = linear.emit(gb, x, w_qkv, name=f"layers.{i}.qkv", role="qkv", bias=b_qkv)
+
+        def emit_qkv(x, norm):
+            y = linear.emit(
+                gb, x, w_qkv, name=f"layers.{i}.qkv", role="qkv", bias=b_qkv, **with_norm(norm)
+            )
+            return pair(y, norm)
+
+        qkv, residual = normed(
+            emit_qkv, pending, residual, p + "input_layernorm", f"layers.{i}.input_norm"
+        )
         qkv3 = (
             qkv
             if act3d
@@ -473,9 +521,6 @@ def build_decoder(
         )
         pending = linear.emit(gb, attn2, w_o, name=f"layers.{i}.o", role="o", bias=b_o)
 
-        x, residual = skip_norm(
-            pending, residual, p + "post_attention_layernorm", f"layers.{i}.post_norm"
-        )
         m = p + "mlp."
         if getattr(c, "mlp_gated", True):
             w_gu = np.concatenate(
@@ -487,31 +532,92 @@ def build_decoder(
             ).T
             b_gate, b_up = mlp_bias(m + "gate_proj"), mlp_bias(m + "up_proj")
             b_gu = np.concatenate([b_gate, b_up]) if b_gate is not None else None
-            gu = linear.emit(gb, x, w_gu, name=f"layers.{i}.gate_up", role="gate_up", bias=b_gu)
-            gate, up = gb.node(
-                "Split", [gu, gb.const_i64([F, F])], n_out=2, name=f"layers.{i}.split", axis=-1
-            )
-            act = gb.node("Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu")
+
+            def emit_mlp_in(x, norm):
+                # act(gate) * up inside the linear where the emitter can (one node, not four)
+                emit_gated = getattr(linear, "emit_gated", None)
+                gated = (
+                    emit_gated(
+                        gb,
+                        x,
+                        w_gu,
+                        name=f"layers.{i}.gate_up",
+                        act=getattr(c, "mlp_act", "silu"),
+                        bias=b_gu,
+                        **with_norm(norm),
+                    )
+                    if emit_gated
+                    else None
+                )
+                if gated is not None:
+                    return pair(gated, norm)
+                gu, total = pair(
+                    linear.emit(
+                        gb,
+                        x,
+                        w_gu,
+                        name=f"layers.{i}.gate_up",
+                        role="gate_up",
+                        bias=b_gu,
+                        **with_norm(norm),
+                    ),
+                    norm,
+                )
+                gate, up = gb.node(
+                    "Split",
+                    [gu, gb.const_i64([F, F])],
+                    n_out=2,
+                    name=f"layers.{i}.split",
+                    axis=-1,
+                )
+                glu = gb.node(
+                    "Mul", [activation(gate, f"layers.{i}.act"), up], name=f"layers.{i}.glu"
+                )
+                return glu, total
+
             w_down, b_down = _linear_weight(w, m + "down_proj.weight"), mlp_bias(m + "down_proj")
         else:
             w_fc = _linear_weight(w, m + "c_fc.weight").T
-            fc = linear.emit(
-                gb, x, w_fc, name=f"layers.{i}.gate_up", role="gate_up", bias=mlp_bias(m + "c_fc")
-            )
-            act = activation(fc, f"layers.{i}.act")
+
+            def emit_mlp_in(x, norm):
+                fc, total = pair(
+                    linear.emit(
+                        gb,
+                        x,
+                        w_fc,
+                        name=f"layers.{i}.gate_up",
+                        role="gate_up",
+                        bias=mlp_bias(m + "c_fc"),
+                        **with_norm(norm),
+                    ),
+                    norm,
+                )
+                return activation(fc, f"layers.{i}.act"), total
+
             w_down, b_down = _linear_weight(w, m + "c_proj.weight"), mlp_bias(m + "c_proj")
+        act, residual = normed(
+            emit_mlp_in, pending, residual, p + "post_attention_layernorm", f"layers.{i}.post_norm"
+        )
         pending = linear.emit(gb, act, w_down.T, name=f"layers.{i}.down", role="down", bias=b_down)
 
-    x, _ = skip_norm(pending, residual, "model.norm", "final_norm")
     tied = c.tie_word_embeddings or "lm_head.weight" not in w
     # A tied head read straight from the embedding initializer where the emitter can (the table
     # is then stored once); else [K, N] as a transposed view, which the emitter copies (or
     # quantises) into the layout it stores.
     emit_tied = getattr(linear, "emit_tied", None) if tied else None
-    logits = emit_tied(gb, x, embed, (V, D), name="lm_head") if emit_tied else None
-    if logits is None:
-        key = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        logits = linear.emit(gb, x, w[key].T, name="lm_head", role="lm_head")
+
+    def emit_head(x, norm):
+        out = (
+            emit_tied(gb, x, embed, (V, D), name="lm_head", **with_norm(norm))
+            if emit_tied
+            else None
+        )
+        if out is None:
+            key = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            out = linear.emit(gb, x, w[key].T, name="lm_head", role="lm_head", **with_norm(norm))
+        return pair(out, norm)
+
+    logits, _ = normed(emit_head, pending, residual, "model.norm", "final_norm", keep_sum=False)
     if not act3d:
         logits = gb.node("Unsqueeze", [logits, gb.const_i64([0])], name="logits3d")
     gb.output(logits, "logits", f32, [1, "num_logits", V])

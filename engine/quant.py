@@ -23,6 +23,8 @@ holds its own int codes and scales, exactly as it would on the mesh.  Three ONNX
   line order — the partition executed, as ``MeshLinear`` does for float weights.  Same weights and
   activation quantisation as the fused form, so the same greedy tokens; every row is computed on
   its own, so a multi-token pass gives exactly the single steps' results (speculation works).
+  Like MeshLinear it also runs a gated MLP's gating (:meth:`QuantLinear.emit_gated`) and the
+  RMSNorm before a linear (``norm=``), fewer nodes per decode step.
 * ``form="mesh"``: the input is split along the reduction axis, one MatMulNBits per mesh line
   and an explicit ``Sum`` (the reduction as a separate op, like TiledLinear's ReduceSum).  Same
   numbers, slower on CPU; kept for inspection and tests.
@@ -40,7 +42,7 @@ import numpy as np
 
 from .graph import DenseLinear
 from .wafer import mesh_op
-from .wafer.partition import block_sizes, reduce_axis
+from .wafer.partition import block_sizes, mesh_node, reduce_axis
 
 MS_DOMAIN = "com.microsoft"
 TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (no onnx import here)
@@ -307,13 +309,19 @@ class QuantLinear:
             libs += (mesh_op.library(),)
         return libs
 
+    @property
+    def fuses_norm(self) -> bool:
+        """Form ``op`` runs the RMSNorm before a linear in MeshLinearQ (``norm=`` of :meth:`emit`
+        and :meth:`emit_gated`; see ``engine.wafer.partition.mesh_node``)."""
+        return self.form == "op" and self.op == "nbits" and self.roles is None
+
     def cache_key(self) -> str:
         inner = getattr(self.inner, "cache_key", None)
         inner_key = inner() if callable(inner) else "dense"
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
-        form = "meshq-v2" if self.form == "op" else self.form
+        form = "meshq-v3" if self.form == "op" else self.form
         return (
             f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
             f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}"
@@ -353,13 +361,26 @@ class QuantLinear:
         )
 
     def _mesh_q(
-        self, gb, x: str, w: np.ndarray, parts: list[int], name: str, block: int, bias=None
-    ) -> str:
+        self,
+        gb,
+        x: str,
+        w: np.ndarray,
+        parts: list[int],
+        name: str,
+        block: int,
+        bias=None,
+        *,
+        glu: str | None = None,
+        out_n: int | None = None,
+        norm=None,
+    ):
         """One MeshLinearQ node: each mesh line's tiles quantised on their own (blocks never cross
-        a line), stored in the op's layout; the op adds ``bias`` after the reduction."""
+        a line), stored in the op's layout; the op adds ``bias`` after the reduction.  ``glu``:
+        ``w`` is in the op's ``glu`` column order and the node returns act(gate) * up, ``out_n``
+        columns.  ``norm``: the op's RMSNorm prologue (returns ``(y, sum)``, see ``mesh_node``)."""
         offs = np.cumsum([0] + parts)
         ins = [x, None]
-        N = w.shape[1]
+        N = w.shape[1] if out_n is None else out_n
         for p in range(len(parts)):
             c, s, z = self._pack_line(w[offs[p] : offs[p + 1]], block)
             ins += [
@@ -370,13 +391,16 @@ class QuantLinear:
         ins[1] = gb.initializer(f"{name}.mesh_shape", np.array([N, *parts], np.int64))
         if bias is not None:
             ins.append(gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32)))
-        return gb.node(
+        return mesh_node(
+            gb,
             mesh_op.QOP,
-            ins,
-            domain=mesh_op.DOMAIN,
-            name=f"{name}/mesh_linear_q",
+            x,
+            ins[1:],
+            name=f"{name}/mesh_linear_q" + ("_glu" if glu else ""),
+            norm=norm,
             bits=self.bits,
             block_size=block,
+            glu=mesh_op.GLU[glu] if glu else None,
         )
 
     def _pack_line(self, w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -408,7 +432,12 @@ class QuantLinear:
         name: str,
         role: str,
         bias: np.ndarray | None = None,
-    ) -> str:
+        norm=None,
+    ):
+        """``x @ weight (+ bias)`` with quantised weights; with ``norm`` (``fuses_norm`` only)
+        MeshLinearQ's RMSNorm prologue first, and the result is ``(y, sum)``."""
+        if norm is not None and not self.fuses_norm:
+            raise ValueError(f"{name}: this emitter does not fuse norms (form {self.form!r})")
         if self.roles is not None and role not in self.roles:
             inner = self.inner
             if inner is None:
@@ -426,11 +455,11 @@ class QuantLinear:
         form = (
             self.form if block is not None or self.form == "op" else "mesh"
         )  # no block fits: mesh lines
-        if form == "op":
+        if form == "op":  # the op adds the bias (and runs the norm)
             block = block or self.block_size
-            y = self._mesh_q(gb, x, w, parts, name, block, bias)
-            bias = None  # the op added it
-        elif form == "fused":
+            self._record(name, role, (K, N), parts, block, form)
+            return self._mesh_q(gb, x, w, parts, name, block, bias, norm=norm)
+        if form == "fused":
             y = self._nbits(gb, x, w, name, block)
         else:
             offs = np.cumsum([0] + parts)
@@ -456,13 +485,72 @@ class QuantLinear:
                 for p in range(len(parts))
             ]
             y = gb.node("Sum", ys, name=f"{name}/mesh_reduce") if len(ys) > 1 else ys[0]
+        self._record(name, role, (K, N), parts, block or 16, form)
+        if bias is not None:
+            b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
+            y = gb.node("Add", [y, b], name=f"{name}/bias")
+        return y
+
+    def emit_gated(
+        self,
+        gb,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        act: str,
+        bias: np.ndarray | None = None,
+        norm=None,
+    ):
+        """A gated MLP's ``act(x @ W_gate) * (x @ W_up)`` as one ``MeshLinearQ(glu=...)`` node
+        (form ``op``; see ``TiledLinear.emit_gated``; ``norm`` as :meth:`emit`).  Quantisation blocks run along K within
+        one column, so storing the columns in the op's ``glu`` order quantises every column
+        exactly as :meth:`emit` does: the same codes and dot products, only the gating moves
+        into the op.  ``None`` where this emitter cannot (other forms, rowq, an activation the
+        op lacks); ``gate_up`` outside ``roles`` goes to the inner emitter's ``emit_gated``."""
+        if self.roles is not None and "gate_up" not in self.roles:
+            inner = getattr(self.inner, "emit_gated", None)
+            kw = {} if norm is None else {"norm": norm}
+            return inner(gb, x, weight, name=name, act=act, bias=bias, **kw) if inner else None
+        if self.form != "op" or self.op != "nbits" or act not in mesh_op.GLU:
+            return None
+        w = np.asarray(weight, dtype=np.float32)
+        K, N2 = w.shape
+        if N2 % 2:
+            raise ValueError(f"{name}: a [gate | up] weight needs an even column count, got {N2}")
+        F = N2 // 2
+        parts = self._k_parts((K, N2), "gate_up")
+        block = (
+            _block_for(parts[0], self.block_size) if len(parts) > 1 else None
+        ) or self.block_size
+        glu_bias = mesh_op.glu_interleave(bias, F) if bias is not None else None
+        self._record(name, "gate_up", (K, N2), parts, block, "op", glu=act)
+        return self._mesh_q(
+            gb,
+            x,
+            mesh_op.glu_interleave(w, F),
+            parts,
+            name,
+            block,
+            glu_bias,
+            glu=act,
+            out_n=F,
+            norm=norm,
+        )
+
+    def _record(
+        self, name: str, role: str, shape, parts: list[int], block: int, form: str, **extra
+    ) -> None:
+        """Fill in this emitter's ``layout`` report for one linear (and the inner TiledLinear's)."""
+        K, N = shape
         self.layout[name] = {
             "role": role,
             "shape": (K, N),
             "k_tiles": parts,
             "bits": self.bits,
-            "block_size": block or 16,
+            "block_size": block,
             "form": form,
+            **extra,
         }
         inner_layout = getattr(self.inner, "layout", None)
         if isinstance(inner_layout, dict) and getattr(self.inner, "grid", None) is not None:
@@ -475,12 +563,9 @@ class QuantLinear:
                 "reduce_axis": axis,
                 "k_blocks": parts,
                 "n_blocks": block_sizes(N, C if axis == "rows" else R),
-                "quant": f"int{self.bits}/b{block or 16}/{form}",
+                "quant": f"int{self.bits}/b{block}/{form}",
+                **extra,
             }
-        if bias is not None:
-            b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
-            y = gb.node("Add", [y, b], name=f"{name}/bias")
-        return y
 
     def _emit_rowq(
         self,

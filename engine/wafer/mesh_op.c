@@ -1,6 +1,9 @@
 /* spark.wafer::MeshLinear — one mesh line's worth of GEMVs and their reduction as one ONNX Runtime op.
  *
  *   y[..., N] = MeshLinear(x[..., K], shape, W_0, ..., W_{L-1} [, bias])   attribute transposed (0 or 1)
+ *   optional attributes: glu (the gated-MLP epilogue: y = act(gate) * up, see "the gated-MLP
+ *   epilogue" below), norm and epsilon (an RMSNorm of x first, with a skip input and the sum as a
+ *   second output: inputs (x, [skip,] gamma, shape, ...), see "the RMSNorm prologue" below)
  *
  * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent
  * (sum k_p = K).  Line p takes its slice x[..., k-block p], multiplies it by its tiles and adds the
@@ -168,14 +171,81 @@ typedef struct {
   size_t rows[MAX_LINES];
   const float* w[MAX_LINES]; /* transposed: w[0] is the [N, K] table */
   const float* bias;         /* [N], added after the last line's reduction; NULL: none */
+  int glu;                   /* GLU_*: the gated-MLP epilogue (N then counts the gate|up panel columns) */
+  size_t out_n;              /* output columns: N, or with glu the F gated columns */
 } Tiles;
 
 typedef struct {
   const Tiles* t;
   const float* x; /* [M, K] */
-  float* y;       /* [M, N] */
+  float* y;       /* [M, N]; with glu a scratch buffer the epilogue reads */
   size_t M, per_task; /* panels (or, transposed, output columns) per task */
+  float* out;                      /* glu: the op's output [M, out_n]; NULL: y is the output */
+  void (*inner)(void*, size_t);    /* glu: the task that fills y before the epilogue */
 } Job;
+
+/* ---- the gated-MLP epilogue (attribute glu) ----
+ *
+ * A gated MLP's gate_up linear is followed by act(gate) * up.  With glu != 0 the op computes that
+ * itself, so a decode step runs one node where the graph had four (linear, Split, activation, Mul).
+ * The weight's columns are stored interleaved by panel: panel q holds gate columns [32q, 32q + 32)
+ * in its first 32 columns and the matching up columns in its last 32 (zero-padded past F; see
+ * engine/wafer/mesh_op.py: glu_columns), so a panel's reduction (and bias) finishes both halves of
+ * its 32 outputs.  shape[0] is then F, the output columns; the weights (and the bias, in the same
+ * column order) hold 64 * ceil(F / 32) columns.  The panels' sums go to a scratch buffer and the
+ * epilogue runs once per panel, at the end of the task that computed it (the panel loops are
+ * unchanged):
+ *     out[m, 32q + c] = act(y[m, 64q + c]) * y[m, 64q + 32 + c]
+ * act: GLU_SILU x * sigmoid(x); GLU_GELU_TANH 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+ * computed as x * sigmoid(2u), which has no cancellation for large negative x.  The sigmoid uses a
+ * Cephes-style exp (relative error ~1e-7, no libm), so the result matches ORT's Sigmoid/QuickGelu
+ * and FastGelu to float rounding.
+ */
+enum { GLU_NONE = 0, GLU_SILU = 1, GLU_GELU_TANH = 2 };
+#define GLU_HALF (NR / 2) /* gated output columns per panel */
+
+/* exp(x) for x clamped to [-87, 88] (beyond, sigmoid is 0 or 1 to float precision anyway):
+   2^n * p(r), r = x - n ln 2, the Cephes polynomial; branch-free, so the caller's loop vectorises. */
+static inline float glu_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  const float n = (x * 1.44269504088896341f + magic) - magic;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* Panel q's gated outputs for rows [0, M): y [M, ldy] holds the panel's gate|up sums at columns
+   [64q, 64q + 64); out [M, out_n] gets columns [32q, 32q + 32) that exist. */
+static void glu_panel(int glu, const float* y, size_t ldy, float* out, size_t out_n, size_t M, size_t q) {
+  const size_t c0 = q * GLU_HALF, nc = out_n - c0 < GLU_HALF ? out_n - c0 : GLU_HALF;
+  for (size_t m = 0; m < M; m++) {
+    const float* g = y + m * ldy + q * NR;
+    float* o = out + m * out_n + c0;
+    float v[GLU_HALF];
+    if (glu == GLU_SILU)
+      for (int c = 0; c < GLU_HALF; c++) v[c] = g[c] / (1.0f + glu_exp(-g[c])) * g[GLU_HALF + c];
+    else
+      for (int c = 0; c < GLU_HALF; c++) {
+        const float x = g[c], z = 1.5957691216057308f * (x + 0.044715f * x * x * x);
+        v[c] = x / (1.0f + glu_exp(-z)) * g[GLU_HALF + c];
+      }
+    memcpy(o, v, nc * sizeof(float));
+  }
+}
+
+/* The packed columns a gated linear of out_n outputs stores: whole panels of gate|up halves. */
+static inline size_t glu_columns(size_t out_n) { return (out_n + GLU_HALF - 1) / GLU_HALF * NR; }
 
 /* Write (first line) or add (every next line: the partial sum arriving from the previous line)
    MR rows of 64 partial products into y, of which only nc columns exist; after the last line,
@@ -250,6 +320,15 @@ static void task(void* data, size_t i) {
     for (; m + 4 <= j->M; m += 4) panel(j, j->x + m * K, j->y + m * N, q, 4);
     for (; m < j->M; m++) panel(j, j->x + m * K, j->y + m * N, q, 1);
   }
+}
+
+/* glu: a task's panels (as task), then the epilogue on each of them while they are in cache. */
+static void task_glu(void* data, size_t i) {
+  const Job* j = (const Job*)data;
+  j->inner(data, i);
+  const size_t q0 = i * j->per_task;
+  const size_t q1 = q0 + j->per_task < j->t->panels ? q0 + j->per_task : j->t->panels;
+  for (size_t q = q0; q < q1; q++) glu_panel(j->t->glu, j->y, j->t->N, j->out, j->t->out_n, j->M, q);
 }
 
 /* Transposed weights: output column n of token rows [m, m + MR) is, line by line, the dot product
@@ -352,12 +431,13 @@ static OrtStatus* read_shape(const char* op, const OrtValue* v, size_t lines, Ti
 }
 
 /* Check shape and the weights (vals[0..n_vals)) and point t at their data. */
-static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int transposed, Tiles* t) {
+static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int transposed, int glu, Tiles* t) {
   int type = 0;
   size_t rank = 0;
   int64_t d[8];
   memset(t, 0, sizeof *t);
   t->transposed = transposed;
+  t->glu = glu;
   if (n_vals < 2) return error("MeshLinear: expected x, shape and the weights, got %zu inputs", n_vals + 1);
   TRY(shape_of(vals[0], &type, &rank, d));
   if (type != ELEM_INT64 || rank != 1 || d[0] < 2 || (size_t)d[0] - 1 > MAX_LINES)
@@ -368,6 +448,12 @@ static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int 
     return error("MeshLinear: shape names %zu lines, so expected x, shape, %s and an optional bias, got %zu inputs",
                  t->lines, transposed ? "one [N, K] weight (transposed=1)" : "one tile tensor per line", n_vals + 1);
   TRY(read_shape("MeshLinear", vals[0], t->lines, t));
+  t->out_n = t->N;
+  if (glu) { /* shape names the F gated outputs; the weights hold whole gate|up panels */
+    if (transposed) return error("MeshLinear: glu needs the panel layout (transposed=0)");
+    t->N = glu_columns(t->out_n);
+    t->panels = t->N / NR;
+  }
   if (n_vals == 2 + n_w) {
     TRY(shape_of(vals[1 + n_w], &type, &rank, d));
     if (type != ELEM_FLOAT || rank != 1 || (size_t)d[0] != t->N)
@@ -389,12 +475,114 @@ static OrtStatus* resolve_tiles(const OrtValue* const* vals, size_t n_vals, int 
   return NULL;
 }
 
+/* ---- the RMSNorm prologue (attributes norm, epsilon) ----
+ *
+ * In a pre-norm decoder every qkv and gate_up linear (and the LM head) reads
+ * RMSNorm(residual + pending) * gamma, and the next layer needs residual + pending: one
+ * SkipSimplifiedLayerNormalization node before the linear.  With norm != 0 the op does it
+ * itself, once per token row before the linear's tasks:
+ *   NORM_SKIP_RMS: inputs (x, skip, gamma, shape, ...), s = x + skip, the linear reads
+ *                  s / sqrt(mean(s^2) + epsilon) * gamma; the optional second output is s [..., K]
+ *                  (SkipSimplifiedLayerNormalization's input_skip_bias_sum);
+ *   NORM_RMS:      inputs (x, gamma, shape, ...), the same without skip (a first layer's norm).
+ * The same float operations as ONNX Runtime's kernels (sum of squares in float, divide, then
+ * multiply by gamma), so the outputs match the separate nodes' to float rounding.
+ */
+enum { NORM_NONE = 0, NORM_SKIP_RMS = 1, NORM_RMS = 2 };
+#define SLOT_KernelInfoGetAttribute_float 85
+typedef OrtStatus* (*GetAttrFloatFn)(const OrtKernelInfo* info, const char* name, float* out);
+
+/* Inputs the norm takes between x and shape. */
+static size_t norm_inputs(int norm) { return norm == NORM_SKIP_RMS ? 2 : norm == NORM_RMS ? 1 : 0; }
+
+/* The optional norm and epsilon attributes (absent: NORM_NONE; epsilon 1e-6). */
+static OrtStatus* norm_attributes(const char* op, const OrtKernelInfo* info, int* norm, float* eps) {
+  int64_t v = NORM_NONE;
+  OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "norm", &v);
+  if (s) {
+    CALL(ReleaseStatus, ReleaseStatusFn)(s);
+    v = NORM_NONE;
+  }
+  if (v != NORM_NONE && v != NORM_SKIP_RMS && v != NORM_RMS)
+    return error("%s: norm must be 0 (none), 1 (skip + RMSNorm) or 2 (RMSNorm), got %lld", op, (long long)v);
+  *norm = (int)v;
+  *eps = 1e-6f;
+  s = CALL(KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "epsilon", eps);
+  if (s) CALL(ReleaseStatus, ReleaseStatusFn)(s);
+  if (!(*eps >= 0.0f)) return error("%s: epsilon must be >= 0", op);
+  return NULL;
+}
+
+/* The norm's rows into *xn (a new [M, K] buffer the caller frees; NULL when norm is NORM_NONE),
+   and with NORM_SKIP_RMS x + skip into the second output where the node has one. */
+static OrtStatus* norm_prologue(const char* op, int norm, float eps, size_t K, OrtKernelContext* ctx,
+                                const OrtValue* xv, float** xn) {
+  *xn = NULL;
+  if (norm == NORM_NONE) return NULL;
+  int type = 0, ty2 = 0;
+  size_t rank = 0, r2 = 0;
+  int64_t dims[8], d2[8];
+  const OrtValue *skv = NULL, *gv = NULL;
+  const float *x = NULL, *skip = NULL, *gamma = NULL;
+  TRY(shape_of(xv, &type, &rank, dims));
+  if (type != ELEM_FLOAT || rank < 1 || (size_t)dims[rank - 1] != K)
+    return error("%s: x must be a float tensor [..., %zu]", op, K);
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&x));
+  if (norm == NORM_SKIP_RMS) {
+    TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 1, &skv));
+    TRY(shape_of(skv, &ty2, &r2, d2));
+    if (ty2 != ELEM_FLOAT || r2 != rank || memcmp(d2, dims, rank * sizeof *dims))
+      return error("%s: skip must be a float tensor of x's shape", op);
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)skv, (void**)&skip));
+  }
+  TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, norm == NORM_SKIP_RMS ? 2 : 1, &gv));
+  TRY(shape_of(gv, &ty2, &r2, d2));
+  if (ty2 != ELEM_FLOAT || r2 != 1 || (size_t)d2[0] != K) return error("%s: gamma must be a float tensor [%zu]", op, K);
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)gv, (void**)&gamma));
+  size_t M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
+  float* sum = NULL; /* the second output, where the node has one */
+  if (norm == NORM_SKIP_RMS) {
+    OrtValue* sv = NULL;
+    OrtStatus* s = CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 1, dims, rank, &sv);
+    if (s) CALL(ReleaseStatus, ReleaseStatusFn)(s);
+    else if (sv) TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(sv, (void**)&sum));
+  }
+  float* out = NULL;
+  if (posix_memalign((void**)&out, 64, (M ? M : 1) * K * sizeof(float)))
+    return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory in the norm");
+  for (size_t m = 0; m < M; m++) {
+    const float* a = x + m * K;
+    float* o = out + m * K;
+    float ms = 0.0f;
+    if (skip) {
+      for (size_t k = 0; k < K; k++) {
+        const float v = a[k] + skip[m * K + k];
+        o[k] = v;
+        ms += v * v;
+      }
+      if (sum) memcpy(sum + m * K, o, K * sizeof(float));
+    } else {
+      for (size_t k = 0; k < K; k++) {
+        o[k] = a[k];
+        ms += a[k] * a[k];
+      }
+    }
+    const float denom = __builtin_sqrtf(ms / (float)K + eps);
+    for (size_t k = 0; k < K; k++) o[k] = o[k] / denom * gamma[k];
+  }
+  *xn = out;
+  return NULL;
+}
+
 typedef struct {
-  int transposed;
+  int transposed, glu, norm;
+  float eps;
   Tiles tiles; /* resolved at load time when every weight input is a constant initializer */
 } Kernel;
 
-static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv) {
+/* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
+static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv, const float* xdata) {
   int type = 0;
   size_t rank = 0;
   int64_t dims[8];
@@ -404,13 +592,21 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv)
   if ((size_t)dims[rank - 1] != t->K)
     return error("MeshLinear: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&j.x));
+  if (xdata) j.x = xdata;
   j.M = 1;
   for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
-  dims[rank - 1] = (int64_t)t->N;
+  dims[rank - 1] = (int64_t)t->out_n;
   OrtValue* out = NULL;
   TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
   if (j.M == 0) return NULL;
+  float* scratch = NULL; /* glu: the gate|up sums, [M, N] */
+  if (t->glu) {
+    if (posix_memalign((void**)&scratch, 64, j.M * t->N * sizeof(float)))
+      return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory");
+    j.out = j.y;
+    j.y = scratch;
+  }
   /* Tasks of >= ~64K multiply-adds (MLAS's own threading grain), in whole panels (or runs of 16
      output columns, transposed). */
   const size_t units = t->transposed ? (t->N + 15) / 16 : t->panels;
@@ -424,11 +620,17 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv)
     j.per_task *= 16;
     fn = ttask;
   }
-  if (tasks == 1) {
-    fn(&j, 0);
-    return NULL;
+  if (t->glu) {
+    j.inner = fn;
+    fn = task_glu;
   }
-  return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
+  OrtStatus* s = NULL;
+  if (tasks == 1)
+    fn(&j, 0);
+  else
+    s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
+  free(scratch);
+  return s;
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
@@ -437,16 +639,35 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* x = NULL;
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
-  if (k->tiles.lines) return run(&k->tiles, ctx, x);
-  /* weights fed at run time (not initializers): check and resolve them for this call */
-  const OrtValue* vals[2 + MAX_LINES];
-  if (n_in < 3 || n_in - 1 > 2 + MAX_LINES)
-    return error("MeshLinear: expected x, shape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
-                 MAX_LINES, n_in);
-  for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   Tiles t;
-  TRY(resolve_tiles(vals, n_in - 1, k->transposed, &t));
-  return run(&t, ctx, x);
+  const Tiles* tp = &k->tiles;
+  if (!k->tiles.lines) { /* weights fed at run time (not initializers): check and resolve them for this call */
+    const size_t skip = 1 + norm_inputs(k->norm);
+    const OrtValue* vals[2 + MAX_LINES];
+    if (n_in < skip + 2 || n_in - skip > 2 + MAX_LINES)
+      return error("MeshLinear: expected x, %sshape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
+                   k->norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
+    for (size_t i = skip; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - skip]));
+    TRY(resolve_tiles(vals, n_in - skip, k->transposed, k->glu, &t));
+    tp = &t;
+  }
+  float* xn = NULL;
+  TRY(norm_prologue("MeshLinear", k->norm, k->eps, tp->K, ctx, x, &xn));
+  OrtStatus* s = run(tp, ctx, x, xn);
+  free(xn);
+  return s;
+}
+
+/* The optional glu attribute (GLU_*; absent: GLU_NONE). */
+static OrtStatus* glu_attribute(const char* op, const OrtKernelInfo* info, int64_t* glu) {
+  OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "glu", glu);
+  if (s) {
+    CALL(ReleaseStatus, ReleaseStatusFn)(s);
+    *glu = GLU_NONE;
+  }
+  if (*glu != GLU_NONE && *glu != GLU_SILU && *glu != GLU_GELU_TANH)
+    return error("%s: glu must be 0 (none), 1 (silu) or 2 (gelu_tanh), got %lld", op, (long long)*glu);
+  return NULL;
 }
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
@@ -454,31 +675,40 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtK
   size_t n_in = 0;
   int64_t transposed = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 3 || n_in - 1 > 2 + MAX_LINES)
-    return error("MeshLinear: expected x, shape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
-                 MAX_LINES, n_in);
   OrtStatus* s = CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "transposed", &transposed);
   if (s) { /* absent: the default, 0 */
     CALL(ReleaseStatus, ReleaseStatusFn)(s);
     transposed = 0;
   }
   if (transposed != 0 && transposed != 1) return error("MeshLinear: transposed must be 0 or 1, got %lld", (long long)transposed);
+  int64_t glu = 0;
+  TRY(glu_attribute("MeshLinear", info, &glu));
+  int norm = NORM_NONE;
+  float eps = 0.0f;
+  TRY(norm_attributes("MeshLinear", info, &norm, &eps));
+  const size_t first = 1 + norm_inputs(norm); /* shape's input index */
+  if (n_in < first + 2 || n_in - first > 2 + MAX_LINES)
+    return error("MeshLinear: expected x, %sshape, 1 to %d mesh lines of tiles and an optional bias, got %zu inputs",
+                 norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
   Kernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinear: out of memory");
   k->transposed = (int)transposed;
+  k->glu = (int)glu;
+  k->norm = norm;
+  k->eps = eps;
   const OrtValue* vals[2 + MAX_LINES];
   int all_constant = 1;
-  for (size_t i = 1; i < n_in && all_constant; i++) {
+  for (size_t i = first; i < n_in && all_constant; i++) {
     int is_const = 0;
-    s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - 1]);
+    s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - first]);
     if (s) {
       free(k);
       return s;
     }
-    all_constant = is_const && vals[i - 1];
+    all_constant = is_const && vals[i - first];
   }
   if (all_constant) {
-    s = resolve_tiles(vals, n_in - 1, k->transposed, &k->tiles);
+    s = resolve_tiles(vals, n_in - first, k->transposed, k->glu, &k->tiles);
     if (s) {
       free(k);
       return s;
@@ -495,9 +725,9 @@ static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExe
 static int float_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static int x_then_any(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : 0 /* any */; }
 static size_t two(const OrtCustomOp* op) { (void)op; return 2; }
-static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
 static int input_char(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? CHAR_REQUIRED : CHAR_VARIADIC; }
-static int output_char(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return CHAR_REQUIRED; }
+/* output 1: the norm prologue's x + skip (optional) */
+static int output_char(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? CHAR_REQUIRED : CHAR_OPTIONAL; }
 static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int min_arity(const OrtCustomOp* op) { (void)op; return 1; }
 static int homogeneous(const OrtCustomOp* op) { (void)op; return 1; }
@@ -510,7 +740,7 @@ static const OrtCustomOp mesh_linear = {
     .GetInputType = x_then_any,
     .GetInputTypeCount = two,
     .GetOutputType = float_type,
-    .GetOutputTypeCount = one,
+    .GetOutputTypeCount = two,
     .KernelDestroy = destroy_kernel,
     .GetInputCharacteristic = input_char,
     .GetOutputCharacteristic = output_char,
@@ -526,7 +756,8 @@ static const OrtCustomOp mesh_linear = {
 /* ---- spark.wafer::MeshLinearQ: the same partitioned linear with int8 / int4 weights ----
  *
  *   y[..., N] = MeshLinearQ(x[..., K], shape, codes_0, scales_0, zero_points_0, ..., codes_{L-1}, ... [, bias])
- *   attributes: bits (8 or 4), block_size (weights per scale along K, a multiple of 16)
+ *   attributes: bits (8 or 4), block_size (weights per scale along K, a multiple of 16); glu, norm and
+ *   epsilon as MeshLinear's (the epilogue and prologue are the same functions)
  *
  * shape: int64 [L+1] = (N, k_0, ..., k_{L-1}), the output columns and each mesh line's K extent.
  * Line p's weights are block-quantised along K like MatMulNBits' (one scale and zero point per
@@ -564,6 +795,8 @@ typedef struct {
   const float* scales[MAX_LINES];
   const uint8_t* zp[MAX_LINES];
   const float* bias; /* [N], added after the last line's reduction; NULL: none */
+  int glu;           /* GLU_*: the gated-MLP epilogue, as MeshLinear's (N counts the gate|up panel columns) */
+  size_t out_n;      /* output columns: N, or with glu the F gated columns */
 } QTiles;
 
 typedef struct {
@@ -576,6 +809,8 @@ typedef struct {
   size_t amx_rows; /* > 0: the AMX path, this many token rows per tile pass (see below) */
   const int8_t* xqb; /* AMX: the quantised activations block-major, [blocks][xrows][bs] */
   size_t xrows;      /* AMX: rows padded to whole passes */
+  float* out;                   /* glu: the op's output [M, out_n]; NULL: y is the output */
+  void (*inner)(void*, size_t); /* glu: the task that fills y before the epilogue */
 } QJob;
 
 /* Round to nearest even for |v| < 2^22 (the FPU's default mode), without libm. */
@@ -1061,14 +1296,25 @@ static void qtask(void* data, size_t i) {
   }
 }
 
+/* glu: a task's panels (qtask or qtask_amx), then the epilogue on each of them while in cache. */
+static void qtask_glu(void* data, size_t i) {
+  const QJob* j = (const QJob*)data;
+  j->inner(data, i);
+  const size_t q0 = i * j->panels_per_task;
+  const size_t q1 = q0 + j->panels_per_task < j->t->panels ? q0 + j->panels_per_task : j->t->panels;
+  for (size_t q = q0; q < q1; q++) glu_panel(j->t->glu, j->y, j->t->N, j->out, j->t->out_n, j->M, q);
+}
+
 /* Check shape, codes, scales and zero points (vals[0..3L]) and point t at their data. */
-static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int bits, size_t bs, QTiles* t) {
+static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int bits, size_t bs, int glu,
+                                 QTiles* t) {
   int type = 0;
   size_t rank = 0;
   int64_t d[8];
   memset(t, 0, sizeof *t);
   t->bits = bits;
   t->bs = bs;
+  t->glu = glu;
   if (n_vals < 4 || (n_vals - 1) % 3 > 1 || (n_vals - 1) / 3 > MAX_LINES)
     return error("MeshLinearQ: expected x, shape, 1 to %d mesh lines of (codes, scales, zero_points) and an optional "
                  "bias, got %zu inputs", MAX_LINES, n_vals + 1);
@@ -1079,7 +1325,8 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
   const int64_t* dims = NULL;
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[0], (void**)&dims));
   if (dims[0] < 1) return error("MeshLinearQ: N must be positive, got %lld", (long long)dims[0]);
-  t->N = (size_t)dims[0];
+  t->N = t->out_n = (size_t)dims[0];
+  if (glu) t->N = glu_columns(t->out_n); /* shape names the F gated outputs; the weights hold gate|up panels */
   t->panels = (t->N + NR - 1) / NR;
   for (size_t p = 0; p < t->lines; p++) {
     if (dims[p + 1] < 1) return error("MeshLinearQ: line %zu's K extent must be positive, got %lld", p, (long long)dims[p + 1]);
@@ -1117,13 +1364,16 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
 }
 
 typedef struct {
-  int bits;
+  int bits, glu, norm;
+  float eps;
   size_t bs;
   size_t amx_min_rows; /* token rows from which the AMX path runs (0: never), fixed when the session loads */
   QTiles tiles;        /* resolved at load time when every weight input is a constant initializer */
 } QKernel;
 
-static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, const OrtValue* xv) {
+/* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
+static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, const OrtValue* xv,
+                       const float* xdata) {
   int type = 0;
   size_t rank = 0;
   int64_t dims[8];
@@ -1134,9 +1384,10 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
   if ((size_t)dims[rank - 1] != t->K)
     return error("MeshLinearQ: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&x));
+  if (xdata) x = xdata;
   j.M = 1;
   for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
-  dims[rank - 1] = (int64_t)t->N;
+  dims[rank - 1] = (int64_t)t->out_n;
   OrtValue* out = NULL;
   TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
@@ -1153,9 +1404,16 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
 #endif
   /* one allocation: quantised activations (64-byte aligned rows of Kq), then scales and sums */
   const size_t qbytes = (rows * t->Kq + 63) & ~(size_t)63, bbytes = j.amx_rows ? qbytes : 0;
-  char* buf = NULL;
-  if (posix_memalign((void**)&buf, 64, qbytes + bbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
+  const size_t gbytes = t->glu ? j.M * t->N * sizeof(float) : 0; /* glu: the gate|up sums */
+  char* base = NULL;
+  if (posix_memalign((void**)&base, 64,
+                     gbytes + qbytes + bbytes + j.M * t->blocks * (sizeof(float) + sizeof(int32_t)) + 64))
     return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
+  char* buf = base + gbytes; /* gbytes is a multiple of 256: alignment kept */
+  if (t->glu) {
+    j.out = j.y;
+    j.y = (float*)base;
+  }
   j.xq = (const int8_t*)buf;
   j.xs = (const float*)(buf + qbytes + bbytes);
   j.xsum = (const int32_t*)(buf + qbytes + bbytes + j.M * t->blocks * sizeof(float));
@@ -1179,12 +1437,16 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
 #if HAVE_AMX
   if (j.amx_rows) fn = qtask_amx;
 #endif
+  if (t->glu) {
+    j.inner = fn;
+    fn = qtask_glu;
+  }
   OrtStatus* s = NULL;
   if (tasks == 1)
     fn(&j, 0);
   else
     s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
-  free(buf);
+  free(base);
   return s;
 }
 
@@ -1194,16 +1456,23 @@ static OrtStatus* qcompute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* x = NULL;
   TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
   TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &x));
-  if (k->tiles.lines) return qrun(&k->tiles, k->amx_min_rows, ctx, x);
-  /* weights fed at run time (not initializers): check and resolve them for this call */
-  const OrtValue* vals[2 + 3 * MAX_LINES];
-  if (n_in < 2 || n_in - 1 > 2 + 3 * MAX_LINES)
-    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
-                 MAX_LINES, n_in);
-  for (size_t i = 1; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - 1]));
   QTiles t;
-  TRY(resolve_qtiles(vals, n_in - 1, k->bits, k->bs, &t));
-  return qrun(&t, k->amx_min_rows, ctx, x);
+  const QTiles* tp = &k->tiles;
+  if (!k->tiles.lines) { /* weights fed at run time (not initializers): check and resolve them for this call */
+    const size_t skip = 1 + norm_inputs(k->norm);
+    const OrtValue* vals[2 + 3 * MAX_LINES];
+    if (n_in < skip + 1 || n_in - skip > 2 + 3 * MAX_LINES)
+      return error("MeshLinearQ: expected x, %sshape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu "
+                   "inputs", k->norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
+    for (size_t i = skip; i < n_in; i++) TRY(CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &vals[i - skip]));
+    TRY(resolve_qtiles(vals, n_in - skip, k->bits, k->bs, k->glu, &t));
+    tp = &t;
+  }
+  float* xn = NULL;
+  TRY(norm_prologue("MeshLinearQ", k->norm, k->eps, tp->K, ctx, x, &xn));
+  OrtStatus* s = qrun(tp, k->amx_min_rows, ctx, x, xn);
+  free(xn);
+  return s;
 }
 
 static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
@@ -1211,31 +1480,40 @@ static OrtStatus* qcreate_kernel(const OrtCustomOp* op, OrtApiTable a, const Ort
   size_t n_in = 0;
   int64_t bits = 0, bs = 0;
   TRY(CALL(KernelInfo_GetInputCount, KernelInfoGetInputCountFn)(info, &n_in));
-  if (n_in < 5 || (n_in - 2) % 3 > 1 || (n_in - 2) / 3 > MAX_LINES)
-    return error("MeshLinearQ: expected x, shape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu inputs",
-                 MAX_LINES, n_in);
+  int norm = NORM_NONE;
+  float eps = 0.0f;
+  TRY(norm_attributes("MeshLinearQ", info, &norm, &eps));
+  const size_t first = 1 + norm_inputs(norm); /* shape's input index */
+  if (n_in < first + 4 || (n_in - first - 1) % 3 > 1 || (n_in - first - 1) / 3 > MAX_LINES)
+    return error("MeshLinearQ: expected x, %sshape and 1 to %d mesh lines of (codes, scales, zero_points), got %zu "
+                 "inputs", norm ? "the norm's inputs, " : "", MAX_LINES, n_in);
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "bits", &bits));
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "block_size", &bs));
   if (bits != 8 && bits != 4) return error("MeshLinearQ: bits must be 8 or 4, got %lld", (long long)bits);
   if (bs < 16 || bs > 4096 || bs % 16) return error("MeshLinearQ: block_size must be a multiple of 16 (16..4096), got %lld", (long long)bs);
+  int64_t glu = 0;
+  TRY(glu_attribute("MeshLinearQ", info, &glu));
   QKernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "MeshLinearQ: out of memory");
   k->bits = (int)bits;
+  k->glu = (int)glu;
+  k->norm = norm;
+  k->eps = eps;
   k->bs = (size_t)bs;
   k->amx_min_rows = amx_min_rows();
   const OrtValue* vals[2 + 3 * MAX_LINES];
   int all_constant = 1;
-  for (size_t i = 1; i < n_in && all_constant; i++) {
+  for (size_t i = first; i < n_in && all_constant; i++) {
     int is_const = 0;
-    OrtStatus* s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - 1]);
+    OrtStatus* s = CALL(KernelInfoGetConstantInput_tensor, GetConstantInputFn)(info, i, &is_const, &vals[i - first]);
     if (s) {
       free(k);
       return s;
     }
-    all_constant = is_const && vals[i - 1];
+    all_constant = is_const && vals[i - first];
   }
   if (all_constant) {
-    OrtStatus* s = resolve_qtiles(vals, n_in - 1, k->bits, k->bs, &k->tiles);
+    OrtStatus* s = resolve_qtiles(vals, n_in - first, k->bits, k->bs, k->glu, &k->tiles);
     if (s) {
       free(k);
       return s;
@@ -1256,7 +1534,7 @@ static const OrtCustomOp mesh_linear_q = {
     .GetInputType = qinput_type,
     .GetInputTypeCount = two,
     .GetOutputType = float_type,
-    .GetOutputTypeCount = one,
+    .GetOutputTypeCount = two,
     .KernelDestroy = qdestroy_kernel,
     .GetInputCharacteristic = input_char,
     .GetOutputCharacteristic = output_char,

@@ -21,6 +21,11 @@ tiles where the CPU and kernel allow it (:func:`amx`), bit-identical to its VNNI
 ``SPARK_LSP_AMX=0`` keeps sessions created while it is set on the VNNI path and
 ``SPARK_LSP_AMX_MIN_ROWS`` moves the row count from which AMX runs (docs/wafer.md).
 
+Both ops can also run the gated MLP's act(gate) * up after a ``gate_up`` linear (attribute
+``glu``; :func:`glu_interleave` writes the weight columns in the order it needs) and the RMSNorm
+before a linear, with the skip add (attributes ``norm``, ``epsilon``): nodes a small model's
+decode step would otherwise pay ONNX Runtime's per-node cost for (docs/wafer.md).
+
 :func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
 layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
 ``mesh_op.c``), so a session maps the graph's initializers and keeps no second copy;
@@ -55,9 +60,20 @@ OP = "MeshLinear"
 QOP = "MeshLinearQ"
 #: Output columns per panel of MeshLinear's and MeshLinearQ's weight layouts (NR in mesh_op.c).
 PANEL = 64
+#: ``glu`` attribute values of MeshLinear / MeshLinearQ by MLP activation: the op then returns
+#: act(gate) * up of a gated MLP's gate_up linear (weights in :func:`glu_interleave`'s order).
+GLU = {"silu": 1, "gelu_tanh": 2}
 #: The C API table version the op is compiled against (its slots exist from this release on).
 MIN_ORT = (1, 20)
-FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-std=gnu11")
+FLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-fvisibility=hidden",
+    "-std=gnu11",
+    "-fno-math-errno",  # sqrtf as one instruction: no libm
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -121,6 +137,32 @@ def pack_float(tiles: np.ndarray) -> np.ndarray:
     out = np.zeros((panels, k, PANEL), np.float32)
     for q in range(panels):  # one panel at a time: no second full-size temporary
         out[q, :, : min(PANEL, N - q * PANEL)] = w[:, q * PANEL : (q + 1) * PANEL]
+    return out
+
+
+def glu_columns(F: int) -> np.ndarray:
+    """Which column of a gated MLP's ``[gate | up]`` weight (``2F`` columns) each stored column of
+    the ``glu`` layout holds, ``-1`` for padding: panel q holds gate columns [32q, 32q + 32) then
+    the matching up columns, each half zero-padded past F, so one panel's sums finish its 32
+    gated outputs."""
+    half = PANEL // 2
+    panels = -(-F // half)
+    c = np.arange(panels * half).reshape(panels, 1, half)
+    cols = np.concatenate([c, c + F], axis=1)  # [panel, gate|up, 32]
+    cols[np.broadcast_to(c >= F, cols.shape)] = -1
+    return cols.reshape(-1)
+
+
+def glu_interleave(a: np.ndarray, F: int) -> np.ndarray:
+    """``a[..., 2F]`` (a ``[gate | up]`` weight ``[K, 2F]`` or bias ``[2F]``) in the ``glu``
+    column order of :func:`glu_columns`, zeros in the padding."""
+    a = np.asarray(a, np.float32)
+    if a.shape[-1] != 2 * F:
+        raise ValueError(f"expected {2 * F} [gate | up] columns, got shape {a.shape}")
+    cols = glu_columns(F)
+    out = np.zeros((*a.shape[:-1], cols.size), np.float32)
+    keep = cols >= 0
+    out[..., keep] = a[..., cols[keep]]
     return out
 
 

@@ -24,7 +24,10 @@ line p-1 — an explicit chain (systolic) reduction along the mesh axis.
 * ``op`` (the default where it builds): one ``spark.wafer::MeshLinear`` node per linear over the
   lines' tile initializers (``mesh_op.c``, compiled on first use, see :mod:`.mesh_op`).  Each
   line computes its partial products in registers and reduces them into the output in line
-  order.  A decode step has as many nodes as the dense graph.
+  order.  The op also takes over what surrounds a linear in a pre-norm decoder: a gated MLP's
+  act(gate) * up (:meth:`TiledLinear.emit_gated`) and the RMSNorm before a linear, with the skip
+  add (``norm=`` of the emit methods, :func:`mesh_node`), so a decode step has fewer nodes than
+  the dense graph.
 * ``graph`` (standard ONNX ops, the fallback without a C compiler): the input is ``Split`` over
   the reduction axis, line 0 runs ``MatMul`` and every next line ``Gemm(x_p, W_p, C=partial)``.
   Same numbers, but about twice the nodes (a ``Split`` and a second GEMV per linear, reshapes
@@ -108,6 +111,30 @@ def pe_tiles(
     return tiles
 
 
+def mesh_node(gb, op: str, x: str, inputs: list[str], *, name: str, norm=None, **attrs):
+    """One ``spark.wafer`` node computing a linear of ``x`` (``inputs``: shape, weights, bias).
+
+    With ``norm`` (an ``engine.graph.NormInput``) the node runs its RMSNorm prologue first
+    (attribute ``norm``: 1 with a skip input, 2 without; ``epsilon``): its inputs are then
+    ``x, [skip,] gamma, shape, ...`` and it returns ``(y, x + skip)`` (``None`` for the sum
+    without a skip or with ``keep_sum=False``); without ``norm`` it returns ``y``."""
+    if norm is None:
+        return gb.node(op, [x, *inputs], domain=mesh_op.DOMAIN, name=name, **attrs)
+    pre = [x, norm.skip, norm.gamma] if norm.skip else [x, norm.gamma]
+    n_out = 2 if norm.skip and norm.keep_sum else 1
+    out = gb.node(
+        op,
+        [*pre, *inputs],
+        n_out=n_out,
+        domain=mesh_op.DOMAIN,
+        name=name,
+        norm=1 if norm.skip else 2,
+        epsilon=float(norm.epsilon),
+        **attrs,
+    )
+    return (out[0], out[1]) if n_out == 2 else (out, None)
+
+
 class TiledLinear:
     """Linear emitter that stores weights as per-PE tiles and reduces explicitly over the mesh.
 
@@ -158,8 +185,14 @@ class TiledLinear:
         """Libraries the sessions running this emitter's graphs must register."""
         return (mesh_op.library(),) if self.form == "op" else ()
 
+    @property
+    def fuses_norm(self) -> bool:
+        """The ``op`` form runs the RMSNorm before a linear in the op (``norm=`` of the emit
+        methods, see :func:`mesh_node`)."""
+        return self.form == "op" and not self.partial
+
     def cache_key(self) -> str:
-        form = "meshop-v3" if self.form == "op" else "chain-v1"
+        form = "meshop-v4" if self.form == "op" else "chain-v1"
         return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + (
             "-only-" + "-".join(sorted(self.roles)) if self.partial else ""
         )
@@ -173,10 +206,15 @@ class TiledLinear:
         name: str,
         role: str,
         bias: np.ndarray | None = None,
-    ) -> str:
+        norm=None,
+    ):
+        """``x @ weight (+ bias)``; with ``norm`` (``fuses_norm`` only) the op's RMSNorm
+        prologue first, and the result is ``(y, sum)`` (see :func:`mesh_node`)."""
         weight = np.asarray(weight, dtype=np.float32)
         if weight.ndim != 2:
             raise ValueError(f"{name}: weight must be 2-D [K, N], got shape {weight.shape}")
+        if norm is not None and not self.fuses_norm:
+            raise ValueError(f"{name}: this emitter does not fuse norms (form {self.form!r})")
         K, N = weight.shape
         R, C = self.grid
         axis = reduce_axis(role)
@@ -203,7 +241,7 @@ class TiledLinear:
             ins = [x, gb.initializer(f"{name}.mesh_shape", shape), *tiles]
             if bias is not None:  # added by the op after the reduction: one node fewer
                 ins.append(gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32)))
-            return gb.node(mesh_op.OP, ins, domain=mesh_op.DOMAIN, name=f"{name}/mesh_linear")
+            return mesh_node(gb, mesh_op.OP, x, ins[1:], name=f"{name}/mesh_linear", norm=norm)
         else:
             tiles = [
                 gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p] : k0[p + 1]]))
@@ -231,12 +269,62 @@ class TiledLinear:
             y = gb.node("Add", [y, b], name=f"{name}/bias")
         return y
 
-    def emit_tied(self, gb, x: str, table: str, shape: tuple[int, int], *, name: str) -> str | None:
+    def emit_gated(
+        self,
+        gb,
+        x: str,
+        weight: np.ndarray,
+        *,
+        name: str,
+        act: str,
+        bias: np.ndarray | None = None,
+        norm=None,
+    ):
+        """A gated MLP's ``act(x @ W_gate) * (x @ W_up)`` as one ``MeshLinear(glu=...)`` node
+        (with ``norm``: after the op's RMSNorm prologue, and ``(y, sum)`` as :meth:`emit`).
+
+        ``weight`` is the ``gate_up`` role's ``[K, 2F]`` (gate columns, then up), ``bias`` its
+        ``[2F]``.  The columns are stored in the op's ``glu`` order (:func:`mesh_op.glu_columns`:
+        each 64-column panel holds 32 gate columns and their 32 up columns), and the op applies
+        the activation and the product after each panel's reduction, so the graph needs no
+        Split, activation and Mul after the linear: three nodes fewer per layer.  ``None`` where
+        this emitter cannot (the ``graph`` form, ``gate_up`` left whole, an activation the op
+        lacks): the builder then emits the linear and the gating as separate nodes."""
+        if self.form != "op" or "gate_up" not in self.roles or act not in mesh_op.GLU:
+            return None
+        weight = np.asarray(weight, dtype=np.float32)
+        K, N2 = weight.shape
+        if N2 % 2:
+            raise ValueError(f"{name}: a [gate | up] weight needs an even column count, got {N2}")
+        F = N2 // 2
+        R, C = self.grid
+        k_sizes = block_sizes(K, R)  # the gate_up role reduces over the mesh rows
+        self.layout[name] = {
+            "role": "gate_up",
+            "shape": (K, N2),
+            "grid": (R, C),
+            "reduce_axis": "rows",
+            "k_blocks": k_sizes,
+            "n_blocks": block_sizes(N2, C),
+            "glu": act,
+        }
+        _, packed = mesh_op.float_node_inputs(mesh_op.glu_interleave(weight, F), k_sizes)
+        shape = np.array([F, *k_sizes], np.int64)  # the op's output columns: the F gated ones
+        tiles = [gb.initializer(f"{name}.row{p}", t) for p, t in enumerate(packed)]
+        ins = [gb.initializer(f"{name}.mesh_shape", shape), *tiles]
+        if bias is not None:
+            ins.append(gb.initializer(f"{name}.bias", mesh_op.glu_interleave(bias, F)))
+        return mesh_node(
+            gb, mesh_op.OP, x, ins, name=f"{name}/mesh_linear_glu", norm=norm, glu=mesh_op.GLU[act]
+        )
+
+    def emit_tied(self, gb, x: str, table: str, shape: tuple[int, int], *, name: str, norm=None):
         """The LM head of a model whose head is its token embedding: ``x @ E.T`` read straight from
         the embedding initializer ``table`` ``[N, K]`` (``shape``) with ``MeshLinear(transposed=1)``,
         so the graph stores the table once.  The tiling is the ``lm_head`` role's (K split over
         the mesh rows, chain reduction).  ``None`` where this emitter cannot (the ``graph`` form,
-        or the head left whole): the builder then emits a copy with :meth:`emit`."""
+        or the head left whole): the builder then emits a copy with :meth:`emit`.  ``norm``: as
+        :meth:`emit`."""
         if self.form != "op" or "lm_head" not in self.roles:
             return None
         N, K = shape
@@ -252,10 +340,12 @@ class TiledLinear:
             "tied": table,
         }
         shape_init = gb.initializer(f"{name}.mesh_shape", np.array([N, *k_sizes], np.int64))
-        return gb.node(
+        return mesh_node(
+            gb,
             mesh_op.OP,
-            [x, shape_init, table],
-            domain=mesh_op.DOMAIN,
+            x,
+            [shape_init, table],
             name=f"{name}/mesh_linear",
+            norm=norm,
             transposed=1,
         )

@@ -185,7 +185,12 @@ def test_tied_head_reads_the_embedding_in_place(tiny_models, dense_engines, tmp_
     )
     graph = onnx.load(str(eng.graph_path), load_external_data=False).graph
     (head,) = [n for n in graph.node if n.name == "lm_head/mesh_linear"]
-    assert head.input[2] == "embed_tokens" and head.attribute[0].name == "transposed"
+    # inputs: the final norm's (x, skip, gamma: the op runs it), shape, then the table itself
+    assert head.input[-1] == "embed_tokens"
+    assert {a.name: a.i for a in head.attribute if a.name != "epsilon"} == {
+        "transposed": 1,
+        "norm": 1,
+    }
     assert not any(t.name.startswith("lm_head.row") for t in graph.initializer)
     ids = np.random.default_rng(5).integers(0, dense.sample_vocab, 12).tolist()
     np.testing.assert_allclose(
