@@ -197,6 +197,25 @@ class TiledLinear:
             "-only-" + "-".join(sorted(self.roles)) if self.partial else ""
         )
 
+    def _tile(self, name: str, role: str, shape: tuple[int, int], **extra) -> list[int]:
+        """Record linear ``name``'s tiling in ``layout`` (the ``role``'s reduction axis, the K and
+        N blocks of ``shape`` = (K, N) over the grid, and ``extra``); return the K blocks."""
+        K, N = shape
+        R, C = self.grid
+        axis = reduce_axis(role)
+        k_parts, n_parts = (R, C) if axis == "rows" else (C, R)
+        k_sizes = block_sizes(K, k_parts)
+        self.layout[name] = {
+            "role": role,
+            "shape": (K, N),
+            "grid": (R, C),
+            "reduce_axis": axis,
+            "k_blocks": k_sizes,
+            "n_blocks": block_sizes(N, n_parts),
+            **extra,
+        }
+        return k_sizes
+
     def emit(
         self,
         gb,
@@ -215,21 +234,10 @@ class TiledLinear:
             raise ValueError(f"{name}: weight must be 2-D [K, N], got shape {weight.shape}")
         if norm is not None and not self.fuses_norm:
             raise ValueError(f"{name}: this emitter does not fuse norms (form {self.form!r})")
-        K, N = weight.shape
-        R, C = self.grid
-        axis = reduce_axis(role)
+        axis = reduce_axis(role)  # (an unknown role is a ValueError)
         if role not in self.roles:  # left whole (an ablation): the dense emitter's one MatMul
             return DenseLinear().emit(gb, x, weight, name=name, role=role, bias=bias)
-        k_parts, n_parts = (R, C) if axis == "rows" else (C, R)
-        k_sizes, n_sizes = block_sizes(K, k_parts), block_sizes(N, n_parts)
-        self.layout[name] = {
-            "role": role,
-            "shape": (K, N),
-            "grid": (R, C),
-            "reduce_axis": axis,
-            "k_blocks": k_sizes,
-            "n_blocks": n_sizes,
-        }
+        k_sizes = self._tile(name, role, weight.shape)
 
         # Mesh line p's tiles, side by side: the rows of W in its K-block.
         line = "row" if axis == "rows" else "col"
@@ -238,10 +246,10 @@ class TiledLinear:
             # stored in the panels the op streams: the session uses them in place, no copy
             shape, packed = mesh_op.float_node_inputs(weight, k_sizes)
             tiles = [gb.initializer(f"{name}.{line}{p}", t) for p, t in enumerate(packed)]
-            ins = [x, gb.initializer(f"{name}.mesh_shape", shape), *tiles]
+            ins = [gb.initializer(f"{name}.mesh_shape", shape), *tiles]
             if bias is not None:  # added by the op after the reduction: one node fewer
                 ins.append(gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32)))
-            return mesh_node(gb, mesh_op.OP, x, ins[1:], name=f"{name}/mesh_linear", norm=norm)
+            return mesh_node(gb, mesh_op.OP, x, ins, name=f"{name}/mesh_linear", norm=norm)
         else:
             tiles = [
                 gb.initializer(f"{name}.{line}{p}", np.ascontiguousarray(weight[k0[p] : k0[p + 1]]))
@@ -297,17 +305,7 @@ class TiledLinear:
         if N2 % 2:
             raise ValueError(f"{name}: a [gate | up] weight needs an even column count, got {N2}")
         F = N2 // 2
-        R, C = self.grid
-        k_sizes = block_sizes(K, R)  # the gate_up role reduces over the mesh rows
-        self.layout[name] = {
-            "role": "gate_up",
-            "shape": (K, N2),
-            "grid": (R, C),
-            "reduce_axis": "rows",
-            "k_blocks": k_sizes,
-            "n_blocks": block_sizes(N2, C),
-            "glu": act,
-        }
+        k_sizes = self._tile(name, "gate_up", (K, N2), glu=act)
         _, packed = mesh_op.float_node_inputs(mesh_op.glu_interleave(weight, F), k_sizes)
         shape = np.array([F, *k_sizes], np.int64)  # the op's output columns: the F gated ones
         tiles = [gb.initializer(f"{name}.row{p}", t) for p, t in enumerate(packed)]
@@ -328,17 +326,7 @@ class TiledLinear:
         if self.form != "op" or "lm_head" not in self.roles:
             return None
         N, K = shape
-        R, C = self.grid
-        k_sizes = block_sizes(K, R)
-        self.layout[name] = {
-            "role": "lm_head",
-            "shape": (K, N),
-            "grid": (R, C),
-            "reduce_axis": "rows",
-            "k_blocks": k_sizes,
-            "n_blocks": block_sizes(N, C),
-            "tied": table,
-        }
+        k_sizes = self._tile(name, "lm_head", (K, N), tied=table)
         shape_init = gb.initializer(f"{name}.mesh_shape", np.array([N, *k_sizes], np.int64))
         return mesh_node(
             gb,
