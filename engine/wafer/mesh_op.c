@@ -581,6 +581,24 @@ typedef struct {
   Tiles tiles; /* resolved at load time when every weight input is a constant initializer */
 } Kernel;
 
+/* Tasks of >= ~64K multiply-adds (MLAS's own threading grain) over `units` whole units of work
+   (MeshLinear's and MeshLinearQ's panels, or transposed runs of columns): the task count, and
+   the units per task in *per_task. */
+static size_t split_tasks(size_t M, size_t N, size_t K, size_t units, size_t* per_task) {
+  size_t tasks = (size_t)((double)M * (double)N * (double)K / 65536.0);
+  if (tasks < 1) tasks = 1;
+  if (tasks > units) tasks = units;
+  *per_task = (units + tasks - 1) / tasks;
+  return (units + *per_task - 1) / *per_task;
+}
+
+/* Run fn(job, 0 .. tasks-1): on this thread when there is one task, else on ORT's pool. */
+static OrtStatus* run_tasks(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t tasks, void* job) {
+  if (tasks > 1) return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, job);
+  fn(job, 0);
+  return NULL;
+}
+
 /* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
 static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv, const float* xdata) {
   int type = 0;
@@ -607,14 +625,8 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv,
     j.out = j.y;
     j.y = scratch;
   }
-  /* Tasks of >= ~64K multiply-adds (MLAS's own threading grain), in whole panels (or runs of 16
-     output columns, transposed). */
-  const size_t units = t->transposed ? (t->N + 15) / 16 : t->panels;
-  size_t tasks = (size_t)((double)j.M * (double)t->N * (double)t->K / 65536.0);
-  if (tasks < 1) tasks = 1;
-  if (tasks > units) tasks = units;
-  j.per_task = (units + tasks - 1) / tasks;
-  tasks = (units + j.per_task - 1) / j.per_task;
+  /* whole panels per task (or runs of 16 output columns, transposed) */
+  const size_t tasks = split_tasks(j.M, t->N, t->K, t->transposed ? (t->N + 15) / 16 : t->panels, &j.per_task);
   void (*fn)(void*, size_t) = task;
   if (t->transposed) {
     j.per_task *= 16;
@@ -624,11 +636,7 @@ static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv,
     j.inner = fn;
     fn = task_glu;
   }
-  OrtStatus* s = NULL;
-  if (tasks == 1)
-    fn(&j, 0);
-  else
-    s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
+  OrtStatus* s = run_tasks(ctx, fn, tasks, &j);
   free(scratch);
   return s;
 }
@@ -1427,12 +1435,7 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
     j.xqb = xqb;
     j.xrows = rows;
   }
-  /* Tasks of >= ~64K multiply-adds, in whole panels (as MeshLinear). */
-  size_t tasks = (size_t)((double)j.M * (double)t->N * (double)t->K / 65536.0);
-  if (tasks < 1) tasks = 1;
-  if (tasks > t->panels) tasks = t->panels;
-  j.panels_per_task = (t->panels + tasks - 1) / tasks;
-  tasks = (t->panels + j.panels_per_task - 1) / j.panels_per_task;
+  const size_t tasks = split_tasks(j.M, t->N, t->K, t->panels, &j.panels_per_task); /* whole panels */
   void (*fn)(void*, size_t) = qtask;
 #if HAVE_AMX
   if (j.amx_rows) fn = qtask_amx;
@@ -1441,11 +1444,7 @@ static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, c
     j.inner = fn;
     fn = qtask_glu;
   }
-  OrtStatus* s = NULL;
-  if (tasks == 1)
-    fn(&j, 0);
-  else
-    s = CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, &j);
+  OrtStatus* s = run_tasks(ctx, fn, tasks, &j);
   free(base);
   return s;
 }
