@@ -398,6 +398,36 @@ class Session:
                 del self.aliases[key]
 
 
+class _Held:
+    """A generation's tokens not sent yet, and when it last sent some: the coalescing state both
+    transports keep (``COALESCE_S``)."""
+
+    __slots__ = ("queued", "text", "ids", "releases", "timer")
+
+    def __init__(self) -> None:
+        self.queued: float | None = None  # when tokens last left (None: none yet)
+        self.text = ""
+        self.ids: list[int] = []
+        self.releases: list[Callable[[], None]] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, token_id: int, text: str, release: Callable[[], None] | None = None) -> None:
+        self.text += text
+        self.ids.append(token_id)
+        if release is not None:
+            self.releases.append(release)
+
+    def due(self, now: float) -> bool:
+        """The tokens may leave now: the generation's first, or COALESCE_S after the last."""
+        return self.queued is None or now - self.queued >= COALESCE_S
+
+    def take(self) -> tuple[str, list[int], list[Callable[[], None]]]:
+        """What waits (text, ids, credit releases), and nothing left held."""
+        out = (self.text, self.ids, self.releases)
+        self.text, self.ids, self.releases = "", [], []
+        return out
+
+
 class ThreadConnection(Session):
     """A session whose messages are handled on the thread that read them and whose generations
     write their own output (the daemon).
@@ -421,7 +451,7 @@ class ThreadConnection(Session):
         self._send = send
         self._sock = sock
         self.dead = False  # a write failed: the client is gone
-        self._held: dict[str, list[Any]] = {}  # generation id -> tokens not written yet
+        self._held: dict[str, _Held] = {}  # generation id -> tokens not written yet
 
     def handle(self, raw: str | bytes) -> None:
         self._message(raw)
@@ -450,21 +480,20 @@ class ThreadConnection(Session):
         generation's next token or its end makes."""
         held = self._held.get(run.id)
         if held is None:
-            held = self._held[run.id] = [None, "", []]  # last write, text, ids
-        held[1] += text
-        held[2].append(token_id)
+            held = self._held[run.id] = _Held()
+        held.add(token_id, text)
         now = time.monotonic()
-        if held[0] is None or now - held[0] >= COALESCE_S:
-            held[0] = now
-            self._write(P.tokens(run.id, held[1], held[2]))
-            held[1], held[2] = "", []
+        if held.due(now):
+            held.queued = now
+            text, ids, _ = held.take()
+            self._write(P.tokens(run.id, text, ids))
 
     def _flush(self, gid: str | None) -> None:
         """Write the tokens of ``gid`` that wait, before another message about it."""
         held = self._held.get(gid) if gid is not None else None
-        if held is not None and held[2]:
-            self._write(P.tokens(gid, held[1], held[2]))
-            held[1], held[2] = "", []
+        if held is not None and held.ids:
+            text, ids, _ = held.take()
+            self._write(P.tokens(gid, text, ids))
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         with self.lock:
@@ -551,19 +580,6 @@ class _Outbox:
         self.ready.set()
 
 
-class _Held:
-    """A generation's tokens not queued yet (asyncio Connection), and when it last queued some."""
-
-    __slots__ = ("queued", "text", "ids", "releases", "timer")
-
-    def __init__(self) -> None:
-        self.queued: float | None = None
-        self.text = ""
-        self.ids: list[int] = []
-        self.releases: list[Callable[[], None]] = []
-        self.timer: asyncio.TimerHandle | None = None
-
-
 class Connection(Session):
     """A session on an asyncio event loop; ``send`` writes one text frame (awaits while the peer
     is slow).  Generations hand their output to the loop; one sender task writes the outbox."""
@@ -605,10 +621,8 @@ class Connection(Session):
         held = self._held.get(run.id)
         if held is None:
             held = self._held[run.id] = _Held()
-        held.text += text
-        held.ids.append(token_id)
-        held.releases.append(run.release)
-        if held.queued is None or self.loop.time() - held.queued >= COALESCE_S:
+        held.add(token_id, text, run.release)
+        if held.due(self.loop.time()):
             self._flush(run.id)
         elif held.timer is None:
             held.timer = self.loop.call_at(held.queued + COALESCE_S, self._flush, run.id)
@@ -623,8 +637,7 @@ class Connection(Session):
             held.timer = None
         if held.ids:
             held.queued = self.loop.time()
-            self.outbox.put_tokens(gid, held.text, held.ids, held.releases)
-            held.text, held.ids, held.releases = "", [], []
+            self.outbox.put_tokens(gid, *held.take())
 
     def _on_finish(
         self, run: Run, reason: str, stats: dict[str, Any], error: tuple[str, str] | None
