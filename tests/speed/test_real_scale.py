@@ -216,6 +216,9 @@ def test_llama_cpp_peer_same_weights(tiny_llama, tmp_path, monkeypatch, capsys):
     built, _ = build_features()
     assert p["version"].endswith(f"({', '.join(built) or 'no SIMD features'})")
     assert res["ours"]["fp32"]["bandwidth_pct"] > 0 and res["bandwidth_gb_s"] > 0
+    # the bound is the larger of the samples taken before and after the runners
+    samples = res["bandwidth_samples_gb_s"]
+    assert len(samples) == 2 and res["bandwidth_gb_s"] == pytest.approx(max(samples), abs=0.01)
     assert any("llama.cpp F32" in ln for ln in bench.format_classes(res))
 
 
