@@ -316,6 +316,11 @@ class TiledLinear:
             gb, mesh_op.OP, x, ins, name=f"{name}/mesh_linear_glu", norm=norm, glu=mesh_op.GLU[act]
         )
 
+    def reads_tied(self) -> bool:
+        """Whether :meth:`emit_tied` reads the embedding table in place (then the builder stores
+        it in float32, the type the op reads)."""
+        return self.form == "op" and "lm_head" in self.roles
+
     def emit_tied(self, gb, x: str, table: str, shape: tuple[int, int], *, name: str, norm=None):
         """The LM head of a model whose head is its token embedding: ``x @ E.T`` read straight from
         the embedding initializer ``table`` ``[N, K]`` (``shape``) with ``MeshLinear(transposed=1)``,
@@ -323,7 +328,7 @@ class TiledLinear:
         the mesh rows, chain reduction).  ``None`` where this emitter cannot (the ``graph`` form,
         or the head left whole): the builder then emits a copy with :meth:`emit`.  ``norm``: as
         :meth:`emit`."""
-        if self.form != "op" or "lm_head" not in self.roles:
+        if not self.reads_tied():
             return None
         N, K = shape
         k_sizes = self._tile(name, "lm_head", (K, N), tied=table)
