@@ -342,27 +342,80 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
     return out
 
 
-_DIGESTS: dict[tuple[str, int, int], str] = {}
+_DIGESTS: dict[tuple, str] = {}
+#: Content digests kept between processes (in the spark-lsp cache folder), by file identity.
+DIGESTS_FILE = "digests.json"
+#: Files remembered there (the oldest are forgotten first).
+DIGESTS_KEPT = 512
+
+
+def _digests_path() -> Path:
+    from .graph_cache import cache_root  # the spark-lsp cache folder is the graphs' parent
+
+    return cache_root().parent / DIGESTS_FILE
+
+
+def _read_digests(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, unreadable or damaged: hash again
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _remember_digest(name: str, stat: list[int], digest: str) -> None:
+    """Add one file's digest to the shared record (written whole to a temporary name and renamed,
+    so a concurrent reader never sees half a file; a cache folder that cannot be written only
+    means hashing again next time)."""
+    path = _digests_path()
+    data = _read_digests(path)
+    data.pop(name, None)
+    data[name] = {"stat": stat, "digest": digest}
+    for old in list(data)[: max(0, len(data) - DIGESTS_KEPT)]:
+        del data[old]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{DIGESTS_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def file_digest(path: Path) -> str:
-    """Content hash of one file, memoised per (path, size, mtime)."""
+    """Content hash of one file, remembered by the file's identity: its resolved path, size,
+    modification and change times (ns), inode and device.
+
+    Hashing a model's weights is the slowest part of starting from a cached graph (seconds for a
+    1.5B model), so the digest is kept for the next process too (``DIGESTS_FILE`` in the spark-lsp
+    cache folder), the way build tools trust file status: any write to the file changes its
+    change time (which, unlike the modification time, no tool can set back), so the file is
+    hashed again."""
+    path = Path(path)
+    name = str(path.resolve())
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        h = hashlib.blake2b(digest_size=16)
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-        _DIGESTS[key] = h.hexdigest()
-    return _DIGESTS[key]
+    stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    key = (name, *stat)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    rec = _read_digests(_digests_path()).get(name)
+    if isinstance(rec, dict) and rec.get("stat") == stat and isinstance(rec.get("digest"), str):
+        _DIGESTS[key] = rec["digest"]
+        return rec["digest"]
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    _DIGESTS[key] = digest = h.hexdigest()
+    _remember_digest(name, stat, digest)
+    return digest
 
 
 def weights_digest(model_dir: str | Path) -> str:
     """Content hash of ``config.json`` + the weight files: a graph-cache key.
 
-    Hashes the bytes (not names or mtimes), memoised per (path, size, mtime) so a second call in
-    the same process is free.
+    Hashes the bytes (not names or mtimes); each file's digest is remembered by its identity
+    (:func:`file_digest`), so a later call, in this process or the next, hashes nothing.
     """
     folder = model_path(model_dir)
     h = hashlib.blake2b(digest_size=16)
