@@ -76,9 +76,13 @@ def _calibration(
     if width > 1 and len(ids) >= 8 + width and rt.max_len > len(ids):
         with engine.lock:
             kv_a, kv_b = rt.new_kv(), rt.new_kv()
+            done = 0  # both caches hold ids[:done] from the same runs
             for start in range(4, len(ids) - width + 1, max(1, (len(ids) - width - 4) // 3)):
-                rt.forward(kv_a, ids[:start], 0)
-                rt.forward(kv_b, ids[:start], 0)
+                # extend both caches alike (from `done` on: it also overwrites the positions
+                # the previous round's steps and pass wrote), not prefill from 0 again
+                rt.forward(kv_a, ids[done:start], done)
+                rt.forward(kv_b, ids[done:start], done)
+                done = start
                 rows = []
                 for i in range(width):
                     t0 = time.perf_counter()

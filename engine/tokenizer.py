@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,7 @@ class Tokenizer:
         self._vocab_size = tok.get_vocab_size(with_added_tokens=True)  # fixed once loaded
         self.fim = FimFormat.detect(self)  # None for models without FIM tokens
         self._byte_index: ByteIndex | None = None
+        self._byte_index_lock = threading.Lock()  # built once, by whichever thread asks first
         self._spell: Callable[[int], bytes | None] | None = None
 
     @classmethod
@@ -210,8 +212,18 @@ class Tokenizer:
         literal content.
         """
         if self._byte_index is None:
-            self._byte_index = ByteIndex(self._spell_tokens())
+            with self._byte_index_lock:
+                if self._byte_index is None:
+                    self._byte_index = ByteIndex(self._spell_tokens())
         return self._byte_index
+
+    def build_byte_index_in_background(self) -> threading.Thread:
+        """Start building :meth:`byte_index` on a daemon thread (a large vocabulary takes about a
+        second of Python): a server that starts it while it warms up the model is ready that much
+        sooner, and a token-healed request that comes first waits only for what is left."""
+        t = threading.Thread(target=self.byte_index, name="spark-byte-index", daemon=True)
+        t.start()
+        return t
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The raw bytes token ``token_id`` spells, as in :meth:`byte_index` (None for special

@@ -185,12 +185,15 @@ class LocalModel:
 
     def warm_up(self) -> None:
         """One short generation so ONNX Runtime's first-run setup is not paid by the first
-        suggestion (a cold first run also takes far longer to cancel), the vocabulary's byte
-        index built, which the first token-healed suggestion would otherwise wait for, and the
-        speculative decoder's calibration."""
+        suggestion (a cold first run also takes far longer to cancel), the speculative decoder's
+        calibration, and meanwhile, on another thread, the vocabulary's byte index, which the
+        first token-healed suggestion would otherwise build (a second of Python for a 152k
+        vocabulary: it runs while ONNX Runtime, which releases the GIL, does the warm-up)."""
         from engine import GenerationParams
 
-        if callable(getattr(self.tokenizer, "byte_index", None)):
+        if callable(getattr(self.tokenizer, "build_byte_index_in_background", None)):
+            self.tokenizer.build_byte_index_in_background()
+        elif callable(getattr(self.tokenizer, "byte_index", None)):
             self.tokenizer.byte_index()
 
         ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\n\n" * 8)[:120]

@@ -178,3 +178,26 @@ def test_stream_decoder_sentencepiece_style_spaces():
     sd = t.stream()
     assert "".join(sd.push(i) for i in ids) + sd.flush() == t.decode(ids)
     assert " in range" in t.decode(ids)
+
+
+def test_the_byte_index_built_in_the_background_is_built_once(tiny_llama, monkeypatch):
+    import threading
+
+    t = Tokenizer.load(tiny_llama)
+    calls = []
+    real = t._spell_tokens
+    started = threading.Event()
+
+    def slow_spell():
+        calls.append(1)
+        started.set()
+        threading.Event().wait(0.2)  # still building when the next caller asks
+        return real()
+
+    monkeypatch.setattr(t, "_spell_tokens", slow_spell)
+    thread = t.build_byte_index_in_background()
+    assert started.wait(5)
+    index = t.byte_index()  # waits for the background build instead of starting its own
+    thread.join(5)
+    assert calls == [1] and t.byte_index() is index
+    assert index.token_bytes[t.encode("hello")[0]] is not None
