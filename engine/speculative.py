@@ -28,12 +28,15 @@ loop picks it.  It is a :class:`~engine.generate.Generation` — same iterator, 
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import re
 import time
 import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -61,12 +64,67 @@ def verify_margin(engine: Model, sample: Sequence[int]) -> float:
     return _calibration(engine, sample)[0]
 
 
+#: The calibration stored next to a cached graph (see :func:`_stored_calibration`).
+CALIBRATION_FILE = "calibration.json"
+
+
+def _calibration_record(engine: Model) -> tuple[Path | None, dict]:
+    """Where this engine's calibration is kept, and what it must have been measured under: the
+    graph (its cache entry), the threads, ONNX Runtime, the CPU and the AMX switches (each can
+    change a pass's rounding)."""
+    graph = getattr(engine, "graph_path", None)
+    rt = engine.runtime
+    import onnxruntime as ort
+
+    under = {
+        "threads": [getattr(rt, "threads", None), getattr(rt, "decode_threads", None)],
+        "onnxruntime": ort.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "amx": [os.environ.get("SPARK_LSP_AMX"), os.environ.get("SPARK_LSP_AMX_MIN_ROWS")],
+    }
+    return (Path(graph).parent / CALIBRATION_FILE if graph else None), under
+
+
+def _stored_calibration(engine: Model) -> tuple | None:
+    path, under = _calibration_record(engine)
+    if path is None:
+        return None
+    try:
+        rec = json.loads(path.read_text())
+        if rec.get("under") == under:
+            m, step_s, pass_s, width = rec["calibration"]
+            return float(m), step_s, pass_s, int(width)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _store_calibration(engine: Model, result: tuple) -> None:
+    path, under = _calibration_record(engine)
+    if path is None:
+        return
+    try:
+        tmp = path.with_name(f".{CALIBRATION_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"under": under, "calibration": list(result)}))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: calibrate again next time
+        pass
+
+
 def _calibration(
     engine: Model, sample: Sequence[int]
 ) -> tuple[float, float | None, float | None, int]:
-    """(margin, single-step seconds, pass seconds, pass width) — see :func:`verify_margin`."""
+    """(margin, single-step seconds, pass seconds, pass width) — see :func:`verify_margin`.
+
+    Measured once per graph and machine: the result is kept next to the cached graph
+    (``CALIBRATION_FILE``, with what it was measured under), since at real size the ~30 runs take
+    seconds of every start."""
     if engine in _margins:
         return _margins[engine]
+    stored = _stored_calibration(engine)
+    if stored is not None:
+        _margins[engine] = stored
+        return stored
     declared = float(getattr(engine.linear, "verify_margin", DEFAULT_VERIFY_MARGIN))
     rt = engine.runtime
     ids = [int(t) for t in sample][:96]
@@ -97,6 +155,8 @@ def _calibration(
     step_s = float(np.median(steps)) if steps else None
     pass_s = float(np.median(passes)) if passes else None
     _margins[engine] = (max(declared, CALIBRATION_SAFETY * worst), step_s, pass_s, width)
+    if steps:
+        _store_calibration(engine, _margins[engine])
     return _margins[engine]
 
 
