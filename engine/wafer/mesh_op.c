@@ -1546,6 +1546,266 @@ static const OrtCustomOp mesh_linear_q = {
     .KernelComputeV2 = qcompute,
 };
 
+/* ---- spark.wafer::DecoderAttention: a decoder's causal attention over its KV cache ----
+ *
+ *   attn, present_key, present_value = DecoderAttention(qkv, k, v, past_key, past_value,
+ *                                                       seqlens_k, total_sequence_length, cos, sin)
+ *   attributes: num_heads, kv_num_heads, scale
+ *
+ * The contract of com.microsoft::GroupQueryAttention as the decoder graph uses it (batch 1,
+ * do_rotary=1, rotary_interleaved=0), for the S new token rows of one pass:
+ *   qkv        float [1, S, (heads + 2 kv_heads) H]: the packed Q|K|V rows; or, with k and v given,
+ *              q alone [1, S, heads H] (the qk_norm form: k, v [1, S, kv_heads H])
+ *   past_key / past_value  float [1, kv_heads, max_len, H]: the cache; positions [0, past) are valid
+ *   seqlens_k  int32 [1] = past + S - 1;  total_sequence_length int32 [] = past + S
+ *   cos, sin   float [positions, H/2]: the rotate-half RoPE tables (position p's row)
+ *   attn       float [1, S, heads H]; present_key / present_value: the cache with the S new rows
+ *              written at positions [past, past + S)
+ * Query head h reads kv head h / (heads / kv_heads); row s attends causally to positions
+ * [0, past + s].  Rotary is applied to the new q and k rows inside the op, the scores are
+ * scale * q.k, and the softmax runs in float32 after subtracting the row maximum (as GQA).
+ *
+ * The runtime binds the same buffer to past and present (engine/runtime.py: KVBuffers), so the
+ * new rows are written in place; where ONNX Runtime hands out a separate present buffer the valid
+ * past rows are copied into it first, so the result is right either way.
+ *
+ * Why an op of our own: at a small model's sizes GQA's arithmetic is tiny and its cost is overhead
+ * (a thread-pool dispatch per head, a separate rotary pass, generic GEMM calls for one query row).
+ * Here a task is a run of (kv head, query row) units: the rows of all query heads sharing a kv head
+ * read each cached key and value once, and a decode step's few units run as one task per kv head
+ * (or one task in all when the work is small, as run_tasks decides for the linears).
+ */
+enum { ELEM_INT32 = 6 };
+
+typedef struct {
+  int64_t heads, kv_heads;
+  float scale;
+} AttnKernel;
+
+typedef struct {
+  const float *q, *k_in, *v_in; /* row s of query head h at q + s * q_ld + h H (k_in, v_in: kv_ld) */
+  size_t q_ld, kv_ld;
+  float *key, *value; /* present [kv_heads, max_len, H] */
+  float* out;         /* [S, heads H] */
+  const float *cos, *sin;
+  size_t S, H, heads, kv_heads, max_len, past, per_task;
+  float scale;
+} AttnJob;
+
+/* Rotate-half RoPE of one head's row x (H floats) at position pos into y, times mul. */
+static inline void rotate(const float* x, float* y, const float* cos, const float* sin, size_t H, float mul) {
+  const size_t half = H / 2;
+  for (size_t i = 0; i < half; i++) {
+    const float x1 = x[i], x2 = x[i + half], c = cos[i] * mul, s = sin[i] * mul;
+    y[i] = x1 * c - x2 * s;
+    y[i + half] = x2 * c + x1 * s;
+  }
+}
+
+/* Units [i per_task, (i + 1) per_task) of kv_heads x S, head-major: one query row of the group of
+   query heads that share kv head g. */
+static void attn_task(void* data, size_t i) {
+  const AttnJob* j = (const AttnJob*)data;
+  const size_t H = j->H, G = j->heads / j->kv_heads, nv = H / 16;
+  const size_t units = j->kv_heads * j->S;
+  size_t u = i * j->per_task, end = u + j->per_task;
+  if (end > units) end = units;
+  const size_t tmax = j->past + j->S;
+  float* scratch = NULL; /* G rotated queries [G, H], G accumulators [G, H], G score rows [G, tmax] */
+  if (posix_memalign((void**)&scratch, 64, (2 * G * H + G * ((tmax + 15) & ~(size_t)15)) * sizeof(float))) return;
+  float* qr = scratch;
+  float* acc = qr + G * H;
+  float* sc = acc + G * H;
+  const size_t ld_sc = (tmax + 15) & ~(size_t)15;
+  for (; u < end; u++) {
+    const size_t g = u / j->S, s = u % j->S, pos = j->past + s, T = pos + 1;
+    const float* K = j->key + g * j->max_len * H;
+    const float* V = j->value + g * j->max_len * H;
+    for (size_t h = 0; h < G; h++)
+      rotate(j->q + s * j->q_ld + (g * G + h) * H, qr + h * H, j->cos + pos * (H / 2), j->sin + pos * (H / 2), H,
+             j->scale);
+    for (size_t t = 0; t < T; t++) { /* scores: each key read once for the group */
+      const float* kt = K + t * H;
+      for (size_t h = 0; h < G; h++) {
+        v16 a = ld(qr + h * H) * ld(kt);
+        for (size_t c = 1; c < nv; c++) a += ld(qr + h * H + 16 * c) * ld(kt + 16 * c);
+        sc[h * ld_sc + t] = hsum(a);
+      }
+    }
+    float inv[G > 0 ? G : 1];
+    for (size_t h = 0; h < G; h++) { /* softmax, max-subtracted, in float32 */
+      float* r = sc + h * ld_sc;
+      float m = r[0];
+      for (size_t t = 1; t < T; t++) m = r[t] > m ? r[t] : m;
+      float sum = 0.0f;
+      for (size_t t = 0; t < T; t++) {
+        r[t] = glu_exp(r[t] - m);
+        sum += r[t];
+      }
+      inv[h] = 1.0f / sum;
+      for (size_t c = 0; c < nv; c++) st(acc + h * H + 16 * c, bc(0.0f));
+    }
+    for (size_t t = 0; t < T; t++) { /* weighted values: each value row read once for the group */
+      const float* vt = V + t * H;
+      for (size_t h = 0; h < G; h++) {
+        const v16 p = bc(sc[h * ld_sc + t]);
+        for (size_t c = 0; c < nv; c++) st(acc + h * H + 16 * c, ld(acc + h * H + 16 * c) + p * ld(vt + 16 * c));
+      }
+    }
+    float* o = j->out + s * j->heads * H + g * G * H;
+    for (size_t h = 0; h < G; h++)
+      for (size_t c = 0; c < nv; c++) st(o + h * H + 16 * c, ld(acc + h * H + 16 * c) * bc(inv[h]));
+  }
+  free(scratch);
+}
+
+static OrtStatus* attn_input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
+  return CALL(KernelContext_GetInput, GetInputFn)(ctx, i, v);
+}
+
+static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
+  const AttnKernel* k = (const AttnKernel*)kernel;
+  const OrtValue* in[9] = {0};
+  size_t n_in = 0;
+  TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
+  if (n_in != 9) return error("DecoderAttention: expected 9 inputs, got %zu", n_in);
+  for (size_t i = 0; i < 9; i++) TRY(attn_input(ctx, i, &in[i]));
+  const int packed = !in[1] && !in[2];
+  if (!in[0] || (!packed && !(in[1] && in[2])) || !in[3] || !in[4] || !in[5] || !in[7] || !in[8])
+    return error("DecoderAttention: qkv (or q, k and v), past key/value, seqlens_k, cos and sin are required");
+  int type = 0;
+  size_t rank = 0;
+  int64_t xd[8], pd[8], vd[8], cd[8], sd[8], ld_[8];
+  AttnJob j = {.heads = (size_t)k->heads, .kv_heads = (size_t)k->kv_heads, .scale = k->scale};
+  TRY(shape_of(in[3], &type, &rank, pd));
+  if (type != ELEM_FLOAT || rank != 4 || pd[0] != 1 || pd[1] != k->kv_heads || pd[3] % 16 || pd[3] == 0)
+    return error("DecoderAttention: past_key must be float [1, kv_num_heads, max_len, H] with H a multiple of 16");
+  TRY(shape_of(in[4], &type, &rank, vd));
+  if (type != ELEM_FLOAT || rank != 4 || memcmp(vd, pd, sizeof(int64_t) * 4))
+    return error("DecoderAttention: past_value must have past_key's shape");
+  j.max_len = (size_t)pd[2];
+  j.H = (size_t)pd[3];
+  const size_t H = j.H, qw = j.heads * H, kw = j.kv_heads * H;
+  TRY(shape_of(in[0], &type, &rank, xd));
+  if (type != ELEM_FLOAT || rank != 3 || xd[0] != 1 || (size_t)xd[2] != (packed ? qw + 2 * kw : qw))
+    return error("DecoderAttention: %s must be float [1, S, %zu]", packed ? "qkv" : "q", packed ? qw + 2 * kw : qw);
+  j.S = (size_t)xd[1];
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[0], (void**)&j.q));
+  if (packed) {
+    j.q_ld = j.kv_ld = qw + 2 * kw;
+    j.k_in = j.q + qw;
+    j.v_in = j.q + qw + kw;
+  } else {
+    for (size_t i = 1; i <= 2; i++) {
+      TRY(shape_of(in[i], &type, &rank, xd));
+      if (type != ELEM_FLOAT || rank != 3 || xd[0] != 1 || (size_t)xd[1] != j.S || (size_t)xd[2] != kw)
+        return error("DecoderAttention: k and v must be float [1, S, %zu]", kw);
+    }
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[1], (void**)&j.k_in));
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[2], (void**)&j.v_in));
+    j.q_ld = qw;
+    j.kv_ld = kw;
+  }
+  const int32_t* seqlens = NULL;
+  TRY(shape_of(in[5], &type, &rank, sd));
+  if (type != ELEM_INT32 || rank != 1 || sd[0] != 1) return error("DecoderAttention: seqlens_k must be int32 [1]");
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[5], (void**)&seqlens));
+  const int64_t total = (int64_t)seqlens[0] + 1;
+  if (total < (int64_t)j.S || total > (int64_t)j.max_len)
+    return error("DecoderAttention: seqlens_k + 1 = %lld must lie in [S, max_len] = [%zu, %zu]", (long long)total, j.S,
+                 j.max_len);
+  j.past = (size_t)total - j.S;
+  for (size_t i = 7; i <= 8; i++) {
+    TRY(shape_of(in[i], &type, &rank, i == 7 ? cd : ld_));
+    const int64_t* d = i == 7 ? cd : ld_;
+    if (type != ELEM_FLOAT || rank != 2 || (size_t)d[1] != H / 2 || d[0] < total)
+      return error("DecoderAttention: cos and sin must be float [>= %lld positions, %zu]", (long long)total, H / 2);
+  }
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[7], (void**)&j.cos));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[8], (void**)&j.sin));
+  float *past_k = NULL, *past_v = NULL;
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[3], (void**)&past_k));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[4], (void**)&past_v));
+
+  OrtValue *out = NULL, *pk = NULL, *pv = NULL;
+  const int64_t od[3] = {1, (int64_t)j.S, (int64_t)qw};
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, od, 3, &out));
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 1, pd, 4, &pk));
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 2, pd, 4, &pv));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.out));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(pk, (void**)&j.key));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(pv, (void**)&j.value));
+  const size_t head = j.max_len * H;
+  for (size_t g = 0; g < j.kv_heads; g++) { /* a fresh present buffer: the valid past rows first */
+    if (j.key != past_k) memcpy(j.key + g * head, past_k + g * head, j.past * H * sizeof(float));
+    if (j.value != past_v) memcpy(j.value + g * head, past_v + g * head, j.past * H * sizeof(float));
+  }
+  for (size_t s = 0; s < j.S; s++) { /* the new rows: keys rotated, values as they are */
+    const size_t pos = j.past + s;
+    for (size_t g = 0; g < j.kv_heads; g++) {
+      rotate(j.k_in + s * j.kv_ld + g * H, j.key + g * head + pos * H, j.cos + pos * (H / 2), j.sin + pos * (H / 2), H,
+             1.0f);
+      memcpy(j.value + g * head + pos * H, j.v_in + s * j.kv_ld + g * H, H * sizeof(float));
+    }
+  }
+  if (j.S == 0) return NULL;
+  /* ~2 heads x (past + S/2) x H x 2 multiply-adds per unit (scores and values) */
+  const size_t units = j.kv_heads * j.S;
+  const size_t tasks =
+      split_tasks(units, j.heads / j.kv_heads * (j.past + (j.S + 1) / 2), 2 * H, units, &j.per_task);
+  return run_tasks(ctx, attn_task, tasks, &j);
+}
+
+static OrtStatus* attn_create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
+  (void)op; (void)a;
+  int64_t heads = 0, kv_heads = 0;
+  float scale = 0.0f;
+  TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "num_heads", &heads));
+  TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "kv_num_heads", &kv_heads));
+  TRY(CALL(KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "scale", &scale));
+  if (heads <= 0 || kv_heads <= 0 || heads % kv_heads)
+    return error("DecoderAttention: num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)",
+                 (long long)heads, (long long)kv_heads);
+  AttnKernel* k = calloc(1, sizeof *k);
+  if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "DecoderAttention: out of memory");
+  k->heads = heads;
+  k->kv_heads = kv_heads;
+  k->scale = scale;
+  *out = k;
+  return NULL;
+}
+
+static const char* attn_name(const OrtCustomOp* op) { (void)op; return "DecoderAttention"; }
+static int attn_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 5 || i == 6 ? ELEM_INT32 : ELEM_FLOAT; }
+static size_t nine(const OrtCustomOp* op) { (void)op; return 9; }
+static size_t three(const OrtCustomOp* op) { (void)op; return 3; }
+/* k and v (the qk_norm form) and total_sequence_length (implied by seqlens_k) are optional */
+static int attn_input_char(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 1 || i == 2 || i == 6 ? CHAR_OPTIONAL : CHAR_REQUIRED;
+}
+static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return CHAR_REQUIRED; }
+
+static const OrtCustomOp decoder_attention = {
+    .version = API_VERSION,
+    .GetName = attn_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = attn_input_type,
+    .GetInputTypeCount = nine,
+    .GetOutputType = float_type,
+    .GetOutputTypeCount = three,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = attn_input_char,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = min_arity,
+    .GetVariadicInputHomogeneity = heterogeneous,
+    .GetVariadicOutputMinArity = min_arity,
+    .GetVariadicOutputHomogeneity = homogeneous,
+    .CreateKernelV2 = attn_create_kernel,
+    .KernelComputeV2 = attn_compute,
+};
+
 /* One domain for the process (it must outlive every session that uses it), made once even when
    sessions are created on several threads. */
 static OrtCustomOpDomain* domain;
@@ -1559,6 +1819,7 @@ static void make_domain(void) {
   domain_error = CALL(CreateCustomOpDomain, CreateCustomOpDomainFn)("spark.wafer", &domain);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear_q);
+  if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &decoder_attention);
 }
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
