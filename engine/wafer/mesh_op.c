@@ -1602,59 +1602,188 @@ static inline void rotate(const float* x, float* y, const float* cos, const floa
   }
 }
 
-/* Units [i per_task, (i + 1) per_task) of kv_heads x S, head-major: one query row of the group of
-   query heads that share kv head g. */
+#define ATTN_ROWS 4 /* query rows per unit: their query heads share each key and value read */
+
+/* q . k for the 16 keys k_{perm(m)} = K + perm(m) H, perm(m) = 4 (m % 4) + m / 4, into sc[0..16):
+   16 dot products, then their 16 horizontal sums as one transposing reduction (15 shuffle-adds
+   instead of 16 four-level reductions); the permutation undoes the reduction's lane order. */
+static inline __attribute__((always_inline)) void scores16(const float* q, const float* K, size_t H, float* sc,
+                                                           const size_t NV) {
+#if defined(__AVX512F__)
+  __m512 a[16];
+  for (int m = 0; m < 16; m++) {
+    const float* k = K + (size_t)(4 * (m % 4) + m / 4) * H;
+    v16 s = ld(q) * ld(k);
+    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
+    a[m] = (__m512)s;
+  }
+  __m512 b[8], c4[4], d[2];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    c4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0x44), _mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0xEE));
+  _mm512_storeu_ps(sc, _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD)));
+#else
+  for (size_t t = 0; t < 16; t++) {
+    const float* k = K + t * H;
+    v16 s = ld(q) * ld(k);
+    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
+    sc[t] = hsum(s);
+  }
+#endif
+}
+
+/* out = sum_t p[t] V[t] / inv for two query vectors at once (they share each value row read);
+   p1 / out1 NULL: one.  The sums stay in registers. */
+static inline __attribute__((always_inline)) void weigh_values(const float* V, size_t T, size_t H, const float* p0,
+                                                               const float* p1, float inv0, float inv1, float* out0,
+                                                               float* out1, const size_t NV) {
+  v16 a0[8], a1[8];
+  for (size_t c = 0; c < NV; c++) a0[c] = a1[c] = bc(0.0f);
+  if (p1) {
+    for (size_t t = 0; t < T; t++) {
+      const v16 w0 = bc(p0[t]), w1 = bc(p1[t]);
+      for (size_t c = 0; c < NV; c++) {
+        const v16 v = ld(V + t * H + 16 * c);
+        a0[c] += w0 * v;
+        a1[c] += w1 * v;
+      }
+    }
+    for (size_t c = 0; c < NV; c++) st(out1 + 16 * c, a1[c] * bc(inv1));
+  } else {
+    size_t t = 0;
+    for (; t + 1 < T; t += 2) { /* two chains: FMA latency, not throughput, bounds one */
+      const v16 w0 = bc(p0[t]), w1 = bc(p0[t + 1]);
+      for (size_t c = 0; c < NV; c++) {
+        a0[c] += w0 * ld(V + t * H + 16 * c);
+        a1[c] += w1 * ld(V + (t + 1) * H + 16 * c);
+      }
+    }
+    if (t < T)
+      for (size_t c = 0; c < NV; c++) a0[c] += bc(p0[t]) * ld(V + t * H + 16 * c);
+    for (size_t c = 0; c < NV; c++) a0[c] += a1[c];
+  }
+  for (size_t c = 0; c < NV; c++) st(out0 + 16 * c, a0[c] * bc(inv0));
+}
+
+#if defined(__AVX512F__)
+/* glu_exp on 16 lanes (the same Cephes polynomial and clamp). */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+/* p[0..T) = exp(p - max p) in place; returns their sum (float32, max-subtracted, as GQA). */
+static inline float softmax(float* p, size_t T) {
+  size_t t = 0;
+  float m = p[0], sum = 0.0f;
+#if defined(__AVX512F__)
+  if (T >= 16) {
+    __m512 mv = _mm512_loadu_ps(p);
+    for (t = 16; t + 16 <= T; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + t));
+    m = _mm512_reduce_max_ps(mv);
+  }
+  for (; t < T; t++) m = p[t] > m ? p[t] : m;
+  const __m512 mb = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= T; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t), mb));
+    _mm512_storeu_ps(p + t, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  sum = _mm512_reduce_add_ps(sv);
+#else
+  for (t = 1; t < T; t++) m = p[t] > m ? p[t] : m;
+  t = 0;
+#endif
+  for (; t < T; t++) {
+    p[t] = glu_exp(p[t] - m);
+    sum += p[t];
+  }
+  return sum;
+}
+
+/* One unit: query rows [s0, s1) of the G query heads that share kv head g.  Query vector
+   r = (s - s0) G + h attends to positions [0, past + s]. */
+static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, size_t g, size_t s0, size_t s1,
+                                                            float* qr, float* sc, size_t ld_sc, const size_t NV) {
+  const size_t H = j->H, G = j->heads / j->kv_heads, n = (s1 - s0) * G;
+  const float* K = j->key + g * j->max_len * H;
+  const float* V = j->value + g * j->max_len * H;
+  size_t T[ATTN_ROWS * 64];
+  for (size_t s = s0; s < s1; s++) {
+    const size_t pos = j->past + s;
+    for (size_t h = 0; h < G; h++) {
+      T[(s - s0) * G + h] = pos + 1;
+      rotate(j->q + s * j->q_ld + (g * G + h) * H, qr + ((s - s0) * G + h) * H, j->cos + pos * (H / 2),
+             j->sin + pos * (H / 2), H, j->scale);
+    }
+  }
+  const size_t tmax = j->past + s1;
+  for (size_t t0 = 0; t0 < tmax; t0 += 16) /* scores: each block of keys read once for the unit */
+    for (size_t r = 0; r < n; r++) {
+      if (t0 + 16 <= T[r]) {
+        scores16(qr + r * H, K + t0 * H, H, sc + r * ld_sc + t0, NV);
+      } else {
+        for (size_t t = t0; t < T[r]; t++) {
+          v16 a = ld(qr + r * H) * ld(K + t * H);
+          for (size_t c = 1; c < NV; c++) a += ld(qr + r * H + 16 * c) * ld(K + t * H + 16 * c);
+          sc[r * ld_sc + t] = hsum(a);
+        }
+      }
+    }
+  float inv[ATTN_ROWS * 64];
+  for (size_t r = 0; r < n; r++) inv[r] = 1.0f / softmax(sc + r * ld_sc, T[r]);
+  for (size_t r = 0; r < n; r += 2) {
+    const size_t s = s0 + r / G, h = r % G;
+    float* o0 = j->out + s * j->heads * H + (g * G + h) * H;
+    if (r + 1 < n && T[r + 1] == T[r]) { /* the next head of the same row: one pass over V */
+      weigh_values(V, T[r], H, sc + r * ld_sc, sc + (r + 1) * ld_sc, inv[r], inv[r + 1], o0, o0 + H, NV);
+    } else {
+      weigh_values(V, T[r], H, sc + r * ld_sc, NULL, inv[r], 0.0f, o0, NULL, NV);
+      if (r + 1 < n) {
+        const size_t s2 = s0 + (r + 1) / G, h2 = (r + 1) % G;
+        weigh_values(V, T[r + 1], H, sc + (r + 1) * ld_sc, NULL, inv[r + 1], 0.0f,
+                     j->out + s2 * j->heads * H + (g * G + h2) * H, NULL, NV);
+      }
+    }
+  }
+}
+
+/* Units [i per_task, (i + 1) per_task) of kv_heads x row blocks, head-major. */
 static void attn_task(void* data, size_t i) {
   const AttnJob* j = (const AttnJob*)data;
   const size_t H = j->H, G = j->heads / j->kv_heads, nv = H / 16;
-  const size_t units = j->kv_heads * j->S;
+  const size_t blocks = (j->S + ATTN_ROWS - 1) / ATTN_ROWS, units = j->kv_heads * blocks;
   size_t u = i * j->per_task, end = u + j->per_task;
   if (end > units) end = units;
-  const size_t tmax = j->past + j->S;
-  float* scratch = NULL; /* G rotated queries [G, H], G accumulators [G, H], G score rows [G, tmax] */
-  if (posix_memalign((void**)&scratch, 64, (2 * G * H + G * ((tmax + 15) & ~(size_t)15)) * sizeof(float))) return;
-  float* qr = scratch;
-  float* acc = qr + G * H;
-  float* sc = acc + G * H;
-  const size_t ld_sc = (tmax + 15) & ~(size_t)15;
+  const size_t ld_sc = (j->past + j->S + 15) & ~(size_t)15;
+  float* scratch = NULL; /* rotated queries [ATTN_ROWS G, H], score rows [ATTN_ROWS G, ld_sc] */
+  if (posix_memalign((void**)&scratch, 64, ATTN_ROWS * G * (H + ld_sc) * sizeof(float))) return;
   for (; u < end; u++) {
-    const size_t g = u / j->S, s = u % j->S, pos = j->past + s, T = pos + 1;
-    const float* K = j->key + g * j->max_len * H;
-    const float* V = j->value + g * j->max_len * H;
-    for (size_t h = 0; h < G; h++)
-      rotate(j->q + s * j->q_ld + (g * G + h) * H, qr + h * H, j->cos + pos * (H / 2), j->sin + pos * (H / 2), H,
-             j->scale);
-    for (size_t t = 0; t < T; t++) { /* scores: each key read once for the group */
-      const float* kt = K + t * H;
-      for (size_t h = 0; h < G; h++) {
-        v16 a = ld(qr + h * H) * ld(kt);
-        for (size_t c = 1; c < nv; c++) a += ld(qr + h * H + 16 * c) * ld(kt + 16 * c);
-        sc[h * ld_sc + t] = hsum(a);
-      }
+    const size_t g = u / blocks, s0 = (u % blocks) * ATTN_ROWS;
+    const size_t s1 = s0 + ATTN_ROWS < j->S ? s0 + ATTN_ROWS : j->S;
+    float* sc = scratch + ATTN_ROWS * G * H;
+    switch (nv) {
+      case 1: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1); break;
+      case 2: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2); break;
+      case 4: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4); break;
+      default: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv); break;
     }
-    float inv[G > 0 ? G : 1];
-    for (size_t h = 0; h < G; h++) { /* softmax, max-subtracted, in float32 */
-      float* r = sc + h * ld_sc;
-      float m = r[0];
-      for (size_t t = 1; t < T; t++) m = r[t] > m ? r[t] : m;
-      float sum = 0.0f;
-      for (size_t t = 0; t < T; t++) {
-        r[t] = glu_exp(r[t] - m);
-        sum += r[t];
-      }
-      inv[h] = 1.0f / sum;
-      for (size_t c = 0; c < nv; c++) st(acc + h * H + 16 * c, bc(0.0f));
-    }
-    for (size_t t = 0; t < T; t++) { /* weighted values: each value row read once for the group */
-      const float* vt = V + t * H;
-      for (size_t h = 0; h < G; h++) {
-        const v16 p = bc(sc[h * ld_sc + t]);
-        for (size_t c = 0; c < nv; c++) st(acc + h * H + 16 * c, ld(acc + h * H + 16 * c) + p * ld(vt + 16 * c));
-      }
-    }
-    float* o = j->out + s * j->heads * H + g * G * H;
-    for (size_t h = 0; h < G; h++)
-      for (size_t c = 0; c < nv; c++) st(o + h * H + 16 * c, ld(acc + h * H + 16 * c) * bc(inv[h]));
   }
   free(scratch);
 }
@@ -1678,8 +1807,9 @@ static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t xd[8], pd[8], vd[8], cd[8], sd[8], ld_[8];
   AttnJob j = {.heads = (size_t)k->heads, .kv_heads = (size_t)k->kv_heads, .scale = k->scale};
   TRY(shape_of(in[3], &type, &rank, pd));
-  if (type != ELEM_FLOAT || rank != 4 || pd[0] != 1 || pd[1] != k->kv_heads || pd[3] % 16 || pd[3] == 0)
-    return error("DecoderAttention: past_key must be float [1, kv_num_heads, max_len, H] with H a multiple of 16");
+  if (type != ELEM_FLOAT || rank != 4 || pd[0] != 1 || pd[1] != k->kv_heads || pd[3] % 16 || pd[3] == 0 ||
+      pd[3] > 128)
+    return error("DecoderAttention: past_key must be float [1, kv_num_heads, max_len, H], H 16, 32, ... or 128");
   TRY(shape_of(in[4], &type, &rank, vd));
   if (type != ELEM_FLOAT || rank != 4 || memcmp(vd, pd, sizeof(int64_t) * 4))
     return error("DecoderAttention: past_value must have past_key's shape");
@@ -1749,10 +1879,10 @@ static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
     }
   }
   if (j.S == 0) return NULL;
-  /* ~2 heads x (past + S/2) x H x 2 multiply-adds per unit (scores and values) */
-  const size_t units = j.kv_heads * j.S;
-  const size_t tasks =
-      split_tasks(units, j.heads / j.kv_heads * (j.past + (j.S + 1) / 2), 2 * H, units, &j.per_task);
+  /* a unit: ATTN_ROWS rows x G heads x ~(past + S/2) positions x H x 2 multiply-adds */
+  const size_t units = j.kv_heads * ((j.S + ATTN_ROWS - 1) / ATTN_ROWS);
+  const size_t tasks = split_tasks(j.kv_heads * j.S, j.heads / j.kv_heads * (j.past + (j.S + 1) / 2), 2 * H,
+                                   units, &j.per_task);
   return run_tasks(ctx, attn_task, tasks, &j);
 }
 
@@ -1763,8 +1893,8 @@ static OrtStatus* attn_create_kernel(const OrtCustomOp* op, OrtApiTable a, const
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "num_heads", &heads));
   TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "kv_num_heads", &kv_heads));
   TRY(CALL(KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "scale", &scale));
-  if (heads <= 0 || kv_heads <= 0 || heads % kv_heads)
-    return error("DecoderAttention: num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)",
+  if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > 64)
+    return error("DecoderAttention: num_heads (%lld) must be 1 to 64 times kv_num_heads (%lld)",
                  (long long)heads, (long long)kv_heads);
   AttnKernel* k = calloc(1, sizeof *k);
   if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "DecoderAttention: out of memory");

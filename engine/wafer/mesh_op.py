@@ -1,5 +1,5 @@
 """Build and locate ``spark.wafer::MeshLinear`` and ``MeshLinearQ``, the ONNX Runtime ops that run a
-partitioned linear (float weights, and int8 / int4 weights).
+partitioned linear (float weights, and int8 / int4 weights), and ``DecoderAttention``.
 
 ``mesh_op.c`` (next to this file) computes a whole tiled linear — every mesh line's partial
 products and their chain reduction — in one kernel launch.  It is compiled on first use with the
@@ -25,6 +25,12 @@ Both ops can also run the gated MLP's act(gate) * up after a ``gate_up`` linear 
 ``glu``; :func:`glu_interleave` writes the weight columns in the order it needs) and the RMSNorm
 before a linear, with the skip add (attributes ``norm``, ``epsilon``): nodes a small model's
 decode step would otherwise pay ONNX Runtime's per-node cost for (docs/wafer.md).
+
+The library also holds ``DecoderAttention`` (:data:`ATTN_OP`), the decoder's attention with
+GroupQueryAttention's inputs and outputs (rotary, causal GQA over the in-place KV cache) without
+its per-head dispatch; op-form emitters emit it through :func:`emit_attention` where its own
+self-test passed (:func:`attention`), GroupQueryAttention otherwise.
+:func:`reference_attention` is its arithmetic in numpy.
 
 :func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
 layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
