@@ -50,7 +50,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 9
+GRAPH_VERSION = 10
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -553,9 +553,19 @@ def build_decoder(
             attn_in = [qkv3, "", ""]
         past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
         past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
-        attn, pk, pv = gb.node(
+        attn_inputs = [*attn_in, past_k, past_v, seqlens_k, total_len, cos_c, sin_c]
+        # The emitter's own attention op where it has one (same inputs and outputs), else GQA.
+        emit_attention = getattr(linear, "emit_attention", None)
+        out = (
+            emit_attention(
+                gb, attn_inputs, name=f"layers.{i}.attn", heads=N, kv_heads=NKV, scale=H0**-0.5
+            )
+            if emit_attention
+            else None
+        )
+        attn, pk, pv = out or gb.node(
             "GroupQueryAttention",
-            [*attn_in, past_k, past_v, seqlens_k, total_len, cos_c, sin_c],
+            attn_inputs,
             n_out=3,
             domain=MS_DOMAIN,
             name=f"layers.{i}.attn",

@@ -321,7 +321,7 @@ class QuantLinear:
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
-        form = "meshq-v3" if self.form == "op" else self.form
+        form = "meshq-v4" if self.form == "op" else self.form
         return (
             f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
             f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}"
@@ -490,6 +490,18 @@ class QuantLinear:
             b = gb.initializer(f"{name}.bias", np.asarray(bias, dtype=np.float32))
             y = gb.node("Add", [y, b], name=f"{name}/bias")
         return y
+
+    def emit_attention(self, gb, inputs: list[str], *, name: str, heads, kv_heads, scale):
+        """The decoder's attention as ``spark.wafer::DecoderAttention`` where this emitter's graphs
+        load the op library (form ``op``), else the inner emitter's choice (``None``: GQA)."""
+        if self.form == "op":
+            return mesh_op.emit_attention(
+                gb, inputs, name=name, heads=heads, kv_heads=kv_heads, scale=scale
+            )
+        inner = getattr(self.inner, "emit_attention", None)
+        if inner is None or self.roles is None:  # inner's libraries are only loaded with roles
+            return None
+        return inner(gb, inputs, name=name, heads=heads, kv_heads=kv_heads, scale=scale)
 
     def emit_gated(
         self,

@@ -1546,6 +1546,396 @@ static const OrtCustomOp mesh_linear_q = {
     .KernelComputeV2 = qcompute,
 };
 
+/* ---- spark.wafer::DecoderAttention: a decoder's causal attention over its KV cache ----
+ *
+ *   attn, present_key, present_value = DecoderAttention(qkv, k, v, past_key, past_value,
+ *                                                       seqlens_k, total_sequence_length, cos, sin)
+ *   attributes: num_heads, kv_num_heads, scale
+ *
+ * The contract of com.microsoft::GroupQueryAttention as the decoder graph uses it (batch 1,
+ * do_rotary=1, rotary_interleaved=0), for the S new token rows of one pass:
+ *   qkv        float [1, S, (heads + 2 kv_heads) H]: the packed Q|K|V rows; or, with k and v given,
+ *              q alone [1, S, heads H] (the qk_norm form: k, v [1, S, kv_heads H])
+ *   past_key / past_value  float [1, kv_heads, max_len, H]: the cache; positions [0, past) are valid
+ *   seqlens_k  int32 [1] = past + S - 1;  total_sequence_length int32 [] = past + S
+ *   cos, sin   float [positions, H/2]: the rotate-half RoPE tables (position p's row)
+ *   attn       float [1, S, heads H]; present_key / present_value: the cache with the S new rows
+ *              written at positions [past, past + S)
+ * Query head h reads kv head h / (heads / kv_heads); row s attends causally to positions
+ * [0, past + s].  Rotary is applied to the new q and k rows inside the op, the scores are
+ * scale * q.k, and the softmax runs in float32 after subtracting the row maximum (as GQA).
+ *
+ * The runtime binds the same buffer to past and present (engine/runtime.py: KVBuffers), so the
+ * new rows are written in place; where ONNX Runtime hands out a separate present buffer the valid
+ * past rows are copied into it first, so the result is right either way.
+ *
+ * Why an op of our own: at a small model's sizes GQA's arithmetic is tiny and its cost is overhead
+ * (a thread-pool dispatch per head, a separate rotary pass, generic GEMM calls for one query row).
+ * Here a task is a run of (kv head, query row) units: the rows of all query heads sharing a kv head
+ * read each cached key and value once, and a decode step's few units run as one task per kv head
+ * (or one task in all when the work is small, as run_tasks decides for the linears).
+ */
+enum { ELEM_INT32 = 6 };
+
+typedef struct {
+  int64_t heads, kv_heads;
+  float scale;
+} AttnKernel;
+
+typedef struct {
+  const float *q, *k_in, *v_in; /* row s of query head h at q + s * q_ld + h H (k_in, v_in: kv_ld) */
+  size_t q_ld, kv_ld;
+  float *key, *value; /* present [kv_heads, max_len, H] */
+  float* out;         /* [S, heads H] */
+  const float *cos, *sin;
+  size_t S, H, heads, kv_heads, max_len, past, per_task;
+  float scale;
+} AttnJob;
+
+/* Rotate-half RoPE of one head's row x (H floats) at position pos into y, times mul. */
+static inline void rotate(const float* x, float* y, const float* cos, const float* sin, size_t H, float mul) {
+  const size_t half = H / 2;
+  for (size_t i = 0; i < half; i++) {
+    const float x1 = x[i], x2 = x[i + half], c = cos[i] * mul, s = sin[i] * mul;
+    y[i] = x1 * c - x2 * s;
+    y[i + half] = x2 * c + x1 * s;
+  }
+}
+
+#define ATTN_ROWS 4 /* query rows per unit: their query heads share each key and value read */
+
+/* q . k for the 16 keys k_{perm(m)} = K + perm(m) H, perm(m) = 4 (m % 4) + m / 4, into sc[0..16):
+   16 dot products, then their 16 horizontal sums as one transposing reduction (15 shuffle-adds
+   instead of 16 four-level reductions); the permutation undoes the reduction's lane order. */
+static inline __attribute__((always_inline)) void scores16(const float* q, const float* K, size_t H, float* sc,
+                                                           const size_t NV) {
+#if defined(__AVX512F__)
+  __m512 a[16];
+  for (int m = 0; m < 16; m++) {
+    const float* k = K + (size_t)(4 * (m % 4) + m / 4) * H;
+    v16 s = ld(q) * ld(k);
+    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
+    a[m] = (__m512)s;
+  }
+  __m512 b[8], c4[4], d[2];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    c4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0x44), _mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0xEE));
+  _mm512_storeu_ps(sc, _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD)));
+#else
+  for (size_t t = 0; t < 16; t++) {
+    const float* k = K + t * H;
+    v16 s = ld(q) * ld(k);
+    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
+    sc[t] = hsum(s);
+  }
+#endif
+}
+
+/* out = sum_t p[t] V[t] / inv for two query vectors at once (they share each value row read);
+   p1 / out1 NULL: one.  The sums stay in registers. */
+static inline __attribute__((always_inline)) void weigh_values(const float* V, size_t T, size_t H, const float* p0,
+                                                               const float* p1, float inv0, float inv1, float* out0,
+                                                               float* out1, const size_t NV) {
+  v16 a0[8], a1[8];
+  for (size_t c = 0; c < NV; c++) a0[c] = a1[c] = bc(0.0f);
+  if (p1) {
+    for (size_t t = 0; t < T; t++) {
+      const v16 w0 = bc(p0[t]), w1 = bc(p1[t]);
+      for (size_t c = 0; c < NV; c++) {
+        const v16 v = ld(V + t * H + 16 * c);
+        a0[c] += w0 * v;
+        a1[c] += w1 * v;
+      }
+    }
+    for (size_t c = 0; c < NV; c++) st(out1 + 16 * c, a1[c] * bc(inv1));
+  } else {
+    size_t t = 0;
+    for (; t + 1 < T; t += 2) { /* two chains: FMA latency, not throughput, bounds one */
+      const v16 w0 = bc(p0[t]), w1 = bc(p0[t + 1]);
+      for (size_t c = 0; c < NV; c++) {
+        a0[c] += w0 * ld(V + t * H + 16 * c);
+        a1[c] += w1 * ld(V + (t + 1) * H + 16 * c);
+      }
+    }
+    if (t < T)
+      for (size_t c = 0; c < NV; c++) a0[c] += bc(p0[t]) * ld(V + t * H + 16 * c);
+    for (size_t c = 0; c < NV; c++) a0[c] += a1[c];
+  }
+  for (size_t c = 0; c < NV; c++) st(out0 + 16 * c, a0[c] * bc(inv0));
+}
+
+#if defined(__AVX512F__)
+/* glu_exp on 16 lanes (the same Cephes polynomial and clamp). */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+/* p[0..T) = exp(p - max p) in place; returns their sum (float32, max-subtracted, as GQA). */
+static inline float softmax(float* p, size_t T) {
+  size_t t = 0;
+  float m = p[0], sum = 0.0f;
+#if defined(__AVX512F__)
+  if (T >= 16) {
+    __m512 mv = _mm512_loadu_ps(p);
+    for (t = 16; t + 16 <= T; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + t));
+    m = _mm512_reduce_max_ps(mv);
+  }
+  for (; t < T; t++) m = p[t] > m ? p[t] : m;
+  const __m512 mb = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= T; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t), mb));
+    _mm512_storeu_ps(p + t, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  sum = _mm512_reduce_add_ps(sv);
+#else
+  for (t = 1; t < T; t++) m = p[t] > m ? p[t] : m;
+  t = 0;
+#endif
+  for (; t < T; t++) {
+    p[t] = glu_exp(p[t] - m);
+    sum += p[t];
+  }
+  return sum;
+}
+
+/* One unit: query rows [s0, s1) of the G query heads that share kv head g.  Query vector
+   r = (s - s0) G + h attends to positions [0, past + s]. */
+static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, size_t g, size_t s0, size_t s1,
+                                                            float* qr, float* sc, size_t ld_sc, const size_t NV) {
+  const size_t H = j->H, G = j->heads / j->kv_heads, n = (s1 - s0) * G;
+  const float* K = j->key + g * j->max_len * H;
+  const float* V = j->value + g * j->max_len * H;
+  size_t T[ATTN_ROWS * 64];
+  for (size_t s = s0; s < s1; s++) {
+    const size_t pos = j->past + s;
+    for (size_t h = 0; h < G; h++) {
+      T[(s - s0) * G + h] = pos + 1;
+      rotate(j->q + s * j->q_ld + (g * G + h) * H, qr + ((s - s0) * G + h) * H, j->cos + pos * (H / 2),
+             j->sin + pos * (H / 2), H, j->scale);
+    }
+  }
+  const size_t tmax = j->past + s1;
+  for (size_t t0 = 0; t0 < tmax; t0 += 16) /* scores: each block of keys read once for the unit */
+    for (size_t r = 0; r < n; r++) {
+      if (t0 + 16 <= T[r]) {
+        scores16(qr + r * H, K + t0 * H, H, sc + r * ld_sc + t0, NV);
+      } else {
+        for (size_t t = t0; t < T[r]; t++) {
+          v16 a = ld(qr + r * H) * ld(K + t * H);
+          for (size_t c = 1; c < NV; c++) a += ld(qr + r * H + 16 * c) * ld(K + t * H + 16 * c);
+          sc[r * ld_sc + t] = hsum(a);
+        }
+      }
+    }
+  float inv[ATTN_ROWS * 64];
+  for (size_t r = 0; r < n; r++) inv[r] = 1.0f / softmax(sc + r * ld_sc, T[r]);
+  for (size_t r = 0; r < n; r += 2) {
+    const size_t s = s0 + r / G, h = r % G;
+    float* o0 = j->out + s * j->heads * H + (g * G + h) * H;
+    if (r + 1 < n && T[r + 1] == T[r]) { /* the next head of the same row: one pass over V */
+      weigh_values(V, T[r], H, sc + r * ld_sc, sc + (r + 1) * ld_sc, inv[r], inv[r + 1], o0, o0 + H, NV);
+    } else {
+      weigh_values(V, T[r], H, sc + r * ld_sc, NULL, inv[r], 0.0f, o0, NULL, NV);
+      if (r + 1 < n) {
+        const size_t s2 = s0 + (r + 1) / G, h2 = (r + 1) % G;
+        weigh_values(V, T[r + 1], H, sc + (r + 1) * ld_sc, NULL, inv[r + 1], 0.0f,
+                     j->out + s2 * j->heads * H + (g * G + h2) * H, NULL, NV);
+      }
+    }
+  }
+}
+
+/* Units [i per_task, (i + 1) per_task) of kv_heads x row blocks, head-major. */
+static void attn_task(void* data, size_t i) {
+  const AttnJob* j = (const AttnJob*)data;
+  const size_t H = j->H, G = j->heads / j->kv_heads, nv = H / 16;
+  const size_t blocks = (j->S + ATTN_ROWS - 1) / ATTN_ROWS, units = j->kv_heads * blocks;
+  size_t u = i * j->per_task, end = u + j->per_task;
+  if (end > units) end = units;
+  const size_t ld_sc = (j->past + j->S + 15) & ~(size_t)15;
+  float* scratch = NULL; /* rotated queries [ATTN_ROWS G, H], score rows [ATTN_ROWS G, ld_sc] */
+  if (posix_memalign((void**)&scratch, 64, ATTN_ROWS * G * (H + ld_sc) * sizeof(float))) return;
+  for (; u < end; u++) {
+    const size_t g = u / blocks, s0 = (u % blocks) * ATTN_ROWS;
+    const size_t s1 = s0 + ATTN_ROWS < j->S ? s0 + ATTN_ROWS : j->S;
+    float* sc = scratch + ATTN_ROWS * G * H;
+    switch (nv) {
+      case 1: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1); break;
+      case 2: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2); break;
+      case 4: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4); break;
+      default: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv); break;
+    }
+  }
+  free(scratch);
+}
+
+static OrtStatus* attn_input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
+  return CALL(KernelContext_GetInput, GetInputFn)(ctx, i, v);
+}
+
+static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
+  const AttnKernel* k = (const AttnKernel*)kernel;
+  const OrtValue* in[9] = {0};
+  size_t n_in = 0;
+  TRY(CALL(KernelContext_GetInputCount, GetInputCountFn)(ctx, &n_in));
+  if (n_in != 9) return error("DecoderAttention: expected 9 inputs, got %zu", n_in);
+  for (size_t i = 0; i < 9; i++) TRY(attn_input(ctx, i, &in[i]));
+  const int packed = !in[1] && !in[2];
+  if (!in[0] || (!packed && !(in[1] && in[2])) || !in[3] || !in[4] || !in[5] || !in[7] || !in[8])
+    return error("DecoderAttention: qkv (or q, k and v), past key/value, seqlens_k, cos and sin are required");
+  int type = 0;
+  size_t rank = 0;
+  int64_t xd[8], pd[8], vd[8], cd[8], sd[8], ld_[8];
+  AttnJob j = {.heads = (size_t)k->heads, .kv_heads = (size_t)k->kv_heads, .scale = k->scale};
+  TRY(shape_of(in[3], &type, &rank, pd));
+  if (type != ELEM_FLOAT || rank != 4 || pd[0] != 1 || pd[1] != k->kv_heads || pd[3] % 16 || pd[3] == 0 ||
+      pd[3] > 128)
+    return error("DecoderAttention: past_key must be float [1, kv_num_heads, max_len, H], H 16, 32, ... or 128");
+  TRY(shape_of(in[4], &type, &rank, vd));
+  if (type != ELEM_FLOAT || rank != 4 || memcmp(vd, pd, sizeof(int64_t) * 4))
+    return error("DecoderAttention: past_value must have past_key's shape");
+  j.max_len = (size_t)pd[2];
+  j.H = (size_t)pd[3];
+  const size_t H = j.H, qw = j.heads * H, kw = j.kv_heads * H;
+  TRY(shape_of(in[0], &type, &rank, xd));
+  if (type != ELEM_FLOAT || rank != 3 || xd[0] != 1 || (size_t)xd[2] != (packed ? qw + 2 * kw : qw))
+    return error("DecoderAttention: %s must be float [1, S, %zu]", packed ? "qkv" : "q", packed ? qw + 2 * kw : qw);
+  j.S = (size_t)xd[1];
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[0], (void**)&j.q));
+  if (packed) {
+    j.q_ld = j.kv_ld = qw + 2 * kw;
+    j.k_in = j.q + qw;
+    j.v_in = j.q + qw + kw;
+  } else {
+    for (size_t i = 1; i <= 2; i++) {
+      TRY(shape_of(in[i], &type, &rank, xd));
+      if (type != ELEM_FLOAT || rank != 3 || xd[0] != 1 || (size_t)xd[1] != j.S || (size_t)xd[2] != kw)
+        return error("DecoderAttention: k and v must be float [1, S, %zu]", kw);
+    }
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[1], (void**)&j.k_in));
+    TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[2], (void**)&j.v_in));
+    j.q_ld = qw;
+    j.kv_ld = kw;
+  }
+  const int32_t* seqlens = NULL;
+  TRY(shape_of(in[5], &type, &rank, sd));
+  if (type != ELEM_INT32 || rank != 1 || sd[0] != 1) return error("DecoderAttention: seqlens_k must be int32 [1]");
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[5], (void**)&seqlens));
+  const int64_t total = (int64_t)seqlens[0] + 1;
+  if (total < (int64_t)j.S || total > (int64_t)j.max_len)
+    return error("DecoderAttention: seqlens_k + 1 = %lld must lie in [S, max_len] = [%zu, %zu]", (long long)total, j.S,
+                 j.max_len);
+  j.past = (size_t)total - j.S;
+  for (size_t i = 7; i <= 8; i++) {
+    TRY(shape_of(in[i], &type, &rank, i == 7 ? cd : ld_));
+    const int64_t* d = i == 7 ? cd : ld_;
+    if (type != ELEM_FLOAT || rank != 2 || (size_t)d[1] != H / 2 || d[0] < total)
+      return error("DecoderAttention: cos and sin must be float [>= %lld positions, %zu]", (long long)total, H / 2);
+  }
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[7], (void**)&j.cos));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[8], (void**)&j.sin));
+  float *past_k = NULL, *past_v = NULL;
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[3], (void**)&past_k));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[4], (void**)&past_v));
+
+  OrtValue *out = NULL, *pk = NULL, *pv = NULL;
+  const int64_t od[3] = {1, (int64_t)j.S, (int64_t)qw};
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, od, 3, &out));
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 1, pd, 4, &pk));
+  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 2, pd, 4, &pv));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.out));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(pk, (void**)&j.key));
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(pv, (void**)&j.value));
+  const size_t head = j.max_len * H;
+  for (size_t g = 0; g < j.kv_heads; g++) { /* a fresh present buffer: the valid past rows first */
+    if (j.key != past_k) memcpy(j.key + g * head, past_k + g * head, j.past * H * sizeof(float));
+    if (j.value != past_v) memcpy(j.value + g * head, past_v + g * head, j.past * H * sizeof(float));
+  }
+  for (size_t s = 0; s < j.S; s++) { /* the new rows: keys rotated, values as they are */
+    const size_t pos = j.past + s;
+    for (size_t g = 0; g < j.kv_heads; g++) {
+      rotate(j.k_in + s * j.kv_ld + g * H, j.key + g * head + pos * H, j.cos + pos * (H / 2), j.sin + pos * (H / 2), H,
+             1.0f);
+      memcpy(j.value + g * head + pos * H, j.v_in + s * j.kv_ld + g * H, H * sizeof(float));
+    }
+  }
+  if (j.S == 0) return NULL;
+  /* a unit: ATTN_ROWS rows x G heads x ~(past + S/2) positions x H x 2 multiply-adds */
+  const size_t units = j.kv_heads * ((j.S + ATTN_ROWS - 1) / ATTN_ROWS);
+  const size_t tasks = split_tasks(j.kv_heads * j.S, j.heads / j.kv_heads * (j.past + (j.S + 1) / 2), 2 * H,
+                                   units, &j.per_task);
+  return run_tasks(ctx, attn_task, tasks, &j);
+}
+
+static OrtStatus* attn_create_kernel(const OrtCustomOp* op, OrtApiTable a, const OrtKernelInfo* info, void** out) {
+  (void)op; (void)a;
+  int64_t heads = 0, kv_heads = 0;
+  float scale = 0.0f;
+  TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "num_heads", &heads));
+  TRY(CALL(KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "kv_num_heads", &kv_heads));
+  TRY(CALL(KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "scale", &scale));
+  if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > 64)
+    return error("DecoderAttention: num_heads (%lld) must be 1 to 64 times kv_num_heads (%lld)",
+                 (long long)heads, (long long)kv_heads);
+  AttnKernel* k = calloc(1, sizeof *k);
+  if (!k) return CALL(CreateStatus, CreateStatusFn)(ORT_FAIL, "DecoderAttention: out of memory");
+  k->heads = heads;
+  k->kv_heads = kv_heads;
+  k->scale = scale;
+  *out = k;
+  return NULL;
+}
+
+static const char* attn_name(const OrtCustomOp* op) { (void)op; return "DecoderAttention"; }
+static int attn_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 5 || i == 6 ? ELEM_INT32 : ELEM_FLOAT; }
+static size_t nine(const OrtCustomOp* op) { (void)op; return 9; }
+static size_t three(const OrtCustomOp* op) { (void)op; return 3; }
+/* k and v (the qk_norm form) and total_sequence_length (implied by seqlens_k) are optional */
+static int attn_input_char(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 1 || i == 2 || i == 6 ? CHAR_OPTIONAL : CHAR_REQUIRED;
+}
+static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return CHAR_REQUIRED; }
+
+static const OrtCustomOp decoder_attention = {
+    .version = API_VERSION,
+    .GetName = attn_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = attn_input_type,
+    .GetInputTypeCount = nine,
+    .GetOutputType = float_type,
+    .GetOutputTypeCount = three,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = attn_input_char,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = min_arity,
+    .GetVariadicInputHomogeneity = heterogeneous,
+    .GetVariadicOutputMinArity = min_arity,
+    .GetVariadicOutputHomogeneity = homogeneous,
+    .CreateKernelV2 = attn_create_kernel,
+    .KernelComputeV2 = attn_compute,
+};
+
 /* One domain for the process (it must outlive every session that uses it), made once even when
    sessions are created on several threads. */
 static OrtCustomOpDomain* domain;
@@ -1559,6 +1949,7 @@ static void make_domain(void) {
   domain_error = CALL(CreateCustomOpDomain, CreateCustomOpDomainFn)("spark.wafer", &domain);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear_q);
+  if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &decoder_attention);
 }
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,

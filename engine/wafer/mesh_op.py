@@ -1,5 +1,5 @@
 """Build and locate ``spark.wafer::MeshLinear`` and ``MeshLinearQ``, the ONNX Runtime ops that run a
-partitioned linear (float weights, and int8 / int4 weights).
+partitioned linear (float weights, and int8 / int4 weights), and ``DecoderAttention``.
 
 ``mesh_op.c`` (next to this file) computes a whole tiled linear — every mesh line's partial
 products and their chain reduction — in one kernel launch.  It is compiled on first use with the
@@ -25,6 +25,12 @@ Both ops can also run the gated MLP's act(gate) * up after a ``gate_up`` linear 
 ``glu``; :func:`glu_interleave` writes the weight columns in the order it needs) and the RMSNorm
 before a linear, with the skip add (attributes ``norm``, ``epsilon``): nodes a small model's
 decode step would otherwise pay ONNX Runtime's per-node cost for (docs/wafer.md).
+
+The library also holds ``DecoderAttention`` (:data:`ATTN_OP`), the decoder's attention with
+GroupQueryAttention's inputs and outputs (rotary, causal GQA over the in-place KV cache) without
+its per-head dispatch; op-form emitters emit it through :func:`emit_attention` where its own
+self-test passed (:func:`attention`), GroupQueryAttention otherwise.
+:func:`reference_attention` is its arithmetic in numpy.
 
 :func:`pack_float` and :func:`pack_quantized` write float and block-quantised weights in the
 layouts ``MeshLinear`` and ``MeshLinearQ`` read in place (described at the top of each kernel in
@@ -58,6 +64,8 @@ SOURCE = Path(__file__).with_name("mesh_op.c")
 DOMAIN = "spark.wafer"
 OP = "MeshLinear"
 QOP = "MeshLinearQ"
+#: The decoder attention op (GroupQueryAttention's contract as the decoder graph uses it).
+ATTN_OP = "DecoderAttention"
 #: Output columns per panel of MeshLinear's and MeshLinearQ's weight layouts (NR in mesh_op.c).
 PANEL = 64
 #: ``glu`` attribute values of MeshLinear / MeshLinearQ by MLP activation: the op then returns
@@ -334,6 +342,136 @@ def _run_node(path: str, node, x: np.ndarray, initializers: list) -> np.ndarray:
     return sess.run(None, {"x": x})[0]
 
 
+def reference_attention(
+    x: np.ndarray,
+    past_k: np.ndarray,
+    past_v: np.ndarray,
+    past: int,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    k: np.ndarray | None = None,
+    v: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``DecoderAttention`` in numpy (float64 inside): the S new rows of ``x`` ([1, S, (heads +
+    2 kv_heads) H] packed Q|K|V, or q alone with ``k`` and ``v``) attend causally to the cache
+    ``past_k`` / ``past_v`` ([1, kv_heads, max_len, H], positions [0, past) valid) and to each
+    other, after rotate-half RoPE at positions past + s.  Returns (attn [1, S, heads H], present
+    key, present value) with the new rows written at [past, past + S) of copies of the cache."""
+    H = past_k.shape[-1]
+    S = x.shape[1]
+    if k is None:
+        q, k, v = np.split(x[0], [heads * H, (heads + kv_heads) * H], axis=-1)
+    else:
+        q, k, v = x[0], k[0], v[0]
+    q = q.reshape(S, heads, H).astype(np.float64)
+    k = k.reshape(S, kv_heads, H).astype(np.float64)
+    v = v.reshape(S, kv_heads, H)
+    pos = np.arange(past, past + S)
+    c, s_ = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
+
+    def rope(a):
+        a1, a2 = a[..., : H // 2], a[..., H // 2 :]
+        return np.concatenate([a1 * c - a2 * s_, a2 * c + a1 * s_], axis=-1)
+
+    pk, pv = past_k.copy(), past_v.copy()
+    pk[0, :, past : past + S] = rope(k).transpose(1, 0, 2)
+    pv[0, :, past : past + S] = v.transpose(1, 0, 2)
+    q = rope(q)
+    out = np.zeros((S, heads, H))
+    group = heads // kv_heads
+    for h in range(heads):
+        keys = pk[0, h // group, : past + S].astype(np.float64)
+        vals = pv[0, h // group, : past + S].astype(np.float64)
+        scores = scale * q[:, h] @ keys.T  # [S, past + S]
+        scores[np.arange(past, past + S)[:, None] < np.arange(past + S)[None, :]] = -np.inf
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ vals
+    return out.reshape(1, S, heads * H).astype(np.float32), pk, pv
+
+
+def attention_inputs(S: int, past: int, heads: int, kv_heads: int, H: int, max_len: int, seed=0):
+    """Random inputs of ``DecoderAttention`` (tests and the self-test): packed x, past key and
+    value (positions >= past hold garbage the op must not read), and RoPE tables."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, S, (heads + 2 * kv_heads) * H)).astype(np.float32)
+    past_k = rng.standard_normal((1, kv_heads, max_len, H)).astype(np.float32)
+    past_v = rng.standard_normal((1, kv_heads, max_len, H)).astype(np.float32)
+    inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
+    freqs = np.outer(np.arange(max_len), inv)
+    return x, past_k, past_v, np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def attention_model(
+    heads: int, kv_heads: int, H: int, scale: float, op: str = ATTN_OP, split=False
+):
+    """A one-node model of ``DecoderAttention`` (``op=ATTN_OP``) or of GroupQueryAttention
+    (``op="GroupQueryAttention"``) with the decoder's inputs: x (or q, k, v with ``split``),
+    past_key, past_value, seqlens_k, total_sequence_length, cos, sin."""
+    f32 = TensorProto.FLOAT
+    names = ["q", "k", "v"] if split else ["x", "", ""]
+    ins = [helper.make_tensor_value_info(n, f32, [1, "S", None]) for n in names if n]
+    ins += [
+        helper.make_tensor_value_info("past_key", f32, [1, kv_heads, "max_len", H]),
+        helper.make_tensor_value_info("past_value", f32, [1, kv_heads, "max_len", H]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        helper.make_tensor_value_info("cos", f32, [None, H // 2]),
+        helper.make_tensor_value_info("sin", f32, [None, H // 2]),
+    ]
+    gqa = op == "GroupQueryAttention"
+    node = helper.make_node(
+        op,
+        [*names, "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos", "sin"],
+        ["attn", "present_key", "present_value"],
+        domain="com.microsoft" if gqa else DOMAIN,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        scale=float(scale),
+        **({"do_rotary": 1, "rotary_interleaved": 0} if gqa else {}),
+    )
+    outs = [helper.make_tensor_value_info(n, f32, None) for n in node.output]
+    graph = helper.make_graph([node], "attention", ins, outs)
+    model = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid("", 17),
+            helper.make_opsetid(DOMAIN, 1),
+            helper.make_opsetid("com.microsoft", 1),
+        ],
+    )
+    model.ir_version = 8
+    return model
+
+
+def _self_test_attention(path: str) -> None:
+    """Check a verify-sized pass (3 rows over 5 cached positions, group size 2) against numpy."""
+    heads, kv_heads, H, S, past = 4, 2, 16, 3, 5
+    x, pk, pv, cos, sin = attention_inputs(S, past, heads, kv_heads, H, 12)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.register_custom_ops_library(path)
+    model = attention_model(heads, kv_heads, H, H**-0.5)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = {
+        "x": x,
+        "past_key": pk,
+        "past_value": pv,
+        "seqlens_k": np.array([past + S - 1], np.int32),
+        "total_sequence_length": np.array(past + S, np.int32),
+        "cos": cos,
+        "sin": sin,
+    }
+    got = sess.run(None, feeds)
+    want = reference_attention(x, pk, pv, past, cos, sin, heads, kv_heads, H**-0.5)
+    for g, w in zip(got, want):
+        err = float(np.abs(g[..., : past + S, :] - w[..., : past + S, :]).max())
+        if not err < 1e-4:
+            raise RuntimeError(f"attention self-test: max error {err:g} against numpy")
+
+
 def library() -> str | None:
     """Path of the compiled op library (built on first call), or ``None`` (see :func:`why_not`)."""
     with _lock:
@@ -377,8 +515,15 @@ def library() -> str | None:
             log.warning(
                 "MeshLinear op unavailable (%s); partitioned linears use standard ONNX ops", reason
             )
-        q_reason = reason
+        q_reason = a_reason = reason
         if path is not None:
+            try:
+                _self_test_attention(path)
+            except Exception as e:  # only the attention op is broken: GroupQueryAttention instead
+                a_reason = f"attention self-test failed: {e}"
+                log.warning(
+                    "DecoderAttention unavailable (%s); GroupQueryAttention instead", a_reason
+                )
             try:
                 _self_test_quantized(path)
             except Exception as e:  # only the quantised op is broken: fused MatMulNBits instead
@@ -388,6 +533,7 @@ def library() -> str | None:
                     q_reason,
                 )
         _state["path"], _state["reason"], _state["q_reason"] = path, reason, q_reason
+        _state["a_reason"] = a_reason
         return path
 
 
@@ -406,6 +552,29 @@ def why_not_quantized() -> str | None:
     """Why :func:`quantized` is ``False`` (``None`` if it is not)."""
     library()
     return _state.get("q_reason")  # type: ignore[return-value]
+
+
+def attention() -> bool:
+    """Whether ``DecoderAttention`` (in the :func:`library`) is usable."""
+    return library() is not None and _state.get("a_reason") is None
+
+
+def emit_attention(gb, inputs: list[str], *, name: str, heads: int, kv_heads: int, scale: float):
+    """One ``DecoderAttention`` node over GroupQueryAttention's inputs (x or q, k, v; past key
+    and value; seqlens_k; total_sequence_length; cos; sin): returns (attn, present key, present
+    value), or ``None`` where the op is unavailable (the graph then emits GroupQueryAttention)."""
+    if not attention():
+        return None
+    return gb.node(
+        ATTN_OP,
+        inputs,
+        n_out=3,
+        domain=DOMAIN,
+        name=name,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        scale=float(scale),
+    )
 
 
 def _native():

@@ -192,9 +192,19 @@ class TiledLinear:
         return self.form == "op" and not self.partial
 
     def cache_key(self) -> str:
-        form = "meshop-v4" if self.form == "op" else "chain-v1"
+        form = "meshop-v5" if self.form == "op" else "chain-v1"
         return f"tiled-{self.grid[0]}x{self.grid[1]}-{form}" + (
             "-only-" + "-".join(sorted(self.roles)) if self.partial else ""
+        )
+
+    def emit_attention(self, gb, inputs: list[str], *, name: str, heads, kv_heads, scale):
+        """The decoder's attention as one ``spark.wafer::DecoderAttention`` node (form ``op``,
+        where the op passed its self-test; see :func:`mesh_op.emit_attention`): GroupQueryAttention's
+        inputs and outputs, without its per-head dispatch.  ``None``: the graph emits GQA."""
+        if self.form != "op":
+            return None
+        return mesh_op.emit_attention(
+            gb, inputs, name=name, heads=heads, kv_heads=kv_heads, scale=scale
         )
 
     def _tile(self, name: str, role: str, shape: tuple[int, int], **extra) -> list[int]:
