@@ -404,6 +404,21 @@ def attention_inputs(S: int, past: int, heads: int, kv_heads: int, H: int, max_l
     return x, past_k, past_v, np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
+def attention_feeds(x, pk, pv, past: int, cos, sin) -> dict[str, np.ndarray]:
+    """The inputs of :func:`attention_model`'s graph for the rows ``x`` after ``past`` cached
+    positions (``seqlens_k`` and ``total_sequence_length`` as the decoder passes them)."""
+    S = x.shape[1]
+    return {
+        "x": x,
+        "past_key": pk,
+        "past_value": pv,
+        "seqlens_k": np.array([past + S - 1], np.int32),
+        "total_sequence_length": np.array(past + S, np.int32),
+        "cos": cos,
+        "sin": sin,
+    }
+
+
 def attention_model(
     heads: int, kv_heads: int, H: int, scale: float, op: str = ATTN_OP, split=False
 ):
@@ -455,16 +470,7 @@ def _self_test_attention(path: str) -> None:
     so.register_custom_ops_library(path)
     model = attention_model(heads, kv_heads, H, H**-0.5)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    feeds = {
-        "x": x,
-        "past_key": pk,
-        "past_value": pv,
-        "seqlens_k": np.array([past + S - 1], np.int32),
-        "total_sequence_length": np.array(past + S, np.int32),
-        "cos": cos,
-        "sin": sin,
-    }
-    got = sess.run(None, feeds)
+    got = sess.run(None, attention_feeds(x, pk, pv, past, cos, sin))
     want = reference_attention(x, pk, pv, past, cos, sin, heads, kv_heads, H**-0.5)
     for g, w in zip(got, want):
         err = float(np.abs(g[..., : past + S, :] - w[..., : past + S, :]).max())

@@ -37,20 +37,11 @@ def _session(heads, kv_heads, H, op=mesh_op.ATTN_OP, split=False, threads=2):
 
 
 def _feeds(x, pk, pv, past, cos, sin, split=False, heads=0, kv_heads=0):
-    S, H = x.shape[1], pk.shape[-1]
-    f = {
-        "past_key": pk,
-        "past_value": pv,
-        "seqlens_k": np.array([past + S - 1], np.int32),
-        "total_sequence_length": np.array(past + S, np.int32),
-        "cos": cos,
-        "sin": sin,
-    }
+    f = mesh_op.attention_feeds(x, pk, pv, past, cos, sin)
     if split:
-        q, k, v = np.split(x, [heads * H, (heads + kv_heads) * H], axis=-1)
+        H = pk.shape[-1]
+        q, k, v = np.split(f.pop("x"), [heads * H, (heads + kv_heads) * H], axis=-1)
         f.update(q=np.ascontiguousarray(q), k=np.ascontiguousarray(k), v=np.ascontiguousarray(v))
-    else:
-        f["x"] = x
     return f
 
 
