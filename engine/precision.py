@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any
 import onnxruntime as ort
 
 from .config import ModelConfig
+from .files import write_json_atomic
 from .graph_cache import cache_root
 from .linears import PRECISIONS
 from .weights import weights_digest
@@ -194,12 +194,7 @@ def store_decision(
         "model": model,
         "choice": {**choice.to_dict(), "cached": False},
     }
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(path, data, indent=2)
     return path
 
 

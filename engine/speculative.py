@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .cancel import Cancelled, CancelToken
+from .files import write_json_atomic
 from .generate import Chunk, Generation, GenerationParams, Model, _Emitter
 from .sampling import token_logprob
 
@@ -104,9 +105,7 @@ def _store_calibration(engine: Model, result: tuple) -> None:
     if path is None:
         return
     try:
-        tmp = path.with_name(f".{CALIBRATION_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"under": under, "calibration": list(result)}))
-        os.replace(tmp, path)
+        write_json_atomic(path, {"under": under, "calibration": list(result)})
     except OSError:  # a read-only cache: calibrate again next time
         pass
 

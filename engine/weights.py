@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, ModelError, model_path
+from .files import write_json_atomic
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -375,9 +376,7 @@ def _remember_digest(name: str, stat: list[int], digest: str) -> None:
         del data[old]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{DIGESTS_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        write_json_atomic(path, data)
     except OSError:
         pass
 
