@@ -235,6 +235,12 @@ class _Stream:
                 progress.end(outcome)
         if session.stopped_by_user:
             outcome = "stopped by the user"
+        # one line per edit in the editor's log: an edit that left the document as it was (the
+        # client refused it, the user stopped it) is otherwise silent
+        st.editor.log(
+            f"{actions.TITLES[self.p.action]}: {outcome} ({session.flushes} flushes"
+            f"{', complete' if self.written_final else ''})"
+        )
         return {
             "outcome": outcome,
             "flushes": session.flushes,

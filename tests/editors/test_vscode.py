@@ -50,7 +50,9 @@ def test_vscode_end_to_end(tiny_llama, tmp_path):
     )
     result = json.loads(result_file.read_bytes().decode("utf-8", errors="replace"))
     failed = {k: v.get("detail") for k, v in result["checks"].items() if not v["ok"]}
-    assert not failed, f"failed checks: {failed}\n{log[-4000:]}"
+    server_log = out / "Spark LSP.log"  # the server's stderr, as the extension's output channel
+    tail = server_log.read_text(errors="replace")[-3000:] if server_log.exists() else ""
+    assert not failed, f"failed checks: {failed}\n{log[-4000:]}\nserver log:\n{tail}"
     for name in (
         "extension_started",
         "ghost_text_shown",
