@@ -251,7 +251,7 @@ class DenseLinear:
         role: str,
         bias: np.ndarray | None = None,
     ) -> str:
-        w = gb.initializer(f"{name}.weight", weight.astype(np.float32, copy=False))
+        w = gb.initializer(f"{name}.weight", np.asarray(weight, dtype=np.float32))
         y = gb.node("MatMul", [x, w], name=f"{name}/matmul")
         if bias is not None:
             b = gb.initializer(f"{name}.bias", bias.astype(np.float32, copy=False))
@@ -308,6 +308,16 @@ def _linear_weight(weights: dict[str, np.ndarray], key: str) -> np.ndarray:
         raise KeyError(f"weight {key!r} missing from the model's safetensors") from None
 
 
+def _table_rows(weights, key: str):
+    """A vocabulary-sized 2-D tensor read a slice of rows at a time where the store can
+    (``WeightStore.rows``: the embedding table and a tied head are then never whole in float32),
+    else the whole array (both take ``t[a:b]``, ``len(t)`` and ``t.T``)."""
+    rows = getattr(weights, "rows", None)
+    if rows is None or key not in weights:
+        return _linear_weight(weights, key)
+    return rows(key)
+
+
 #: Rows per chunk when checking and converting the embedding table (bounds the temporaries).
 _TABLE_CHUNK = 8192
 
@@ -324,11 +334,15 @@ def embedding_type(table: np.ndarray) -> int:
     size of the table)."""
     if table.dtype == np.float16:
         return _F16
-    chunks = [np.asarray(table[r : r + _TABLE_CHUNK]) for r in range(0, len(table), _TABLE_CHUNK)]
-    if all(not np.any(c.astype(np.float32, copy=False).view(np.uint32) & 0xFFFF) for c in chunks):
+
+    def chunks():  # one chunk at a time: a lazy table (``WeightStore.rows``) is read per chunk
+        for r in range(0, len(table), _TABLE_CHUNK):
+            yield np.asarray(table[r : r + _TABLE_CHUNK]).astype(np.float32, copy=False)
+
+    if all(not np.any(c.view(np.uint32) & 0xFFFF) for c in chunks()):
         return _BF16
     with np.errstate(over="ignore", invalid="ignore"):
-        if all(np.array_equal(c.astype(np.float16).astype(np.float32), c) for c in chunks):
+        if all(np.array_equal(c.astype(np.float16).astype(np.float32), c) for c in chunks()):
             return _F16
     return _F32
 
@@ -498,7 +512,7 @@ def build_decoder(
     # is then stored once, in float32); else [K, N] as a transposed view, which the emitter copies
     # (or quantises) into the layout it stores, and the Gather's table is stored compact.
     emit_tied = getattr(linear, "emit_tied", None) if tied else None
-    table = _linear_weight(w, "model.embed_tokens.weight")
+    table = _table_rows(w, "model.embed_tokens.weight")
     in_place = emit_tied is not None and getattr(linear, "reads_tied", lambda: True)()
     table_type = _F32 if in_place else embedding_type(table)
     embed = gb.initializer_rows(
@@ -683,7 +697,8 @@ def build_decoder(
         )
         if out is None:
             key = "model.embed_tokens.weight" if tied else "lm_head.weight"
-            out = linear.emit(gb, x, w[key].T, name="lm_head", role="lm_head", **with_norm(norm))
+            head = _table_rows(w, key).T  # a lazy view where the store reads rows
+            out = linear.emit(gb, x, head, name="lm_head", role="lm_head", **with_norm(norm))
         return pair(out, norm)
 
     logits, _ = normed(emit_head, pending, residual, "model.norm", "final_norm", keep_sum=False)

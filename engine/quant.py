@@ -43,6 +43,7 @@ import numpy as np
 from .graph import DenseLinear
 from .wafer import mesh_op
 from .wafer.partition import block_sizes, mesh_node, reduce_axis
+from .weights import as_weight
 
 MS_DOMAIN = "com.microsoft"
 TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (no onnx import here)
@@ -91,7 +92,7 @@ def quantize_blockwise(
         raise ValueError(f"bits={bits!r}: only 4 and 8 are supported")
     if block_size not in _VALID_BLOCKS:
         raise ValueError(f"block_size={block_size!r} must be one of {_VALID_BLOCKS}")
-    w = np.asarray(weight, dtype=np.float32)
+    w = as_weight(weight)  # a lazy tied head is read below a column chunk at a time
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
     K, N = w.shape
@@ -443,7 +444,7 @@ class QuantLinear:
             if inner is None:
                 inner = DenseLinear()
             return inner.emit(gb, x, weight, name=name, role=role, bias=bias)
-        w = np.asarray(weight, dtype=np.float32)
+        w = as_weight(weight)  # a lazy tied head stays lazy: the forms read it in column chunks
         if w.ndim != 2:
             raise ValueError(f"{name}: weight must be 2-D [K, N], got shape {w.shape}")
         K, N = w.shape

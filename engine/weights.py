@@ -221,6 +221,89 @@ def _read_float32(f, offset: int, dtype: str, shape: list[int]) -> np.ndarray:
     return out.reshape(shape)
 
 
+class TensorRows:
+    """One 2-D tensor of a :class:`WeightStore`, read a slice of rows at a time.
+
+    ``rows[a:b]`` reads, widens to float32 and checks just those rows, so a graph builder can
+    stream a vocabulary-sized table (Qwen2.5-Coder-0.5B's 151,936 x 896 embedding is 544 MB in
+    float32) through a conversion or a quantiser with a few MB beside its output instead of the
+    whole table. ``np.asarray(rows)`` still reads it all; ``rows.T`` is the lazy transpose a
+    linear's ``[K, N]`` weight is (:class:`LazyColumns`).
+    """
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, f, key: str, offset: int, dtype: str, shape: list[int]) -> None:
+        if len(shape) != 2:
+            raise ValueError(f"{key}: row access needs a 2-D tensor, got shape {shape}")
+        self._f, self._key, self._offset, self._dtype = f, key, offset, dtype
+        self.shape = (int(shape[0]), int(shape[1]))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        if not isinstance(rows, slice):
+            raise TypeError(f"{self._key}: rows are read by slice, got {rows!r}")
+        r0, r1, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError(f"{self._key}: rows are read in order (step 1), got {step}")
+        r1 = max(r0, r1)
+        cols = self.shape[1]
+        offset = self._offset + r0 * cols * _ITEMSIZE[self._dtype]
+        arr = _read_float32(self._f, offset, self._dtype, [r1 - r0, cols])
+        if not np.isfinite(arr).all():
+            raise ModelError(
+                f"{Path(self._f.name).name}: tensor {self._key} contains NaN or infinite values"
+            )
+        return arr
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    @property
+    def T(self) -> LazyColumns:
+        return LazyColumns(self, 0, self.shape[1])
+
+
+class LazyColumns:
+    """The transpose ``[K, N]`` of a :class:`TensorRows` ``[N, K]`` (a tied LM head's weight is the
+    embedding table's transpose), restricted to K rows ``k0:k1``: ``w[k0:k1]`` narrows the view
+    (a mesh line's rows), ``w[:, n0:n1]`` reads table rows ``n0:n1`` and returns those columns
+    as an array. The quantisers take their weights in column chunks this way, so a tied head is
+    quantised without its float32 table ever being whole in memory."""
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, rows: TensorRows, k0: int, k1: int) -> None:
+        self._rows, self._k0, self._k1 = rows, k0, k1
+        self.shape = (k1 - k0, rows.shape[0])
+
+    def __getitem__(self, idx) -> LazyColumns | np.ndarray:
+        if isinstance(idx, slice):
+            a, b, step = idx.indices(self.shape[0])
+            if step != 1:
+                raise ValueError("LazyColumns: K rows are taken in order (step 1)")
+            return LazyColumns(self._rows, self._k0 + a, self._k0 + max(a, b))
+        ks, ns = idx
+        if ks != slice(None) or not isinstance(ns, slice):
+            raise TypeError(f"LazyColumns takes w[k0:k1] or w[:, n0:n1], got {idx!r}")
+        return np.ascontiguousarray(self._rows[ns][:, self._k0 : self._k1].T)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:, :]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def as_weight(w) -> np.ndarray | LazyColumns:
+    """``w`` as a float32 array, or unchanged when it is a :class:`LazyColumns` view (read by the
+    quantisers in column chunks)."""
+    return w if isinstance(w, LazyColumns) else np.asarray(w, dtype=np.float32)
+
+
 class WeightStore(Mapping[str, np.ndarray]):
     """The decoder's tensors by HF name, read from the safetensors files on access.
 
@@ -245,14 +328,23 @@ class WeightStore(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         key = self._aliases.get(name, name)
         path, dtype, shape, a, _ = self._entries[key]
-        if path not in self._files:
-            self._files[path] = open(path, "rb")
-        arr = _read_float32(self._files[path], a, dtype, shape)
+        arr = _read_float32(self._file(path), a, dtype, shape)
         flat = arr.reshape(-1)
         for i in range(0, flat.size, _CHUNK):
             if not np.isfinite(flat[i : i + _CHUNK]).all():
                 raise ModelError(f"{path.name}: tensor {key} contains NaN or infinite values")
         return arr
+
+    def rows(self, name: str) -> TensorRows:
+        """Tensor ``name`` (2-D) read a slice of rows at a time instead of whole."""
+        key = self._aliases.get(name, name)
+        path, dtype, shape, a, _ = self._entries[key]
+        return TensorRows(self._file(path), key, a, dtype, shape)
+
+    def _file(self, path: Path):
+        if path not in self._files:
+            self._files[path] = open(path, "rb")
+        return self._files[path]
 
     def __iter__(self):
         yield from self._entries
