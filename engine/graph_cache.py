@@ -10,6 +10,13 @@ truncated or corrupted later (a full disk, a crash of the machine) is noticed on
 line and rebuilt, instead of handing ONNX Runtime a broken graph.
 
 Root: ``cache_dir`` argument, else ``$SPARK_LSP_CACHE/graphs``, else ``~/.cache/spark-lsp/graphs``.
+
+A graph is as large as the model (0.5-6 GB), and a new engine version (``GRAPH_VERSION``), another
+precision or new weights each make a new entry, so entries that will not be read again are
+removed (:func:`prune`, after each build): those of another graph version, once unused for a day
+(an older spark-lsp still running keeps its own for that long); any entry unused for
+``UNUSED_DAYS``; and a build a crashed process left in a temporary folder. An entry's last use is
+its folder's modification time, set on every load.
 """
 
 from __future__ import annotations
@@ -70,6 +77,68 @@ def graph_key(digest: str, config: Any, options: dict[str, Any], linear: Any) ->
     return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
 
 
+#: An entry not loaded for this many days is removed (the next load of it builds it again).
+UNUSED_DAYS = 30
+#: An entry of another graph version (or a temporary build folder) is removed after this many.
+STALE_DAYS = 1
+
+
+def prune(root: Path, keep: Path | None = None, now: float | None = None) -> tuple[int, int]:
+    """Remove the entries under ``root`` that will not be read again (see the module docstring),
+    never ``keep``; returns (entries removed, bytes freed) and logs them in one line."""
+    now = time.time() if now is None else now
+    removed, freed = 0, 0
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return 0, 0
+    for entry in entries:
+        if entry == keep or not entry.is_dir():
+            continue
+        try:
+            idle_days = (now - entry.stat().st_mtime) / 86400
+        except OSError:
+            continue
+        if entry.name.startswith(".tmp-"):
+            stale = idle_days > STALE_DAYS  # a build that never finished
+        elif (entry / "meta.json").is_file() or (entry / MODEL_FILE).is_file():
+            stale = idle_days > UNUSED_DAYS or (
+                idle_days > STALE_DAYS and _graph_version(entry) != GRAPH_VERSION
+            )
+        else:
+            continue  # not ours
+        if stale:
+            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed, freed = removed + 1, freed + size
+    if removed:
+        log.info(
+            "graph cache: removed %d entr%s not read again (%.2f GB): another graph version, "
+            "or unused for %d days",
+            removed,
+            "y" if removed == 1 else "ies",
+            freed / 1e9,
+            UNUSED_DAYS,
+        )
+    return removed, freed
+
+
+def _graph_version(entry: Path) -> int | None:
+    try:
+        return json.loads((entry / "meta.json").read_text()).get("graph_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _touch(entry: Path) -> None:
+    """Record a use of ``entry`` (its folder's modification time) for :func:`prune`."""
+    try:
+        os.utime(entry)
+    except OSError:  # a read-only cache: entries there are simply never pruned
+        pass
+
+
 def _safe_name(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40] or "model"
 
@@ -102,6 +171,7 @@ def get_or_build(
     if model_path.is_file() and (entry / "meta.json").is_file():
         problem = _damage(entry)
         if problem is None:
+            _touch(entry)
             return model_path, False
         log.warning("graph cache entry %s is damaged (%s); rebuilding it", entry.name, problem)
         shutil.rmtree(entry, ignore_errors=True)
@@ -156,6 +226,7 @@ def get_or_build(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    prune(root, keep=entry)
     return model_path, True
 
 
