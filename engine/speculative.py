@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import time
 import weakref
@@ -43,6 +42,7 @@ import numpy as np
 from .cancel import Cancelled, CancelToken
 from .files import write_json_atomic
 from .generate import Chunk, Generation, GenerationParams, Model, _Emitter
+from .precision import cpu_id
 from .sampling import token_logprob
 
 #: Relative top-2 logit margin below which a batched verification's argmax is re-decided by a
@@ -80,7 +80,7 @@ def _calibration_record(engine: Model) -> tuple[Path | None, dict]:
     under = {
         "threads": [getattr(rt, "threads", None), getattr(rt, "decode_threads", None)],
         "onnxruntime": ort.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_id(),  # the model name: platform.processor() is just "x86_64" on Linux
         "amx": [os.environ.get("SPARK_LSP_AMX"), os.environ.get("SPARK_LSP_AMX_MIN_ROWS")],
     }
     return (Path(graph).parent / CALIBRATION_FILE if graph else None), under
