@@ -209,9 +209,55 @@ class KVBuffers:
             binding.bind_ortvalue_output(f"present.{i}.{t}", v)
 
 
-#: Models up to this size (graph files) get a second, spinning session for decode steps when the
-#: CPU is not contended (the weights are then held twice; small models only).
+#: Graphs without the wafer ops up to this size (graph files) also get the spinning decode session.
 SMALL_MODEL_BYTES = 64 << 20
+
+
+class SharedWeights:
+    """The graph's external initializers as OrtValues over one read-only memory map of its data
+    file, handed to every session of a :class:`Runtime` (``SessionOptions.add_initializer``).
+
+    Each ONNX Runtime session otherwise maps the data file itself: the pages are the page cache's
+    either way, but a second session's mapping counts every weight again in the process's resident
+    memory. Sharing one mapping lets a model keep a spinning decode session beside the plain one
+    at no cost in memory, at any size. The arrays must outlive the sessions: the runtime holds
+    this object. ``None`` for a graph with no external data (its weights are in the model file).
+    """
+
+    def __init__(self, model_path: Path) -> None:
+        import onnx
+
+        proto = onnx.load(str(model_path), load_external_data=False)
+        self.values: list[tuple[str, ort.OrtValue]] = []
+        self._maps: dict[Path, np.memmap] = {}
+        for t in proto.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            path = model_path.parent / info["location"]
+            data = self._maps.get(path)
+            if data is None:
+                data = self._maps[path] = np.memmap(path, mode="r")
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            if offset + length > data.size:
+                raise ModelError(f"{path.name}: initializer {t.name} lies past the file's end")
+            raw = data[offset : offset + length]
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+            arr = raw.view(dtype).reshape(tuple(t.dims))
+            self.values.append(
+                (t.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, t.data_type))
+            )
+
+    @classmethod
+    def of(cls, model_path: Path) -> SharedWeights | None:
+        shared = cls(model_path)
+        return shared if shared.values else None
+
+    def add_to(self, so: ort.SessionOptions) -> None:
+        for name, value in self.values:
+            so.add_initializer(name, value)
+
+
 #: Runs of at most this many tokens (decode steps, speculative verification, small prefills
 #: after an edit) go to the decode session; longer prefills to the non-spinning one.
 SMALL_RUN_TOKENS = 16
@@ -220,11 +266,12 @@ SMALL_RUN_TOKENS = 16
 class Runtime:
     """ORT sessions over a decoder graph built by :func:`engine.graph.build_decoder`, sharing KV buffers.
 
-    Spinning intra-op threads make a decode step of a small model markedly faster on an idle
-    machine (a step is shorter than the time a sleeping thread takes to wake) but slow it down
-    when other processes compete for the cores (the spinning thread holds a core the working
-    thread needs).
-    ``spinning=None`` (auto) therefore keeps two sessions for small models: a spinning one for
+    Spinning intra-op threads make a decode step faster on an idle machine (a small model's
+    step, or a large one's small linears, is shorter than the time a sleeping thread takes to
+    wake: every parallel node pays that wake-up) but slow it down when other processes compete
+    for the cores (the spinning thread holds a core the working thread needs).
+    ``spinning=None`` (auto) therefore keeps two sessions, over one mapping of the weights
+    (:class:`SharedWeights`): a spinning one for
     decode steps and short runs while the CPU is calm, and a non-spinning one for long prefills
     and for decoding while it is contended (:func:`cpu_contended`, checked by :meth:`refresh_mode`
     at the start of each generation).  ``True``/``False`` force one behaviour (one session).
@@ -255,9 +302,13 @@ class Runtime:
         files = [p for p in model_path.parent.glob(model_path.name + "*") if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         prefetch(files)
+        # one mapping of the weights for every session (below: two or three of them)
+        self.shared = SharedWeights.of(model_path)
 
         def target(n: int, spin: bool) -> _Target:
             so = session_options(n, spinning=spin, profile=profile, custom_ops=custom_ops)
+            if self.shared is not None:
+                self.shared.add_to(so)
             return _Target(
                 ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]),
                 n,
@@ -271,7 +322,9 @@ class Runtime:
             else target(self.decode_threads, bool(spinning))
         )
         self.calm = self.busy
-        if spinning is None and size <= SMALL_MODEL_BYTES:
+        # ONNX Runtime's own linears (MatMul, MatMulNBits: graphs without our ops) pre-pack a
+        # copy of their weights per session, so only a small such model gets a second session
+        if spinning is None and (self.custom_ops or size <= SMALL_MODEL_BYTES):
             self.calm = target(self.decode_threads, True)
         self.target = self.busy
         self.session = self.wide.session

@@ -111,6 +111,32 @@ def test_spinning_session_only_while_calm(tiny_llama, tmp_path_factory, monkeypa
     assert again.tokens == hf_greedy(tiny_llama, more, 16)
 
 
+def _mappings(path) -> int:
+    """How many times this process maps ``path`` (lines of /proc/self/maps naming it)."""
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip("\n").endswith(" " + str(path)) for line in f)
+
+
+@pytest.mark.parametrize("kw", [{}, {"decode_threads": 1}])
+def test_the_sessions_share_one_mapping_of_the_weights(tiny_llama, tmp_path, kw):
+    """Auto mode's two or three sessions read one memory map of the graph's data file
+    (runtime.SharedWeights): a model of any size keeps its spinning decode session without its
+    weights counted twice in resident memory (ONNX Runtime maps each initializer once per
+    session: hundreds of mappings, and every page counted per session)."""
+    from pathlib import Path
+
+    from engine_helpers import greedy, hf_greedy
+
+    eng = Engine.load(tiny_llama, cache_dir=tmp_path, threads=2, **kw)  # a graph of its own
+    rt = eng.runtime
+    sessions = {id(t) for t in (rt.wide, rt.busy, rt.calm)}
+    assert len(sessions) == (3 if kw else 2) and rt.calm.spinning
+    assert rt.shared is not None and len(rt.shared.values) > 0
+    ids = random_ids(eng, 30, seed=54)
+    assert greedy(eng, ids, 12).tokens == hf_greedy(tiny_llama, ids, 12)  # every session ran
+    assert _mappings(Path(eng.graph_path).parent / "model.onnx.data") == 1
+
+
 @pytest.mark.parametrize("kw", [{"spinning": False}, {"spinning": True}, {"decode_threads": 1}])
 def test_forced_session_modes(tiny_llama, tmp_path_factory, kw):
     from engine_helpers import greedy, hf_greedy
