@@ -137,6 +137,18 @@ def test_the_sessions_share_one_mapping_of_the_weights(tiny_llama, tmp_path, kw)
     assert _mappings(Path(eng.graph_path).parent / "model.onnx.data") == 1
 
 
+def test_a_graph_of_onnx_runtime_linears_keeps_its_own_weights(tiny_llama, tmp_path):
+    """MatMul and MatMulNBits pre-pack their weights when a session loads, which ONNX Runtime
+    skips for an initializer handed to it: such a graph (no wafer ops) is not shared, and only a
+    small one gets the second, spinning session (a copy of the pre-packed weights each)."""
+    import engine.runtime as runtime_mod
+
+    eng = Engine.load(tiny_llama, cache_dir=tmp_path, threads=2, wafer=False)
+    rt = eng.runtime
+    assert rt.shared is None and rt.calm.spinning and rt.calm is not rt.busy
+    assert runtime_mod.SharedWeights.of(eng.graph_path) is None
+
+
 @pytest.mark.parametrize("kw", [{"spinning": False}, {"spinning": True}, {"decode_threads": 1}])
 def test_forced_session_modes(tiny_llama, tmp_path_factory, kw):
     from engine_helpers import greedy, hf_greedy
