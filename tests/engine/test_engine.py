@@ -137,6 +137,34 @@ def test_the_sessions_share_one_mapping_of_the_weights(tiny_llama, tmp_path, kw)
     assert _mappings(Path(eng.graph_path).parent / "model.onnx.data") == 1
 
 
+@pytest.mark.parametrize("mmap_env", ["", "1"])
+def test_streamed_weights_are_read_into_memory_and_the_table_stays_mapped(
+    tiny_llama, tmp_path, monkeypatch, mmap_env
+):
+    """The weights each step streams are read into one anonymous buffer (advised for huge pages:
+    4 KB file pages miss the TLB on every page); the embedding table, read a row per token, stays
+    mapped from the file; SPARK_LSP_WEIGHTS_MMAP=1 maps everything. Same tokens either way."""
+    from engine_helpers import greedy, hf_greedy
+
+    monkeypatch.setenv("SPARK_LSP_WEIGHTS_MMAP", mmap_env)
+    # int8: the tied head has weights of its own (a float head reads the table in place, so the
+    # table is streamed too and read into memory with the rest)
+    eng = Engine.load(tiny_llama, cache_dir=tmp_path, threads=2, precision="int8")
+    shared = eng.runtime.shared
+    (table,) = [v for n, v in shared.values if n == "embed_tokens"]
+    (data,) = shared._maps.values()
+    mapped = range(data.ctypes.data, data.ctypes.data + data.size)
+    assert table.data_ptr() in mapped
+    others = [v.data_ptr() for n, v in shared.values if n != "embed_tokens"]
+    if mmap_env:
+        assert shared._heap is None and all(p in mapped for p in others)
+    else:
+        heap = range(shared._heap.ctypes.data, shared._heap.ctypes.data + shared._heap.size)
+        assert others and all(p in heap for p in others)
+    ids = random_ids(eng, 30, seed=55)
+    assert greedy(eng, ids, 12).tokens == hf_greedy(tiny_llama, ids, 12)
+
+
 def test_a_graph_of_onnx_runtime_linears_keeps_its_own_weights(tiny_llama, tmp_path):
     """MatMul and MatMulNBits pre-pack their weights when a session loads, which ONNX Runtime
     skips for an initializer handed to it: such a graph (no wafer ops) is not shared, and only a
