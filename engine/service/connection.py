@@ -29,7 +29,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -433,8 +433,11 @@ class ThreadConnection(Session):
     write their own output (the daemon).
 
     ``send(text)`` writes one text frame from the calling thread (blocking while the socket is
-    full; it raises once the connection is closed); ``sock`` is the socket under it, watched for
-    room before each token.  ``handle`` is called by the socket's reading thread."""
+    full; it raises once the connection is closed); ``send_batch(texts)``, where the transport
+    has it, writes several frames with one socket write (a generation's held tokens and the
+    message after them: each write wakes the client, which on a busy machine may take the
+    writer's core before its second write); ``sock`` is the socket under it, watched for room
+    before each token.  ``handle`` is called by the socket's reading thread."""
 
     def __init__(
         self,
@@ -442,6 +445,7 @@ class ThreadConnection(Session):
         send: Callable[[str], None],
         sock: Any,
         *,
+        send_batch: Callable[[Sequence[str]], None] | None = None,
         peer: str = "?",
         max_generations: int = MAX_GENERATIONS,
     ) -> None:
@@ -449,6 +453,7 @@ class ThreadConnection(Session):
         self.lock = threading.RLock()
         self._ended = threading.Condition(self.lock)  # notified when a generation ends
         self._send = send
+        self._send_batch = send_batch
         self._sock = sock
         self.dead = False  # a write failed: the client is gone
         self._held: dict[str, _Held] = {}  # generation id -> tokens not written yet
@@ -457,19 +462,28 @@ class ThreadConnection(Session):
         self._message(raw)
 
     # -- the transport ---------------------------------------------------------------------------
-    def _write(self, msg: dict[str, Any]) -> None:
-        """Send one message (with ``lock`` held, so messages leave in the order decided)."""
+    def _write(self, *msgs: dict[str, Any]) -> None:
+        """Send messages in this order, together where the transport can (with ``lock`` held,
+        so messages leave in the order decided)."""
         if self.dead:
             return
         try:
-            self._send(P.encode(msg))
+            if len(msgs) > 1 and self._send_batch is not None:
+                self._send_batch([P.encode(m) for m in msgs])
+            else:
+                for m in msgs:
+                    self._send(P.encode(m))
         except Exception as e:  # ConnectionClosed, OSError: the client is gone
             log.debug("engine client %s: write failed: %s", self.peer, e)
             self._lost()
 
     def _reply(self, msg: dict[str, Any]) -> None:
-        self._flush(msg.get("id"))
-        self._write(msg)
+        """Send ``msg``, after the tokens its generation holds (in the same write)."""
+        held = self._take_held(msg.get("id"))
+        if held is not None:
+            self._write(held, msg)
+        else:
+            self._write(msg)
 
     _emit = _reply
 
@@ -488,12 +502,13 @@ class ThreadConnection(Session):
             text, ids, _ = held.take()
             self._write(P.tokens(run.id, text, ids))
 
-    def _flush(self, gid: str | None) -> None:
-        """Write the tokens of ``gid`` that wait, before another message about it."""
+    def _take_held(self, gid: str | None) -> dict[str, Any] | None:
+        """The ``tokens`` message of what ``gid`` holds (then held no more), or None."""
         held = self._held.get(gid) if gid is not None else None
-        if held is not None and held.ids:
-            text, ids, _ = held.take()
-            self._write(P.tokens(gid, text, ids))
+        if held is None or not held.ids:
+            return None
+        text, ids, _ = held.take()
+        return P.tokens(gid, text, ids)
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         with self.lock:

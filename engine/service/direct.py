@@ -6,12 +6,18 @@ thread's ``recv()``: a hand-over between two threads for every message.  Here th
 thread calls ``on_message(raw)`` itself (``raw``: the message's bytes), so a ``cancel`` reaches
 the generation, or a token the consumer's queue, without waiting for another thread to be
 scheduled.  Messages that arrive before ``attach`` are kept and handed over by it.
+
+Whatever the protocol has to send at one time leaves in one socket write (``send_batch`` sends
+several messages so): on loopback each write wakes the peer's reading thread, which on a busy
+machine may take the writer's core before its next write, so a generation's last tokens and its
+``done`` written separately reach the client up to a scheduling slice apart.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from websockets.frames import CONT, DATA_OPCODES, Frame
@@ -45,6 +51,36 @@ class _Direct:
             ended = self._ended
         if ended and on_close is not None:
             on_close()
+
+    def send_batch(self, messages: Sequence[str]) -> None:
+        """Send text ``messages`` in this order with one socket write (``send``'s errors)."""
+        with self.send_context():
+            for text in messages:
+                self.protocol.send_text(text.encode())
+
+    def send_data(self) -> None:
+        """Write what the protocol has to send (called with ``protocol_mutex`` held, as the
+        library's): its frames joined into one ``sendall``, then the end of the stream if the
+        protocol asks for it."""
+        pending: list[bytes] = []
+        for data in self.protocol.data_to_send():
+            if data:
+                pending.append(data)
+                continue
+            self._write_joined(pending)
+            pending = []
+            try:
+                self.socket.shutdown(socket.SHUT_WR)
+            except OSError:  # the socket is already closed
+                pass
+        self._write_joined(pending)
+
+    def _write_joined(self, chunks: list[bytes]) -> None:
+        if not chunks:
+            return
+        if self.close_deadline is not None:
+            self.socket.settimeout(self.close_deadline.timeout())
+        self.socket.sendall(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     def process_event(self, event: Any) -> None:
         if not isinstance(event, Frame) or event.opcode not in DATA_OPCODES:

@@ -117,7 +117,12 @@ class EngineServer:
             ws.request.headers.get("User-Agent", "-"),
         )
         conn = ThreadConnection(
-            self.models, ws.send, ws.socket, peer=peer, max_generations=self.max_generations
+            self.models,
+            ws.send,
+            ws.socket,
+            send_batch=ws.send_batch,
+            peer=peer,
+            max_generations=self.max_generations,
         )
         with self._lock:
             self.connections.add(conn)

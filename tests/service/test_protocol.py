@@ -781,6 +781,85 @@ def test_threaded_cancel_ends_a_generation_held_by_a_client_that_stopped_reading
     client_end.close()
 
 
+def test_threaded_held_tokens_and_their_done_leave_in_one_write(engine, monkeypatch):
+    """A cancelled generation's held tokens and its `done` go to the transport as one batch
+    (one socket write: the client gets both at one wake-up), in that order, and with nothing
+    else written in between; without a batch function they are written one by one."""
+    import socket
+    import time
+
+    from engine.service import connection
+    from engine.service.connection import ThreadConnection
+
+    monkeypatch.setattr(connection, "COALESCE_S", 60.0)  # every token after the first is held
+    for batched in (True, False):
+        server_end, client_end = socket.socketpair()
+        writes: list[list[dict]] = []
+
+        def send(text: str) -> None:
+            writes.append([json.loads(text)])
+
+        def send_batch(texts) -> None:
+            writes.append([json.loads(t) for t in texts])
+
+        conn = ThreadConnection(
+            LocalModels([engine]), send, server_end, send_batch=send_batch if batched else None
+        )
+        conn.handle(json.dumps({"type": "hello"}))
+        conn.handle(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": "g",
+                    "prompt": PROMPT,
+                    "params": {"max_new_tokens": 600, "ignore_eos": True},
+                }
+            )
+        )
+        run = conn.runs["g"]
+        _wait(lambda: len(run.stream.ids) >= 4)
+        conn.handle(json.dumps({"type": "cancel", "id": "g"}))
+        _wait(lambda: "g" not in conn.runs)
+        time.sleep(0.05)
+        gen_writes = [w for w in writes if w[0].get("id") == "g"]
+        assert len(gen_writes[0]) == 1 and len(gen_writes[0][0]["ids"]) == 1  # the first token
+        if batched:
+            assert len(gen_writes) == 2
+            held, done = gen_writes[1]
+        else:
+            assert len(gen_writes) == 3 and all(len(w) == 1 for w in gen_writes)
+            (held,), (done,) = gen_writes[1:]
+        assert held["type"] == "tokens" and len(held["ids"]) >= 3
+        assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+        assert [gen_writes[0][0]["ids"][0], *held["ids"]] == run.stream.ids
+        conn.close()
+        server_end.close()
+        client_end.close()
+
+
+def test_direct_connection_joins_what_it_sends_into_one_write():
+    """DirectServerConnection.send_data: the protocol's frames in one `sendall`, then the end
+    of the stream when the protocol asks for it (an empty chunk), then what follows."""
+    from types import SimpleNamespace
+
+    from engine.service.direct import DirectServerConnection
+
+    calls: list[tuple[str, bytes | None]] = []
+    sock = SimpleNamespace(
+        sendall=lambda data: calls.append(("sendall", data)),
+        shutdown=lambda how: calls.append(("shutdown", None)),
+        settimeout=lambda t: None,
+    )
+    conn = SimpleNamespace(
+        protocol=SimpleNamespace(data_to_send=lambda: [b"ab", b"cd", b"", b"ef"]),
+        socket=sock,
+        close_deadline=None,
+    )
+    conn._write_joined = lambda chunks: DirectServerConnection._write_joined(conn, chunks)
+    DirectServerConnection.send_data(conn)
+    assert calls == [("sendall", b"abcd"), ("shutdown", None), ("sendall", b"ef")]
+
+
 def test_threaded_close_cancels_and_delivers_done(engine):
     """close(): every generation is cancelled and its `done` written before it returns."""
     import threading
