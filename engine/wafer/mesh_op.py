@@ -623,6 +623,15 @@ def _native():
         return _state["cdll"]
 
 
+def vnni() -> bool:
+    """Whether the :func:`library`'s ``MeshLinearQ`` has its AVX-512 VNNI loop (this CPU has
+    AVX512-VNNI and AVX512BW).  Elsewhere (AVX2-only x86, ARM) it runs portable C loops: the same
+    results bit for bit, but 8-30x slower than with VNNI and than ONNX Runtime's vectorised
+    ``MatMulNBits`` kernels, so ``QuantLinear`` defaults to the fused form there."""
+    lib = _native()
+    return bool(lib is not None and lib.spark_mesh_vnni())
+
+
 def amx() -> bool:
     """Whether ``MeshLinearQ`` can run passes of many token rows on AMX-INT8 tiles here: the
     library was built with AMX (``-march=native`` on such a CPU), cpuid reports AMX-TILE and

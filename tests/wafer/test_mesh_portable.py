@@ -17,6 +17,7 @@ x86 only: on another architecture ``library()`` already builds the portable C.""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 import subprocess
@@ -95,13 +96,34 @@ def _builds(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(params=list(TARGETS))
 def lib(request, _builds, monkeypatch) -> str:
     """``mesh_op.library()`` (what the emitters and the helpers load) returns this target's
-    build for the test; the native library's self-test results stand for the rest."""
+    build for the test; the native library's self-test results and ctypes handle (:func:`vnni`:
+    the quantised emitters keep the op form) stand for the rest."""
     native = mesh_op.library()
     assert native is not None and mesh_op.quantized() and mesh_op.attention(), mesh_op.why_not()
+    mesh_op._native()  # ctypes' copy stays the native library's (amx(), vnni(), amx_tasks())
     path = _builds[request.param]
     monkeypatch.setattr(mesh_op, "library", lambda: path)
     monkeypatch.setenv("SPARK_LSP_AMX", "0")  # (these builds have no AMX path anyway)
     return path
+
+
+def test_only_the_native_build_has_the_vnni_loop(lib):
+    """spark_mesh_vnni says which MeshLinearQ loop was compiled (QuantLinear's default form
+    follows it); this machine's own build has VNNI where the CPU does."""
+    assert ctypes.CDLL(lib).spark_mesh_vnni() == 0
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    assert mesh_op.vnni() == ("avx512_vnni" in flags and "avx512bw" in flags)
+
+
+def test_quantlinear_defaults_to_matmulnbits_without_the_vnni_loop(monkeypatch):
+    """Where MeshLinearQ would run its portable loops the quantised emitter on a grid defaults to
+    fused MatMulNBits (ONNX Runtime's vectorised kernels); form="op" can still be asked for."""
+    monkeypatch.setattr(mesh_op, "vnni", lambda: False)
+    assert QuantLinear(8, inner=TiledLinear((2, 2))).form == "fused"
+    assert QuantLinear(4, inner=TiledLinear((2, 2)), form="op").form == "op"
+    monkeypatch.setattr(mesh_op, "vnni", lambda: True)
+    assert QuantLinear(4, inner=TiledLinear((2, 2))).form == "op"
 
 
 def test_self_tests_pass(lib):
@@ -260,7 +282,7 @@ def test_tiny_model_tokens_equal_the_native_build(
         if build == "native":
             monkeypatch.undo()
             monkeypatch.setenv("SPARK_LSP_AMX", "0")
-        linear = make_linear(precision, grid=(2, 2))
+        linear = make_linear(precision, grid=(2, 2))  # VNNI here: the op form on a grid
         assert linear.custom_op_libraries == (
             (lib,) if build == "portable" else (mesh_op.library(),)
         )
