@@ -1065,6 +1065,10 @@ static void amx_probe(void) {
 #endif
 }
 
+/* Whether MeshLinearQ was compiled with its AVX-512 VNNI loop (else the portable C one, several
+   times slower than ONNX Runtime's own MatMulNBits kernels: engine/quant.py then defaults to those). */
+__attribute__((visibility("default"))) int spark_mesh_vnni(void) { return HAVE_VNNI; }
+
 /* Whether the AMX path can run in this process (asks Linux for the tile state on first call). */
 __attribute__((visibility("default"))) int spark_mesh_amx(void) {
   pthread_once(&amx_once, amx_probe);

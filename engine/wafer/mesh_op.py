@@ -82,6 +82,9 @@ FLAGS = (
     "-std=gnu11",
     "-fno-math-errno",  # sqrtf as one instruction: no libm
 )
+#: Libraries after the source: libm for fmaf where the target has no FMA instruction (the
+#: portable loops' fused multiply-adds; a -march=native build on an FMA CPU needs nothing).
+LIBS = ("-lm",)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -114,26 +117,52 @@ def _ort_version() -> tuple[int, ...]:
     return tuple(int(p) for p in ort.__version__.split(".")[:2] if p.isdigit())
 
 
+def _compile(cc: str, out: Path, arch: list[str]) -> str | None:
+    """Compile with ``FLAGS`` and ``arch`` into ``out`` (written to a temporary name and renamed,
+    so a reader never sees half a file); returns ``None``, or the command and why it failed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *FLAGS, *arch, "-o", tmp, str(SOURCE), *LIBS]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        Path(tmp).unlink(missing_ok=True)
+        return f"{' '.join(cmd)}: {e}"
+    if res.returncode == 0:
+        os.replace(tmp, out)
+        return None
+    Path(tmp).unlink(missing_ok=True)
+    return f"{' '.join(cmd)}: {res.stderr.strip()[-400:]}"
+
+
 def _build(cc: str, out: Path) -> None:
     """Compile into ``out`` (atomically); tries ``-march=native`` first, then a generic build."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for arch in (["-march=native"], []):
-        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        cmd = [cc, *FLAGS, *arch, "-o", tmp, str(SOURCE)]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            res = None
-            errors.append(f"{' '.join(cmd)}: {e}")
-        if res is not None and res.returncode == 0:
-            os.replace(tmp, out)
+        if (error := _compile(cc, out, arch)) is None:
             return
-        if res is not None:
-            errors.append(f"{' '.join(cmd)}: {res.stderr.strip()[-400:]}")
-        Path(tmp).unlink(missing_ok=True)
+        errors.append(error)
     raise RuntimeError("; ".join(errors))
+
+
+def build(out: Path, arch: list[str], cc: str | None = None) -> Path:
+    """Compile the library for a chosen target into ``out`` and return it: ``arch`` is the
+    compiler's target flags, e.g. ``["-march=x86-64-v3"]`` (AVX2 + FMA, no AVX-512) or
+    ``["-march=x86-64"]`` (SSE2 only: the kernels' portable C loops).
+
+    :func:`library` keeps building for this CPU; this is for testing the code paths another CPU
+    compiles (tests/wafer/test_mesh_portable.py) and for a build to ship to other machines.  No
+    self-test runs here (``_self_test`` and friends take the path).  Raises ``RuntimeError`` with
+    the compiler's message where it fails, or where no compiler is found (``cc`` else ``$CC``,
+    ``cc``, ``gcc``, ``clang``)."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    out = Path(out)
+    if (error := _compile(cc, out, list(arch))) is not None:
+        raise RuntimeError(error)
+    return out
 
 
 def pack_float(tiles: np.ndarray) -> np.ndarray:
@@ -506,7 +535,7 @@ def library() -> str | None:
                 key = hashlib.sha256(
                     b"\0".join(
                         x.encode()
-                        for x in (SOURCE.read_text(), cc, ver, " ".join(FLAGS), _cpu_id())
+                        for x in (SOURCE.read_text(), cc, ver, " ".join(FLAGS + LIBS), _cpu_id())
                     )
                 ).hexdigest()[:16]
                 out = ops_dir() / f"mesh_op-{key}.so"
@@ -592,6 +621,15 @@ def _native():
         if "cdll" not in _state:
             _state["cdll"] = ctypes.CDLL(path)
         return _state["cdll"]
+
+
+def vnni() -> bool:
+    """Whether the :func:`library`'s ``MeshLinearQ`` has its AVX-512 VNNI loop (this CPU has
+    AVX512-VNNI and AVX512BW).  Elsewhere (AVX2-only x86, ARM) it runs portable C loops: the same
+    results bit for bit, but 8-30x slower than with VNNI and than ONNX Runtime's vectorised
+    ``MatMulNBits`` kernels, so ``QuantLinear`` defaults to the fused form there."""
+    lib = _native()
+    return bool(lib is not None and lib.spark_mesh_vnni())
 
 
 def amx() -> bool:
