@@ -228,6 +228,16 @@ def _gather_only(proto) -> set[str]:
     }
 
 
+def huge_pages_available() -> bool:
+    """Whether ``MADV_HUGEPAGE`` can give this process transparent huge pages (Linux, with them
+    set to ``always`` or ``madvise``); elsewhere a copy of the weights would gain nothing."""
+    try:
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[always]" in setting or "[madvise]" in setting
+
+
 def _aligned(n: int, to: int = 64) -> int:
     return -(-n // to) * to
 
@@ -261,15 +271,17 @@ class SharedWeights:
     token through 4 KB pages misses the TLB on every page, and under virtualisation each miss
     walks two page tables (measured on the 2-core VM: 0.5B decode int8 +29 %, int4 +6 %). A
     table only read a row per token (the embedding's Gather) stays mapped from the file, so its
-    untouched rows never become resident. ``SPARK_LSP_WEIGHTS_MMAP=1`` maps everything from the
-    file instead (the page cache's pages, shared with other processes of the same model).
+    untouched rows never become resident. ``SPARK_LSP_WEIGHTS_MMAP=1``, or a system without
+    transparent huge pages, maps everything from the file instead (the page cache's pages,
+    shared with other processes of the same model).
     """
 
     def __init__(self, model_path: Path, proto) -> None:
         import onnx
 
         gathered = _gather_only(proto)
-        copy = os.environ.get("SPARK_LSP_WEIGHTS_MMAP", "") not in ("1", "true", "yes")
+        mapped = os.environ.get("SPARK_LSP_WEIGHTS_MMAP", "") in ("1", "true", "yes")
+        copy = not mapped and huge_pages_available()
         self.values: list[tuple[str, ort.OrtValue]] = []
         self._maps: dict[Path, np.memmap] = {}
         tensors = []

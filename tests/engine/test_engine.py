@@ -137,16 +137,20 @@ def test_the_sessions_share_one_mapping_of_the_weights(tiny_llama, tmp_path, kw)
     assert _mappings(Path(eng.graph_path).parent / "model.onnx.data") == 1
 
 
-@pytest.mark.parametrize("mmap_env", ["", "1"])
+@pytest.mark.parametrize("mode", ["huge", "env", "no-thp"])
 def test_streamed_weights_are_read_into_memory_and_the_table_stays_mapped(
-    tiny_llama, tmp_path, monkeypatch, mmap_env
+    tiny_llama, tmp_path, monkeypatch, mode
 ):
     """The weights each step streams are read into one anonymous buffer (advised for huge pages:
     4 KB file pages miss the TLB on every page); the embedding table, read a row per token, stays
-    mapped from the file; SPARK_LSP_WEIGHTS_MMAP=1 maps everything. Same tokens either way."""
+    mapped from the file; SPARK_LSP_WEIGHTS_MMAP=1, or no transparent huge pages, maps
+    everything. Same tokens either way."""
     from engine_helpers import greedy, hf_greedy
 
-    monkeypatch.setenv("SPARK_LSP_WEIGHTS_MMAP", mmap_env)
+    import engine.runtime as runtime_mod
+
+    monkeypatch.setattr(runtime_mod, "huge_pages_available", lambda: mode != "no-thp")
+    monkeypatch.setenv("SPARK_LSP_WEIGHTS_MMAP", "1" if mode == "env" else "")
     # int8: the tied head has weights of its own (a float head reads the table in place, so the
     # table is streamed too and read into memory with the rest)
     eng = Engine.load(tiny_llama, cache_dir=tmp_path, threads=2, precision="int8")
@@ -156,7 +160,7 @@ def test_streamed_weights_are_read_into_memory_and_the_table_stays_mapped(
     mapped = range(data.ctypes.data, data.ctypes.data + data.size)
     assert table.data_ptr() in mapped
     others = [v.data_ptr() for n, v in shared.values if n != "embed_tokens"]
-    if mmap_env:
+    if mode != "huge":
         assert shared._heap is None and all(p in mapped for p in others)
     else:
         heap = range(shared._heap.ctypes.data, shared._heap.ctypes.data + shared._heap.size)
