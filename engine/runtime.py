@@ -10,9 +10,11 @@ read one logits row — no allocation, no KV copy, no numpy conversion of the ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -279,55 +281,44 @@ class SharedWeights:
     def __init__(self, model_path: Path, proto) -> None:
         import onnx
 
-        gathered = _gather_only(proto)
         mapped = os.environ.get("SPARK_LSP_WEIGHTS_MMAP", "") in ("1", "true", "yes")
         copy = not mapped and huge_pages_available()
-        self.values: list[tuple[str, ort.OrtValue]] = []
-        self._maps: dict[Path, np.memmap] = {}
-        tensors = []
+        gathered = _gather_only(proto)
+        self._maps: dict[Path, np.memmap] = {}  # each data file, mapped once
+        entries = []  # (initializer, file, offset, length, read into the buffer)
         for t in proto.graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             info = {e.key: e.value for e in t.external_data}
             path = model_path.parent / info["location"]
-            data = self._maps.get(path)
-            if data is None:
-                data = self._maps[path] = np.memmap(path, mode="r")
+            if path not in self._maps:
+                self._maps[path] = np.memmap(path, mode="r")
             offset, length = int(info.get("offset", 0)), int(info["length"])
-            if offset + length > data.size:
+            if offset + length > self._maps[path].size:
                 raise ModelError(f"{path.name}: initializer {t.name} lies past the file's end")
-            tensors.append((t, path, offset, data[offset : offset + length]))
-        streamed = [raw.size for t, _, _, raw in tensors if copy and t.name not in gathered]
-        self._heap = _huge_buffer(sum(_aligned(n) for n in streamed)) if streamed else None
-        files: dict[Path, object] = {}
-        try:
-            self._fill(tensors, gathered, files)
-        finally:
-            for f in files.values():
-                f.close()
-
-    def _fill(self, tensors, gathered: set[str], files: dict) -> None:
-        """The OrtValues: streamed weights read into the huge-page buffer, the rest mapped."""
-        import onnx
-
+            entries.append((t, path, offset, length, copy and t.name not in gathered))
+        total = sum(_aligned(length) for *_, length, read in entries if read)
+        self._heap = _huge_buffer(total) if total else None
+        self.values: list[tuple[str, ort.OrtValue]] = []
         at = 0
-        for t, path, offset, raw in tensors:
-            if self._heap is not None and t.name not in gathered:
-                dst = self._heap[at : at + raw.size]
-                # a plain read, not through the map: the map's pages would stay resident too
-                f = files.get(path)
-                if f is None:
-                    f = files[path] = open(path, "rb")
-                f.seek(offset)
-                if f.readinto(memoryview(dst)) != raw.size:
-                    raise ModelError(f"{path.name}: initializer {t.name} could not be read")
-                at += _aligned(raw.size)
-                raw = dst
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-            arr = raw.view(dtype).reshape(tuple(t.dims))
-            self.values.append(
-                (t.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, t.data_type))
-            )
+        with contextlib.ExitStack() as stack:
+            files: dict[Path, Any] = {}
+            for t, path, offset, length, read in entries:
+                if read:  # a plain read, not through a map: the map's pages would stay resident
+                    raw = self._heap[at : at + length]
+                    at += _aligned(length)
+                    if path not in files:
+                        files[path] = stack.enter_context(open(path, "rb"))
+                    files[path].seek(offset)
+                    if files[path].readinto(memoryview(raw)) != length:
+                        raise ModelError(f"{path.name}: initializer {t.name} could not be read")
+                else:
+                    raw = self._maps[path][offset : offset + length]
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+                arr = raw.view(dtype).reshape(tuple(t.dims))
+                self.values.append(
+                    (t.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, t.data_type))
+                )
 
     @classmethod
     def of(cls, model_path: str | Path) -> SharedWeights | None:
@@ -361,7 +352,7 @@ class Runtime:
     step, or a large one's small linears, is shorter than the time a sleeping thread takes to
     wake: every parallel node pays that wake-up) but slow it down when other processes compete
     for the cores (the spinning thread holds a core the working thread needs).
-    ``spinning=None`` (auto) therefore keeps two sessions, over one mapping of the weights
+    ``spinning=None`` (auto) therefore keeps two sessions, over one copy of the weights
     (:class:`SharedWeights`): a spinning one for
     decode steps and short runs while the CPU is calm, and a non-spinning one for long prefills
     and for decoding while it is contended (:func:`cpu_contended`, checked by :meth:`refresh_mode`
@@ -393,7 +384,7 @@ class Runtime:
         files = [p for p in model_path.parent.glob(model_path.name + "*") if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         prefetch(files)
-        # one mapping of the weights for every session (below: two or three of them)
+        # one copy of the weights for every session (below: two or three of them)
         self.shared = SharedWeights.of(model_path)
 
         def target(n: int, spin: bool) -> _Target:
