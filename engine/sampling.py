@@ -20,7 +20,9 @@ class Sampler:
     """Stateful sampler; one per generation so a seed reproduces the whole sequence.
 
     ``temperature == 0`` is greedy (argmax, first index on ties, like transformers).
-    ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``top_k == 0`` and ``top_p == 1`` disable those filters.  The random generator is made at
+    the first sampled token: seeding one from the OS costs more than a whole request's dispatch,
+    and greedy requests (every completion) never draw from it.
     """
 
     def __init__(
@@ -36,7 +38,14 @@ class Sampler:
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.greedy = self.temperature == 0.0 or self.top_k == 1
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self._rng: np.random.Generator | None = None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.seed)
+        return self._rng
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.greedy:

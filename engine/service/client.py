@@ -169,7 +169,8 @@ class _PromptDeltas:
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self._bases: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # slot -> id, ids
+        self._bases: OrderedDict[str, tuple[str, list[int], bytes | None]] = OrderedDict()
+        # slot -> id, ids, the ids packed (protocol.pack_ids)
         self._whole: dict[str, dict[str, Any]] = {}  # id -> its generate with the whole prompt
 
     def wire(self, gid: str, msg: dict[str, Any]) -> dict[str, Any]:
@@ -179,12 +180,14 @@ class _PromptDeltas:
         if not self.slots or slot is None or isinstance(prompt, str):
             return msg
         base = self._bases.pop(slot, None)
-        self._bases[slot] = (gid, prompt)
+        packed = P.pack_ids(prompt)
+        self._bases[slot] = (gid, prompt, packed)
         while len(self._bases) > self.slots:
             self._bases.popitem(last=False)
         if base is None:
             return msg
-        head, middle, tail = P.prompt_delta(base[1], prompt)
+        both = (base[2], packed) if base[2] is not None and packed is not None else None
+        head, middle, tail = P.prompt_delta(base[1], prompt, both)
         if len(middle) * 2 > len(prompt):  # mostly new: the whole prompt is as short
             return msg
         self._whole[gid] = msg

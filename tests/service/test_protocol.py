@@ -180,6 +180,10 @@ def test_prompt_delta_spells_the_prompt_from_its_base(base, new, cut_head, cut_t
     assert head + tail <= min(len(base), len(ids))
     assert P.PromptDelta("g", head, middle, tail).apply(base) == ids
     assert len(middle) <= len(new) + max(0, len(ids) - len(base))  # the shared head/tail is kept
+    # ids beyond 32 bits cannot be packed: the plain comparison finds the same delta
+    big = 1 << 40
+    wide = P.prompt_delta([t + big for t in base], [t + big for t in ids])
+    assert wide == (head, [t + big for t in middle], tail)
 
 
 def recorded(client) -> list[dict]:
