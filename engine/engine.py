@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -240,9 +241,10 @@ class Engine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(map(int, prompt))  # map, min and max run in C: this is on every request
-            if ids and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
-                bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
+            ids, low, high = _token_ids(prompt)
+            vocab = self.config.vocab_size
+            if ids and not (0 <= low and high < vocab):
+                bad = next(t for t in ids if not 0 <= t < vocab)
                 raise ValueError(
                     f"prompt token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})"
                 )
@@ -337,6 +339,21 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.name!r}, context={self.context}, linear={graph_cache.emitter_key(self.linear)})"
+
+
+def _token_ids(prompt: Sequence[int]) -> tuple[list[int], int, int]:
+    """A prompt's ids as a list of ints, with their least and greatest (0, -1 when empty).
+    This runs on every request: packed into 32-bit ints and checked by numpy it costs half of
+    ``int()`` on each id; ids that do not pack (beyond 32 bits, digit strings) take that path."""
+    try:
+        packed = array("i", prompt)
+    except (TypeError, OverflowError, ValueError):
+        ids = list(map(int, prompt))
+        return ids, min(ids, default=0), max(ids, default=-1)
+    if not packed:
+        return [], 0, -1
+    v = np.frombuffer(packed, dtype=np.int32)
+    return packed.tolist(), int(v.min()), int(v.max())
 
 
 def _replace_max(params: GenerationParams, n: int) -> GenerationParams:

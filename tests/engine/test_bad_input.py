@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from engine_helpers import graph_cache_dir, greedy, load_engine
 from safetensors.numpy import load_file, save_file
@@ -128,6 +129,12 @@ def test_bad_generation_params(kw, needle):
 def test_bad_prompt_ids(eng):
     with pytest.raises(ValueError, match="token id 100000 is outside the vocabulary"):
         eng.generate([1, 100000])
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary"):
+        eng.generate([1, -1, 2])
+    # ids that do not pack into 32 bits take the plain path, with the same check
+    with pytest.raises(ValueError, match=f"token id {1 << 40} is outside the vocabulary"):
+        eng.generate([1, 1 << 40])
+    assert eng.encode_prompt(np.array([3, 1, 2])) == [3, 1, 2]
     assert len(greedy(eng, [1, 2], 3).tokens) == 3
 
 
