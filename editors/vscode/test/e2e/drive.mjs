@@ -276,7 +276,17 @@ async function main() {
         .filter((e) => /was not applied/.test(e.textContent || '')).length;
       return window.__sparkText() !== b || toasts > n;
     }, [beforeEdit, refusedBefore], { timeout: 30000 }).then(() => true).catch(() => false);
-    await page.waitForTimeout(1500);
+    // then the document's final state: unchanged for 1.5 s (the live edit has finished
+    // streaming; a fixed pause could read it mid-stream on a slow machine)
+    if (edited) {
+      await page.waitForFunction(() => {
+        const w = window;
+        const t = w.__sparkText();
+        const now = Date.now();
+        if (t !== w.__sparkEditLast) { w.__sparkEditLast = t; w.__sparkEditSince = now; }
+        return now - w.__sparkEditSince > 1500;
+      }, null, { timeout: 30000, polling: 100 }).catch(() => {});
+    }
     const afterEdit = await editorText(page);
     const instrDone = afterEdit !== beforeEdit || ((await refusals(page)).length > refusedBefore && afterEdit === beforeEdit);
     // the edit replaced the selection (lines 4-5) and nothing else: the lines above and the
