@@ -266,14 +266,15 @@ class Session:
             ) from None
         except (ValueError, ModelError) as e:
             raise P.ProtocolError(P.BAD_PROMPT, str(e), msg.id) from None
-        self._remember(msg.id, ids)
+        self._remember(msg.id, prompt if isinstance(prompt, array) else ids)
         self._start(Run(self, msg.id, msg.model, ids, msg.params, msg.slot))
 
-    def _remember(self, gid: str, ids: list[int]) -> None:
+    def _remember(self, gid: str, ids: Sequence[int]) -> None:
         """Keep a generation's prompt as a base for the deltas of later ones (the latest
-        PROMPT_MEMORY of this connection)."""
+        PROMPT_MEMORY of this connection), as the client sent it: a delta's base is the
+        client's prompt, not what the engine made of it."""
         self.prompts.pop(gid, None)
-        self.prompts[gid] = array("i", ids)
+        self.prompts[gid] = ids if isinstance(ids, array) else array("i", ids)
         while len(self.prompts) > P.PROMPT_MEMORY:
             self.prompts.popitem(last=False)
 

@@ -87,14 +87,20 @@ class PromptDelta:
     ids: list[int]
     tail: int
 
-    def apply(self, base: Sequence[int]) -> list[int]:
-        """The whole prompt, from the base prompt's ids (ValueError when they do not fit)."""
+    def apply(self, base: Sequence[int]) -> list[int] | array:
+        """The whole prompt, from the base prompt's ids (ValueError when they do not fit): an
+        ``array('i')`` from an array base (a server keeps its prompts so: the copies are
+        memcpy), else a list."""
         if self.head + self.tail > len(base):
             raise ValueError(
                 f"prompt delta keeps {self.head} + {self.tail} tokens of a {len(base)}-token base"
             )
-        out = list(base[: self.head])
-        out += self.ids
+        if isinstance(base, array):
+            out: list[int] | array = base[: self.head]
+            out += array("i", self.ids)
+        else:
+            out = list(base[: self.head])
+            out += self.ids
         if self.tail:
             out += base[len(base) - self.tail :]
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 
 import pytest
 from hypothesis import given
@@ -179,6 +180,8 @@ def test_prompt_delta_spells_the_prompt_from_its_base(base, new, cut_head, cut_t
     head, middle, tail = P.prompt_delta(base, ids)
     assert head + tail <= min(len(base), len(ids))
     assert P.PromptDelta("g", head, middle, tail).apply(base) == ids
+    # a server keeps its bases packed, and gets the prompt packed
+    assert P.PromptDelta("g", head, middle, tail).apply(array("i", base)) == array("i", ids)
     assert len(middle) <= len(new) + max(0, len(ids) - len(base))  # the shared head/tail is kept
     # ids beyond 32 bits cannot be packed: the plain comparison finds the same delta
     big = 1 << 40
