@@ -23,13 +23,11 @@ from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import onnxruntime as ort
-
 from .cancel import Cancelled, CancelToken
 from .config import ModelError
 from .params import GenerationParams
 from .prefix_cache import Slot
-from .runtime import Runtime
+from .runtime import Interrupt, Runtime
 from .sampling import Healing, Sampler, token_logprob
 from .tokenizer import Tokenizer
 
@@ -184,8 +182,8 @@ class Generation:
         }
         # its own token, a child of the caller's: stopping early on its own leaves the caller's alone
         self.cancel_token = cancel.child() if cancel is not None else CancelToken()
-        self._run_options = ort.RunOptions()
-        self.cancel_token.on_cancel(lambda reason: setattr(self._run_options, "terminate", True))
+        self._interrupt = Interrupt()
+        self.cancel_token.on_cancel(lambda reason: self._interrupt.set())
         self._sampler = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
         self._healing = (
             Healing(engine.tokenizer.byte_index(), params.healed_prefix)
@@ -235,14 +233,20 @@ class Generation:
             raise Cancelled("another generation took the KV slot")
 
     def _run_model(self, fn, *args):
+        """``fn(*args)`` (a runtime run) stoppable by this generation's cancel; Cancelled when it
+        was cancelled, even if the run ended: a node cut short by the cancel leaves its output
+        unfinished, so nothing a cancelled run returns is used (nor its KV counted)."""
         try:
-            return fn(*args, run_options=self._run_options)
+            out = fn(*args, interrupt=self._interrupt)
         except ModelError:
             raise
         except Exception:
             if self.cancel_token.cancelled:  # ORT raises when RunOptions.terminate aborts the run
                 raise Cancelled(self.cancel_token.reason) from None
             raise
+        if self.cancel_token.cancelled:
+            raise Cancelled(self.cancel_token.reason)
+        return out
 
     def _prefill(self):
         """Rewind the slot to the common prefix, prefill the rest; returns (slot, last logits row)."""

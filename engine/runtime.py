@@ -11,6 +11,7 @@ read one logits row — no allocation, no KV copy, no numpy conversion of the ca
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from pathlib import Path
@@ -141,6 +142,38 @@ def cpu_contended(threshold: float = 20.0) -> bool:
         return os.getloadavg()[0] >= physical_cores()
     except OSError:  # pragma: no cover - no load average on this platform
         return True
+
+
+class Interrupt:
+    """How another thread stops a generation's run in flight: ONNX Runtime's
+    ``RunOptions.terminate``, which it looks at between nodes, and the flag the wafer ops look at
+    between their tasks (``spark_bind_abort`` in engine/wafer/mesh_op.c), so that a cancel which
+    lands in a long node (a prefill's linears) does not wait for the node to end."""
+
+    __slots__ = ("options", "flag", "address")
+
+    def __init__(self) -> None:
+        self.options = ort.RunOptions()
+        self.flag = ctypes.c_int(0)
+        self.address = ctypes.addressof(self.flag)
+
+    def set(self) -> None:
+        """Stop the run in flight and every later one (callable from any thread)."""
+        self.options.terminate = True
+        self.flag.value = 1
+
+
+def _abort_binder(libs: tuple[str, ...]):
+    """``spark_bind_abort`` of the first op library that has it (``None``: no wafer ops)."""
+    for lib in libs:
+        try:
+            fn = ctypes.CDLL(str(lib)).spark_bind_abort  # the copy ONNX Runtime loaded
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = None
+        return fn
+    return None
 
 
 class _Target:
@@ -379,6 +412,7 @@ class Runtime:
         self.vocab_size = config.vocab_size
         self.threads = int(threads or physical_cores())
         self.custom_ops = tuple(custom_ops)
+        self._bind_abort = _abort_binder(self.custom_ops)
         self.decode_threads = min(int(decode_threads or self.threads), self.threads)
         model_path = Path(model_path)
         files = [p for p in model_path.parent.glob(model_path.name + "*") if p.is_file()]
@@ -445,7 +479,7 @@ class Runtime:
         tokens,
         pos: int,
         num_logits: int = 1,
-        run_options: ort.RunOptions | None = None,
+        interrupt: Interrupt | None = None,
     ) -> np.ndarray:
         """Write KV for ``tokens`` at positions ``pos..``; return logits [num_logits, vocab] (a new array)."""
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(1, -1)
@@ -464,11 +498,11 @@ class Runtime:
         for name, arr in zip(INPUTS, feeds):
             b.bind_cpu_input(name, arr)
         b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        target.run(b, run_options)
+        self._run(target, b, interrupt)
         return logits[0]
 
     def decode(
-        self, kv: KVBuffers, token: int, pos: int, run_options: ort.RunOptions | None = None
+        self, kv: KVBuffers, token: int, pos: int, interrupt: Interrupt | None = None
     ) -> np.ndarray:
         """One decode step; returns the logits row [vocab] (a view valid until the next step on ``kv``)."""
         if pos + 1 > self.max_len:
@@ -477,5 +511,19 @@ class Runtime:
         kv.step_seqlens[0] = pos
         kv.step_total[...] = pos + 1
         target = self.target
-        target.run(kv.step_binding(target), run_options)
+        self._run(target, kv.step_binding(target), interrupt)
         return kv.step_logits[0, 0]
+
+    def _run(self, target: _Target, binding, interrupt: Interrupt | None) -> None:
+        """Run ``binding`` on ``target``, stoppable by ``interrupt`` (its flag bound for the
+        wafer ops on this thread, the one their nodes run on)."""
+        if interrupt is None:
+            target.run(binding, None)
+        elif self._bind_abort is None:
+            target.run(binding, interrupt.options)
+        else:
+            self._bind_abort(interrupt.address)
+            try:
+                target.run(binding, interrupt.options)
+            finally:
+                self._bind_abort(None)

@@ -592,9 +592,39 @@ static size_t split_tasks(size_t M, size_t N, size_t K, size_t units, size_t* pe
   return (units + *per_task - 1) / *per_task;
 }
 
-/* Run fn(job, 0 .. tasks-1): on this thread when there is one task, else on ORT's pool. */
+/* ---- a cancel inside a node ----
+ * ONNX Runtime looks at RunOptions.terminate only between nodes, so a cancel that lands in a long
+ * node (a prefill's linears and attention: tens of ms at 0.5B) waits for its end.  The thread that
+ * runs the graph (the sequential executor runs every node's compute on the caller's thread) binds
+ * its generation's flag with spark_bind_abort; a cancel sets the flag together with terminate, and
+ * run_tasks then skips the tasks not yet started.  The node's output is left unfinished: ONNX
+ * Runtime stops at the next node, and a run that ends anyway (the last node was cut short) is
+ * discarded by its caller, which knows it was cancelled (engine.generate). */
+static __thread const volatile int* abort_flag;
+
+__attribute__((visibility("default"))) void spark_bind_abort(const int* flag) { abort_flag = flag; }
+
+typedef struct {
+  void (*fn)(void*, size_t);
+  void* job;
+  const volatile int* flag;
+} Abortable;
+
+static void abortable_task(void* data, size_t i) {
+  const Abortable* a = (const Abortable*)data;
+  if (!*a->flag) a->fn(a->job, i);
+}
+
+/* Run fn(job, 0 .. tasks-1): on this thread when there is one task, else on ORT's pool; none that
+   starts after the bound flag is set (see above). */
 static OrtStatus* run_tasks(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t tasks, void* job) {
-  if (tasks > 1) return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, job);
+  const volatile int* flag = abort_flag;
+  if (flag && *flag) return NULL;
+  if (tasks > 1) {
+    if (!flag) return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, job);
+    Abortable a = {fn, job, flag};
+    return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, abortable_task, tasks, 0, &a);
+  }
   fn(job, 0);
   return NULL;
 }
