@@ -9,6 +9,10 @@ socket and the engine, so a token or a cancel crosses no thread hand-over in the
 machine whose cores the engine keeps busy, each hand-over is a wait for a core).  ``stop()``
 cancels every generation in flight and delivers their ``done`` messages before closing the
 sockets.
+
+With ``ssl_context`` (``engine.service.tls.server_context``) it serves ``wss://``: the library
+wraps each accepted socket and shakes hands on the connection's thread (a client that fails the
+TLS handshake, a plain ``ws://`` one included, is dropped there and the server goes on).
 """
 
 from __future__ import annotations
