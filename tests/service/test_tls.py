@@ -175,6 +175,29 @@ async def test_a_plain_ws_client_fails_cleanly_and_the_daemon_keeps_serving(serv
         await c.close()
 
 
+def test_language_server_trusts_the_ca_named_by_its_environment(server, certs, monkeypatch):
+    """`engine: wss://...`: the certificate is checked against $SPARK_LSP_ENGINE_CA; without
+    it the connection is refused with a message that names the variable."""
+    from engine.cancel import CancelToken
+    from spark_lsp.backends import engine_ws
+
+    monkeypatch.setenv(engine_ws.TOKEN_ENV, TOKEN)
+    monkeypatch.delenv(engine_ws.CA_ENV, raising=False)
+    with pytest.raises(EngineUnavailable, match=engine_ws.CA_ENV):
+        engine_ws.EngineServiceModel(server.url, None)
+    monkeypatch.setenv(engine_ws.CA_ENV, certs["ca"])
+    model = engine_ws.EngineServiceModel(server.url, None)
+    try:
+        assert model.status()["engine"].startswith("wss://")
+        ids = model.tokenizer.encode(PROMPT)
+        stream = model.generate(
+            ids, GenerationParams(max_new_tokens=4, ignore_eos=True), "doc", cancel=CancelToken()
+        )
+        assert "".join(chunk.text for chunk in stream)  # the suggestion's text came back
+    finally:
+        model.close()
+
+
 # -- the threaded connection on an SSL socket ------------------------------------------------
 def _tls_pair(certs) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
     """Both ends of a socket pair with small buffers, after a TLS handshake."""
