@@ -67,8 +67,6 @@ def _unreachable(url: str, exc: BaseException) -> EngineUnavailable:
     """The EngineUnavailable of a connection that failed with ``exc`` (a TLS failure says what
     failed and how to trust the server's certificate)."""
     why = tls.failure(url, exc)
-    if why is None and isinstance(exc.__cause__ or exc.__context__, OSError):
-        why = tls.failure(url, exc.__cause__ or exc.__context__)
     if why is None and isinstance(exc, InvalidMessage) and not tls.is_secure(url):
         why = (
             f"cannot reach the engine service at {url}: {exc} (if it serves TLS, use its "

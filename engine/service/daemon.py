@@ -134,7 +134,8 @@ def run(
 def warn_cleartext(host: str, port: int, *, to_stderr: bool) -> None:
     """Say that a daemon serving other machines without TLS sends the token and the code in
     clear text (not refused: a TLS-terminating proxy in front of it is a valid setup).  The
-    warning goes to the log, and to stderr as well when the log goes to a file."""
+    warning goes to the log, and to stderr as well where the log does not show it there (a log
+    file, or a level above WARNING)."""
     msg = (
         f"serving {host}:{port} to other machines without TLS: the token and every prompt (the "
         "users' code) cross the network unencrypted; pass --tls-cert and --tls-key, or put a "

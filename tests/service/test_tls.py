@@ -124,6 +124,32 @@ async def test_cancel_over_wss_stops_the_generation(server, certs):
         await c.close()
 
 
+def test_server_close_over_wss_delivers_done_and_ends_the_stream(engine, certs):
+    """close(): the generation in flight is cancelled, its `done` reaches the client over TLS,
+    then the closing handshake and the end of the stream (direct.py's shutdown on the SSL
+    socket) close the client's connection."""
+    srv = EngineServer(
+        LocalModels([engine]),
+        token=TOKEN,
+        ssl_context=tls.server_context(certs["cert"], certs["key"]),
+    ).open()
+    c = SyncEngineClient(srv.url, TOKEN, cafile=certs["ca"])
+    try:
+        gen = c.generate(PROMPT, LONG, slot="close")
+        next(iter(gen))
+        srv.close()
+        for _ in gen:
+            pass
+        assert gen.finish_reason == "cancelled"
+        deadline = time.monotonic() + 10
+        while not c.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.closed and "closed" in c.close_reason
+    finally:
+        c.close()
+        srv.close()
+
+
 # -- refusals -----------------------------------------------------------------------------------
 async def test_a_client_without_the_ca_is_refused_with_a_clear_error(server, certs):
     with pytest.raises(EngineUnavailable, match="could not be verified") as e:
