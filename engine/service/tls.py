@@ -86,9 +86,11 @@ def failure(url: str, exc: BaseException) -> str | None:
             f"({why}); if a private CA or a self-signed certificate signs it, give its PEM file "
             f"in ${CA_ENV} (the language server) or as cafile (the client library)"
         )
-    if isinstance(exc, ssl.SSLError):
+    if isinstance(exc, ssl.SSLError) or (is_secure(url) and isinstance(exc, ConnectionResetError)):
+        # a server without TLS reads the ClientHello as garbage and drops the connection
+        why = getattr(exc, "reason", None) or str(exc) or "the connection was reset"
         return (
-            f"TLS handshake with the engine service at {url} failed ({exc.reason or exc}); "
+            f"TLS handshake with the engine service at {url} failed ({why}); "
             "does it serve wss:// (spark-lsp engine serve --tls-cert/--tls-key)?"
         )
     return None

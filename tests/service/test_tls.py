@@ -224,6 +224,18 @@ def test_language_server_trusts_the_ca_named_by_its_environment(server, certs, m
         model.close()
 
 
+async def test_a_wss_client_against_a_plain_daemon_says_what_failed(engine, certs):
+    srv = EngineServer(LocalModels([engine]), token=TOKEN).open()
+    try:
+        url = srv.url.replace("ws://", "wss://")
+        with pytest.raises(EngineUnavailable, match="TLS handshake .* failed.*serve wss://"):
+            await EngineClient.connect(url, TOKEN, cafile=certs["ca"], open_timeout=5)
+        with pytest.raises(EngineUnavailable, match="TLS handshake"):
+            SyncEngineClient(url, TOKEN, cafile=certs["ca"], open_timeout=5)
+    finally:
+        srv.close()
+
+
 # -- the threaded connection on an SSL socket ------------------------------------------------
 def _tls_pair(certs) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
     """Both ends of a socket pair with small buffers, after a TLS handshake."""
