@@ -104,6 +104,52 @@ def test_sync_client_generates_and_cancels_over_wss(server, certs, reference):
         c.close()
 
 
+def test_threads_multiplex_generations_and_cancels_on_one_wss_connection(server, certs, engine):
+    """One TLS connection read by its reading thread while several threads write requests and
+    cancels on it (and the daemon's generations write their tokens): every generation ends,
+    the uncancelled ones with the in-process text."""
+    import random
+
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    prompts = [f"def f{i}(x):\n" for i in range(4)]
+    ref = {}
+    for p in prompts:
+        gen = engine.generate(p, params)
+        for _ in gen:
+            pass
+        ref[p] = gen.text
+    c = SyncEngineClient(server.url, TOKEN, cafile=certs["ca"])
+    wrong: list[tuple] = []
+    ends: list[str] = []
+
+    def worker(k: int) -> None:
+        rng = random.Random(k)
+        for _ in range(12):
+            p = rng.choice(prompts)
+            gen = c.generate(p, params, slot=f"w{k}")
+            cancel_at = rng.choice([None, 1, 4])
+            for i, _ in enumerate(gen):
+                if i == cancel_at:
+                    gen.cancel()
+            ends.append(gen.finish_reason)
+            if gen.finish_reason != "cancelled" and (gen.text, gen.finish_reason) != (
+                ref[p],
+                "length",
+            ):
+                wrong.append((p, gen.finish_reason, gen.text, gen.error))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not wrong and len(ends) == 48 and not c.closed
+        assert "cancelled" in ends and "length" in ends
+    finally:
+        c.close()
+
+
 async def test_cancel_over_wss_stops_the_generation(server, certs):
     c = await EngineClient.connect(server.url, TOKEN, cafile=certs["ca"])
     try:
