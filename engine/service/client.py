@@ -52,13 +52,14 @@ class EngineUnavailable(ConnectionError):
     """The engine service cannot be reached (or refused us: wrong token, origin, version)."""
 
 
-def _ssl_for(url: str, cafile: str | None) -> Any:
-    """The client SSL context of a ``wss://`` URL (None for ``ws://``); a CA bundle that cannot
-    be used is an EngineUnavailable that says why."""
+def _ssl_for(url: str, cafile: str | None, pinned: str | None = None) -> Any:
+    """The client SSL context of a ``wss://`` URL (None for ``ws://``): ``pinned``, the one
+    certificate to trust, else the trust store and ``cafile``.  A file that cannot be used is
+    an EngineUnavailable that says why."""
     if not tls.is_secure(url):
         return None
     try:
-        return tls.client_context(cafile)
+        return tls.pinned_context(pinned) if pinned else tls.client_context(cafile)
     except tls.TLSConfigError as e:
         raise EngineUnavailable(f"cannot connect to the engine service at {url}: {e}") from None
 
@@ -331,11 +332,13 @@ class EngineClient(_Dispatch):
         origin: str | None = None,
         prompt_deltas: bool = True,
         cafile: str | None = None,
+        pinned_cert: str | None = None,
     ) -> EngineClient:
         """Connect and shake hands.  A ``wss://`` URL's certificate is verified against the
-        system's trust store and ``cafile`` (a PEM CA bundle), hostname included."""
+        system's trust store and ``cafile`` (a PEM CA bundle), hostname included; or, given
+        ``pinned_cert`` (a daemon's own certificate, from the user's record), is that one."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        ssl_context = _ssl_for(url, cafile)
+        ssl_context = _ssl_for(url, cafile, pinned_cert)
         try:
             ws = await connect(
                 url,
@@ -637,7 +640,8 @@ class SyncEngineClient(_Dispatch):
     """One connection to an engine service for callers in ordinary threads (the language
     server's engine thread), without an event loop: a request, a cancel or a steer is written
     by the thread that makes it, and the socket's reading thread hands each message to its
-    generation (``engine.service.direct``)."""
+    generation (``engine.service.direct``).  ``cafile`` and ``pinned_cert``: as
+    ``EngineClient.connect``'s."""
 
     _generation = SyncGeneration
 
@@ -651,6 +655,7 @@ class SyncEngineClient(_Dispatch):
         origin: str | None = None,
         prompt_deltas: bool = True,
         cafile: str | None = None,
+        pinned_cert: str | None = None,
     ) -> None:
         self.url = url
         self._lock = threading.Lock()  # the state below (taken by the reading thread too)
@@ -664,7 +669,7 @@ class SyncEngineClient(_Dispatch):
         self.close_reason = ""
         self.last_error: EngineRequestError | None = None  # the last error no request claimed
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        ssl_context = _ssl_for(url, cafile)
+        ssl_context = _ssl_for(url, cafile, pinned_cert)
         try:
             self.ws = sync_connect(
                 url,

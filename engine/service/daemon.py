@@ -87,17 +87,23 @@ def run(
     announce=None,
     stop: threading.Event | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    tls_cert: str | None = None,
 ) -> None:
     """Serve ``models`` until SIGTERM/SIGINT (or ``stop`` is set, or ``idle_exit_s`` passes with
     no client); every generation in flight is cancelled and its ``done`` delivered before exit.
     The server runs on its own threads; this one waits for the end.  ``ssl_context``
-    (``tls.server_context``): serve ``wss://`` (the record gets that URL)."""
+    (``tls.server_context``): serve ``wss://`` (the record gets that URL, and ``tls_cert``, the
+    certificate's file, which the user's own clients pin: ``launch.join_or_start``'s callers
+    connect to the bind address, which the certificate need not name)."""
     server = EngineServer(models, token=token, origins=origins, ssl_context=ssl_context).open(
         host, port
     )
     key = rundir.model_key(folders)
+    extra = {"tls_cert": str(Path(tls_cert).expanduser().resolve())} if tls_cert else {}
     path = (
-        rundir.write_record(key, server.url, token, [str(f) for f in folders]) if record else None
+        rundir.write_record(key, server.url, token, [str(f) for f in folders], **extra)
+        if record
+        else None
     )
     log.info(
         "engine: serving %s on %s%s",
@@ -208,6 +214,7 @@ def main_args(args: argparse.Namespace) -> int:
         idle_exit_s=args.idle_exit,
         announce=announce,
         ssl_context=ssl_context,
+        tls_cert=args.tls_cert if ssl_context is not None else None,
     )
     return 0
 

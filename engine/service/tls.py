@@ -71,6 +71,26 @@ def client_context(cafile: str | Path | None = None) -> ssl.SSLContext:
     return ctx
 
 
+def pinned_context(cert: str | Path) -> ssl.SSLContext:
+    """A client context that trusts exactly the certificate ``cert`` (PEM), whatever host name
+    it names: for a daemon found through the user's own private record, which names the
+    certificate the daemon serves (its URL is its bind address, e.g. ``0.0.0.0``, which no
+    certificate names).  The server must still prove it holds that certificate's key."""
+    path = _readable(cert, "certificate")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False  # the pinned certificate authenticates the server
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # a leaf (not only a CA) as the anchor
+    try:
+        ctx.load_verify_locations(cafile=path)
+    except ssl.SSLError as e:
+        raise TLSConfigError(
+            f"certificate {path}: not a PEM certificate ({e.reason or e})"
+        ) from None
+    return ctx
+
+
 def is_secure(url: str) -> bool:
     """Whether ``url`` asks for TLS (``wss://``, ``https://``)."""
     return url.lower().startswith(("wss://", "https://"))

@@ -100,10 +100,16 @@ class EngineServiceModel:
             except launch.DaemonError as exc:
                 raise EngineUnavailable(str(exc)) from None
             url, token = rec["url"], rec["token"]
+            pinned = rec.get("tls_cert")  # a wss daemon of this user: its own certificate
         else:
             url, token = self.target, token_for(self.target)
+            pinned = None  # a URL given by the user: verified by its host name
         client = SyncEngineClient(
-            url, token, client="spark-lsp", cafile=os.environ.get(CA_ENV) or None
+            url,
+            token,
+            client="spark-lsp",
+            cafile=os.environ.get(CA_ENV) or None,
+            pinned_cert=pinned,
         )
         try:
             info = next((m for m in client.hello["models"] if m.get("name") == self.name), None)

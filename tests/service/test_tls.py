@@ -405,8 +405,16 @@ def _serve(*args: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs):
-    proc = _serve("--tls-cert", certs["cert"], "--tls-key", certs["key"])
+def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatch):
+    """The daemon announces and records its wss:// URL and its certificate's file; the user's
+    own clients that find it through the record (`engine: auto`) pin that certificate, so it
+    need not name the bind address (here it names engine.example only), while a client given
+    the URL checks the host name.  SIGTERM cancels what is in flight over TLS."""
+    from engine.cancel import CancelToken
+    from spark_lsp.backends import engine_ws
+
+    proc = _serve("--tls-cert", certs["other_cert"], "--tls-key", certs["other_key"])
+    model = None
     try:
         key = rundir.model_key(launch.resolve_models([None]))
         line = proc.stderr.readline().decode()
@@ -416,9 +424,25 @@ def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs):
         assert "engine service on wss://127.0.0.1:" in line
         rec = rundir.read_record(key)
         assert rec["url"].startswith("wss://127.0.0.1:") and rec["pid"] == proc.pid
+        assert rec["tls_cert"] == str(Path(certs["other_cert"]).resolve())
+
+        monkeypatch.delenv(engine_ws.CA_ENV, raising=False)
+        model = engine_ws.EngineServiceModel("auto", None)  # joins it through the record
+        assert model.url == rec["url"]
+        stream = model.generate(
+            model.tokenizer.encode(PROMPT),
+            GenerationParams(max_new_tokens=4, ignore_eos=True),
+            "doc",
+            cancel=CancelToken(),
+        )
+        assert "".join(chunk.text for chunk in stream)
+        with pytest.raises(EngineUnavailable, match="IP address mismatch"):
+            SyncEngineClient(rec["url"], rec["token"], cafile=certs["ca"])
+        with pytest.raises(EngineUnavailable, match="could not be verified"):
+            SyncEngineClient(rec["url"], rec["token"], pinned_cert=certs["cert"])  # not its own
 
         async def scenario():
-            c = await EngineClient.connect(rec["url"], rec["token"], cafile=certs["ca"])
+            c = await EngineClient.connect(rec["url"], rec["token"], pinned_cert=rec["tls_cert"])
             gen = await c.generate(PROMPT, LONG, slot="d")
             async for _ in gen:
                 break
@@ -430,6 +454,8 @@ def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs):
         assert asyncio.run(scenario()).finish_reason == "cancelled"
         assert proc.wait(30) == 0
     finally:
+        if model is not None:
+            model.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
