@@ -14,6 +14,11 @@ builder, the document as slot) and asks for a greedy suggestion of `--max-tokens
   connection, one HTTP/1.1 POST with the whole prompt as JSON token ids, the tokens streamed
   back as Server-Sent Events, the connection closed.
 
+`--tls`: the daemon serves `wss://` and the endpoint HTTPS, with a throwaway CA's certificate for
+localhost (made with `trustme`); the transports are then `wss` (one TLS connection for the whole
+run) and `https-sse` (a new TCP + TLS connection, handshake included, per request), what a client
+pays over a real network, where plain text is no option.
+
 Per keystroke: first byte (the keystroke's request is built -> its first text arrives; each
 client's encoding is inside), the engine's own TTFT (from the `done` stats: the engine takes the
 request -> first token), the per-request overhead (first byte - engine TTFT), keystroke-to-
@@ -47,6 +52,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -59,7 +65,7 @@ from typing import Any
 
 from engine import Engine, GenerationParams
 from engine.service import protocol as P
-from engine.service import rundir
+from engine.service import rundir, tls
 from engine.service.client import EngineClient, SyncEngineClient
 
 from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
@@ -85,7 +91,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--context-tokens", type=int, default=1024, help="prompt budget in tokens (default 1024)"
     )
     p.add_argument(
-        "--transports", default="inproc,ws,sse", help="which of inproc,ws,sse (default: all)"
+        "--transports",
+        default="inproc,ws,sse",
+        help="which of inproc,ws,sse (default: all; with --tls ws and sse are wss and https-sse)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="ws and sse over TLS (wss, https-sse) with a throwaway localhost certificate "
+        "(needs trustme: pip install trustme)",
     )
     p.add_argument(
         "--ray", action="store_true", help="also K editors against 1 and 2 Ray Serve replicas"
@@ -206,13 +220,24 @@ async def ws_one(client: EngineClient, uri: str, ids: list[int], params: Generat
     return _row(t0, t_first, time.perf_counter(), gen.stats)
 
 
-def sse_one(url: str, uri: str, ids: list[int], params: GenerationParams) -> dict:
-    """One generation as a pool-less HTTP client makes it: connect, POST the whole prompt, read
-    the event stream, close."""
+def sse_one(
+    url: str,
+    uri: str,
+    ids: list[int],
+    params: GenerationParams,
+    ssl_context: ssl.SSLContext | None = None,
+) -> dict:
+    """One generation as a pool-less HTTP client makes it: connect (HTTPS: with ``ssl_context``,
+    a full TLS handshake each time), POST the whole prompt, read the event stream, close."""
     host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     t0 = time.perf_counter()
     body = json.dumps({"prompt": ids, "params": P.params_to_json(params), "slot": uri})
-    conn = http.client.HTTPConnection(host, int(port))  # a new connection per request
+    if ssl_context is not None:  # a new TCP + TLS connection per request
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host, int(port), context=ssl_context
+        )
+    else:
+        conn = http.client.HTTPConnection(host, int(port))  # a new connection per request
     conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     t_first, stats, event = None, {}, "message"
@@ -255,10 +280,13 @@ async def take_turns(
     uri: str,
     trace: list[list[int]],
     params: GenerationParams,
+    cafile: str | None = None,
 ) -> dict[str, list[dict]]:
-    """Every keystroke on every transport in turn (each on its own slot of its own engine)."""
+    """Every keystroke on every transport in turn (each on its own slot of its own engine).
+    ``cafile``: the CA that signed the servers' certificates (their URLs are then wss/https)."""
     rows: dict[str, list[dict]] = {name: [] for name in wanted}
-    client = await EngineClient.connect(*ws, client="bench") if ws else None
+    client = await EngineClient.connect(*ws, client="bench", cafile=cafile) if ws else None
+    sse_ctx = tls.client_context(cafile) if sse_url and tls.is_secure(sse_url) else None
     try:
         sizes = count_sent(client) if client else []
         for ids in trace:
@@ -268,7 +296,7 @@ async def take_turns(
                 rows["ws"].append(await ws_one(client, uri, ids, params))
                 rows["ws"][-1]["request_bytes"] = sizes[-1]
             if "sse" in rows:
-                rows["sse"].append(sse_one(sse_url, uri, ids, params))
+                rows["sse"].append(sse_one(sse_url, uri, ids, params, sse_ctx))
     finally:
         if client is not None:
             await client.close()
@@ -301,9 +329,11 @@ def cancel_from_thread(start, n: int, seed: int = 0) -> list[float]:
     return out
 
 
-async def _ws_cancels(url: str, token: str, ids: list[int], n: int) -> list[float]:
+async def _ws_cancels(
+    url: str, token: str, ids: list[int], n: int, cafile: str | None = None
+) -> list[float]:
     """The asyncio client on the socket: ms from sending `cancel` to receiving `done`."""
-    client = await EngineClient.connect(url, token, client="bench")
+    client = await EngineClient.connect(url, token, client="bench", cafile=cafile)
     out = []
     try:
         params = GenerationParams(max_new_tokens=500, ignore_eos=True)
@@ -329,12 +359,17 @@ def _env() -> dict:
     return env
 
 
-def start_daemon(model: str | None, run_dir: str) -> tuple[subprocess.Popen, dict]:
+def start_daemon(
+    model: str | None, run_dir: str, cert: tuple[str, str] | None = None
+) -> tuple[subprocess.Popen, dict]:
+    """The daemon (``cert``: its certificate and key files, for wss://) and its record."""
     env = _env()
     env[rundir.ENV_DIR] = run_dir
     cmd = [sys.executable, "-m", "engine.service.daemon", "--log-level", "WARNING"]
     if model:
         cmd += ["--model", model]
+    if cert:
+        cmd += ["--tls-cert", cert[0], "--tls-key", cert[1]]
     proc = subprocess.Popen(
         cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -351,8 +386,13 @@ def start_daemon(model: str | None, run_dir: str) -> tuple[subprocess.Popen, dic
     raise RuntimeError("the engine daemon did not start")
 
 
-def start_sse(model: str | None) -> tuple[subprocess.Popen, str]:
+def start_sse(
+    model: str | None, cert: tuple[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """The SSE endpoint (``cert``: its certificate and key files, for https://) and its URL."""
     cmd = [sys.executable, "-m", "engine.service.sse"] + (["--model", model] if model else [])
+    if cert:
+        cmd += ["--tls-cert", cert[0], "--tls-key", cert[1]]
     proc = subprocess.Popen(
         cmd,
         env=_env(),
@@ -805,69 +845,101 @@ def run_memories(args) -> dict:
     return out
 
 
+def throwaway_certificate(folder: str) -> tuple[str, str, str]:
+    """A throwaway CA and a certificate it signs for localhost / 127.0.0.1 / ::1, written to
+    ``folder``: (certificate, key, CA) PEM files.  Needs ``trustme`` (the test extra)."""
+    try:
+        import trustme
+    except ImportError:
+        raise SystemExit(
+            "spark-lsp bench service --tls needs trustme to make a throwaway certificate: "
+            "pip install trustme (or the test extra: pip install 'spark-lsp[test]')"
+        ) from None
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost", "127.0.0.1", "::1")
+    out = Path(folder)
+    paths = (str(out / "cert.pem"), str(out / "key.pem"), str(out / "ca.pem"))
+    leaf.cert_chain_pems[0].write_to_path(paths[0])
+    leaf.private_key_pem.write_to_path(paths[1])
+    ca.cert_pem.write_to_path(paths[2])
+    return paths
+
+
+#: What the table and --json call the service transports, plain and over TLS.
+LABELS = {False: {"ws": "ws", "sse": "sse"}, True: {"ws": "wss", "sse": "https-sse"}}
+
+
 def run(args) -> int:
-    wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
-    bad = set(wanted) - {"inproc", "ws", "sse"}
+    labels = {"inproc": "inproc", **LABELS[bool(args.tls)]}
+    names = {**{v: k for k, v in labels.items()}, "inproc": "inproc", "ws": "ws", "sse": "sse"}
+    given = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bad = {t for t in given if t not in names}
     if bad:
         print(f"spark-lsp bench service: unknown transport(s) {sorted(bad)}", file=sys.stderr)
         return 2
+    wanted = list(dict.fromkeys(names[t] for t in given))  # ws/wss -> ws, sse/https-sse -> sse
     engine = Engine.load(args.model, slots=8)
     uri, trace = prompts(args, engine.tokenizer)
     params = GenerationParams(max_new_tokens=args.max_tokens, ignore_eos=True)
     results: dict[str, Any] = {
         "keystrokes": len(trace),
         "max_tokens": args.max_tokens,
+        "tls": bool(args.tls),
         "transports": {},
     }
     load_before = os.getloadavg()
     long = GenerationParams(max_new_tokens=500, ignore_eos=True)
     with tempfile.TemporaryDirectory() as run_dir, contextlib.ExitStack() as stack:
-        ws = sse_url = None
+        ws = sse_url = cert = cafile = None
+        if args.tls:
+            *pair, cafile = throwaway_certificate(run_dir)
+            cert = (pair[0], pair[1])
         if "ws" in wanted:
-            proc, rec = start_daemon(args.model, run_dir)
+            proc, rec = start_daemon(args.model, run_dir, cert)
             stack.callback(_stop, proc)
             ws = (rec["url"], rec["token"])
         if "sse" in wanted:
-            proc, sse_url = start_sse(args.model)
+            proc, sse_url = start_sse(args.model, cert)
             stack.callback(_stop, proc)
         local = engine if "inproc" in wanted else None
         gc.collect()
         gc.freeze()  # as the servers do: the loaded model stays out of full collections
         # the same warm-up everywhere (ONNX Runtime's first runs), then a cold document slot
-        asyncio.run(take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params))
-        rows = asyncio.run(take_turns(wanted, local, ws, sse_url, uri, trace, params))
+        asyncio.run(take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params, cafile))
+        rows = asyncio.run(take_turns(wanted, local, ws, sse_url, uri, trace, params, cafile))
+        t = results["transports"]
         for name in wanted:
-            results["transports"][name] = summary(rows[name])
+            t[labels[name]] = summary(rows[name])
         if "inproc" in wanted:
-            results["transports"]["inproc"]["cancel_ms"] = _p(
+            t["inproc"]["cancel_ms"] = _p(
                 cancel_from_thread(
                     lambda: engine.generate(trace[-1], long, slot="cancel"), args.cancels
                 )
             )
         if ws is not None:
-            client = SyncEngineClient(*ws, client="bench")
+            client = SyncEngineClient(*ws, client="bench", cafile=cafile)
             try:
-                results["transports"]["ws"]["cancel_ms"] = _p(
+                t[labels["ws"]]["cancel_ms"] = _p(
                     cancel_from_thread(
                         lambda: client.generate(trace[-1], long, slot="cancel"), args.cancels
                     )
                 )
             finally:
                 client.close()
-            results["transports"]["ws"]["cancel_socket_ms"] = _p(
-                asyncio.run(_ws_cancels(*ws, trace[-1], args.cancels))
+            t[labels["ws"]]["cancel_socket_ms"] = _p(
+                asyncio.run(_ws_cancels(*ws, trace[-1], args.cancels, cafile))
             )
     results["load_average"] = {"before": load_before[0], "after": os.getloadavg()[0]}
-    t = results["transports"]
-    if "ws" in t and "sse" in t:
-        ws, sse = t["ws"], t["sse"]
+    if "ws" in wanted and "sse" in wanted:
+        ws, sse = t[labels["ws"]], t[labels["sse"]]
+        # the key stays `ws_vs_sse` plain or over TLS (`tls` says which)
         results["ws_vs_sse"] = {
             "overhead_p50_ratio": _ratio(ws["overhead_ms"]["p50"], sse["overhead_ms"]["p50"]),
             "first_byte_p50_ratio": _ratio(ws["first_byte_ms"]["p50"], sse["first_byte_ms"]["p50"]),
         }
-    if "ws" in t and "inproc" in t:
+    if "ws" in wanted and "inproc" in wanted:
         results["ws_minus_inproc_suggestion_p50_ms"] = (
-            t["ws"]["suggestion_ms"]["p50"] - t["inproc"]["suggestion_ms"]["p50"]
+            t[labels["ws"]]["suggestion_ms"]["p50"] - t["inproc"]["suggestion_ms"]["p50"]
         )
     if args.ray:
         ks = [int(k) for k in args.editors.split(",") if k.strip()]
@@ -916,15 +988,17 @@ def print_table(r: dict) -> None:
         ):
             if key in s:
                 print(f"{name}: {what} p50 {f(s[key]['p50'])} ms, p95 {f(s[key]['p95'])} ms")
+    ws, sse = LABELS[bool(r.get("tls"))].values()
     if "ws_vs_sse" in r:
         v = r["ws_vs_sse"]
         print(
-            f"ws / sse: per-request overhead p50 x{f(v['overhead_p50_ratio'])}, "
+            f"{ws} / {sse}: per-request overhead p50 x{f(v['overhead_p50_ratio'])}, "
             f"first byte p50 x{f(v['first_byte_p50_ratio'])}"
         )
     if "ws_minus_inproc_suggestion_p50_ms" in r:
         print(
-            f"ws - inproc keystroke-to-suggestion p50: {r['ws_minus_inproc_suggestion_p50_ms']:+.2f} ms"
+            f"{ws} - inproc keystroke-to-suggestion p50: "
+            f"{r['ws_minus_inproc_suggestion_p50_ms']:+.2f} ms"
         )
     for name, m in r.get("memory", {}).items():
         one = m["one_inproc_server_mb"]

@@ -183,8 +183,9 @@ class Settings:
         "string",
         "Where the engine runs when backend is local: local (in this server), auto (your shared "
         "engine daemon for this model, started when none runs: editor windows share one model) "
-        "or ws://HOST:PORT (a given `spark-lsp engine serve` daemon or Ray Serve deployment). "
-        "See docs/service.md.",
+        "or ws://HOST:PORT / wss://HOST:PORT (a given `spark-lsp engine serve` daemon or Ray "
+        "Serve deployment; wss:// certificates are verified, a private CA's bundle named by "
+        "SPARK_LSP_ENGINE_CA). See docs/service.md.",
     )
     backend: str = setting(
         "local",

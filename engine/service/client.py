@@ -30,11 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidMessage,
+    InvalidStatus,
+    WebSocketException,
+)
 from websockets.sync.client import connect as sync_connect
 
 from ..params import GenerationParams
 from . import protocol as P
+from . import tls
 from .direct import DirectClientConnection
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,30 @@ DISCONNECTED = "disconnected"
 
 class EngineUnavailable(ConnectionError):
     """The engine service cannot be reached (or refused us: wrong token, origin, version)."""
+
+
+def _ssl_for(url: str, cafile: str | None, pinned: str | None = None) -> Any:
+    """The client SSL context of a ``wss://`` URL (None for ``ws://``): ``pinned``, the one
+    certificate to trust, else the trust store and ``cafile``.  A file that cannot be used is
+    an EngineUnavailable that says why."""
+    if not tls.is_secure(url):
+        return None
+    try:
+        return tls.pinned_context(pinned) if pinned else tls.client_context(cafile)
+    except tls.TLSConfigError as e:
+        raise EngineUnavailable(f"cannot connect to the engine service at {url}: {e}") from None
+
+
+def _unreachable(url: str, exc: BaseException) -> EngineUnavailable:
+    """The EngineUnavailable of a connection that failed with ``exc`` (a TLS failure says what
+    failed and how to trust the server's certificate)."""
+    why = tls.failure(url, exc)
+    if why is None and isinstance(exc, InvalidMessage) and not tls.is_secure(url):
+        why = (
+            f"cannot reach the engine service at {url}: {exc} (if it serves TLS, use its "
+            "wss:// URL)"
+        )
+    return EngineUnavailable(why or f"cannot reach the engine service at {url}: {exc}")
 
 
 class EngineRequestError(RuntimeError):
@@ -301,11 +331,18 @@ class EngineClient(_Dispatch):
         open_timeout: float = 10.0,
         origin: str | None = None,
         prompt_deltas: bool = True,
+        cafile: str | None = None,
+        pinned_cert: str | None = None,
     ) -> EngineClient:
+        """Connect and shake hands.  A ``wss://`` URL's certificate is verified against the
+        system's trust store and ``cafile`` (a PEM CA bundle), hostname included; or, given
+        ``pinned_cert`` (a daemon's own certificate, from the user's record), is that one."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ssl_context = _ssl_for(url, cafile, pinned_cert)
         try:
             ws = await connect(
                 url,
+                ssl=ssl_context,
                 additional_headers=headers,
                 open_timeout=open_timeout,
                 compression=None,
@@ -322,7 +359,7 @@ class EngineClient(_Dispatch):
                 f"engine service at {url} refused the connection: HTTP {code} ({why})"
             ) from None
         except (OSError, WebSocketException, asyncio.TimeoutError) as e:
-            raise EngineUnavailable(f"cannot reach the engine service at {url}: {e}") from None
+            raise _unreachable(url, e) from None
         try:
             await ws.send(
                 P.encode(
@@ -603,7 +640,8 @@ class SyncEngineClient(_Dispatch):
     """One connection to an engine service for callers in ordinary threads (the language
     server's engine thread), without an event loop: a request, a cancel or a steer is written
     by the thread that makes it, and the socket's reading thread hands each message to its
-    generation (``engine.service.direct``)."""
+    generation (``engine.service.direct``).  ``cafile`` and ``pinned_cert``: as
+    ``EngineClient.connect``'s."""
 
     _generation = SyncGeneration
 
@@ -616,6 +654,8 @@ class SyncEngineClient(_Dispatch):
         open_timeout: float = 10.0,
         origin: str | None = None,
         prompt_deltas: bool = True,
+        cafile: str | None = None,
+        pinned_cert: str | None = None,
     ) -> None:
         self.url = url
         self._lock = threading.Lock()  # the state below (taken by the reading thread too)
@@ -629,9 +669,11 @@ class SyncEngineClient(_Dispatch):
         self.close_reason = ""
         self.last_error: EngineRequestError | None = None  # the last error no request claimed
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ssl_context = _ssl_for(url, cafile, pinned_cert)
         try:
             self.ws = sync_connect(
                 url,
+                ssl=ssl_context,
                 additional_headers=headers,
                 open_timeout=open_timeout,
                 compression=None,
@@ -651,7 +693,7 @@ class SyncEngineClient(_Dispatch):
                 f"engine service at {url} refused the connection: HTTP {code} ({why})"
             ) from None
         except (OSError, WebSocketException, TimeoutError) as e:
-            raise EngineUnavailable(f"cannot reach the engine service at {url}: {e}") from None
+            raise _unreachable(url, e) from None
         self._hello: concurrent.futures.Future = concurrent.futures.Future()
         self.ws.attach(self._on_raw, self._on_close)
         try:

@@ -5,6 +5,10 @@ The daemon binds loopback unless told otherwise, generates a random token and wr
 token to a 0600 record in the user's runtime dir (``engine.service.rundir``).  A client shares
 one daemon per model with ``engine.service.launch.join_or_start``: it reads the record, or starts
 a detached daemon and waits for its record.
+
+With a certificate and its key (``--tls-cert`` / ``--tls-key``, ``engine.service.tls``) it serves
+``wss://``.  Serving other machines without them is allowed (a TLS-terminating proxy may sit in
+front) but warned about: the token and the prompts would cross the network in clear text.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import gc
 import logging
 import os
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -21,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import rundir
+from . import rundir, tls
 from .address import is_loopback
 from .launch import DaemonError, resolve_models
 from .local import LocalModels
@@ -81,14 +86,24 @@ def run(
     record: bool = True,
     announce=None,
     stop: threading.Event | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    tls_cert: str | None = None,
 ) -> None:
     """Serve ``models`` until SIGTERM/SIGINT (or ``stop`` is set, or ``idle_exit_s`` passes with
     no client); every generation in flight is cancelled and its ``done`` delivered before exit.
-    The server runs on its own threads; this one waits for the end."""
-    server = EngineServer(models, token=token, origins=origins).open(host, port)
+    The server runs on its own threads; this one waits for the end.  ``ssl_context``
+    (``tls.server_context``): serve ``wss://`` (the record gets that URL, and ``tls_cert``, the
+    certificate's file, which the user's own clients pin: ``launch.join_or_start``'s callers
+    connect to the bind address, which the certificate need not name)."""
+    server = EngineServer(models, token=token, origins=origins, ssl_context=ssl_context).open(
+        host, port
+    )
     key = rundir.model_key(folders)
+    extra = {"tls_cert": str(Path(tls_cert).expanduser().resolve())} if tls_cert else {}
     path = (
-        rundir.write_record(key, server.url, token, [str(f) for f in folders]) if record else None
+        rundir.write_record(key, server.url, token, [str(f) for f in folders], **extra)
+        if record
+        else None
     )
     log.info(
         "engine: serving %s on %s%s",
@@ -122,6 +137,21 @@ def run(
 
 
 # -- command line ---------------------------------------------------------------------------------
+def warn_cleartext(host: str, port: int, *, to_stderr: bool) -> None:
+    """Say that a daemon serving other machines without TLS sends the token and the code in
+    clear text (not refused: a TLS-terminating proxy in front of it is a valid setup).  The
+    warning goes to the log, and to stderr as well where the log does not show it there (a log
+    file, or a level above WARNING)."""
+    msg = (
+        f"serving {host}:{port} to other machines without TLS: the token and every prompt (the "
+        "users' code) cross the network unencrypted; pass --tls-cert and --tls-key, or put a "
+        "TLS-terminating proxy in front of the daemon"
+    )
+    log.warning("engine: %s", msg)
+    if to_stderr:
+        print(f"spark-lsp engine serve: warning: {msg}", file=sys.stderr, flush=True)
+
+
 def main_args(args: argparse.Namespace) -> int:
     handler = (
         logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
@@ -136,6 +166,17 @@ def main_args(args: argparse.Namespace) -> int:
             raise DaemonError(
                 f"--ws {host}:{port} is not a loopback address: pass --allow-remote "
                 "(and give clients the token) to serve other machines"
+            )
+        ssl_context = (
+            tls.server_context(args.tls_cert, args.tls_key)
+            if tls.check_pair(args.tls_cert, args.tls_key)
+            else None
+        )
+        if ssl_context is None and not is_loopback(host):
+            warn_cleartext(
+                host,
+                port,
+                to_stderr=bool(args.log_file) or logging.getLogger().level > logging.WARNING,
             )
         token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
         folders = resolve_models(args.model)
@@ -172,6 +213,8 @@ def main_args(args: argparse.Namespace) -> int:
         origins=args.allow_origin,
         idle_exit_s=args.idle_exit,
         announce=announce,
+        ssl_context=ssl_context,
+        tls_cert=args.tls_cert if ssl_context is not None else None,
     )
     return 0
 

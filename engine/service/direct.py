@@ -61,7 +61,10 @@ class _Direct:
     def send_data(self) -> None:
         """Write what the protocol has to send (called with ``protocol_mutex`` held, as the
         library's): its frames joined into one ``sendall``, then the end of the stream if the
-        protocol asks for it."""
+        protocol asks for it.  On an ``ssl.SSLSocket`` (wss://) ``sendall`` returns once all of
+        it is encrypted and handed to the kernel, so nothing waits in the TLS layer where
+        ``ThreadConnection._credit``'s wait on the descriptor would not see it; the end of the
+        stream is a TCP shutdown, as the library's own (no TLS close_notify)."""
         pending: list[bytes] = []
         for data in self.protocol.data_to_send():
             if data:

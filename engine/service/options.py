@@ -49,6 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="allow a non-loopback --ws address (clients need the token)",
     )
     p.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        help="serve wss:// with this certificate (chain, PEM); needs --tls-key",
+    )
+    p.add_argument(
+        "--tls-key",
+        metavar="PEM",
+        help="the private key (PEM, unencrypted) of --tls-cert",
+    )
+    p.add_argument(
         "--token-file",
         metavar="FILE",
         help="read the access token from FILE (default: a new random token in the record)",

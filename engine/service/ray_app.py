@@ -520,6 +520,11 @@ def main_args(args) -> int:
             raise DaemonError(f"--ws {host}:{port} is not a loopback address: pass --allow-remote")
         if len(args.model) > 1:
             raise DaemonError("--ray serves one model per application; start one per model")
+        if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+            raise DaemonError(
+                "--tls-cert/--tls-key are not supported with --ray: terminate TLS in front of "
+                "Ray Serve's HTTP proxy (a reverse proxy or load balancer serving wss://)"
+            )
         token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
         folders = resolve_models(args.model)
     except (DaemonError, OSError, ValueError) as e:

@@ -9,6 +9,10 @@ socket and the engine, so a token or a cancel crosses no thread hand-over in the
 machine whose cores the engine keeps busy, each hand-over is a wait for a core).  ``stop()``
 cancels every generation in flight and delivers their ``done`` messages before closing the
 sockets.
+
+With ``ssl_context`` (``engine.service.tls.server_context``) it serves ``wss://``: the library
+wraps each accepted socket and shakes hands on the connection's thread (a client that fails the
+TLS handshake, a plain ``ws://`` one included, is dropped there and the server goes on).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import hmac
 import http
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -42,7 +47,8 @@ def bearer(headers: Headers) -> str | None:
 
 
 class EngineServer:
-    """Serve ``models`` (``engine.service.local.LocalModels`` or compatible) to WebSocket clients."""
+    """Serve ``models`` (``engine.service.local.LocalModels`` or compatible) to WebSocket clients,
+    over TLS (``wss://``) when given ``ssl_context``."""
 
     def __init__(
         self,
@@ -51,8 +57,10 @@ class EngineServer:
         token: str | None,
         origins: Sequence[str] = (),
         max_generations: int = MAX_GENERATIONS,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.models = models
+        self.ssl_context = ssl_context  # a server context (engine.service.tls): wss://
         self.token = token
         self.origins = tuple(origins)
         self.max_generations = max_generations
@@ -67,7 +75,8 @@ class EngineServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
+        scheme = "wss" if self.ssl_context is not None else "ws"
+        return f"{scheme}://{host}:{self.port}"
 
     def open(self, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
         """Listen on ``host``:``port`` (0: a free port) and serve from a background thread."""
@@ -83,6 +92,7 @@ class EngineServer:
             ping_timeout=60,
             close_timeout=2,
             create_connection=DirectServerConnection,
+            ssl=self.ssl_context,  # the TLS handshake runs on the connection's own thread
         )
         self.host, self.port = self._server.socket.getsockname()[:2]
         self._thread = threading.Thread(

@@ -7,7 +7,8 @@ and its parsing per generation).  Standard library only (``http.server``), one t
 ``POST /generate`` with the JSON body ``{"prompt": text or ids, "params": {...}, "slot": key}``
 answers ``text/event-stream``: ``data: {"text": ..., "ids": [...]}`` per chunk, then
 ``event: done`` with ``{"finish_reason": ..., "stats": {...}}``.  Closing the connection
-cancels the generation.
+cancels the generation.  With a certificate and its key (``--tls-cert`` / ``--tls-key``) it
+serves HTTPS, each request on a new TCP + TLS connection.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import gc
 import json
 import logging
 import signal
+import socket
+import ssl
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,8 +27,12 @@ from typing import Any
 
 from ..config import ModelError
 from . import protocol as P
+from . import tls
 
 log = logging.getLogger(__name__)
+
+#: Seconds a client has to complete the TLS handshake.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -76,21 +83,55 @@ class _Handler(BaseHTTPRequestHandler):
             done = {"finish_reason": gen.finish_reason, "stats": gen.stats}
             self.wfile.write(f"event: done\ndata: {json.dumps(done)}\n\n".encode())
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            gen.cancel()  # the client went away: stop generating
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
+            gen.cancel()  # the client went away (over TLS: an SSLError): stop generating
 
 
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
-    """Start the endpoint in a background thread; ``server_address`` has the bound port."""
+class _Server(ThreadingHTTPServer):
+    """A thread per request; with ``ssl_context``, its TLS handshake runs on that thread (not on
+    the accepting one, where a slow or silent client would hold every other client)."""
+
+    daemon_threads = True
+    ssl_context: ssl.SSLContext | None = None
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.ssl_context is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            conn = self.ssl_context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as e:
+            log.debug("TLS handshake with %s failed: %s", client_address, e)
+            return
+        conn.settimeout(None)
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            try:
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:  # the client went away
+                pass
+            conn.close()
+
+
+def serve(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> ThreadingHTTPServer:
+    """Start the endpoint in a background thread; ``server_address`` has the bound port.
+    ``ssl_context`` (``engine.service.tls.server_context``): serve HTTPS."""
     handler = type("Handler", (_Handler,), {"engine": engine})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server = _Server((host, port), handler)
+    server.ssl_context = ssl_context
     threading.Thread(target=server.serve_forever, name="spark-sse", daemon=True).start()
     return server
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.service.sse [--model DIR] [--port N]``: prints the URL, serves until SIGTERM."""
+    """``python -m engine.service.sse [--model DIR] [--port N] [--tls-cert PEM --tls-key PEM]``:
+    prints the URL, serves until SIGTERM."""
     from ..engine import Engine  # ONNX Runtime loads only when the endpoint really starts
 
     p = argparse.ArgumentParser(
@@ -99,12 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     args = p.parse_args(argv)
+    try:
+        ctx = (
+            tls.server_context(args.tls_cert, args.tls_key)
+            if tls.check_pair(args.tls_cert, args.tls_key)
+            else None
+        )
+    except tls.TLSConfigError as e:
+        print(f"python -m engine.service.sse: {e}", file=sys.stderr)
+        return 2
     engine = Engine.load(args.model, slots=args.slots)
     gc.collect()
     gc.freeze()  # as the daemon does: the model's objects stay out of full collections
-    server = serve(engine, port=args.port)
-    print(f"http://127.0.0.1:{server.server_address[1]}/generate", flush=True)
+    server = serve(engine, port=args.port, ssl_context=ctx)
+    scheme = "https" if ctx is not None else "http"
+    print(f"{scheme}://127.0.0.1:{server.server_address[1]}/generate", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -2,8 +2,9 @@
 
 Setting / flag `engine`: `local` (the in-process engine), `auto` (join the user's daemon for this
 model, starting a detached one when none runs: N editor windows then share one model and one KV
-cache pool) or `ws://HOST:PORT` (a given daemon or Ray Serve deployment).  The server keeps the
-model folder's tokenizer and builds prompts itself, as with the in-process engine; the daemon
+cache pool) or `ws://HOST:PORT` / `wss://HOST:PORT` (a given daemon or Ray Serve deployment; a
+`wss://` server's certificate is verified against the system's trust store and the CA bundle
+named by $SPARK_LSP_ENGINE_CA).  The server keeps the model folder's tokenizer and builds prompts itself, as with the in-process engine; the daemon
 receives token ids, so typing-through, prefix reuse (the slot is the document), supersede and
 cancel behave as in-process.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from engine.cancel import CancelToken
 from engine.config import load_config
-from engine.service import launch, rundir
+from engine.service import launch, rundir, tls
 from engine.service.client import EngineUnavailable, SyncEngineClient
 from engine.service.steering import MATCH, Piece, common_chars, judge
 from engine.tokenizer import Tokenizer
@@ -40,6 +41,9 @@ POLL_S = 0.01
 MAX_FAILURES = 3
 #: Environment variable with the token of a `ws://` daemon not found in the user's records.
 TOKEN_ENV = "SPARK_LSP_ENGINE_TOKEN"
+#: Environment variable naming a CA bundle (PEM) to trust for a `wss://` daemon's certificate,
+#: besides the system's trust store (a team's private CA, or a self-signed certificate).
+CA_ENV = tls.CA_ENV
 
 
 def token_for(url: str) -> str | None:
@@ -67,7 +71,7 @@ class EngineServiceModel:
     ) -> None:
         if target != "auto" and not target.startswith(("ws://", "wss://")):
             raise BackendError(
-                f"setting 'engine' must be local, auto or a ws:// URL, got {target!r}"
+                f"setting 'engine' must be local, auto or a ws:// or wss:// URL, got {target!r}"
             )
         self.target = target
         self.precision = precision  # of a daemon `auto` starts (one already running is joined)
@@ -96,9 +100,17 @@ class EngineServiceModel:
             except launch.DaemonError as exc:
                 raise EngineUnavailable(str(exc)) from None
             url, token = rec["url"], rec["token"]
+            pinned = rec.get("tls_cert")  # a wss daemon of this user: its own certificate
         else:
             url, token = self.target, token_for(self.target)
-        client = SyncEngineClient(url, token, client="spark-lsp")
+            pinned = None  # a URL given by the user: verified by its host name
+        client = SyncEngineClient(
+            url,
+            token,
+            client="spark-lsp",
+            cafile=os.environ.get(CA_ENV) or None,
+            pinned_cert=pinned,
+        )
         try:
             info = next((m for m in client.hello["models"] if m.get("name") == self.name), None)
             if info is None:

@@ -19,8 +19,9 @@ def register(subparsers) -> None:
         "serve",
         help="serve models over a persistent WebSocket (loopback, token-protected)",
         description="Load the models once and serve them to spark-lsp servers (engine "
-        "'auto' or 'ws://...') over one WebSocket each. The URL and token go to "
-        "a 0600 file in the user's runtime dir. SIGTERM stops it cleanly.",
+        "'auto', 'ws://...' or 'wss://...') over one WebSocket each (wss:// with "
+        "--tls-cert/--tls-key). The URL and token go to a 0600 file in the user's runtime "
+        "dir. SIGTERM stops it cleanly.",
     )
     options.add_arguments(s)
     s.add_argument(

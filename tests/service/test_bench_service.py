@@ -1,6 +1,7 @@
 """`spark-lsp bench service` runs all three transports on a short trace and reports each."""
 
 import json
+import sys
 
 import pytest
 
@@ -28,6 +29,30 @@ def test_bench_service_reports_every_transport(capsys):
     for name, key in (("inproc", "cancel_ms"), ("ws", "cancel_ms"), ("ws", "cancel_socket_ms")):
         assert t[name][key]["n"] == 3 and t[name][key]["p50"] > 0  # every cancel stopped it
     assert set(out["load_average"]) == {"before", "after"}
+
+
+@pytest.mark.slow
+def test_bench_service_over_tls_labels_wss_and_https_sse(capsys):
+    """--tls: the daemon serves wss:// and the endpoint https:// (a throwaway certificate); the
+    table and --json name the transports wss and https-sse and keep the ratio lines."""
+    args = ["--max-chars", "4", "--max-tokens", "3", "--cancels", "2", "--tls"]
+    assert bench_service.main([*args, "--transports", "ws,sse", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tls"] is True and set(out["transports"]) == {"wss", "https-sse"}
+    for s in out["transports"].values():
+        assert s["keystrokes"] == out["keystrokes"] >= 2 and s["first_byte_ms"]["p50"] > 0
+    assert out["ws_vs_sse"]["overhead_p50_ratio"] is not None
+    assert out["transports"]["wss"]["cancel_socket_ms"]["n"] == 2
+    assert bench_service.main([*args, "--transports", "wss,https-sse", "--cancels", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "wss / https-sse: per-request overhead p50" in table
+    assert "\nwss " in table and "\nhttps-sse " in table
+
+
+def test_bench_service_tls_says_how_to_install_trustme(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "trustme", None)  # import trustme raises ImportError
+    with pytest.raises(SystemExit, match="pip install trustme"):
+        bench_service.throwaway_certificate(str(tmp_path))
 
 
 @pytest.mark.slow
