@@ -7,11 +7,11 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from service_support import start_daemon
 
 from engine import GenerationParams
 from engine.models import default_model_dir
@@ -38,15 +38,6 @@ def wait_record(key: str, proc: subprocess.Popen, timeout: float = 120.0) -> dic
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else proc.returncode
         time.sleep(0.05)
     raise AssertionError("the daemon wrote no record")
-
-
-def start_daemon(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "spark_lsp.cli", "engine", "serve", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=ROOT,
-    )
 
 
 @pytest.mark.slow

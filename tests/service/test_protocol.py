@@ -13,6 +13,7 @@ from array import array
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from service_support import wait_until_stalled
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -713,7 +714,6 @@ def test_threaded_a_client_that_stops_reading_holds_its_generation(engine):
     """The generation writes its own tokens; when the client reads nothing, it stops once the
     socket's buffers are full (nothing queues in the server), and goes on when the client
     reads again, delivering every token."""
-    import time
 
     conn, server_end, client_end = _socket_connection(engine)
     conn.handle(json.dumps({"type": "hello"}))
@@ -729,14 +729,7 @@ def test_threaded_a_client_that_stops_reading_holds_its_generation(engine):
         )
     )
     run = conn.runs["g"]
-    stalled = -1
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the stream stops growing for 0.3 s
-        n = len(run.stream.ids)
-        time.sleep(0.3)
-        if len(run.stream.ids) == n:
-            stalled = n
-            break
+    stalled = wait_until_stalled(run)
     assert 0 < stalled < 600, "the generation never waited for the client"
     assert "g" in conn.runs
     received: list[dict] = []

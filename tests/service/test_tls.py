@@ -13,14 +13,13 @@ import os
 import signal
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import trustme
+from service_support import start_daemon, wait_until_stalled
 
 from engine import Engine, GenerationParams
 from engine.service import launch, rundir, sse, tls
@@ -328,14 +327,7 @@ def test_threaded_connection_on_tls_holds_a_generation_for_a_client_that_stops_r
         )
     )
     run = conn.runs["g"]
-    stalled = -1
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the stream stops growing for 0.3 s
-        n = len(run.stream.ids)
-        time.sleep(0.3)
-        if len(run.stream.ids) == n:
-            stalled = n
-            break
+    stalled = wait_until_stalled(run)
     assert 0 < stalled < 600, "the generation never waited for the client"
     received: list[dict] = []
     while not any(m.get("type") == "done" for m in received):
@@ -395,15 +387,6 @@ def run_dir(tmp_path, monkeypatch):
     return d
 
 
-def _serve(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "spark_lsp.cli", "engine", "serve", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=ROOT,
-    )
-
-
 @pytest.mark.slow
 def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatch):
     """The daemon announces and records its wss:// URL and its certificate's file; the user's
@@ -413,7 +396,7 @@ def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatc
     from engine.cancel import CancelToken
     from spark_lsp.backends import engine_ws
 
-    proc = _serve("--tls-cert", certs["other_cert"], "--tls-key", certs["other_key"])
+    proc = start_daemon("--tls-cert", certs["other_cert"], "--tls-key", certs["other_key"])
     model = None
     try:
         key = rundir.model_key(launch.resolve_models([None]))
@@ -478,7 +461,7 @@ def test_daemon_refuses_bad_tls_options_before_loading(run_dir, certs, args, mes
         for k in sorted(subs, key=len, reverse=True):
             a = a.replace(k, subs[k])
         argv.append(a)
-    proc = _serve(*argv)
+    proc = start_daemon(*argv)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert message in err
@@ -487,7 +470,7 @@ def test_daemon_refuses_bad_tls_options_before_loading(run_dir, certs, args, mes
 @pytest.mark.slow
 def test_allow_remote_without_tls_warns_about_clear_text(run_dir, tmp_path):
     log = tmp_path / "daemon.log"
-    proc = _serve("--ws", "0.0.0.0:0", "--allow-remote", "--log-file", str(log))
+    proc = start_daemon("--ws", "0.0.0.0:0", "--allow-remote", "--log-file", str(log))
     try:
         line = proc.stderr.readline().decode()
         assert "unencrypted" in line and "--tls-cert" in line

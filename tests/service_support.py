@@ -1,0 +1,34 @@
+"""Helpers the engine-service tests share (tests/service): a daemon started as the user starts
+it, and the wait for a generation that a slow client holds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_daemon(*args: str) -> subprocess.Popen:
+    """``spark-lsp engine serve ARGS`` in a child process (stderr piped, for its messages)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "spark_lsp.cli", "engine", "serve", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+
+
+def wait_until_stalled(run, timeout_s: float = 60.0) -> int:
+    """How many tokens a connection's generation ``run`` made before it stopped making more
+    (its stream unchanged for 0.3 s): the client stopped reading and the generation waits for
+    it.  -1 if it never stalled within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = len(run.stream.ids)
+        time.sleep(0.3)
+        if len(run.stream.ids) == n:
+            return n
+    return -1
