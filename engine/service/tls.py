@@ -15,6 +15,8 @@ from pathlib import Path
 
 #: Environment variable naming a CA bundle (PEM) that the language server trusts for ``wss://``.
 CA_ENV = "SPARK_LSP_ENGINE_CA"
+_PEM_BEGIN = "-----BEGIN CERTIFICATE-----"
+_PEM_END = "-----END CERTIFICATE-----"
 
 
 class TLSConfigError(ValueError):
@@ -77,13 +79,20 @@ def pinned_context(cert: str | Path) -> ssl.SSLContext:
     certificate the daemon serves (its URL is its bind address, e.g. ``0.0.0.0``, which no
     certificate names).  The server must still prove it holds that certificate's key."""
     path = _readable(cert, "certificate")
+    # only the file's first certificate, the daemon's own: were the chain behind it (its CA)
+    # an anchor too, any certificate that CA signs would pass, with no host name to check
+    text = Path(path).read_text(encoding="ascii", errors="replace")
+    begin = text.find(_PEM_BEGIN)
+    end = text.find(_PEM_END, begin)
+    if begin < 0 or end < 0:
+        raise TLSConfigError(f"certificate {path}: no PEM certificate in it")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.check_hostname = False  # the pinned certificate authenticates the server
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # a leaf (not only a CA) as the anchor
     try:
-        ctx.load_verify_locations(cafile=path)
+        ctx.load_verify_locations(cadata=text[begin : end + len(_PEM_END)])
     except ssl.SSLError as e:
         raise TLSConfigError(
             f"certificate {path}: not a PEM certificate ({e.reason or e})"

@@ -75,6 +75,31 @@ def server(engine, certs):
     srv.close()
 
 
+def test_a_pinned_file_trusts_its_first_certificate_only(engine, certs, tmp_path):
+    """A chain in the pinned file (the daemon's certificate, then its CA) does not make the CA an
+    anchor: another certificate the same CA signs is refused; the daemon's own is accepted."""
+    ca = Path(certs["ca"]).read_text()
+    srv = EngineServer(
+        LocalModels([engine]),
+        token=TOKEN,
+        ssl_context=tls.server_context(certs["cert"], certs["key"]),
+    ).open()
+    try:
+        theirs = tmp_path / "theirs.pem"
+        theirs.write_text(Path(certs["other_cert"]).read_text() + ca)
+        with pytest.raises(EngineUnavailable, match="could not be verified"):
+            SyncEngineClient(srv.url, TOKEN, pinned_cert=str(theirs))
+        own = tmp_path / "own.pem"
+        own.write_text(Path(certs["cert"]).read_text() + ca)
+        SyncEngineClient(srv.url, TOKEN, pinned_cert=str(own)).close()
+        empty = tmp_path / "empty.pem"
+        empty.write_text("not a certificate\n")
+        with pytest.raises(EngineUnavailable, match="no PEM certificate"):
+            SyncEngineClient(srv.url, TOKEN, pinned_cert=str(empty))
+    finally:
+        srv.close()
+
+
 # -- the clients over wss ---------------------------------------------------------------------
 async def test_asyncio_client_generates_over_wss(server, certs, reference):
     assert server.url.startswith("wss://127.0.0.1:")
