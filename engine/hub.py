@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +220,11 @@ def _progress_class(progress: Progress | None, what: str):
     if progress is None:
         return tqdm
 
+    # huggingface_hub's download threads update the bytes bar concurrently: one lock orders the
+    # reports, and only a count past the last one reported is passed on (never a step back)
+    lock = threading.Lock()
+    last = [-1]
+
     class Reporting(tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = False
@@ -226,9 +232,13 @@ def _progress_class(progress: Progress | None, what: str):
             super().__init__(*args, **kwargs)
 
         def update(self, n=1):
-            out = super().update(n)
-            if self.unit == "B":
-                progress(int(self.n), int(self.total) if self.total else None, what)
+            with lock:
+                out = super().update(n)
+                done = int(self.n)
+                if self.unit != "B" or done <= last[0]:
+                    return out
+                last[0] = done
+                progress(done, int(self.total) if self.total else None, what)
             return out
 
     return Reporting
