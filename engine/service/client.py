@@ -253,6 +253,9 @@ class _Dispatch:
             self._deltas.accepted(gid)
             gen = self._gens.get(gid)
             if gen is not None:
+                early = msg.get("stats")
+                if isinstance(early, dict) and not gen.stats:
+                    gen.stats = dict(early)  # until `done` brings them all
                 gen._push(msg.get("text", ""), list(msg.get("ids", ())))
         elif kind == "done":
             self._deltas.accepted(gid)

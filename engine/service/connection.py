@@ -82,6 +82,7 @@ class Run:
         self.steered = False  # diverged: stop, and start the successor when it has stopped
         self.successor_id: str | None = None
         self.handle: Any = None
+        self.early_stats: dict[str, Any] | None = None  # sent with its first tokens message
         self._credits = threading.Semaphore(WINDOW)  # undelivered tokens (asyncio Connection)
 
     # -- the Sink interface, called from the generation's thread ---------------------------------
@@ -93,7 +94,9 @@ class Run:
         while not self._credits.acquire(blocking=False):
             await asyncio.sleep(0.002)
 
-    def chunk(self, token_id: int, text: str) -> None:
+    def chunk(self, token_id: int, text: str, stats: dict[str, Any] | None = None) -> None:
+        if stats is not None:
+            self.early_stats = {k: stats[k] for k in P.EARLY_STATS if k in stats}
         self.conn._deliver(self.conn._on_chunk, self, token_id, text)
 
     def finish(
@@ -499,9 +502,13 @@ class ThreadConnection(Session):
         held.add(token_id, text)
         now = time.monotonic()
         if held.due(now):
+            first = held.queued is None
             held.queued = now
             text, ids, _ = held.take()
-            self._write(P.tokens(run.id, text, ids))
+            msg = P.tokens(run.id, text, ids)
+            if first and run.early_stats:
+                msg["stats"] = run.early_stats
+            self._write(msg)
 
     def _take_held(self, gid: str | None) -> dict[str, Any] | None:
         """The ``tokens`` message of what ``gid`` holds (then held no more), or None."""

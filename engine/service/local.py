@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 class Sink(Protocol):
     """Where a running generation delivers its output (callable from any thread)."""
 
-    def chunk(self, token_id: int, text: str) -> None: ...
+    def chunk(self, token_id: int, text: str, stats: dict[str, Any] | None = None) -> None:
+        """One chunk; the first carries the generation's stats so far (prompt and reused
+        tokens, TTFT), which a client needs before the end to report them."""
+        ...
 
     def finish(
         self, finish_reason: str, stats: dict[str, Any], error: tuple[str, str] | None
@@ -124,13 +127,17 @@ class LocalRun:
         error = None
         try:
             self.gen = self._start(self._token)
+            sent = False
             for chunk in self.gen:
                 while not self._stop.is_set() and not self.sink.credit(self._stop, 0.05):
                     pass
                 if self._stop.is_set():
                     self.gen.cancel()  # the next step ends the iteration with 'cancelled'
                     continue
-                self.sink.chunk(int(chunk.token_id), chunk.text)
+                first, sent = not sent, True
+                self.sink.chunk(
+                    int(chunk.token_id), chunk.text, dict(self.gen.stats) if first else None
+                )
         except ModelError as e:
             error = ("engine_error", str(e))
         except Exception as e:  # an engine failure ends this generation, never the service

@@ -342,6 +342,11 @@ def error(code: str, message: str, id: str | None = None) -> dict[str, Any]:
     return msg
 
 
+#: The stats a daemon's first ``tokens`` message of a generation carries (the rest come with
+#: ``done``): a client reports prefix reuse and TTFT without waiting for the end.
+EARLY_STATS = ("prompt_tokens", "reused_tokens", "ttft_ms")
+
+
 def tokens(id: str, text: str, ids: list[int]) -> dict[str, Any]:
     return {"type": "tokens", "id": id, "text": text, "ids": ids}
 

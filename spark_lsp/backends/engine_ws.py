@@ -252,7 +252,7 @@ class EngineStream:
         self._gen = gen
         self._request = request  # (prompt ids, params, slot), for a successor started here
         self.finish_reason: str | None = None
-        self.stats: dict = {}
+        self._stats: dict | None = None  # the generation's whole stats, once it has ended
         self.text = ""
         self._t0 = time.perf_counter()
         self._lock = threading.RLock()  # a steer's future may complete as it is sent
@@ -262,6 +262,12 @@ class EngineStream:
         self._stopping = False  # a steer stopped the generation: its successor comes next
         self._late = False  # a steer came after the daemon's generation had ended
         cancel.on_cancel(lambda _reason: self.cancel())
+
+    @property
+    def stats(self) -> dict:
+        """The generation's stats: while it streams, those its first tokens brought (prompt and
+        reused tokens, TTFT); all of them once it has ended."""
+        return self._stats if self._stats is not None else dict(self._gen.stats or {})
 
     def __iter__(self) -> EngineStream:
         return self
@@ -361,7 +367,7 @@ class EngineStream:
     def _end(self) -> None:
         g = self._gen
         self.finish_reason = g.finish_reason or "cancelled"
-        self.stats = dict(g.stats or {})
+        self._stats = dict(g.stats or {})
         if g.finish_reason == "error":
             err = g.error or {}
             if err.get("code") == "disconnected":

@@ -129,6 +129,54 @@ async def test_text_and_id_prompts_and_prefix_reuse(client, engine, reference):
     assert again.stats["reused_tokens"] == len(ids) - 1  # the slot kept the prompt's KV
 
 
+async def test_the_first_tokens_bring_the_prompt_stats(server, engine):
+    """A generation's first ``tokens`` message carries its prompt and reused tokens and its TTFT
+    (a client reports them before the end: most suggestions are answered or cancelled before
+    it); later ones carry none; ``done`` brings them all."""
+    ids = engine.tokenizer.encode(PROMPT)
+    ws = await raw_connection(server)
+    await ws.send(json.dumps({"type": "hello"}))
+    await recv_json(ws)
+    for gid in ("s1", "s2"):  # cold, then with the slot's prefix
+        params = {"max_new_tokens": 6, "ignore_eos": True}
+        await ws.send(
+            json.dumps(
+                {"type": "generate", "id": gid, "prompt": ids, "slot": "st", "params": params}
+            )
+        )
+        msgs = []
+        while not msgs or msgs[-1]["type"] != "done":
+            msgs.append(await recv_json(ws))
+        toks = [m for m in msgs if m["type"] == "tokens"]
+        early = toks[0]["stats"]
+        assert set(early) == set(P.EARLY_STATS) and early["prompt_tokens"] == len(ids)
+        assert early["ttft_ms"] > 0 and all("stats" not in m for m in toks[1:])
+        done = msgs[-1]["stats"]
+        assert {k: done[k] for k in ("prompt_tokens", "reused_tokens")} == {
+            k: early[k] for k in ("prompt_tokens", "reused_tokens")
+        }
+    assert early["reused_tokens"] == len(ids) - 1
+    await ws.close()
+
+    from engine.service.client import SyncEngineClient
+
+    def streaming_stats():
+        c = SyncEngineClient(server.url, TOKEN)
+        try:
+            gen = c.generate(ids, GenerationParams(max_new_tokens=200, ignore_eos=True), slot="st")
+            next(iter(gen))
+            seen = dict(gen.stats)
+            gen.cancel()
+            list(gen)
+            return seen, gen.finish_reason
+        finally:
+            c.close()
+
+    seen, finish = await asyncio.to_thread(streaming_stats)
+    assert finish == "cancelled"
+    assert seen["prompt_tokens"] == len(ids) and seen["reused_tokens"] == len(ids) - 1
+
+
 async def test_many_generations_multiplexed_on_one_socket(client, engine):
     prompts = [f"def f{i}(x):\n    return x" for i in range(6)]
     expected = [
