@@ -167,11 +167,7 @@ def main_args(args: argparse.Namespace) -> int:
                 f"--ws {host}:{port} is not a loopback address: pass --allow-remote "
                 "(and give clients the token) to serve other machines"
             )
-        ssl_context = (
-            tls.server_context(args.tls_cert, args.tls_key)
-            if tls.check_pair(args.tls_cert, args.tls_key)
-            else None
-        )
+        ssl_context = tls.server_context_for(args.tls_cert, args.tls_key)
         if ssl_context is None and not is_loopback(host):
             warn_cleartext(
                 host,

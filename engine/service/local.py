@@ -127,17 +127,16 @@ class LocalRun:
         error = None
         try:
             self.gen = self._start(self._token)
-            sent = False
+            first = True
             for chunk in self.gen:
                 while not self._stop.is_set() and not self.sink.credit(self._stop, 0.05):
                     pass
                 if self._stop.is_set():
                     self.gen.cancel()  # the next step ends the iteration with 'cancelled'
                     continue
-                first, sent = not sent, True
-                self.sink.chunk(
-                    int(chunk.token_id), chunk.text, dict(self.gen.stats) if first else None
-                )
+                # the sink reads the stats at once (on this thread): no copy
+                self.sink.chunk(int(chunk.token_id), chunk.text, self.gen.stats if first else None)
+                first = False
         except ModelError as e:
             error = ("engine_error", str(e))
         except Exception as e:  # an engine failure ends this generation, never the service

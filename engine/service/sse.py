@@ -144,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     args = p.parse_args(argv)
     try:
-        ctx = (
-            tls.server_context(args.tls_cert, args.tls_key)
-            if tls.check_pair(args.tls_cert, args.tls_key)
-            else None
-        )
+        ctx = tls.server_context_for(args.tls_cert, args.tls_key)
     except tls.TLSConfigError as e:
         print(f"python -m engine.service.sse: {e}", file=sys.stderr)
         return 2

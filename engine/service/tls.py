@@ -33,12 +33,13 @@ def _readable(path: str | Path, what: str) -> str:
     return str(p)
 
 
-def check_pair(cert: str | None, key: str | None) -> bool:
-    """Whether TLS is asked for: both a certificate and its key, or neither (TLSConfigError)."""
+def server_context_for(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The server context of ``--tls-cert`` / ``--tls-key``: None when neither is given, a
+    TLSConfigError when only one is (or either cannot be used)."""
     if bool(cert) != bool(key):
         given, missing = ("--tls-cert", "--tls-key") if cert else ("--tls-key", "--tls-cert")
         raise TLSConfigError(f"{given} needs {missing} too (the certificate and its private key)")
-    return bool(cert)
+    return server_context(cert, key) if cert and key else None
 
 
 def server_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:

@@ -4,9 +4,10 @@ Setting / flag `engine`: `local` (the in-process engine), `auto` (join the user'
 model, starting a detached one when none runs: N editor windows then share one model and one KV
 cache pool) or `ws://HOST:PORT` / `wss://HOST:PORT` (a given daemon or Ray Serve deployment; a
 `wss://` server's certificate is verified against the system's trust store and the CA bundle
-named by $SPARK_LSP_ENGINE_CA).  The server keeps the model folder's tokenizer and builds prompts itself, as with the in-process engine; the daemon
-receives token ids, so typing-through, prefix reuse (the slot is the document), supersede and
-cancel behave as in-process.
+named by $SPARK_LSP_ENGINE_CA).  The server keeps the model folder's tokenizer and builds
+prompts itself, as with the in-process engine; the daemon receives token ids, so
+typing-through, prefix reuse (the slot is the document), supersede and cancel behave as
+in-process.
 
 When the daemon goes away: the stream in flight ends with a `BackendError` (the editor is told
 once, through `on_health`), the next request reconnects (`auto` starts a new daemon), and after
