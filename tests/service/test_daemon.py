@@ -21,6 +21,14 @@ from engine.service.client import EngineClient, EngineUnavailable
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    monkeypatch.setenv(rundir.ENV_DIR, str(d))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return d
+
+
 def wait_record(key: str, proc: subprocess.Popen, timeout: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

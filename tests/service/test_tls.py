@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import signal
 import socket
 import ssl
@@ -403,6 +404,14 @@ def test_sse_endpoint_over_https(engine, certs):
 
 
 # -- the daemon's command line --------------------------------------------------------------------
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    monkeypatch.setenv(rundir.ENV_DIR, str(d))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return d
+
+
 @pytest.mark.slow
 def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatch):
     """The daemon announces and records its wss:// URL and its certificate's file; the user's
