@@ -8,6 +8,7 @@ by one lock, so the engine can be shared between threads.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -266,11 +267,14 @@ class Engine:
         slot: Hashable = None,
         *,
         cancel: CancelToken | None = None,
+        stop_flag: ctypes.c_int32 | None = None,
     ) -> Generation:
         """Start a generation (lazily: the work happens while iterating).
 
         ``slot``: a key (e.g. a document URI) whose KV cache is reused for the common prefix.
         ``cancel``: a token (``engine.cancel``) that stops it within one step, from any thread.
+        ``stop_flag``: a word that stops it when another process sets it non-zero (a client's
+        cancel flag in shared memory, ``engine.service.cancel_flags``), seen inside a run too.
         Generation stops at the context end with finish_reason 'length'.
         """
         params = params or GenerationParams()
@@ -278,7 +282,7 @@ class Engine:
         room = self.context - len(ids)
         if params.max_new_tokens > room:
             params = _replace_max(params, room)
-        return Generation(self, ids, params, slot, cancel)
+        return Generation(self, ids, params, slot, cancel, stop_flag)
 
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a sequence (evaluation, tests)."""

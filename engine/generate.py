@@ -17,6 +17,7 @@ stop strings and chunks concern only the text after it.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Hashable, Iterator
 from contextlib import AbstractContextManager as ContextManager
@@ -163,6 +164,7 @@ class Generation:
         params: GenerationParams,
         slot: Hashable = None,
         cancel: CancelToken | None = None,
+        stop_flag: ctypes.c_int32 | None = None,
     ) -> None:
         self._engine = engine
         self.prompt = prompt
@@ -182,7 +184,7 @@ class Generation:
         }
         # its own token, a child of the caller's: stopping early on its own leaves the caller's alone
         self.cancel_token = cancel.child() if cancel is not None else CancelToken()
-        self._interrupt = Interrupt()
+        self._interrupt = Interrupt(stop_flag)
         self.cancel_token.on_cancel(lambda reason: self._interrupt.set())
         self._sampler = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
         self._healing = (
@@ -227,7 +229,13 @@ class Generation:
             return self._healing.pick(logits, choose)
         return choose(logits)
 
+    def _watch(self) -> None:
+        """A set stop flag (a client's, in shared memory) cancels the generation."""
+        if self._interrupt.watched:
+            self.cancel_token.cancel("generation cancelled")
+
     def _check(self, slot) -> None:
+        self._watch()
         self.cancel_token.check()
         if slot.owner is not self:
             raise Cancelled("another generation took the KV slot")
@@ -241,9 +249,11 @@ class Generation:
         except ModelError:
             raise
         except Exception:
+            self._watch()
             if self.cancel_token.cancelled:  # ORT raises when RunOptions.terminate aborts the run
                 raise Cancelled(self.cancel_token.reason) from None
             raise
+        self._watch()
         if self.cancel_token.cancelled:
             raise Cancelled(self.cancel_token.reason)
         return out

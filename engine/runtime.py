@@ -148,19 +148,30 @@ class Interrupt:
     """How another thread stops a generation's run in flight: ONNX Runtime's
     ``RunOptions.terminate``, which it looks at between nodes, and the flag the wafer ops look at
     between their tasks (``spark_bind_abort`` in engine/wafer/mesh_op.c), so that a cancel which
-    lands in a long node (a prefill's linears) does not wait for the node to end."""
+    lands in a long node (a prefill's linears) does not wait for the node to end.
 
-    __slots__ = ("options", "flag", "address")
+    ``watch``: a word that another process sets to stop the generation (a client's cancel flag in
+    shared memory, engine.service.cancel_flags); the wafer ops look at it as at the flag, and the
+    generation between its runs (``watched``).  ONNX Runtime's own nodes do not see it."""
 
-    def __init__(self) -> None:
+    __slots__ = ("options", "flag", "address", "watch", "watch_address")
+
+    def __init__(self, watch: ctypes.c_int32 | None = None) -> None:
         self.options = ort.RunOptions()
         self.flag = ctypes.c_int(0)
         self.address = ctypes.addressof(self.flag)
+        self.watch = watch
+        self.watch_address = ctypes.addressof(watch) if watch is not None else None
 
     def set(self) -> None:
         """Stop the run in flight and every later one (callable from any thread)."""
         self.options.terminate = True
         self.flag.value = 1
+
+    @property
+    def watched(self) -> bool:
+        """Whether the watched word asks to stop."""
+        return self.watch is not None and self.watch.value != 0
 
 
 def _abort_binder(libs: tuple[str, ...]):
@@ -170,7 +181,7 @@ def _abort_binder(libs: tuple[str, ...]):
             fn = ctypes.CDLL(str(lib)).spark_bind_abort  # the copy ONNX Runtime loaded
         except (OSError, AttributeError):
             continue
-        fn.argtypes = [ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = None
         return fn
     return None
@@ -522,8 +533,8 @@ class Runtime:
         elif self._bind_abort is None:
             target.run(binding, interrupt.options)
         else:
-            self._bind_abort(interrupt.address)
+            self._bind_abort(interrupt.address, interrupt.watch_address)
             try:
                 target.run(binding, interrupt.options)
             finally:
-                self._bind_abort(None)
+                self._bind_abort(None, None)

@@ -24,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from websockets.sync.client import connect as sync_connect
 from ..params import GenerationParams
 from . import protocol as P
 from . import tls
+from .address import is_loopback
+from .cancel_flags import CancelFlags
 from .direct import DirectClientConnection
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,23 @@ def _ssl_for(url: str, cafile: str | None, pinned: str | None = None) -> Any:
         return tls.pinned_context(pinned) if pinned else tls.client_context(cafile)
     except tls.TLSConfigError as e:
         raise EngineUnavailable(f"cannot connect to the engine service at {url}: {e}") from None
+
+
+def _on_this_machine(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname
+    return host is not None and is_loopback(host)
+
+
+def _open_flags(offer: Any) -> CancelFlags | None:
+    """The daemon's shared cancel flags from its ``hello`` offer (None: none offered, or they
+    cannot be used: then cancels go by message only)."""
+    if not isinstance(offer, dict):
+        return None
+    try:
+        return CancelFlags.open(str(offer.get("path")), offer.get("count"))
+    except (OSError, ValueError) as e:
+        log.info("engine service: shared cancel flags not used: %s", e)
+        return None
 
 
 def _unreachable(url: str, exc: BaseException) -> EngineUnavailable:
@@ -105,6 +125,7 @@ class _Received:
         self.stats: dict[str, Any] = {}
         self.error: dict[str, str] | None = None
         self.successor: Any = None
+        self._flag: int | None = None  # its shared cancel flag (SyncEngineClient), if any
 
     @property
     def done(self) -> bool:
@@ -242,6 +263,18 @@ class _Dispatch:
     _replies: dict[str, Any]
     _deltas: _PromptDeltas
     last_error: Exception | None
+    _flags: CancelFlags | None = None
+
+    def _ended_flag(self, gen: Any) -> None:
+        """``gen`` has ended: its shared cancel flag goes to its steer successor (the daemon
+        stops the successor by the same flag), or is free again."""
+        i, gen._flag = gen._flag, None
+        if i is None or self._flags is None:
+            return
+        if gen.successor is not None and gen.successor._flag is None:
+            gen.successor._flag = i
+        else:
+            self._flags.release(i)
 
     def _apply(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Apply one server message to the generations, steers and replies waiting for it;
@@ -264,6 +297,7 @@ class _Dispatch:
                 succ = msg.get("successor")
                 if succ is not None and gen.successor is None:
                     gen.successor = self._gens.get(succ)
+                self._ended_flag(gen)
                 gen._finish(
                     msg.get("finish_reason", "error"), msg.get("stats", {}), msg.get("error")
                 )
@@ -290,6 +324,7 @@ class _Dispatch:
             err = EngineRequestError(msg.get("code", "error"), msg.get("message", ""))
             gen = self._gens.pop(gid, None) if gid else None
             if gen is not None:
+                self._ended_flag(gen)
                 gen._finish("error", {}, {"code": err.code, "message": err.message})
             fut = self._replies.pop(gid, None) if gid else None
             if fut is not None and not fut.done():
@@ -611,9 +646,11 @@ class SyncGeneration(_Received):
         return self.text
 
     def cancel(self) -> None:
-        """Ask the service to stop it (from any thread: the message leaves from this one)."""
+        """Ask the service to stop it (from any thread: the message leaves from this one). With
+        a shared cancel flag the engine stops as soon as the flag is set; the message follows."""
         self._cancelled = True
         if self.finish_reason is None:
+            self._owner._trip(self)
             self._owner._send_quietly({"type": "cancel", "id": self._id})
 
     def steer(self, text: str, timeout: float | None = None) -> dict[str, Any]:
@@ -659,7 +696,10 @@ class SyncEngineClient(_Dispatch):
         prompt_deltas: bool = True,
         cafile: str | None = None,
         pinned_cert: str | None = None,
+        cancel_flags: bool = True,
     ) -> None:
+        """``cancel_flags``: on a daemon of this machine, cancel through flags shared in memory
+        (``engine.service.cancel_flags``) as well as by message."""
         self.url = url
         self._lock = threading.Lock()  # the state below (taken by the reading thread too)
         self._send_lock = threading.Lock()  # generate messages leave in the order they are built
@@ -699,12 +739,11 @@ class SyncEngineClient(_Dispatch):
             raise _unreachable(url, e) from None
         self._hello: concurrent.futures.Future = concurrent.futures.Future()
         self.ws.attach(self._on_raw, self._on_close)
+        hello = {"type": "hello", "protocol": list(P.SUPPORTED_VERSIONS), "client": client}
+        if cancel_flags and _on_this_machine(url):
+            hello["cancel_flags"] = True
         try:
-            self.ws.send(
-                P.encode(
-                    {"type": "hello", "protocol": list(P.SUPPORTED_VERSIONS), "client": client}
-                )
-            )
+            self.ws.send(P.encode(hello))
             reply = self._hello.result(open_timeout)
         except (ConnectionClosed, concurrent.futures.TimeoutError, EngineUnavailable) as e:
             self.ws.close()
@@ -720,6 +759,7 @@ class SyncEngineClient(_Dispatch):
         self._deltas = _PromptDeltas(
             int(memory) if prompt_deltas and isinstance(memory, int) else 0
         )
+        self._flags = _open_flags(reply.get("capabilities", {}).get("cancel_flags"))
 
     def generate(
         self,
@@ -750,6 +790,9 @@ class SyncEngineClient(_Dispatch):
                 gid = f"g{next(self._ids)}"
                 msg["id"] = gid
                 gen = self._gens[gid] = SyncGeneration(self, gid)
+                flag = self._flags.arm() if self._flags is not None else None
+                if flag is not None:
+                    msg["cancel_flag"] = gen._flag = flag
                 wire = self._deltas.wire(gid, msg)
             self._send_quietly(wire)
         return gen
@@ -769,6 +812,16 @@ class SyncEngineClient(_Dispatch):
                 self.close_reason = "the client closed the connection"
         self.ws.close()
         self._fail_all("the client closed the connection")
+        with self._lock:
+            flags, self._flags = self._flags, None
+        if flags is not None:
+            flags.close()
+
+    def _trip(self, gen: SyncGeneration) -> None:
+        """Set ``gen``'s shared cancel flag (under the lock that frees flags: never another's)."""
+        with self._lock:
+            if gen._flag is not None and gen.finish_reason is None and self._flags is not None:
+                self._flags.trip(gen._flag)
 
     # -- internals ------------------------------------------------------------------------------
     def _send_quietly(self, msg: dict[str, Any]) -> None:

@@ -31,11 +31,13 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ..config import ModelError
 from . import protocol as P
 from . import steering
+from .cancel_flags import CancelFlags
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Run:
         self.successor_id: str | None = None
         self.handle: Any = None
         self.early_stats: dict[str, Any] | None = None  # sent with its first tokens message
+        self.stop_flag: Any = None  # the client's shared cancel flag (a ctypes word), if any
         self._credits = threading.Semaphore(WINDOW)  # undelivered tokens (asyncio Connection)
 
     # -- the Sink interface, called from the generation's thread ---------------------------------
@@ -125,11 +128,20 @@ class Session:
     lock: Any = contextlib.nullcontext()
 
     def __init__(
-        self, models: Any, *, peer: str = "?", max_generations: int = MAX_GENERATIONS
+        self,
+        models: Any,
+        *,
+        peer: str = "?",
+        max_generations: int = MAX_GENERATIONS,
+        flags_dir: Path | None = None,
     ) -> None:
         self.models = models
         self.peer = peer
         self.max_generations = max_generations
+        # where shared cancel flags go (engine.service.cancel_flags); None: not offered (a
+        # client on another machine, or a backend whose engines run in other processes)
+        self.flags_dir = flags_dir
+        self.flags: CancelFlags | None = None
         self.runs: dict[str, Run] = {}
         self.aliases: dict[str, str] = {}  # a steered-away id -> its successor's id
         self.recent: deque[str] = deque(maxlen=RECENT_IDS)
@@ -214,22 +226,30 @@ class Session:
             msg.client or "unnamed",
             common[-1],
         )
+        capabilities: dict[str, Any] = {
+            "steer": True,
+            "cancel": True,
+            "token_ids": True,
+            "text_prompts": True,
+            "max_message_bytes": P.MAX_MESSAGE_BYTES,
+            "prompt_delta": P.PROMPT_MEMORY,
+            "max_generations": self.max_generations,
+            "params": list(P.PARAM_NAMES),
+        }
+        if msg.cancel_flags and self.flags_dir is not None and self.flags is None:
+            try:
+                self.flags = CancelFlags.create(self.flags_dir)
+            except OSError as e:
+                log.warning("engine client %s: no shared cancel flags: %s", self.peer, e)
+        if self.flags is not None:
+            capabilities["cancel_flags"] = {"path": str(self.flags.path), "count": self.flags.count}
         self._reply(
             {
                 "type": "hello",
                 "protocol": common[-1],
                 "server": "spark-lsp-engine",
                 "models": self.models.describe(),
-                "capabilities": {
-                    "steer": True,
-                    "cancel": True,
-                    "token_ids": True,
-                    "text_prompts": True,
-                    "max_message_bytes": P.MAX_MESSAGE_BYTES,
-                    "prompt_delta": P.PROMPT_MEMORY,
-                    "max_generations": self.max_generations,
-                    "params": list(P.PARAM_NAMES),
-                },
+                "capabilities": capabilities,
             }
         )
 
@@ -238,6 +258,15 @@ class Session:
             raise P.ProtocolError(P.SHUTTING_DOWN, "the engine service is shutting down", msg.id)
         if msg.id in self.runs or msg.id in self.aliases:
             raise P.ProtocolError(P.DUPLICATE_ID, f"generation {msg.id!r} is still running", msg.id)
+        if msg.cancel_flag is not None and (
+            self.flags is None or msg.cancel_flag >= self.flags.count
+        ):
+            raise P.ProtocolError(
+                P.BAD_MESSAGE,
+                f"no shared cancel flag {msg.cancel_flag} on this connection"
+                + (f" (it has {self.flags.count})" if self.flags is not None else ""),
+                msg.id,
+            )
         if len(self.runs) >= self.max_generations:
             raise P.ProtocolError(
                 P.TOO_MANY,
@@ -270,7 +299,10 @@ class Session:
         except (ValueError, ModelError) as e:
             raise P.ProtocolError(P.BAD_PROMPT, str(e), msg.id) from None
         self._remember(msg.id, prompt if isinstance(prompt, array) else ids)
-        self._start(Run(self, msg.id, msg.model, ids, msg.params, msg.slot))
+        run = Run(self, msg.id, msg.model, ids, msg.params, msg.slot)
+        if msg.cancel_flag is not None and self.flags is not None:
+            run.stop_flag = self.flags.word(msg.cancel_flag)
+        self._start(run)
 
     def _remember(self, gid: str, ids: Sequence[int]) -> None:
         """Keep a generation's prompt as a base for the deltas of later ones (the latest
@@ -369,6 +401,7 @@ class Session:
             )
             return
         succ = Run(self, run.successor_id, run.model, ids, params, run.slot)
+        succ.stop_flag = run.stop_flag  # the client's flag stays its generation chain's
         self._start(succ)
 
     # -- output from the generations (on the thread ``_deliver`` chose, with ``lock`` held) ----
@@ -452,8 +485,9 @@ class ThreadConnection(Session):
         send_batch: Callable[[Sequence[str]], None] | None = None,
         peer: str = "?",
         max_generations: int = MAX_GENERATIONS,
+        flags_dir: Path | None = None,
     ) -> None:
-        super().__init__(models, peer=peer, max_generations=max_generations)
+        super().__init__(models, peer=peer, max_generations=max_generations, flags_dir=flags_dir)
         self.lock = threading.RLock()
         self._ended = threading.Condition(self.lock)  # notified when a generation ends
         self._send = send
@@ -550,7 +584,8 @@ class ThreadConnection(Session):
             run.stop()
 
     def close(self, drain_s: float = 5.0) -> None:
-        """Cancel every generation and wait (up to ``drain_s``) for their ``done`` messages."""
+        """Cancel every generation and wait (up to ``drain_s``) for their ``done`` messages;
+        remove the shared cancel flags (generations still stopping keep their mapping)."""
         deadline = time.monotonic() + drain_s
         with self.lock:
             self.closing = True
@@ -561,6 +596,9 @@ class ThreadConnection(Session):
                 if left <= 0:
                     break
                 self._ended.wait(left)
+            if self.flags is not None:
+                self.flags.close()
+                self.flags = None
 
 
 class _Outbox:

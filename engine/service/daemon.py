@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import rundir, tls
+from . import cancel_flags, rundir, tls
 from .address import is_loopback
 from .launch import DaemonError, resolve_models
 from .local import LocalModels
@@ -95,9 +95,11 @@ def run(
     (``tls.server_context``): serve ``wss://`` (the record gets that URL, and ``tls_cert``, the
     certificate's file, which the user's own clients pin: ``launch.join_or_start``'s callers
     connect to the bind address, which the certificate need not name)."""
-    server = EngineServer(models, token=token, origins=origins, ssl_context=ssl_context).open(
-        host, port
-    )
+    flags_dir = rundir.runtime_dir()  # clients on this machine get shared cancel flags there
+    cancel_flags.sweep(flags_dir)
+    server = EngineServer(
+        models, token=token, origins=origins, ssl_context=ssl_context, flags_dir=flags_dir
+    ).open(host, port)
     key = rundir.model_key(folders)
     extra = {"tls_cert": str(Path(tls_cert).expanduser().resolve())} if tls_cert else {}
     path = (

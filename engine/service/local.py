@@ -189,7 +189,10 @@ class LocalModels:
     ) -> LocalRun:
         eng = self.get(name)
         key = ("service", slot) if slot is not None else None
-        run = LocalRun(lambda token: eng.generate(ids, params, slot=key, cancel=token), sink)
+        flag = getattr(sink, "stop_flag", None)  # the client's shared cancel flag
+        run = LocalRun(
+            lambda token: eng.generate(ids, params, slot=key, cancel=token, stop_flag=flag), sink
+        )
         self.workers.submit(run.work)
         return run
 

@@ -75,6 +75,7 @@ class ProtocolError(Exception):
 class Hello:
     versions: tuple[int, ...]
     client: str
+    cancel_flags: bool = False  # asks for shared cancel flags (a client on the same machine)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class Generate:
     slot: str | None
     prompt: str | list[int] | PromptDelta
     params: GenerationParams
+    cancel_flag: int | None = None  # the client's shared cancel flag for it, if any
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,9 @@ def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status:
         ):
             raise ProtocolError(BAD_MESSAGE, "'protocol' must be an integer or a list of integers")
         client = msg.get("client", "")
-        return Hello(versions, client if isinstance(client, str) else "")
+        return Hello(
+            versions, client if isinstance(client, str) else "", msg.get("cancel_flags") is True
+        )
     if kind == "generate":
         gid = _req_id(msg)
         try:
@@ -225,6 +229,7 @@ def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status:
                 _opt_str(msg, "slot"),
                 _prompt(msg),
                 params_from_json(msg.get("params")),
+                _cancel_flag(msg),
             )
         except ProtocolError as e:
             e.id = gid
@@ -247,6 +252,15 @@ def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status:
     if kind == "status":
         return Status(_id_of(msg))
     raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}", _id_of(msg))
+
+
+def _cancel_flag(msg: dict[str, Any]) -> int | None:
+    v = msg.get("cancel_flag")
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ProtocolError(BAD_MESSAGE, "'cancel_flag' must be a non-negative integer")
+    return v
 
 
 def _opt_str(msg: dict[str, Any], key: str) -> str | None:

@@ -25,6 +25,7 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from websockets.datastructures import Headers
@@ -32,6 +33,7 @@ from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, serve
 
 from . import protocol as P
+from .address import is_loopback
 from .connection import MAX_GENERATIONS, ThreadConnection
 from .direct import DirectServerConnection
 
@@ -58,9 +60,12 @@ class EngineServer:
         origins: Sequence[str] = (),
         max_generations: int = MAX_GENERATIONS,
         ssl_context: ssl.SSLContext | None = None,
+        flags_dir: Path | None = None,
     ) -> None:
         self.models = models
         self.ssl_context = ssl_context  # a server context (engine.service.tls): wss://
+        # shared cancel flags for clients on this machine go here (None: not offered)
+        self.flags_dir = flags_dir
         self.token = token
         self.origins = tuple(origins)
         self.max_generations = max_generations
@@ -133,6 +138,7 @@ class EngineServer:
             send_batch=ws.send_batch,
             peer=peer,
             max_generations=self.max_generations,
+            flags_dir=self.flags_dir if _on_this_machine(ws) else None,
         )
         with self._lock:
             self.connections.add(conn)
@@ -168,6 +174,11 @@ class EngineServer:
     async def stop(self, drain_s: float = 5.0) -> None:
         """``close`` for asyncio callers, off the event loop (its clients keep reading)."""
         await asyncio.to_thread(self.close, drain_s)
+
+
+def _on_this_machine(ws: ServerConnection) -> bool:
+    addr = ws.remote_address
+    return isinstance(addr, tuple) and bool(addr) and is_loopback(str(addr[0]))
 
 
 def _peer(ws: ServerConnection) -> str:

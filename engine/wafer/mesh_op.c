@@ -599,30 +599,43 @@ static size_t split_tasks(size_t M, size_t N, size_t K, size_t units, size_t* pe
  * its generation's flag with spark_bind_abort; a cancel sets the flag together with terminate, and
  * run_tasks then skips the tasks not yet started.  The node's output is left unfinished: ONNX
  * Runtime stops at the next node, and a run that ends anyway (the last node was cut short) is
- * discarded by its caller, which knows it was cancelled (engine.generate). */
+ * discarded by its caller, which knows it was cancelled (engine.generate).  A second word, `watch`
+ * (NULL: none), is one a client on the same machine sets in shared memory
+ * (engine/service/cancel_flags.py): it stops the tasks the same way, with no thread of the daemon
+ * woken to set the first. */
 static __thread const volatile int* abort_flag;
+static __thread const volatile int* abort_watch;
 
-__attribute__((visibility("default"))) void spark_bind_abort(const int* flag) { abort_flag = flag; }
+__attribute__((visibility("default"))) void spark_bind_abort(const int* flag, const int* watch) {
+  abort_flag = flag;
+  abort_watch = watch;
+}
 
 typedef struct {
   void (*fn)(void*, size_t);
   void* job;
   const volatile int* flag;
+  const volatile int* watch;
 } Abortable;
+
+static inline int aborted(const volatile int* flag, const volatile int* watch) {
+  return *flag || (watch && *watch);
+}
 
 static void abortable_task(void* data, size_t i) {
   const Abortable* a = (const Abortable*)data;
-  if (!*a->flag) a->fn(a->job, i);
+  if (!aborted(a->flag, a->watch)) a->fn(a->job, i);
 }
 
 /* Run fn(job, 0 .. tasks-1): on this thread when there is one task, else on ORT's pool; none that
    starts after the bound flag is set (see above). */
 static OrtStatus* run_tasks(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t tasks, void* job) {
   const volatile int* flag = abort_flag;
-  if (flag && *flag) return NULL;
+  const volatile int* watch = abort_watch;
+  if (flag && aborted(flag, watch)) return NULL;
   if (tasks > 1) {
     if (!flag) return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, fn, tasks, 0, job);
-    Abortable a = {fn, job, flag};
+    Abortable a = {fn, job, flag, watch};
     return CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, abortable_task, tasks, 0, &a);
   }
   fn(job, 0);

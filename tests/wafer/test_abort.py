@@ -5,6 +5,7 @@ between nodes); and nothing a cancelled run leaves behind is used."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -50,6 +51,22 @@ def test_a_set_flag_skips_the_ops_work(engine):
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
+def test_a_set_watch_word_skips_the_ops_work(engine):
+    """The word another process sets (a client's shared cancel flag) stops the ops like the flag."""
+    rt = engine.runtime
+    ids = engine.tokenizer.encode(CODE)
+    want = rt.forward(rt.new_kv(), ids, 0)
+    word = ctypes.c_int32(0)
+    watching = Interrupt(word)
+    np.testing.assert_allclose(
+        rt.forward(rt.new_kv(), ids, 0, interrupt=watching), want, rtol=1e-5, atol=1e-5
+    )
+    word.value = 1
+    assert watching.watched and not watching.flag.value
+    got = rt.forward(rt.new_kv(), ids, 0, interrupt=watching)
+    assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_the_flag_binds_to_its_own_thread(engine):
     """A set flag bound on another thread (and left bound there) stops nothing on this one."""
     rt = engine.runtime
@@ -57,7 +74,7 @@ def test_the_flag_binds_to_its_own_thread(engine):
     want = rt.forward(rt.new_kv(), ids, 0)
     other = Interrupt()
     other.set()
-    t = threading.Thread(target=rt._bind_abort, args=(other.address,))
+    t = threading.Thread(target=rt._bind_abort, args=(other.address, None))
     t.start()
     t.join()
     np.testing.assert_allclose(rt.forward(rt.new_kv(), ids, 0), want, rtol=1e-5, atol=1e-5)
