@@ -83,13 +83,18 @@ class Job:
         """Raise Cancelled if the job was cancelled."""
         self.token.check()
 
-    def mark_stopped(self) -> None:
+    def mark_stopped(self, at: float | None = None) -> None:
         """Called by the job when its generation has actually ended (from any thread); times
-        the cancel latency."""
+        the cancel latency.  ``at``: when the engine stopped, on this process's
+        ``time.perf_counter()`` clock, if the engine said so (a daemon on this machine: its
+        ``done`` comes later than its stop); now if not."""
         with self._stopped_lock:
             if not self.cancelled or self.t_stopped is not None:
                 return
-            self.t_stopped = time.perf_counter()
+            now = time.perf_counter()
+            t_cancel = self.t_cancel if self.t_cancel is not None else now
+            # a time outside cancel..now is not this stop's (another clock): not used
+            self.t_stopped = at if at is not None and t_cancel <= at <= now else now
             fn, self._on_stopped = self._on_stopped, None
         if fn is not None:
             fn(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -142,11 +143,16 @@ class LocalRun:
         except Exception as e:  # an engine failure ends this generation, never the service
             log.exception("generation failed")
             error = ("engine_error", f"{type(e).__name__}: {e}")
+        ended = time.perf_counter()
         gen = self.gen
         reason = (gen.finish_reason if gen is not None else None) or "cancelled"
         if error is not None:
             reason = "error"
-        self.sink.finish(reason, dict(gen.stats) if gen is not None else {}, error)
+        stats = dict(gen.stats) if gen is not None else {}
+        if getattr(self.sink, "stop_flag", None) is not None:
+            # the client shares our memory, so our clock too: when the engine stopped
+            stats["ended_at"] = ended
+        self.sink.finish(reason, stats, error)
 
 
 class LocalModels:

@@ -384,15 +384,22 @@ class EngineStream:
         # the daemon cancels a successor too (an id that a steer stopped names its successor)
         self._gen.cancel()
 
-    def abandon(self, on_stopped: Callable[[], None]) -> None:
+    def abandon(self, on_stopped: Callable[..., None]) -> None:
         """The stream was cancelled and will not be read any more: the daemon stops the
-        generation on its own, and ``on_stopped()`` runs when its ``done`` arrives (or the
-        connection is lost), on the client's reading thread."""
-        self._gen.on_done(on_stopped)
+        generation on its own, and ``on_stopped(at)`` runs when its ``done`` arrives (or the
+        connection is lost), on the client's reading thread; ``at`` is when the engine stopped
+        (the ``ended_at`` a daemon on this machine reports, on this process's clock), else None."""
+        gen = self._gen
+        gen.on_done(lambda: on_stopped(_ended_at(gen)))
 
     def stop(self) -> None:
         """The output is complete (the caller used it): stop generating more."""
         self._gen.cancel()
+
+
+def _ended_at(gen: Any) -> float | None:
+    at = (getattr(gen, "stats", None) or {}).get("ended_at")
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
 
 
 def _errored(gen: Any) -> bool:

@@ -515,6 +515,28 @@ async def test_a_cancelled_remote_stream_is_not_waited_for_and_its_stop_is_timed
         sched.shutdown()
 
 
+async def test_a_stop_time_the_engine_reports_is_used_when_it_is_this_cancels():
+    """A daemon on this machine says when its engine stopped (`ended_at`, on the same clock):
+    the cancel latency is measured to that, not to its `done` arriving; a time outside the
+    cancel's span (another clock) is not used."""
+    loop = asyncio.get_running_loop()
+
+    def cancelled_job():
+        job = Job("a", lambda j: None, loop)
+        job.cancel()
+        return job
+
+    job = cancelled_job()
+    at = job.t_cancel + 0.001
+    time.sleep(0.02)
+    job.mark_stopped(at)
+    assert job.t_stopped == at
+    for wrong in (job.t_cancel - 5.0, time.perf_counter() + 5.0):
+        job = cancelled_job()
+        job.mark_stopped(wrong)
+        assert job.t_stopped != wrong and job.t_stopped >= job.t_cancel
+
+
 # -- chat-template instruction edits --------------------------------------------------------------
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -136,9 +136,12 @@ def test_a_client_on_this_machine_stops_a_generation_by_the_flag_alone(server):
         for i, _ in enumerate(gen):
             if i == 2:
                 break
+        tripped = time.perf_counter()
         c._trip(gen)  # the flag only: no cancel message is sent
         gen.result()
         assert gen.finish_reason == "cancelled" and len(gen.tokens) < 200
+        # sharing the machine, the daemon says when its engine stopped, on this clock
+        assert tripped < gen.stats["ended_at"] < time.perf_counter()
         assert gen._flag is None  # its word is free again, and zeroed for the next one
         nxt = c.generate(PROMPT, GenerationParams(max_new_tokens=8, ignore_eos=True), slot="a")
         assert nxt.result() and nxt.finish_reason == "length"
@@ -164,7 +167,7 @@ def test_flags_are_offered_only_when_asked_and_kept(server, engine):
         next(iter(gen))
         gen.cancel()  # by message, as before
         gen.result()
-        assert gen.finish_reason == "cancelled"
+        assert gen.finish_reason == "cancelled" and "ended_at" not in gen.stats
     finally:
         c.close()
     assert not _flag_files(server)
