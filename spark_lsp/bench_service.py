@@ -303,9 +303,13 @@ async def take_turns(
     return rows
 
 
-def cancel_from_thread(start, n: int, seed: int = 0) -> list[float]:
+def cancel_from_thread(
+    start, n: int, seed: int = 0, engine_stops: list[float] | None = None
+) -> list[float]:
     """`n` long generations made by `start()`, each cancelled from another thread 0-3 ms after
-    its third chunk: ms from `cancel()` to this (consuming) thread seeing the end."""
+    its third chunk: ms from `cancel()` to this (consuming) thread seeing the end.  Where the
+    engine says when it stopped, on this clock (a daemon here with shared cancel flags: its
+    `done`'s `ended_at`), `engine_stops` gets the ms from `cancel()` to that as well."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -326,6 +330,9 @@ def cancel_from_thread(start, n: int, seed: int = 0) -> list[float]:
             timer.join()
         if fired and gen.finish_reason == "cancelled":
             out.append((t_end - fired[0]) * 1e3)
+            ended = (gen.stats or {}).get("ended_at")
+            if engine_stops is not None and isinstance(ended, float) and ended >= fired[0]:
+                engine_stops.append((ended - fired[0]) * 1e3)
     return out
 
 
@@ -918,14 +925,19 @@ def run(args) -> int:
             )
         if ws is not None:
             client = SyncEngineClient(*ws, client="bench", cafile=cafile)
+            stops: list[float] = []
             try:
                 t[labels["ws"]]["cancel_ms"] = _p(
                     cancel_from_thread(
-                        lambda: client.generate(trace[-1], long, slot="cancel"), args.cancels
+                        lambda: client.generate(trace[-1], long, slot="cancel"),
+                        args.cancels,
+                        engine_stops=stops,
                     )
                 )
             finally:
                 client.close()
+            if stops:  # shared cancel flags: the daemon said when its engine stopped
+                t[labels["ws"]]["cancel_engine_ms"] = _p(stops)
             t[labels["ws"]]["cancel_socket_ms"] = _p(
                 asyncio.run(_ws_cancels(*ws, trace[-1], args.cancels, cafile))
             )
@@ -984,6 +996,7 @@ def print_table(r: dict) -> None:
     for name, s in r["transports"].items():
         for key, what in (
             ("cancel_ms", "cancel() -> stopped"),
+            ("cancel_engine_ms", "cancel() -> engine stopped"),
             ("cancel_socket_ms", "cancel sent -> done"),
         ):
             if key in s:
