@@ -12,6 +12,8 @@ the ingress signature to recognise its parameter.)
   (``engine.service.connection``), with token and origin checks; each ``generate`` is sent to a
   shard through its ``DeploymentHandle``.
 
+With ``--tls-cert`` / ``--tls-key`` Serve's HTTP proxy serves ``wss://`` (``deploy``).
+
 Routing by slot key: the ingress places each document (slot key) on a shard once, by rendezvous
 hashing with bounded loads (``Shards``), and sends every request for it there, to the replica
 that holds its KV prefix; a shard that failed is avoided for a few seconds, and only its
@@ -534,13 +536,14 @@ def deploy(
 
     ``tls_cert`` / ``tls_key`` (PEM files, as the daemon's): Serve's HTTP proxy (uvicorn) serves
     ``wss://`` with them.  Each node's proxy reads them from its own disk, so on a cluster they
-    must be at the same path on every node; a proxy already running keeps its options (Serve
-    cannot change them once started)."""
+    must be at the same path on every node.  A proxy already running keeps its options (Serve
+    cannot change them once started): a DaemonError when its TLS is not the one asked for."""
     http: dict[str, Any] = {"host": host, "port": port}
     if tls_cert and tls_key:
         http["ssl_certfile"] = str(Path(tls_cert).expanduser().resolve())
         http["ssl_keyfile"] = str(Path(tls_key).expanduser().resolve())
     serve.start(http_options=http)
+    _check_proxy_tls(http.get("ssl_certfile"))
     serve.run(
         build_app(
             model_dir,
@@ -558,6 +561,26 @@ def deploy(
         blocking=False,
     )
     return f"{'wss' if 'ssl_certfile' in http else 'ws'}://{host}:{port}/"
+
+
+def _check_proxy_tls(cert: str | None) -> None:
+    """Refuse to deploy behind a Serve proxy that serves TLS other than asked (``cert``: the
+    certificate file, None for none): one already running on the cluster kept its options, and
+    the URL announced would not be the one it serves."""
+    from ray.serve.context import _get_global_client  # Serve has no public view of its options
+
+    running = getattr(_get_global_client(), "http_config", None)
+    if running is None:
+        return
+    serving = running.ssl_certfile or None
+    if serving != cert:
+        raise DaemonError(
+            "Serve's HTTP proxy already runs on this cluster "
+            + (f"with TLS (certificate {serving})" if serving else "without TLS")
+            + ", and Serve cannot change that while it runs: "
+            + ("pass the same --tls-cert/--tls-key" if serving else "serve without --tls-cert")
+            + ", or restart Serve (serve shutdown)"
+        )
 
 
 def main_args(args) -> int:
@@ -591,20 +614,25 @@ def main_args(args) -> int:
         with socket.socket() as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
-    url = deploy(
-        str(folders[0]),
-        host=host,
-        port=port,
-        replicas=args.replicas,
-        token=token,
-        origins=args.allow_origin,
-        threads=args.threads,
-        slots=args.slots,
-        precision=args.precision,
-        spinning=SPINNING[args.spinning],
-        tls_cert=args.tls_cert if secure else None,
-        tls_key=args.tls_key if secure else None,
-    )
+    try:
+        url = deploy(
+            str(folders[0]),
+            host=host,
+            port=port,
+            replicas=args.replicas,
+            token=token,
+            origins=args.allow_origin,
+            threads=args.threads,
+            slots=args.slots,
+            precision=args.precision,
+            spinning=SPINNING[args.spinning],
+            tls_cert=args.tls_cert if secure else None,
+            tls_key=args.tls_key if secure else None,
+        )
+    except DaemonError as e:  # Serve runs with other options: it and its apps are left alone
+        print(f"spark-lsp engine serve --ray: {e}", file=sys.stderr)
+        ray.shutdown()
+        return 2
     key = rundir.model_key(folders)
     # as the daemon's: the record names the certificate, which the user's own clients pin
     extra = {"tls_cert": str(Path(args.tls_cert).expanduser().resolve())} if secure else {}

@@ -21,6 +21,7 @@ from engine.models import default_model_dir  # noqa: E402
 from engine.service import protocol as P  # noqa: E402
 from engine.service import ray_app  # noqa: E402
 from engine.service.client import EngineClient, EngineUnavailable  # noqa: E402
+from engine.service.launch import DaemonError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "ray-test-token-" + "x" * 20
@@ -90,6 +91,11 @@ def test_wrong_token_is_refused_and_tls_is_checked(url, connect):
         run(connect(url, "wrong-wrong-wrong-wrong"))
     with pytest.raises(EngineUnavailable, match="could not be verified"):
         run(EngineClient.connect(url, TOKEN))  # without the CA
+    # Serve's proxy keeps its options: a deployment without TLS is refused, not announced ws://
+    with pytest.raises(DaemonError, match="already runs on this cluster with TLS"):
+        ray_app.deploy(
+            str(default_model_dir()), port=int(url.rsplit(":", 1)[1].strip("/")), token=TOKEN
+        )
 
 
 def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
