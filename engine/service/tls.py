@@ -4,8 +4,9 @@ A daemon serving other machines (``--allow-remote``) carries the bearer token an
 the user's code; with a certificate and its key (``--tls-cert`` / ``--tls-key``) it serves
 ``wss://`` (and the SSE endpoint ``https://``).  Clients verify the server's certificate against
 the system's trust store, plus a CA bundle of their own (``cafile``: a team's private CA, or a
-self-signed certificate), with hostname checking on.  Standard library only, so the thin
-language server can import it.
+self-signed certificate), with hostname checking on.  A server logs the clients that fail its
+handshake (``FailedHandshakes``).  Standard library only, so the thin language server can
+import it.
 """
 
 from __future__ import annotations
