@@ -627,17 +627,26 @@ class _Outbox:
             self.room.set()
 
     def put_tokens(
-        self, gid: str, text: str, ids: list[int], releases: list[Callable[[], None]]
+        self,
+        gid: str,
+        text: str,
+        ids: list[int],
+        releases: list[Callable[[], None]],
+        stats: dict[str, Any] | None = None,
     ) -> None:
-        """Queue tokens of ``gid``: appended to the last queued message when it is ``tokens`` of
-        the same generation (the sender is behind), else a new message."""
+        """Queue tokens of ``gid`` (``stats``: the early stats its first tokens carry):
+        appended to the last queued message when it is ``tokens`` of the same generation (the
+        sender is behind), else a new message."""
         last = self.items[-1] if self.items else None
         if last is not None and last[0].get("type") == "tokens" and last[0].get("id") == gid:
             last[0]["text"] += text
             last[0]["ids"].extend(ids)
             last[1].extend(releases)  # the credits come back when the merged message is sent
             return
-        self.items.append([P.tokens(gid, text, list(ids)), list(releases)])
+        msg = P.tokens(gid, text, list(ids))
+        if stats:
+            msg["stats"] = stats
+        self.items.append([msg, list(releases)])
         self.ready.set()
 
 
@@ -684,12 +693,13 @@ class Connection(Session):
             held = self._held[run.id] = _Held()
         held.add(token_id, text, run.release)
         if held.due(self.loop.time()):
-            self._flush(run.id)
+            self._flush(run.id, run.early_stats if held.queued is None else None)
         elif held.timer is None:
             held.timer = self.loop.call_at(held.queued + COALESCE_S, self._flush, run.id)
 
-    def _flush(self, gid: str | None) -> None:
-        """Queue the tokens of ``gid`` that wait (before any other message about it)."""
+    def _flush(self, gid: str | None, stats: dict[str, Any] | None = None) -> None:
+        """Queue the tokens of ``gid`` that wait (before any other message about it); ``stats``:
+        the generation's early stats, with its first tokens."""
         held = self._held.get(gid) if gid is not None else None
         if held is None:
             return
@@ -698,7 +708,7 @@ class Connection(Session):
             held.timer = None
         if held.ids:
             held.queued = self.loop.time()
-            self.outbox.put_tokens(gid, *held.take())
+            self.outbox.put_tokens(gid, *held.take(), stats=stats)
 
     def _on_finish(
         self, run: Run, reason: str, stats: dict[str, Any], error: tuple[str, str] | None

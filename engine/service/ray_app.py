@@ -12,6 +12,8 @@ the ingress signature to recognise its parameter.)
   (``engine.service.connection``), with token and origin checks; each ``generate`` is sent to a
   shard through its ``DeploymentHandle``.
 
+With ``--tls-cert`` / ``--tls-key`` Serve's HTTP proxy serves ``wss://`` (``deploy``).
+
 Routing by slot key: the ingress places each document (slot key) on a shard once, by rendezvous
 hashing with bounded loads (``Shards``), and sends every request for it there, to the replica
 that holds its KV prefix; a shard that failed is avoided for a few seconds, and only its
@@ -33,6 +35,11 @@ A replica that dies mid-generation: the ingress starts the generation again on a
 from the prompt plus the tokens already delivered (greedy decoding continues identically), so the
 client loses nothing but the cache; after ``RETRIES`` failures the generation ends with
 ``finish_reason`` ``error`` (code ``unavailable``).
+
+A generation's first ``tokens`` message carries its early stats (``protocol.EARLY_STATS``) as
+the daemon's does: the replica sends them with its first token.  After a restart they still
+describe one generation: its prompt, the prefix reuse of the attempt that made its first token,
+and the time to that token from the generation's start; its ``done`` repeats them.
 """
 
 import asyncio
@@ -49,6 +56,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -60,10 +68,10 @@ from ..config import ModelError
 from ..params import GenerationParams
 from ..tokenizer import Tokenizer
 from . import protocol as P
-from . import rundir
+from . import rundir, tls
 from .address import is_loopback
 from .connection import Connection
-from .daemon import INTERACTIVE_PREFILL_CHUNK, read_token_file
+from .daemon import INTERACTIVE_PREFILL_CHUNK, read_token_file, warn_cleartext
 from .launch import DaemonError, resolve_models
 from .local import describe
 from .options import DEFAULT_SPINNING, SPINNING
@@ -133,13 +141,21 @@ class EngineReplica:
         # The generation runs on a worker thread that queues each token here; every item this
         # stream yields carries all the tokens ready by then, so a caller that falls behind (many
         # editors on few cores) gets one Ray message for several tokens instead of one each.
+        # The first token comes with the generation's early stats (protocol.EARLY_STATS), which
+        # the ingress sends with its first ``tokens`` message, as the daemon does.
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
 
         def produce() -> None:
             try:
+                early: dict[str, Any] | None = None
                 for chunk in gen:
-                    loop.call_soon_threadsafe(ready.put_nowait, [int(chunk.token_id), chunk.text])
+                    if early is None:
+                        early = {k: gen.stats[k] for k in P.EARLY_STATS if k in gen.stats}
+                        item = (int(chunk.token_id), chunk.text, early)
+                    else:
+                        item = (int(chunk.token_id), chunk.text, None)
+                    loop.call_soon_threadsafe(ready.put_nowait, item)
                 end: BaseException | None = None
             except BaseException as e:  # raised again on the event loop
                 end = e
@@ -151,9 +167,12 @@ class EngineReplica:
                 items = [await ready.get()]
                 while not ready.empty():
                     items.append(ready.get_nowait())
-                tokens = [x for x in items if isinstance(x, list)]
+                tokens = [x for x in items if isinstance(x, tuple)]
                 if tokens:
-                    yield {"tokens": tokens}
+                    out: dict[str, Any] = {"tokens": [[t, text] for t, text, _ in tokens]}
+                    if tokens[0][2] is not None:
+                        out["stats"] = tokens[0][2]
+                    yield out
                 if len(tokens) < len(items):  # the end (None) or the generation's error
                     end = items[-1]
                     if end is not None:
@@ -246,12 +265,33 @@ class RayRun:
         if self.task is not None:
             self.task.cancel()
 
+    def _early(
+        self, stats: dict[str, Any] | None, failures: int, first_ms: float
+    ) -> dict[str, Any] | None:
+        """The early stats sent with the generation's first token: those of the attempt that
+        made it (its replica's prefix reuse), with the time to it counted from the generation's
+        start when earlier attempts failed (the client waited for them too).  A restart after
+        the first token keeps these (they went out already) and ``done`` repeats them."""
+        if stats is None:
+            return None
+        early = {**stats, "prompt_tokens": len(self.ids)}
+        if failures:
+            early["ttft_ms"] = first_ms
+        return early
+
     async def work(self) -> None:
         delivered: list[int] = []
         t0 = time.perf_counter()
         first_ms = None
+        early: dict[str, Any] | None = None  # the stats its first tokens message carried
         failures = 0
         last_error = ""
+
+        def so_far() -> dict[str, Any]:
+            """The stats of a generation that ends early: its first tokens' and how many came
+            (the client keeps ``done``'s stats, as after a daemon's cancelled generation)."""
+            return {**(early or {}), "new_tokens": len(delivered)}
+
         while True:
             params = self.params
             if delivered:  # restarted after a replica died: continue after what was delivered
@@ -259,6 +299,7 @@ class RayRun:
                     self.sink.finish(
                         "length",
                         {
+                            **(early or {}),
                             "prompt_tokens": len(self.ids),
                             "new_tokens": len(delivered),
                             "restarts": failures,
@@ -280,12 +321,11 @@ class RayRun:
                 async for item in self.response:
                     if "done" in item:
                         stats = dict(item.get("stats", {}))
-                        if (
-                            failures
-                        ):  # restarted: the stats of the whole generation as the client saw it
+                        if failures:  # restarted: the whole generation as the client saw it
                             stats["prompt_tokens"] = len(self.ids)
                             stats["new_tokens"] = len(delivered)
                             stats["ttft_ms"] = first_ms or stats.get("ttft_ms", 0.0)
+                            stats.update(early or {})  # as its first tokens message said
                             stats["total_ms"] = (time.perf_counter() - t0) * 1e3
                             stats["restarts"] = failures
                         stats["replica"] = item.get("replica", "")
@@ -296,17 +336,19 @@ class RayRun:
                         return
                     for token_id, text in item["tokens"]:
                         await self.sink.acredit()
+                        first = None
                         if first_ms is None:
                             first_ms = (time.perf_counter() - t0) * 1e3
+                            early = first = self._early(item.get("stats"), failures, first_ms)
                         delivered.append(token_id)
-                        self.sink.chunk(token_id, text)
+                        self.sink.chunk(token_id, text, first)
                 raise RuntimeError("the replica's stream ended without a result")
             except asyncio.CancelledError:
-                self.sink.finish("cancelled", {"new_tokens": len(delivered)}, None)
+                self.sink.finish("cancelled", so_far(), None)
                 return
             except Exception as e:  # a replica died or is unreachable: try another
                 if self.cancelled:
-                    self.sink.finish("cancelled", {"new_tokens": len(delivered)}, None)
+                    self.sink.finish("cancelled", so_far(), None)
                     return
                 failures += 1
                 self.shards.mark_down(shard)
@@ -317,7 +359,7 @@ class RayRun:
                 if failures > RETRIES:
                     self.sink.finish(
                         "error",
-                        {"new_tokens": len(delivered)},
+                        so_far(),
                         (
                             P.UNAVAILABLE,
                             f"no engine replica could finish the generation: {last_error}",
@@ -485,11 +527,23 @@ def deploy(
     slots: int = SLOTS,
     precision: str = "fp32",
     spinning: bool | None = SPINNING[DEFAULT_SPINNING],
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> str:
     """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
     ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
-    per replica, enough for the documents each serves (about documents / replicas)."""
-    serve.start(http_options={"host": host, "port": port})
+    per replica, enough for the documents each serves (about documents / replicas).
+
+    ``tls_cert`` / ``tls_key`` (PEM files, as the daemon's): Serve's HTTP proxy (uvicorn) serves
+    ``wss://`` with them.  Each node's proxy reads them from its own disk, so on a cluster they
+    must be at the same path on every node.  A proxy already running keeps its options (Serve
+    cannot change them once started): a DaemonError when its TLS is not the one asked for."""
+    http: dict[str, Any] = {"host": host, "port": port}
+    if tls_cert and tls_key:
+        http["ssl_certfile"] = str(Path(tls_cert).expanduser().resolve())
+        http["ssl_keyfile"] = str(Path(tls_key).expanduser().resolve())
+    serve.start(http_options=http)
+    _check_proxy_tls(http.get("ssl_certfile"))
     serve.run(
         build_app(
             model_dir,
@@ -506,7 +560,28 @@ def deploy(
         route_prefix="/",
         blocking=False,
     )
-    return f"ws://{host}:{port}/"
+    return f"{'wss' if 'ssl_certfile' in http else 'ws'}://{host}:{port}/"
+
+
+def _check_proxy_tls(cert: str | None) -> None:
+    """Refuse to deploy behind a Serve proxy that serves TLS other than asked (``cert``: the
+    certificate file, None for none): one already running on the cluster kept its options, and
+    the URL announced would not be the one it serves."""
+    try:  # Serve has no public view of its options: a later Ray without this skips the check
+        from ray.serve.context import _get_global_client
+
+        running = _get_global_client().http_config
+    except (ImportError, AttributeError):
+        return
+    serving = running.ssl_certfile or None
+    if serving != cert:
+        raise DaemonError(
+            "Serve's HTTP proxy already runs on this cluster "
+            + (f"with TLS (certificate {serving})" if serving else "without TLS")
+            + ", and Serve cannot change that while it runs: "
+            + ("pass the same --tls-cert/--tls-key" if serving else "serve without --tls-cert")
+            + ", or restart Serve (serve shutdown)"
+        )
 
 
 def main_args(args) -> int:
@@ -520,11 +595,11 @@ def main_args(args) -> int:
             raise DaemonError(f"--ws {host}:{port} is not a loopback address: pass --allow-remote")
         if len(args.model) > 1:
             raise DaemonError("--ray serves one model per application; start one per model")
-        if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
-            raise DaemonError(
-                "--tls-cert/--tls-key are not supported with --ray: terminate TLS in front of "
-                "Ray Serve's HTTP proxy (a reverse proxy or load balancer serving wss://)"
-            )
+        # checked here as the daemon checks them (both or neither, readable, matching), before
+        # Ray starts: Serve's proxy would only log a bad pair in its own actor's log
+        secure = tls.server_context_for(args.tls_cert, args.tls_key) is not None
+        if not secure and not is_loopback(host):
+            warn_cleartext(host, port, to_stderr=logging.getLogger().level > logging.WARNING)
         token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
         folders = resolve_models(args.model)
     except (DaemonError, OSError, ValueError) as e:
@@ -540,20 +615,29 @@ def main_args(args) -> int:
         with socket.socket() as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
-    url = deploy(
-        str(folders[0]),
-        host=host,
-        port=port,
-        replicas=args.replicas,
-        token=token,
-        origins=args.allow_origin,
-        threads=args.threads,
-        slots=args.slots,
-        precision=args.precision,
-        spinning=SPINNING[args.spinning],
-    )
+    try:
+        url = deploy(
+            str(folders[0]),
+            host=host,
+            port=port,
+            replicas=args.replicas,
+            token=token,
+            origins=args.allow_origin,
+            threads=args.threads,
+            slots=args.slots,
+            precision=args.precision,
+            spinning=SPINNING[args.spinning],
+            tls_cert=args.tls_cert if secure else None,
+            tls_key=args.tls_key if secure else None,
+        )
+    except DaemonError as e:  # Serve runs with other options: it and its apps are left alone
+        print(f"spark-lsp engine serve --ray: {e}", file=sys.stderr)
+        ray.shutdown()
+        return 2
     key = rundir.model_key(folders)
-    path = rundir.write_record(key, url, token, [str(f) for f in folders], ray=True)
+    # as the daemon's: the record names the certificate, which the user's own clients pin
+    extra = {"tls_cert": str(Path(args.tls_cert).expanduser().resolve())} if secure else {}
+    path = rundir.write_record(key, url, token, [str(f) for f in folders], ray=True, **extra)
     print(
         f"engine service (Ray Serve, {args.replicas} replicas) on {url} (token in {path})",
         file=sys.stderr,

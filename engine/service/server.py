@@ -12,7 +12,9 @@ sockets.
 
 With ``ssl_context`` (``engine.service.tls.server_context``) it serves ``wss://``: the library
 wraps each accepted socket and shakes hands on the connection's thread (a client that fails the
-TLS handshake, a plain ``ws://`` one included, is dropped there and the server goes on).
+TLS handshake, a plain ``ws://`` one included, is dropped there and the server goes on).  The
+library says nothing of such a client; ``tls.FailedHandshakes`` logs each (rate-limited), so a
+client that cannot connect leaves a reason in the daemon's log.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, serve
 
 from . import protocol as P
+from . import tls
 from .address import is_loopback
 from .connection import MAX_GENERATIONS, ThreadConnection
 from .direct import DirectServerConnection
@@ -74,6 +77,7 @@ class EngineServer:
         self._server: Server | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.handshakes = tls.FailedHandshakes(log)
         self.host = ""
         self.port = 0
 
@@ -97,7 +101,8 @@ class EngineServer:
             ping_timeout=60,
             close_timeout=2,
             create_connection=DirectServerConnection,
-            ssl=self.ssl_context,  # the TLS handshake runs on the connection's own thread
+            # the TLS handshake runs on the connection's own thread; a failed one is logged
+            ssl=self.handshakes.watch(self.ssl_context) if self.ssl_context else None,
         )
         self.host, self.port = self._server.socket.getsockname()[:2]
         self._thread = threading.Thread(
@@ -167,6 +172,7 @@ class EngineServer:
         for c in conns:  # ... then their `done` messages are awaited
             c.close(max(0.0, deadline - time.monotonic()))
         self._server.shutdown()  # closes the sockets (1001) and waits for their handlers
+        self.handshakes.flush()  # failed handshakes not logged yet are summed up now
         if self._thread is not None:
             self._thread.join(5.0)
         self._server = None

@@ -100,8 +100,7 @@ class _Server(ThreadingHTTPServer):
         request.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
             conn = self.ssl_context.wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError) as e:
-            log.debug("TLS handshake with %s failed: %s", client_address, e)
+        except OSError:  # ssl.SSLError too: logged by the context's watch (serve)
             return
         conn.settimeout(None)
         try:
@@ -124,7 +123,8 @@ def serve(
     ``ssl_context`` (``engine.service.tls.server_context``): serve HTTPS."""
     handler = type("Handler", (_Handler,), {"engine": engine})
     server = _Server((host, port), handler)
-    server.ssl_context = ssl_context
+    if ssl_context is not None:  # each failed TLS handshake is logged (rate-limited)
+        server.ssl_context = tls.FailedHandshakes(log, "sse").watch(ssl_context)
     threading.Thread(target=server.serve_forever, name="spark-sse", daemon=True).start()
     return server
 

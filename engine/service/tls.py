@@ -4,13 +4,17 @@ A daemon serving other machines (``--allow-remote``) carries the bearer token an
 the user's code; with a certificate and its key (``--tls-cert`` / ``--tls-key``) it serves
 ``wss://`` (and the SSE endpoint ``https://``).  Clients verify the server's certificate against
 the system's trust store, plus a CA bundle of their own (``cafile``: a team's private CA, or a
-self-signed certificate), with hostname checking on.  Standard library only, so the thin
-language server can import it.
+self-signed certificate), with hostname checking on.  A server logs the clients that fail its
+handshake (``FailedHandshakes``).  Standard library only, so the thin language server can
+import it.
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
+import threading
+import time
 from pathlib import Path
 
 #: Environment variable naming a CA bundle (PEM) that the language server trusts for ``wss://``.
@@ -56,6 +60,119 @@ def server_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:
             "both must be PEM files, the key unencrypted and matching the certificate"
         ) from None
     return ctx
+
+
+class FailedHandshakes:
+    """A server's log of the TLS handshakes that failed, one line each with the peer and the
+    reason (a client that does not trust the certificate, plain HTTP or ``ws://`` to a TLS port,
+    a port scanner): the TLS layer drops them, and without this nothing says why a client
+    cannot connect.  At most ``limit`` lines per ``window_s``; past that they are counted, and
+    one line at the window's end says how many were not logged, so a scanner cannot flood the
+    log.
+
+    ``watch(ctx)`` makes every socket ``ctx`` wraps report here (its ``sslsocket_class``): the
+    hook sits on the handshake itself, whoever calls it (the websockets server on the
+    connection's thread, ``http.server`` through ``wrap_socket``)."""
+
+    #: Failed handshakes logged one by one per window.
+    LIMIT = 10
+    #: The window, seconds.
+    WINDOW_S = 60.0
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        what: str = "engine",
+        *,
+        limit: int = LIMIT,
+        window_s: float = WINDOW_S,
+        clock=time.monotonic,
+    ) -> None:
+        self.log = log
+        self.what = what
+        self.limit = limit
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._start = -float("inf")  # when the window began
+        self._count = 0  # failures in the window
+        self._unlogged = 0  # of them, not logged one by one
+        self._timer: threading.Timer | None = None
+
+    def watch(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
+        """Report the failed handshakes of the sockets ``ctx`` wraps from now on (a server
+        context is its server's own: another watch on it takes its reports)."""
+        failures = self
+
+        class _Watched(ssl.SSLSocket):
+            def do_handshake(self, block: bool = False) -> None:
+                try:
+                    peer = self.getpeername()
+                except OSError:  # gone already
+                    peer = None
+                try:
+                    super().do_handshake(block)
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    raise  # a non-blocking socket: not a failure
+                except OSError as e:  # ssl.SSLError, a reset, the handshake timeout
+                    failures.failed(peer, e)
+                    raise
+
+        ctx.sslsocket_class = _Watched
+        return ctx
+
+    def failed(self, peer: object, exc: BaseException) -> None:
+        """Log (or count) one failed handshake with ``peer`` (an address tuple, or None)."""
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+        with self._lock:
+            now = self._clock()
+            if now - self._start >= self.window_s:
+                self._summarise()
+                self._start, self._count = now, 0
+            self._count += 1
+            if self._count <= self.limit:
+                self.log.warning(
+                    "%s: TLS handshake with %s failed: %s", self.what, where, handshake_error(exc)
+                )
+                return
+            self._unlogged += 1
+            if self._timer is None:  # the summary at the window's end
+                self._timer = threading.Timer(self._start + self.window_s - now, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Log how many failures were not logged one by one, if any (the window's end)."""
+        with self._lock:
+            self._summarise()
+
+    def _summarise(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._unlogged:
+            self.log.warning(
+                "%s: %d more TLS handshakes failed within %.0f s (not logged one by one: at most "
+                "%d are)",
+                self.what,
+                self._unlogged,
+                self.window_s,
+                self.limit,
+            )
+            self._unlogged = 0
+
+
+def handshake_error(exc: BaseException) -> str:
+    """Why a server's TLS handshake failed, in a few words: OpenSSL's reason (``http request``:
+    plain HTTP or ``ws://`` to the TLS port; ``tlsv1 alert unknown ca``: the client does not trust
+    the certificate), or the socket's error (``timed out``, ``connection reset by peer``)."""
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return exc.reason.lower().replace("_", " ")
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
 
 
 def client_context(cafile: str | Path | None = None) -> ssl.SSLContext:

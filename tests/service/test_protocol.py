@@ -565,6 +565,9 @@ async def test_a_client_that_stops_reading_holds_its_generation(engine):
     assert sum(len(json.loads(s).get("ids", ())) for s in sent) == 300
 
 
+_EARLY = {"prompt_tokens": 3, "reused_tokens": 2, "ttft_ms": 1.5}
+
+
 class _Burst:
     """A models backend whose generations deliver a scripted burst of tokens from a thread:
     ``script`` is a list of (seconds to wait, tokens to deliver at once), then the end."""
@@ -591,7 +594,7 @@ class _Burst:
             for wait, count in self.script:
                 time.sleep(wait)
                 for _ in range(count):
-                    sink.chunk(n, f"t{n} ")
+                    sink.chunk(n, f"t{n} ", dict(_EARLY) if n == 0 else None)
                     n += 1
             sink.finish("length", {"new_tokens": n}, None)
 
@@ -600,9 +603,10 @@ class _Burst:
 
 
 async def test_tokens_leave_at_once_then_coalesced_and_never_after_done():
-    """The asyncio connection (the Ray ingress) sends a generation's first token at once and
-    the rest at most every COALESCE_S: a burst goes as one message; tokens that wait are sent by
-    a timer, not held until the end; everything reaches the client in order, before `done`."""
+    """The asyncio connection (the Ray ingress) sends a generation's first token at once, with
+    its early stats, and the rest at most every COALESCE_S: a burst goes as one message; tokens
+    that wait are sent by a timer, not held until the end; everything reaches the client in
+    order, before `done`."""
     from engine.service.connection import COALESCE_S
 
     sent: list[dict] = []
@@ -625,6 +629,7 @@ async def test_tokens_leave_at_once_then_coalesced_and_never_after_done():
     assert kinds[-1] == "done" and kinds.count("done") == 1
     tokens = [m for m in msgs if m["type"] == "tokens"]
     assert tokens[0]["ids"] == [0]  # the first token at once, alone
+    assert tokens[0]["stats"] == _EARLY and all("stats" not in m for m in tokens[1:])
     assert [i for m in tokens for i in m["ids"]] == list(range(21))
     assert "".join(m["text"] for m in tokens) == "".join(f"t{i} " for i in range(21))
     assert len(tokens) <= 3  # the burst of 20: at most one message at once and one by the timer

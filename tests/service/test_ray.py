@@ -1,11 +1,16 @@
-"""The engine service on a real local Ray cluster with 2 engine replicas (Ray Serve)."""
+"""The engine service on a real local Ray cluster with 2 engine replicas (Ray Serve), served
+over TLS (``wss://``, a throwaway CA's certificate made with ``trustme``): Serve's proxy cannot
+change its options once started, so one cluster serves every test here the way ``--ray
+--tls-cert`` does; without the certificate the same deployment serves ``ws://``."""
 
 import asyncio
+import functools
 import os
 import signal
 import socket
 
 import pytest
+import trustme
 
 ray = pytest.importorskip(
     "ray", reason="the Ray test needs the 'ray' extra (part of the test extra)"
@@ -13,8 +18,10 @@ ray = pytest.importorskip(
 
 from engine import GenerationParams  # noqa: E402
 from engine.models import default_model_dir  # noqa: E402
+from engine.service import protocol as P  # noqa: E402
 from engine.service import ray_app  # noqa: E402
 from engine.service.client import EngineClient, EngineUnavailable  # noqa: E402
+from engine.service.launch import DaemonError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "ray-test-token-" + "x" * 20
@@ -22,14 +29,34 @@ PROMPT = "def fibonacci(n):\n"
 
 
 @pytest.fixture(scope="module")
-def url():
+def ca(tmp_path_factory):
+    """A throwaway CA's certificate (PEM file) and the certificate and key it signs for
+    127.0.0.1, which Serve's proxy serves."""
+    d = tmp_path_factory.mktemp("ray-tls")
+    authority = trustme.CA()
+    leaf = authority.issue_cert("localhost", "127.0.0.1")
+    out = {k: str(d / f"{k}.pem") for k in ("ca", "cert", "key")}
+    authority.cert_pem.write_to_path(out["ca"])
+    leaf.cert_chain_pems[0].write_to_path(out["cert"])
+    leaf.private_key_pem.write_to_path(out["key"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def url(ca):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         yield ray_app.deploy(
-            str(default_model_dir()), port=port, replicas=2, token=TOKEN, num_cpus=0.5
+            str(default_model_dir()),
+            port=port,
+            replicas=2,
+            token=TOKEN,
+            num_cpus=0.5,
+            tls_cert=ca["cert"],
+            tls_key=ca["key"],
         )
     finally:
         from ray import serve
@@ -38,18 +65,42 @@ def url():
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def connect(ca):
+    """``EngineClient.connect`` trusting the test CA."""
+    return functools.partial(EngineClient.connect, cafile=ca["ca"])
+
+
+async def early_stats(gen) -> dict:
+    """Read ``gen`` to its end; the stats it had with its first piece (its first tokens
+    message's)."""
+    early = None
+    async for _ in gen:
+        if early is None:
+            early = dict(gen.stats)
+    return early
+
+
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_wrong_token_is_refused(url):
+def test_wrong_token_is_refused_and_tls_is_checked(url, connect):
+    assert url.startswith("wss://127.0.0.1:")
     with pytest.raises(EngineUnavailable, match="HTTP 403"):
-        run(EngineClient.connect(url, "wrong-wrong-wrong-wrong"))
+        run(connect(url, "wrong-wrong-wrong-wrong"))
+    with pytest.raises(EngineUnavailable, match="could not be verified"):
+        run(EngineClient.connect(url, TOKEN))  # without the CA
+    # Serve's proxy keeps its options: a deployment without TLS is refused, not announced ws://
+    with pytest.raises(DaemonError, match="already runs on this cluster with TLS"):
+        ray_app.deploy(
+            str(default_model_dir()), port=int(url.rsplit(":", 1)[1].strip("/")), token=TOKEN
+        )
 
 
-def test_slot_affinity_keeps_each_document_on_one_replica(url):
+def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
     async def scenario():
-        c = await EngineClient.connect(url, TOKEN)
+        c = await connect(url, TOKEN)
         try:
             seen: dict[str, set[str]] = {}
             reused = []
@@ -78,12 +129,16 @@ def test_slot_affinity_keeps_each_document_on_one_replica(url):
     assert min(reused) > 0.5  # the KV prefix of the earlier round was there
 
 
-def test_a_killed_replica_loses_nothing_but_the_cache(url):
+def test_a_killed_replica_loses_nothing_but_the_cache(url, connect):
+    """Its generation continues on the other replica; the first tokens of a generation carry
+    its early stats (as the daemon's do), and a restarted one's ``done`` repeats those."""
+
     async def scenario():
-        c = await EngineClient.connect(url, TOKEN)
+        c = await connect(url, TOKEN)
         try:
             params = GenerationParams(max_new_tokens=300, ignore_eos=True)
-            ref = await (await c.generate(PROMPT, params, slot="victim")).wait()
+            ref = await c.generate(PROMPT, params, slot="victim")
+            ref_early = await early_stats(ref)
             victim = int(ref.stats["replica"].rsplit(":", 1)[1])
             gen = await c.generate(PROMPT, params, slot="victim")
             others = [
@@ -93,19 +148,27 @@ def test_a_killed_replica_loses_nothing_but_the_cache(url):
             n = 0
             async for _piece in gen:
                 n += 1
+                if n == 1:
+                    early = dict(gen.stats)
                 if n == 3:
                     os.kill(victim, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*(g.wait() for g in others)), 120)
             after = await (
                 await c.generate(PROMPT, GenerationParams(max_new_tokens=8), slot="victim")
             ).wait()
-            return ref, gen, others, after, victim
+            return ref, ref_early, gen, early, others, after, victim
         finally:
             await c.close()
 
-    ref, gen, others, after, victim = run(scenario())
+    ref, ref_early, gen, early, others, after, victim = run(scenario())
+    assert set(ref_early) == set(P.EARLY_STATS) and ref_early["ttft_ms"] > 0
+    assert {k: ref.stats[k] for k in P.EARLY_STATS} == ref_early
     assert gen.finish_reason == "length" and gen.text == ref.text  # continued on the other replica
     assert gen.stats.get("restarts", 0) >= 1 and not gen.stats["replica"].endswith(f":{victim}")
+    # its first tokens came from the victim, which held the prompt: the done says the same
+    assert early["prompt_tokens"] == ref_early["prompt_tokens"]
+    assert early["reused_tokens"] == early["prompt_tokens"] - 1
+    assert {k: gen.stats[k] for k in P.EARLY_STATS} == early
     assert all(g.finish_reason in ("length", "eos") for g in others)  # none lost or hung
     assert after.finish_reason in ("length", "eos")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -252,16 +253,46 @@ async def test_the_token_is_still_required_over_tls(server, certs):
         await EngineClient.connect(server.url, None, cafile=certs["ca"])
 
 
-async def test_a_plain_ws_client_fails_cleanly_and_the_daemon_keeps_serving(server, certs):
+def handshake_failures(caplog, port: int, timeout: float = 30.0) -> list[str]:
+    """The log's failed-handshake lines about the client on local ``port``, once there is one
+    (the server shakes hands on a thread of its own)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if f"TLS handshake with 127.0.0.1:{port} failed" in r.getMessage()
+        ]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
+
+
+async def test_a_plain_ws_client_fails_cleanly_and_the_daemon_keeps_serving(server, certs, caplog):
+    """Each client that fails the TLS handshake leaves one line in the daemon's log, with its
+    address and why; the daemon goes on serving."""
+    caplog.set_level(logging.WARNING, logger="engine.service.server")
     plain = server.url.replace("wss://", "ws://")
     with pytest.raises(EngineUnavailable, match="wss://"):
         await EngineClient.connect(plain, TOKEN, open_timeout=5)
     with pytest.raises(EngineUnavailable):
         SyncEngineClient(plain, TOKEN, open_timeout=5)
-    # a raw TCP client that sends garbage and one that sends nothing at all, then leaves
-    for data in (b"GET / HTTP/1.1\r\n\r\n", b""):
+    # a raw TCP client that sends an HTTP request, one that sends junk, one that sends nothing
+    # at all, then each leaves
+    for data, why in (
+        (b"GET / HTTP/1.1\r\n\r\n", "http request"),
+        (b"\x00 junk junk\r\n", "wrong version number"),
+        (b"", ""),
+    ):
         with socket.create_connection(("127.0.0.1", server.port)) as s:
             s.sendall(data)
+            port = s.getsockname()[1]
+            if data:
+                assert await asyncio.to_thread(handshake_failures, caplog, port) == [
+                    f"engine: TLS handshake with 127.0.0.1:{port} failed: {why}"
+                ]
+        if not data:
+            assert len(await asyncio.to_thread(handshake_failures, caplog, port)) == 1
     c = await EngineClient.connect(server.url, TOKEN, cafile=certs["ca"])
     try:
         gen = await c.generate(PROMPT, GenerationParams(max_new_tokens=4), slot="p")
@@ -304,6 +335,34 @@ async def test_a_wss_client_against_a_plain_daemon_says_what_failed(engine, cert
             SyncEngineClient(url, TOKEN, cafile=certs["ca"], open_timeout=5)
     finally:
         srv.close()
+
+
+def test_failed_handshakes_are_logged_at_most_limit_a_window_then_summed_up(caplog):
+    """A scanner cannot flood the log: past ``limit`` lines a window, failures are counted and
+    one line at the window's end says how many; the next window logs them again."""
+    logger = logging.getLogger("test.handshakes")
+    caplog.set_level(logging.WARNING, logger="test.handshakes")
+    now = [100.0]
+    failures = tls.FailedHandshakes(logger, limit=3, window_s=60.0, clock=lambda: now[0])
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    for i in range(5):
+        failures.failed(("10.0.0.1", 4000 + i), reset)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"engine: TLS handshake with 10.0.0.1:{4000 + i} failed: connection reset by peer"
+        for i in range(3)
+    ]
+    assert failures._timer is not None  # the summary waits for the window's end
+    caplog.clear()
+    failures.flush()  # what the timer does then
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine: 2 more TLS handshakes failed within 60 s (not logged one by one: at most 3 are)"
+    ]
+    caplog.clear()
+    now[0] += 61.0
+    failures.failed(None, TimeoutError("_ssl.c:983: The handshake operation timed out"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine: TLS handshake with ? failed: timed out"
+    ]
 
 
 # -- the threaded connection on an SSL socket ------------------------------------------------
@@ -369,16 +428,22 @@ def test_threaded_connection_on_tls_holds_a_generation_for_a_client_that_stops_r
 
 
 # -- the SSE endpoint over https ----------------------------------------------------------------
-def test_sse_endpoint_over_https(engine, certs):
+def test_sse_endpoint_over_https(engine, certs, caplog):
+    caplog.set_level(logging.WARNING, logger="engine.service.sse")
     srv = sse.serve(engine, ssl_context=tls.server_context(certs["cert"], certs["key"]))
     port = srv.server_address[1]
     try:
-        # a plain HTTP client gets no answer; the endpoint goes on serving
+        # a plain HTTP client gets no answer, the log says why; the endpoint goes on serving
         plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+            plain.connect()
+            client_port = plain.sock.getsockname()[1]
             plain.request("POST", "/generate", body="{}")
             plain.getresponse()
         plain.close()
+        assert handshake_failures(caplog, client_port) == [
+            f"sse: TLS handshake with 127.0.0.1:{client_port} failed: http request"
+        ]
         conn = http.client.HTTPSConnection(
             "127.0.0.1", port, context=tls.client_context(certs["ca"]), timeout=60
         )
@@ -476,7 +541,7 @@ def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatc
         (["--tls-key", "KEY"], b"--tls-key needs --tls-cert"),
         (["--tls-cert", "CERT", "--tls-key", "CERT.missing"], b"private key"),
         (["--tls-cert", "CERT", "--tls-key", "OTHER_KEY"], b"cannot use the certificate"),
-        (["--ray", "--tls-cert", "CERT", "--tls-key", "KEY"], b"not supported with --ray"),
+        (["--ray", "--tls-cert", "CERT", "--tls-key", "OTHER_KEY"], b"cannot use the certificate"),
     ],
 )
 def test_daemon_refuses_bad_tls_options_before_loading(run_dir, certs, args, message):
