@@ -126,6 +126,7 @@ class _Received:
         self.error: dict[str, str] | None = None
         self.successor: Any = None
         self._flag: int | None = None  # its shared cancel flag (SyncEngineClient), if any
+        self._unread_steers: set[str] = set()  # steers sent that the server has not read yet
 
     @property
     def done(self) -> bool:
@@ -302,6 +303,9 @@ class _Dispatch:
                     msg.get("finish_reason", "error"), msg.get("stats", {}), msg.get("error")
                 )
         elif kind == "steer":
+            steered = self._gens.get(gid)
+            if steered is not None:  # the server has read it (accepted, committed or failed)
+                steered._unread_steers.discard(msg.get("steer"))
             if msg.get("state") == P.COMMITTED and msg.get("outcome") == P.STOPPED:
                 succ = msg.get("successor")
                 gen = self._gens.get(gid)
@@ -818,9 +822,16 @@ class SyncEngineClient(_Dispatch):
             flags.close()
 
     def _trip(self, gen: SyncGeneration) -> None:
-        """Set ``gen``'s shared cancel flag (under the lock that frees flags: never another's)."""
+        """Set ``gen``'s shared cancel flag (under the lock that frees flags: never another's),
+        unless a steer of it is still unread by the server: the flag would overtake it, and the
+        cancel must come after it, as its message does."""
         with self._lock:
-            if gen._flag is not None and gen.finish_reason is None and self._flags is not None:
+            if (
+                gen._flag is not None
+                and gen.finish_reason is None
+                and not gen._unread_steers
+                and self._flags is not None
+            ):
                 self._flags.trip(gen._flag)
 
     # -- internals ------------------------------------------------------------------------------
@@ -839,6 +850,9 @@ class SyncEngineClient(_Dispatch):
                 fut.set_exception(EngineUnavailable(self.close_reason or "closed"))
                 return fut
             self._steers[sid] = fut
+            gen = self._gens.get(gid)
+            if gen is not None:
+                gen._unread_steers.add(sid)
         self._send_quietly({"type": "steer", "id": gid, "text": text, "steer": sid})
         return fut
 

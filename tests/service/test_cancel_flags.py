@@ -255,3 +255,23 @@ def test_concurrent_cancels_never_trip_another_generations_flag(server):
         assert not wrong
     finally:
         c.close()
+
+
+def test_a_cancel_right_after_an_unread_steer_goes_by_message(server):
+    """A flag would overtake a steer still on its way (the engine would stop before the server
+    reads the typed text): while the server has not answered a steer, cancel sets no flag."""
+    c = SyncEngineClient(server.url, TOKEN)
+    try:
+        gen = c.generate(PROMPT, LONG, slot="unread")
+        next(iter(gen))
+        word = c._flags._words
+        gen._unread_steers.add("t-on-its-way")
+        c._trip(gen)
+        assert word[gen._flag] == 0
+        gen._unread_steers.clear()  # answered
+        c._trip(gen)
+        assert word[gen._flag] == 1
+        gen.result()
+        assert gen.finish_reason == "cancelled"
+    finally:
+        c.close()
