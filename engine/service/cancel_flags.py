@@ -13,8 +13,9 @@ the daemon's threads having to wake.  The message still follows and keeps the pr
 machine as it is: the word only makes the stop sooner.
 
 The client owns the words' use: a word is its generation's (and its steer successors') until that
-chain's last ``done``; the daemon only reads them.  The file is removed when the connection
-closes (and, after a crash, when the next daemon in that directory starts).
+chain's last ``done``; the daemon only reads them.  The file's name is removed once the client
+has named a word (it has mapped the file by then), else when the connection closes (and, after
+a crash, when the next daemon in that directory starts).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ class CancelFlags:
             raise IndexError(i)
         return ctypes.c_int32.from_buffer(self._map, i * WORD)
 
+    def unlink(self) -> None:
+        """Remove the file's name (the daemon's side, once the client has mapped it): nothing is
+        left behind, and nobody else can open it any more."""
+        if self._owner:
+            self.path.unlink(missing_ok=True)
+
     # -- the client's side ---------------------------------------------------------------------
     def arm(self) -> int | None:
         """A free word, zeroed, for a new generation (None when all are in use)."""
@@ -114,8 +121,7 @@ class CancelFlags:
             self._map.close()
         except BufferError:  # a generation still holds a word: the mapping goes with it
             pass
-        if self._owner:
-            self.path.unlink(missing_ok=True)
+        self.unlink()
 
 
 def sweep(directory: Path) -> None:

@@ -302,6 +302,7 @@ class Session:
         run = Run(self, msg.id, msg.model, ids, msg.params, msg.slot)
         if msg.cancel_flag is not None and self.flags is not None:
             run.stop_flag = self.flags.word(msg.cancel_flag)
+            self.flags.unlink()  # the client has mapped it: its name is needed no more
         self._start(run)
 
     def _remember(self, gid: str, ids: Sequence[int]) -> None:

@@ -133,6 +133,8 @@ def test_a_client_on_this_machine_stops_a_generation_by_the_flag_alone(server):
         assert offer["count"] == COUNT and [str(p) for p in _flag_files(server)] == [offer["path"]]
         gen = c.generate(PROMPT, LONG, slot="a")
         assert gen._flag is not None
+        next(iter(gen))
+        assert not _flag_files(server)  # named a word, so mapped: the name is removed
         for i, _ in enumerate(gen):
             if i == 2:
                 break
