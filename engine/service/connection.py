@@ -99,7 +99,7 @@ class Run:
 
     def chunk(self, token_id: int, text: str, stats: dict[str, Any] | None = None) -> None:
         if stats is not None:
-            self.early_stats = {k: stats[k] for k in P.EARLY_STATS if k in stats}
+            self.early_stats = P.early_stats(stats)
         self.conn._deliver(self.conn._on_chunk, self, token_id, text)
 
     def finish(

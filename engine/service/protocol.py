@@ -361,6 +361,11 @@ def error(code: str, message: str, id: str | None = None) -> dict[str, Any]:
 EARLY_STATS = ("prompt_tokens", "reused_tokens", "ttft_ms")
 
 
+def early_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``EARLY_STATS`` of a generation's stats (a copy: the generation goes on)."""
+    return {k: stats[k] for k in EARLY_STATS if k in stats}
+
+
 def tokens(id: str, text: str, ids: list[int]) -> dict[str, Any]:
     return {"type": "tokens", "id": id, "text": text, "ids": ids}
 

@@ -151,7 +151,7 @@ class EngineReplica:
                 early: dict[str, Any] | None = None
                 for chunk in gen:
                     if early is None:
-                        early = {k: gen.stats[k] for k in P.EARLY_STATS if k in gen.stats}
+                        early = P.early_stats(gen.stats)
                         item = (int(chunk.token_id), chunk.text, early)
                     else:
                         item = (int(chunk.token_id), chunk.text, None)

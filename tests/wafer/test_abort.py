@@ -38,32 +38,27 @@ def engine(request, tiny_models, tmp_path_factory):
     return eng
 
 
-def test_a_set_flag_skips_the_ops_work(engine):
+@pytest.mark.parametrize("which", ["flag", "watch"])
+def test_a_set_word_skips_the_ops_work(engine, which):
+    """The generation's flag, or the word another process sets (a client's shared cancel flag),
+    set alone: terminate unset, so the run goes to its end, unfinished."""
     rt = engine.runtime
     ids = engine.tokenizer.encode(CODE)
     want = rt.forward(rt.new_kv(), ids, 0)
     np.testing.assert_allclose(
         rt.forward(rt.new_kv(), ids, 0, interrupt=Interrupt()), want, rtol=1e-5, atol=1e-5
     )
-    stop = Interrupt()
-    stop.flag.value = 1  # the flag alone: terminate unset, so the run goes to its end unfinished
-    got = rt.forward(rt.new_kv(), ids, 0, interrupt=stop)
-    assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
-
-
-def test_a_set_watch_word_skips_the_ops_work(engine):
-    """The word another process sets (a client's shared cancel flag) stops the ops like the flag."""
-    rt = engine.runtime
-    ids = engine.tokenizer.encode(CODE)
-    want = rt.forward(rt.new_kv(), ids, 0)
     word = ctypes.c_int32(0)
-    watching = Interrupt(word)
+    stop = Interrupt(word)
     np.testing.assert_allclose(
-        rt.forward(rt.new_kv(), ids, 0, interrupt=watching), want, rtol=1e-5, atol=1e-5
+        rt.forward(rt.new_kv(), ids, 0, interrupt=stop), want, rtol=1e-5, atol=1e-5
     )
-    word.value = 1
-    assert watching.watched and not watching.flag.value
-    got = rt.forward(rt.new_kv(), ids, 0, interrupt=watching)
+    if which == "flag":
+        stop.flag.value = 1
+    else:
+        word.value = 1
+        assert stop.watched and not stop.flag.value
+    got = rt.forward(rt.new_kv(), ids, 0, interrupt=stop)
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
