@@ -288,8 +288,9 @@ class EarlyAnswer:
         self.deadline, self.ctx, self.multiline = deadline, ctx, multiline
         self.settings, self.gate, self.send, self.t0 = settings, gate, send, t0
         self.sent = False
-        self.last: float | None = None  # when the last chunk came
-        self.gap = 0.0  # the time between chunks (a running mean; 0 until two have come)
+        self.last: float | None = None  # when the last chunk with new output came
+        self.gap = 0.0  # the time between such chunks (a running mean; 0 until two have come)
+        self._text = ""  # the output at the last step
         self._joins: list[tuple[str, float, Callable[[Result], None]]] = []
         self._lock = threading.Lock()  # joins come from the event loop, steps from the engine
 
@@ -314,31 +315,40 @@ class EarlyAnswer:
         return (cut, "words") if cut.strip() else None
 
     def step(self, text: str, line_logprob: float | None, stats: dict) -> None:
+        """After every chunk of the generation.  A remote model's stream also yields empty
+        chunks while it waits for output (so the scheduler can look at cancels): those bring no
+        token and leave the time between tokens alone (it would read as the poll interval, and
+        every answer would wait until the deadline itself), but let the answer go at the
+        deadline when the next token is late."""
         now = time.perf_counter()
-        if self.last is not None:
-            gap = now - self.last
-            self.gap = gap if not self.gap else 0.5 * (self.gap + gap)
-        self.last = now
+        if text != self._text:
+            if self.last is not None:
+                gap = now - self.last
+                self.gap = gap if not self.gap else 0.5 * (self.gap + gap)
+            self.last, self._text = now, text
+        # when the next token is due (the gap after the last one), or now if that has passed: a
+        # stream that waits past the deadline answers then with what it has
+        due = max(now, (self.last if self.last is not None else now) + self.gap)
         if self._joins:
-            self._step_joins(text, stats, now)
+            self._step_joins(text, stats, now, due)
         if self.sent:
             return
         if self.gate and line_logprob is not None:
             if confidence(line_logprob) < self.settings.min_confidence:
                 self._answer([], stats, "low confidence", now)
                 return
-        found = self.partial(text, now + self.gap)
+        found = self.partial(text, due)
         if found is None:
             return
         item = postprocess.clean(found[0], self.ctx, self.multiline, self.settings.max_lines)
         if item:
             self._answer([item], stats, found[1], now)
 
-    def _step_joins(self, text: str, stats: dict, now: float) -> None:
+    def _step_joins(self, text: str, stats: dict, now: float, due: float) -> None:
         with self._lock:
             joins, self._joins = self._joins, []
         for typed, deadline, send in joins:
-            found = self.partial(text, now + self.gap, deadline)
+            found = self.partial(text, due, deadline)
             item = (
                 postprocess.clean(found[0], self.ctx, self.multiline, self.settings.max_lines)
                 if found is not None

@@ -267,3 +267,38 @@ async def test_joining_request_is_answered_before_the_generation_ends():
     inf.early.step("foo(bar, b", None, {})  # the engine thread's next step
     assert await asyncio.wait_for(task, 5) == ["bar,"]
     assert state.metrics.joined == 1 and not job.future.done()  # the generation goes on
+
+
+def test_empty_chunks_of_a_remote_stream_do_not_count_as_tokens():
+    """A remote model's stream yields empty chunks while it waits (every 10 ms): the time
+    between tokens is timed between chunks with output, so the answer goes once the next token
+    would miss the deadline, not only at the deadline itself."""
+    sent = []
+    s = Settings(min_confidence=0)
+    ctx = postprocess.Context("x = ", "", (), ())
+    e = EarlyAnswer(time.perf_counter() + 1.0, ctx, False, s, False, sent.append, 0.0)
+    e.step("foo", None, {})
+    for _ in range(5):  # polls with nothing new, 0.1 s apart
+        time.sleep(0.1)
+        e.step("foo", None, {})
+    assert e.gap == 0.0 and sent == []
+    e.step("foo(bar", None, {})  # 0.5 s after the first token: the next is due at ~1.0 s
+    assert [r.items for r in sent] == [["foo("]]
+
+
+def test_a_late_token_is_not_waited_for_past_the_deadline():
+    """When the next token is late, an empty chunk after the deadline answers with what there
+    is."""
+    sent = []
+    s = Settings(min_confidence=0)
+    ctx = postprocess.Context("x = ", "", (), ())
+    e = EarlyAnswer(time.perf_counter() + 0.3, ctx, False, s, False, sent.append, 0.0)
+    e.step("foo", None, {})
+    time.sleep(0.05)
+    e.step("foo(bar", None, {})  # a token every 0.05 s: the next is due long before 0.3 s
+    time.sleep(0.1)
+    e.step("foo(bar", None, {})  # a poll: the next token is late, the deadline not yet here
+    assert sent == []
+    time.sleep(0.25)
+    e.step("foo(bar", None, {})  # a poll past the deadline
+    assert [r.items for r in sent] == [["foo("]]
