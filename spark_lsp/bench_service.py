@@ -7,8 +7,8 @@ builder, the document as slot) and asks for a greedy suggestion of `--max-tokens
 - `inproc`: `engine.Engine` in this process (what `spark-lsp serve` does by default);
 - `ws`: the engine daemon (`engine.service`: its threaded server, where the thread reading the
   socket takes each request and each generation writes its own tokens) over one persistent
-  WebSocket, with the asyncio client: after the first keystroke a request is a prompt delta
-  against the previous one;
+  WebSocket, with the thread-side client the language server uses (`SyncEngineClient`): after
+  the first keystroke a request is a prompt delta against the previous one;
 - `sse`: the same engine behind a plain HTTP endpoint (`engine.service.sse`), the
   request-per-generation baseline as a client without a connection pool does it: a new TCP
   connection, one HTTP/1.1 POST with the whole prompt as JSON token ids, the tokens streamed
@@ -26,7 +26,8 @@ suggestion (-> the whole suggestion), the engine's own time for the whole sugges
 service's decoding slowed by its own I/O shows apart from the transport) and the bytes of the
 request message.  Each server runs in its
 own process with its own copy of the model; the three transports take turns keystroke by
-keystroke, so a busy machine weighs on each alike.  Cancel: a generation is cancelled from another
+keystroke, so a busy machine weighs on each alike, each turn `SETTLE_S` after the last (the
+engine before leaves its threads spinning for a while).  Cancel: a generation is cancelled from another
 thread a few ms after its third token (as an editor's cancel reaches the language server while
 the engine works); the time from `cancel()` to the consuming thread seeing the end, in-process and
 through the service's thread-side client (the language server's path); `cancel_socket_ms` is the
@@ -210,11 +211,13 @@ def inproc_one(engine: Engine, uri: str, ids: list[int], params: GenerationParam
     return _row(t0, t_first, time.perf_counter(), gen.stats)
 
 
-async def ws_one(client: EngineClient, uri: str, ids: list[int], params: GenerationParams) -> dict:
+def ws_one(
+    client: SyncEngineClient, uri: str, ids: list[int], params: GenerationParams
+) -> dict:
     t0 = time.perf_counter()
     t_first = None
-    gen = await client.generate(ids, params, slot=uri)
-    async for piece in gen:
+    gen = client.generate(ids, params, slot=uri)
+    for piece in gen:
         if t_first is None and piece.text:
             t_first = time.perf_counter()
     return _row(t0, t_first, time.perf_counter(), gen.stats)
@@ -259,20 +262,26 @@ def sse_one(
     return row
 
 
-def count_sent(client: EngineClient) -> list[int]:
+def count_sent(client: SyncEngineClient) -> list[int]:
     """Sizes of the frames the client sends from now on (the bench's own accounting)."""
     sizes: list[int] = []
     send = client.ws.send
 
-    async def counting(data, *a, **kw):
+    def counting(data, *a, **kw):
         sizes.append(len(data))
-        return await send(data, *a, **kw)
+        return send(data, *a, **kw)
 
     client.ws.send = counting
     return sizes
 
 
-async def take_turns(
+#: Pause before each transport's turn: the engine that ran last leaves its ONNX Runtime threads
+#: spinning for a while, and on a small machine they would slow the next transport's engine
+#: (another process).  A typist's keystrokes at 10 characters a second are as far apart.
+SETTLE_S = 0.1
+
+
+def take_turns(
     wanted: list[str],
     engine: Engine | None,
     ws: tuple[str, str] | None,
@@ -282,24 +291,29 @@ async def take_turns(
     params: GenerationParams,
     cafile: str | None = None,
 ) -> dict[str, list[dict]]:
-    """Every keystroke on every transport in turn (each on its own slot of its own engine).
-    ``cafile``: the CA that signed the servers' certificates (their URLs are then wss/https)."""
+    """Every keystroke on every transport in turn (each on its own slot of its own engine),
+    each turn SETTLE_S after the last. ``cafile``: the CA that signed the servers' certificates
+    (their URLs are then wss/https)."""
     rows: dict[str, list[dict]] = {name: [] for name in wanted}
-    client = await EngineClient.connect(*ws, client="bench", cafile=cafile) if ws else None
+    # the language server's client (engine_ws): requests from the calling thread, no event loop
+    client = SyncEngineClient(*ws, client="bench", cafile=cafile) if ws else None
     sse_ctx = tls.client_context(cafile) if sse_url and tls.is_secure(sse_url) else None
     try:
         sizes = count_sent(client) if client else []
         for ids in trace:
             if "inproc" in rows:
+                time.sleep(SETTLE_S)
                 rows["inproc"].append(inproc_one(engine, uri, ids, params))
             if client is not None:
-                rows["ws"].append(await ws_one(client, uri, ids, params))
+                time.sleep(SETTLE_S)
+                rows["ws"].append(ws_one(client, uri, ids, params))
                 rows["ws"][-1]["request_bytes"] = sizes[-1]
             if "sse" in rows:
+                time.sleep(SETTLE_S)
                 rows["sse"].append(sse_one(sse_url, uri, ids, params, sse_ctx))
     finally:
         if client is not None:
-            await client.close()
+            client.close()
     return rows
 
 
@@ -912,8 +926,8 @@ def run(args) -> int:
         gc.collect()
         gc.freeze()  # as the servers do: the loaded model stays out of full collections
         # the same warm-up everywhere (ONNX Runtime's first runs), then a cold document slot
-        asyncio.run(take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params, cafile))
-        rows = asyncio.run(take_turns(wanted, local, ws, sse_url, uri, trace, params, cafile))
+        take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params, cafile)
+        rows = take_turns(wanted, local, ws, sse_url, uri, trace, params, cafile)
         t = results["transports"]
         for name in wanted:
             t[labels[name]] = summary(rows[name])
