@@ -47,7 +47,9 @@ class CancelFlags:
         finally:
             os.close(fd)
         self._words = (ctypes.c_int32 * count).from_buffer(self._map)
-        self._free: deque[int] = deque(range(count))
+        # the client hands the words out; the daemon only reads those it is told of
+        self._free: deque[int] = deque() if owner else deque(range(count))
+        self._named = owner  # the file still has its name (the daemon's side)
 
     @classmethod
     def create(cls, directory: Path, count: int = COUNT) -> CancelFlags:
@@ -93,7 +95,8 @@ class CancelFlags:
     def unlink(self) -> None:
         """Remove the file's name (the daemon's side, once the client has mapped it): nothing is
         left behind, and nobody else can open it any more."""
-        if self._owner:
+        if self._owner and self._named:
+            self._named = False
             self.path.unlink(missing_ok=True)
 
     # -- the client's side ---------------------------------------------------------------------
