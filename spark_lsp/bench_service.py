@@ -211,9 +211,7 @@ def inproc_one(engine: Engine, uri: str, ids: list[int], params: GenerationParam
     return _row(t0, t_first, time.perf_counter(), gen.stats)
 
 
-def ws_one(
-    client: SyncEngineClient, uri: str, ids: list[int], params: GenerationParams
-) -> dict:
+def ws_one(client: SyncEngineClient, uri: str, ids: list[int], params: GenerationParams) -> dict:
     t0 = time.perf_counter()
     t_first = None
     gen = client.generate(ids, params, slot=uri)

@@ -66,11 +66,14 @@ def test_a_word_set_by_one_side_is_seen_by_the_other(tmp_path):
 
 
 def test_all_words_in_use_means_no_flag(tmp_path):
-    flags = CancelFlags.create(tmp_path, count=2)
+    daemon = CancelFlags.create(tmp_path, count=2)
+    flags = CancelFlags.open(str(daemon.path), 2)  # the client hands the words out
     assert flags.arm() == 0 and flags.arm() == 1 and flags.arm() is None
     flags.release(1)
     assert flags.arm() == 1
+    assert daemon.arm() is None  # the daemon's side has none to give
     flags.close()
+    daemon.close()
 
 
 def test_a_file_others_can_read_or_of_the_wrong_size_is_refused(tmp_path):
