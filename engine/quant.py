@@ -132,19 +132,36 @@ def _quantize_columns(
     if symmetric:
         half = 1 << (bits - 1)
         amax = np.abs(blocks).max(-1)
-        scale = amax / (half - 1)
-        scale[scale == 0] = 1.0
+        scale = _scales(amax / (half - 1), bits)
         zp = np.full((N, nb), half, np.int64)
     else:
         lo = np.minimum(blocks.min(-1), 0.0)
         hi = np.maximum(blocks.max(-1), 0.0)
-        scale = (hi - lo) / qmax
-        scale[scale == 0] = 1.0
+        scale = _scales((hi - lo) / qmax, bits)
         zp = np.clip(np.round(-lo / scale), 0, qmax).astype(np.int64)
     q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
     if bits == 4:
         q = q[..., 0::2] | (q[..., 1::2] << 4)
     return q, scale.astype(np.float32), zp.astype(np.uint8)
+
+
+#: The least and greatest scale a half float holds (its smallest subnormal, its largest finite).
+HALF_MIN, HALF_MAX = 2.0**-24, 65504.0
+
+
+def _scales(scale: np.ndarray, bits: int) -> np.ndarray:
+    """Block scales, 1.0 for an all-zero block; at 4 bits half floats, rounded up (a block's
+    range still fits its codes).  MeshLinearQ stores 4-bit scales as float16 (at blocks of 32 a
+    float32 scale adds a quarter to the bytes of the codes a decode step streams, a half float
+    an eighth), MatMulNBits as float32: both hold these exactly, so the forms compute the same
+    products."""
+    if bits != 4:
+        return np.where(scale == 0, 1.0, scale)
+    s = np.where(scale == 0, 1.0, np.clip(scale, HALF_MIN, HALF_MAX))
+    h = s.astype(np.float16)
+    low = h.astype(np.float64) < s
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h.astype(np.float64)
 
 
 def unpack_codes(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
@@ -324,10 +341,12 @@ class QuantLinear:
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
             return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
-        form = "meshq-v4" if self.form == "op" else self.form
+        # 4-bit: v5 / v3 since its scales are half floats
+        form = ("meshq-v5" if self.bits == 4 else "meshq-v4") if self.form == "op" else self.form
+        version = "v3" if self.bits == 4 else "v2"
         return (
             f"q{self.bits}-b{self.block_size}-{form}-acc{self.accuracy_level}"
-            f"-{'sym' if self.symmetric else 'asym'}-{roles}-v2/{inner_key}"
+            f"-{'sym' if self.symmetric else 'asym'}-{roles}-{version}/{inner_key}"
         )
 
     # The K extents each quantisation must respect: one per mesh line along the reduction axis.

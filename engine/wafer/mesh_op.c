@@ -162,7 +162,7 @@ static inline float hsum(v16 v) {
 
 #define SLOT_KernelInfoGetAttribute_int64 86
 typedef OrtStatus* (*GetAttrInt64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
-enum { ELEM_UINT8 = 2, ELEM_INT64 = 7 };
+enum { ELEM_UINT8 = 2, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
 
 /* Every line's weights, in place (pointers into the inputs). */
 typedef struct {
@@ -818,7 +818,8 @@ static const OrtCustomOp mesh_linear = {
  *                [64q, 64q + 64); int8: each 256 bytes are 4 consecutive k of 64 columns, column
  *                c's 4 codes in bytes 4c..4c+3; int4: 8 consecutive k, column c's k 0..3 in the
  *                low nibbles and k 4..7 in the high nibbles of bytes 4c..4c+3
- *   scales       float [panels, nb_p, 64]
+ *   scales       float [panels, nb_p, 64]; at 4 bits float16 (at blocks of 32 a float32 scale added a
+ *                quarter to the bytes of the codes a decode step streams, a half float an eighth)
  *   zero_points  uint8 [panels, nb_p, 64]   (w = (code - zero_point) * scale)
  * (engine/wafer/mesh_op.py: pack_quantized writes this layout.)  bias (optional) float [N] is added
  * after the last line's reduction, as in MeshLinear.
@@ -838,17 +839,48 @@ static const OrtCustomOp mesh_linear = {
 #endif
 #define QMAXR 3 /* token rows per pass over the weights */
 
+/* An IEEE half float's value (the portable path; the vector paths convert 16 at a time). */
+static inline float half_value(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);
+  } else if (e == 0) { /* zero or subnormal: m * 2^-24 */
+    const float f = (float)m * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  } else {
+    bits = sign | ((e + 112u) << 23) | (m << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
 typedef struct {
   int bits;
   size_t bs, lines, K, N, panels, Kq, blocks; /* Kq: quantised activations per row (lines padded to whole blocks) */
   size_t k[MAX_LINES], nb[MAX_LINES];
   const uint8_t* codes[MAX_LINES];
-  const float* scales[MAX_LINES];
+  const void* scales[MAX_LINES]; /* float, or at 4 bits IEEE half floats (half) */
+  int half;
   const uint8_t* zp[MAX_LINES];
   const float* bias; /* [N], added after the last line's reduction; NULL: none */
   int glu;           /* GLU_*: the gated-MLP epilogue, as MeshLinear's (N counts the gate|up panel columns) */
   size_t out_n;      /* output columns: N, or with glu the F gated columns */
 } QTiles;
+
+/* Scale i of a line's scales. */
+static inline float scale_at(const QTiles* t, const void* sc, size_t i) {
+  return t->half ? half_value(((const uint16_t*)sc)[i]) : ((const float*)sc)[i];
+}
+
+#if HAVE_VNNI
+/* Scales [i, i + 16) of a line's scales (half floats: AVX-512F's conversion, exact). */
+static inline __m512 scales16(const QTiles* t, const void* sc, size_t i) {
+  return t->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc + i)))
+                 : _mm512_loadu_ps((const float*)sc + i);
+}
+#endif
 
 typedef struct {
   const QTiles* t;
@@ -929,7 +961,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
   for (size_t p = 0; p < t->lines; p++) {
     const size_t nb = t->nb[p];
     const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
-    const float* sc = t->scales[p] + q * nb * NR;
+    const void* sc = t->scales[p];
+    const size_t s0 = q * nb * NR; /* the panel's first scale */
     const uint8_t* zp = t->zp[p] + q * nb * NR;
 #if HAVE_VNNI
     __m512 part[QMAXR][4];
@@ -996,7 +1029,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         const __m512 s = _mm512_set1_ps(j->xs[(m + r) * t->blocks + blk]);
         for (int c = 0; c < 4; c++)
           part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
-                                       _mm512_mul_ps(_mm512_loadu_ps(sc + b * NR + 16 * c), s), part[r][c]);
+                                       _mm512_mul_ps(scales16(t, sc, s0 + b * NR + 16 * c), s), part[r][c]);
       }
     }
     for (int r = 0; r < MR; r++) {
@@ -1031,7 +1064,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
               }
             }
         const float xsb = j->xs[(m + r) * t->blocks + blk + b];
-        for (size_t c = 0; c < NR; c++) part[c] = __builtin_fmaf((float)acc[c], sc[b * NR + c] * xsb, part[c]);
+        for (size_t c = 0; c < NR; c++) part[c] = __builtin_fmaf((float)acc[c], scale_at(t, sc, s0 + b * NR + c) * xsb, part[c]);
       }
       float* yr = j->y + (m + r) * t->N + n0;
       const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
@@ -1178,14 +1211,14 @@ static inline void amx_unpack4(const uint8_t* codes, const uint8_t* zp, size_t b
 /* Rows [m0, m1) of one block's int32 dot products (dots: [R, 64], row m0 first) into the line's
    float partial products: part += float(dot - zp * sum(a)) * (scale * x_scale), the VNNI path's
    arithmetic (int4: the zero point is already in the dots). */
-static inline void amx_scale(const QJob* j, const int32_t* dots, const float* sc, const uint8_t* zp, size_t blk,
-                             size_t m0, size_t m1, float* part) {
+static inline void amx_scale(const QJob* j, const int32_t* dots, const void* sc, size_t si, const uint8_t* zp,
+                             size_t blk, size_t m0, size_t m1, float* part) {
   const QTiles* t = j->t;
   __m512i z[4];
   __m512 s[4];
   for (int c = 0; c < 4; c++) {
     z[c] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + 16 * c)));
-    s[c] = _mm512_loadu_ps(sc + 16 * c);
+    s[c] = scales16(t, sc, si + 16 * c);
   }
   for (size_t m = m0; m < m1; m++, dots += NR) {
     const __m512 xs = _mm512_set1_ps(j->xs[m * t->blocks + blk]);
@@ -1200,14 +1233,15 @@ static inline void amx_scale(const QJob* j, const int32_t* dots, const float* sc
   }
 }
 
-/* Ask for block b of a line's panel (codes cb bytes, its 64 scales and zero points) into L1, if
-   the line has that block. */
-static inline void prefetch_block(const uint8_t* codes, const float* sc, const uint8_t* zp, size_t b, size_t nb,
-                                  size_t cb) {
+/* Ask for block b of a line's panel (codes cb bytes, its 64 scales of sb bytes each from
+   scale si, and its zero points) into L1, if the line has that block. */
+static inline void prefetch_block(const uint8_t* codes, const void* sc, size_t si, size_t sb, const uint8_t* zp,
+                                  size_t b, size_t nb, size_t cb) {
   if (b >= nb) return;
   const char* pc = (const char*)codes + b * cb;
   for (size_t o = 0; o < cb; o += 64) _mm_prefetch(pc + o, _MM_HINT_T0);
-  for (size_t o = 0; o < NR * sizeof(float); o += 64) _mm_prefetch((const char*)(sc + b * NR) + o, _MM_HINT_T0);
+  const char* ps = (const char*)sc + (si + b * NR) * sb;
+  for (size_t o = 0; o < NR * sb; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
   _mm_prefetch((const char*)(zp + b * NR), _MM_HINT_T0);
 }
 
@@ -1262,7 +1296,8 @@ static void qtask_amx(void* data, size_t i) {
     for (size_t p = 0; p < t->lines; p++) {
       const size_t nb = t->nb[p];
       const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
-      const float* sc = t->scales[p] + q * nb * NR;
+      const void* sc = t->scales[p];
+      const size_t s0 = q * nb * NR, sb = t->half ? 2 : 4; /* the panel's first scale, bytes each */
       const uint8_t* zp = t->zp[p] + q * nb * NR;
       const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = PREFETCH_BYTES / cb ? PREFETCH_BYTES / cb : 1;
       memset(part, 0, j->M * NR * sizeof(float));
@@ -1280,7 +1315,7 @@ static void qtask_amx(void* data, size_t i) {
           const int8_t* a = j->xqb + ((blk + b) * j->xrows + pass * R) * bs;
           size_t kk = 0;
           if (pass == 0) /* from DRAM: fetch a block a few KB ahead (hardware prefetchers stop at pages) */
-            prefetch_block(w, sc, zp, b + pf_ahead, nb, cb);
+            prefetch_block(w, sc, s0, sb, zp, b + pf_ahead, nb, cb);
           if (t->bits == 4) {
             for (; kk + 2 * kc <= bs; kk += 2 * kc) {
               AMX_STEP(4, _tile_dpbssd, kk);
@@ -1300,7 +1335,7 @@ static void qtask_amx(void* data, size_t i) {
         }
         if (u >= AMX_LAG) { /* an earlier unit's dots, while this one's products run */
           const size_t v = u - AMX_LAG, b = v / passes, m0 = (v % passes) * R, m1 = m0 + R < j->M ? m0 + R : j->M;
-          amx_scale(j, dots[v % AMX_RING], sc + b * NR, zp + b * NR, blk + b, m0, m1, part);
+          amx_scale(j, dots[v % AMX_RING], sc, s0 + b * NR, zp + b * NR, blk + b, m0, m1, part);
         }
         if (u < units) {
           int32_t* d = dots[u % AMX_RING];
@@ -1369,6 +1404,7 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
   memset(t, 0, sizeof *t);
   t->bits = bits;
   t->bs = bs;
+  t->half = bits == 4;
   t->glu = glu;
   if (n_vals < 4 || (n_vals - 1) % 3 > 1 || (n_vals - 1) / 3 > MAX_LINES)
     return error("MeshLinearQ: expected x, shape, 1 to %d mesh lines of (codes, scales, zero_points) and an optional "
@@ -1387,7 +1423,7 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
     if (dims[p + 1] < 1) return error("MeshLinearQ: line %zu's K extent must be positive, got %lld", p, (long long)dims[p + 1]);
     const size_t k = (size_t)dims[p + 1], nb = (k + bs - 1) / bs;
     const size_t want[3][3] = {{t->panels, nb * bs * (size_t)bits / 32, 256}, {t->panels, nb, NR}, {t->panels, nb, NR}};
-    const int want_type[3] = {ELEM_UINT8, ELEM_FLOAT, ELEM_UINT8};
+    const int want_type[3] = {ELEM_UINT8, bits == 4 ? ELEM_FLOAT16 : ELEM_FLOAT, ELEM_UINT8};
     static const char* what[3] = {"codes", "scales", "zero_points"};
     void* data[3];
     for (int i = 0; i < 3; i++) {
@@ -1395,7 +1431,7 @@ static OrtStatus* resolve_qtiles(const OrtValue* const* vals, size_t n_vals, int
       if (type != want_type[i] || rank != 3 || (size_t)d[0] != want[i][0] || (size_t)d[1] != want[i][1] ||
           (size_t)d[2] != want[i][2])
         return error("MeshLinearQ: line %zu's %s must be a %s tensor [%zu, %zu, %zu] (N=%zu, K extent %zu, block %zu, "
-                     "%d bits)", p, what[i], i == 1 ? "float" : "uint8", want[i][0], want[i][1], want[i][2], t->N, k,
+                     "%d bits)", p, what[i], i == 1 ? (bits == 4 ? "float16" : "float") : "uint8", want[i][0], want[i][1], want[i][2], t->N, k,
                      bs, bits);
       TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)vals[1 + 3 * p + i], &data[i]));
     }

@@ -238,8 +238,10 @@ def pack_quantized(
 
     ``codes`` uint8 [N, nb * block] (one code per byte, column-major like MatMulNBits, the line's
     K extent zero-padded to whole blocks), ``scales`` float [N, nb], ``zero_points`` uint8
-    [N, nb].  Returns (codes [panels, nb*block*bits/32, 256], scales [panels, nb, 64],
-    zero points [panels, nb, 64]), columns padded to whole 64-column panels.
+    [N, nb].  Returns (codes [panels, nb*block*bits/32, 256], scales [panels, nb, 64], zero
+    points [panels, nb, 64]), columns padded to whole 64-column panels.  At 4 bits the scales
+    are stored as half floats: pass values a half float holds (``half_scales``; the quantiser,
+    ``engine.quant``, makes them so), or they are rounded to the nearest.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits!r}: MeshLinearQ takes 8 or 4")
@@ -265,7 +267,13 @@ def pack_quantized(
         a = np.pad(np.asarray(a, dtype), ((0, pad), (0, 0)))
         return np.ascontiguousarray(a.reshape(panels, PANEL, nb).transpose(0, 2, 1))
 
-    return out, per_panel(scales, np.float32), per_panel(zero_points, np.uint8)
+    scale_type = np.float16 if bits == 4 else np.float32
+    return out, per_panel(scales, scale_type), per_panel(zero_points, np.uint8)
+
+
+def half_scales(scales: np.ndarray) -> np.ndarray:
+    """``scales`` rounded to the half floats MeshLinearQ stores at 4 bits (as float32 values)."""
+    return np.asarray(scales, np.float32).astype(np.float16).astype(np.float32)
 
 
 def quantize_activations(x: np.ndarray, k: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -319,10 +327,11 @@ def _self_test_quantized(path: str) -> None:
             nb = -(-k // 16)
             codes = rng.integers(0, 1 << bits, (70, nb * 16)).astype(np.uint8)
             codes[:, k:] = 0
+            scales = rng.random((70, nb), np.float32) * 0.1
             lines.append(
                 (
                     codes,
-                    rng.random((70, nb), np.float32) * 0.1,
+                    half_scales(scales) if bits == 4 else scales,  # as the op stores them
                     rng.integers(0, 1 << bits, (70, nb)).astype(np.uint8),
                     k,
                 )

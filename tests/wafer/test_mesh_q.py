@@ -51,10 +51,11 @@ def _lines(k_sizes, N, bits, block, rng):
         nb = -(-k // block)
         codes = rng.integers(0, 1 << bits, (N, nb * block)).astype(np.uint8)
         codes[:, k:] = 0  # a line's padding past its K extent
+        scales = (rng.random((N, nb)) * 0.02 + 1e-3).astype(np.float32)
         lines.append(
             (
                 codes,
-                (rng.random((N, nb)) * 0.02 + 1e-3).astype(np.float32),
+                scales if bits == 8 else mesh_op.half_scales(scales),  # int4: half floats
                 rng.integers(0, 1 << bits, (N, nb)).astype(np.uint8),
                 k,
             )
