@@ -262,6 +262,7 @@ class EngineStream:
         self._in_flight: Any = None  # the Future of the steer the daemon has not committed yet
         self._stopping = False  # a steer stopped the generation: its successor comes next
         self._late = False  # a steer came after the daemon's generation had ended
+        self._cancelled = False  # cancel() was called: nothing the engine makes after is shown
         cancel.on_cancel(lambda _reason: self.cancel())
 
     @property
@@ -282,7 +283,9 @@ class EngineStream:
                 return piece
             self._end()
             raise
-        if item is None:
+        if item is None or self._cancelled:
+            # cancelled: what the daemon made before the cancel reached it (a steer's successor
+            # that started meanwhile included) is not shown, as an in-process stream makes none
             return Chunk("")
         self.text += item.text
         return Chunk(item.text)
@@ -382,6 +385,7 @@ class EngineStream:
 
     def cancel(self) -> None:
         # the daemon cancels a successor too (an id that a steer stopped names its successor)
+        self._cancelled = True
         self._gen.cancel()
 
     def abandon(self, on_stopped: Callable[..., None]) -> None:
