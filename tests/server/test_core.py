@@ -797,3 +797,40 @@ def test_psm_prompt_stays_anchored_while_typing_at_the_cursor():
     assert not PromptBuilder(
         _VocabTokenizer(["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>"])
     ).anchor_middle
+
+
+def test_a_cancelled_engine_service_stream_shows_nothing_more():
+    """What the daemon made after `cancel()` (before the cancel reached it) is not shown, as an
+    in-process stream makes nothing more once cancelled."""
+    from types import SimpleNamespace
+
+    from engine.cancel import CancelToken
+    from spark_lsp.backends.engine_ws import EngineStream
+
+    class _Gen:
+        successor, finish_reason, stats = None, None, {}
+
+        def __init__(self, pieces):
+            self.pieces, self.cancels = list(pieces), 0
+
+        def poll(self, timeout):
+            if not self.pieces:
+                self.finish_reason = "cancelled"
+                raise StopIteration
+            return SimpleNamespace(text=self.pieces.pop(0), token_id=1)
+
+        def cancel(self):
+            self.cancels += 1
+
+        @property
+        def cancelled(self):
+            return self.cancels > 0
+
+    gen = _Gen(["ab", "cd", "ef", "gh"])
+    token = CancelToken()
+    stream = EngineStream(SimpleNamespace(), gen, token)
+    texts = [next(stream).text]
+    token.cancel("superseded")  # the engine goes on a little before the cancel reaches it
+    texts += [c.text for c in stream]
+    assert texts == ["ab", "", "", ""] and stream.text == "ab"
+    assert gen.cancels == 1 and stream.finish_reason == "cancelled"
