@@ -109,14 +109,15 @@ class Workers:
 class LocalRun:
     """A generation running on a worker thread; ``cancel()`` stops it within one decode step.
 
-    The worker itself creates the ``Generation`` (``start(cancel_token)``), so the engine's TTFT
+    The worker itself creates the ``Generation`` (``start(cancel_token, stop_flag)``), so the engine's TTFT
     counts from when the engine takes the request, as in-process, and the hand-over to the worker
     is part of the service's own overhead."""
 
-    def __init__(self, start: Callable[[CancelToken], Generation], sink: Sink) -> None:
-        self._start = start
+    def __init__(self, start: Callable[[CancelToken, Any], Generation], sink: Sink) -> None:
+        self._start = start  # (cancel token, the client's shared cancel flag or None)
         self.gen: Generation | None = None
         self.sink = sink
+        self.stop_flag = getattr(sink, "stop_flag", None)  # a daemon sink's, for its client
         self._stop = threading.Event()
         self._token = CancelToken()
 
@@ -127,7 +128,7 @@ class LocalRun:
     def work(self) -> None:
         error = None
         try:
-            self.gen = self._start(self._token)
+            self.gen = self._start(self._token, self.stop_flag)
             first = True
             for chunk in self.gen:
                 while not self._stop.is_set() and not self.sink.credit(self._stop, 0.05):
@@ -149,7 +150,7 @@ class LocalRun:
         if error is not None:
             reason = "error"
         stats = dict(gen.stats) if gen is not None else {}
-        if getattr(self.sink, "stop_flag", None) is not None:
+        if self.stop_flag is not None:
             # the client shares our memory, so our clock too: when the engine stopped
             stats["ended_at"] = ended
         self.sink.finish(reason, stats, error)
@@ -195,9 +196,9 @@ class LocalModels:
     ) -> LocalRun:
         eng = self.get(name)
         key = ("service", slot) if slot is not None else None
-        flag = getattr(sink, "stop_flag", None)  # the client's shared cancel flag
         run = LocalRun(
-            lambda token: eng.generate(ids, params, slot=key, cancel=token, stop_flag=flag), sink
+            lambda token, flag: eng.generate(ids, params, slot=key, cancel=token, stop_flag=flag),
+            sink,
         )
         self.workers.submit(run.work)
         return run
