@@ -201,22 +201,16 @@ def _row(t0: float, t_first: float | None, t_end: float, stats: dict) -> dict:
 
 
 # -- the transports ---------------------------------------------------------------------------
-def inproc_one(engine: Engine, uri: str, ids: list[int], params: GenerationParams) -> dict:
+def generate_one(
+    source: Engine | SyncEngineClient, uri: str, ids: list[int], params: GenerationParams
+) -> dict:
+    """One generation of the in-process engine or of the daemon's thread-side client (both
+    `generate(ids, params, slot=...)`, iterated for chunks)."""
     t0 = time.perf_counter()
     t_first = None
-    gen = engine.generate(ids, params, slot=uri)
+    gen = source.generate(ids, params, slot=uri)
     for chunk in gen:
         if t_first is None and chunk.text:
-            t_first = time.perf_counter()
-    return _row(t0, t_first, time.perf_counter(), gen.stats)
-
-
-def ws_one(client: SyncEngineClient, uri: str, ids: list[int], params: GenerationParams) -> dict:
-    t0 = time.perf_counter()
-    t_first = None
-    gen = client.generate(ids, params, slot=uri)
-    for piece in gen:
-        if t_first is None and piece.text:
             t_first = time.perf_counter()
     return _row(t0, t_first, time.perf_counter(), gen.stats)
 
@@ -301,10 +295,10 @@ def take_turns(
         for ids in trace:
             if "inproc" in rows:
                 time.sleep(SETTLE_S)
-                rows["inproc"].append(inproc_one(engine, uri, ids, params))
+                rows["inproc"].append(generate_one(engine, uri, ids, params))
             if client is not None:
                 time.sleep(SETTLE_S)
-                rows["ws"].append(ws_one(client, uri, ids, params))
+                rows["ws"].append(generate_one(client, uri, ids, params))
                 rows["ws"][-1]["request_bytes"] = sizes[-1]
             if "sse" in rows:
                 time.sleep(SETTLE_S)
