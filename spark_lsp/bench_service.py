@@ -32,6 +32,9 @@ thread a few ms after its third token (as an editor's cancel reaches the languag
 the engine works); the time from `cancel()` to the consuming thread seeing the end, in-process and
 through the service's thread-side client (the language server's path); `cancel_socket_ms` is the
 asyncio client's `cancel` sent -> `done` received.
+`--rtt MS`: the daemon and the HTTP endpoint each behind an emulated network link of that round
+trip (`bench_link`: a TCP proxy in its own process, delay only), so a new connection per request
+costs its handshakes as it would between machines (one round trip for TCP, one more for TLS).
 `--ray`: then K simulated editors (K = 1, 4, 8, 16), each typing its own copy of the trace at
 once, against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse
 rate (reused prompt tokens / prompt tokens, each document's first, cold request included), then
@@ -69,6 +72,7 @@ from engine.service import protocol as P
 from engine.service import rundir, tls
 from engine.service.client import EngineClient, SyncEngineClient
 
+from . import bench_link
 from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
 from .prompt import PromptBuilder
 
@@ -101,6 +105,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ws and sse over TLS (wss, https-sse) with a throwaway localhost certificate "
         "(needs trustme: pip install trustme)",
+    )
+    p.add_argument(
+        "--rtt",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="put ws and sse behind an emulated network link of this round trip, ms (default 0: "
+        "loopback; see spark_lsp/bench_link.py)",
     )
     p.add_argument(
         "--ray", action="store_true", help="also K editors against 1 and 2 Ray Serve replicas"
@@ -282,13 +294,19 @@ def take_turns(
     trace: list[list[int]],
     params: GenerationParams,
     cafile: str | None = None,
+    cancel_flags: bool = True,
 ) -> dict[str, list[dict]]:
     """Every keystroke on every transport in turn (each on its own slot of its own engine),
     each turn SETTLE_S after the last. ``cafile``: the CA that signed the servers' certificates
-    (their URLs are then wss/https)."""
+    (their URLs are then wss/https); ``cancel_flags``: whether the client may share the daemon's
+    cancel flags (not over an emulated link: a remote client could not)."""
     rows: dict[str, list[dict]] = {name: [] for name in wanted}
     # the language server's client (engine_ws): requests from the calling thread, no event loop
-    client = SyncEngineClient(*ws, client="bench", cafile=cafile) if ws else None
+    client = (
+        SyncEngineClient(*ws, client="bench", cafile=cafile, cancel_flags=cancel_flags)
+        if ws
+        else None
+    )
     sse_ctx = tls.client_context(cafile) if sse_url and tls.is_secure(sse_url) else None
     try:
         sizes = count_sent(client) if client else []
@@ -898,6 +916,7 @@ def run(args) -> int:
         "keystrokes": len(trace),
         "max_tokens": args.max_tokens,
         "tls": bool(args.tls),
+        "rtt_ms": args.rtt,
         "transports": {},
     }
     load_before = os.getloadavg()
@@ -911,15 +930,23 @@ def run(args) -> int:
             proc, rec = start_daemon(args.model, run_dir, cert)
             stack.callback(_stop, proc)
             ws = (rec["url"], rec["token"])
+            if args.rtt > 0:
+                link, url = bench_link.start(rec["url"], args.rtt)
+                stack.callback(_stop, link)
+                ws = (url, rec["token"])
         if "sse" in wanted:
             proc, sse_url = start_sse(args.model, cert)
             stack.callback(_stop, proc)
+            if args.rtt > 0:
+                link, sse_url = bench_link.start(sse_url, args.rtt)
+                stack.callback(_stop, link)
         local = engine if "inproc" in wanted else None
         gc.collect()
         gc.freeze()  # as the servers do: the loaded model stays out of full collections
         # the same warm-up everywhere (ONNX Runtime's first runs), then a cold document slot
-        take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params, cafile)
-        rows = take_turns(wanted, local, ws, sse_url, uri, trace, params, cafile)
+        flags = args.rtt <= 0  # behind a link the client is as if on another machine
+        take_turns(wanted, local, ws, sse_url, "warm-up", trace[:2], params, cafile, flags)
+        rows = take_turns(wanted, local, ws, sse_url, uri, trace, params, cafile, flags)
         t = results["transports"]
         for name in wanted:
             t[labels[name]] = summary(rows[name])
@@ -930,7 +957,7 @@ def run(args) -> int:
                 )
             )
         if ws is not None:
-            client = SyncEngineClient(*ws, client="bench", cafile=cafile)
+            client = SyncEngineClient(*ws, client="bench", cafile=cafile, cancel_flags=flags)
             stops: list[float] = []
             try:
                 t[labels["ws"]]["cancel_ms"] = _p(
@@ -984,8 +1011,13 @@ def print_table(r: dict) -> None:
         return "-" if x is None else f"{x:.2f}"
 
     load = r.get("load_average", {})
+    link = (
+        f", ws and sse over an emulated link of {r['rtt_ms']:g} ms round trip"
+        if r.get("rtt_ms")
+        else ""
+    )
     print(
-        f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion "
+        f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion{link} "
         f"(load average {f(load.get('before'))} -> {f(load.get('after'))})"
     )
     print(

@@ -54,6 +54,23 @@ def test_bench_service_over_tls_labels_wss_and_https_sse(capsys):
     assert "\nwss " in table and "\nhttps-sse " in table
 
 
+@pytest.mark.slow
+def test_bench_service_over_an_emulated_link_pays_its_round_trips(capsys):
+    """--rtt: ws and sse each behind a link process; the socket's requests pay one round trip,
+    a new HTTPS connection per request three (TCP, TLS, the request): lower bounds, by
+    construction of the link, not a speed claim."""
+    rtt = 40.0
+    args = ["--max-chars", "4", "--max-tokens", "3", "--cancels", "2", "--tls", "--rtt", str(rtt)]
+    assert bench_service.main([*args, "--transports", "ws,sse", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rtt_ms"] == rtt
+    t = out["transports"]
+    assert t["wss"]["first_byte_ms"]["p50"] >= rtt
+    assert t["https-sse"]["first_byte_ms"]["p50"] >= 3 * rtt
+    assert t["wss"]["cancel_socket_ms"]["n"] == 2  # cancels travel the link as well
+    assert "cancel_engine_ms" not in t["wss"]  # no cancel flags shared across a "network"
+
+
 def test_bench_service_tls_says_how_to_install_trustme(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "trustme", None)  # import trustme raises ImportError
     with pytest.raises(SystemExit, match="pip install trustme"):
