@@ -7,12 +7,21 @@ prompt length is a prime no model dimension is likely to equal, so the prefill r
 apart by their shapes.  The gap between a step's wall time inside ORT (``model_run``) and the sum
 of its kernels is the executor's per-node overhead.  Profiling itself slows every node by a few
 microseconds, so compare the columns with each other, not with ``bench engine``.
+
+A second table per runner splits the step by node role (a node's name with its layer number as
+``#``: ``layers.#.gate_up/...`` is that linear in every layer): time, and for the operators that
+read weights (:data:`WEIGHT_OPS`) the bytes of their inputs (at a decode step, the weights and
+one activation row), the rate they were read at and its share of the DRAM read bandwidth the
+bench measures at the end with the same thread count.  That tells a linear that streams near the
+memory's speed from one that pays fixed costs (small linears: the thread pool's hand-over, the
+activation's quantisation) and from the nodes that read no weights at all (attention).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -28,6 +37,7 @@ from ..generate import GenerationParams
 from ..runtime import physical_cores
 from ..tokenizer import Tokenizer
 from ..weights import weights_digest
+from .bandwidth import read_bandwidth
 from .models import bench_root, resolve_model
 from .peers import GenaiPeer, PeerUnavailable
 
@@ -35,10 +45,37 @@ from .peers import GenaiPeer, PeerUnavailable
 PROMPT_TOKENS = 61
 
 
+#: Operators whose inputs at a decode step are, but for one activation row, weights: their input
+#: bytes are what the node streams from memory.
+WEIGHT_OPS = frozenset(
+    {"MeshLinearQ", "MeshLinear", "MatMulNBits", "MatMul", "Gemm", "FusedMatMul", "MatMulInteger"}
+)
+#: Bytes per element of the type names in ORT's profile (``input_type_shape``).
+_ITEM_BYTES = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8, "int32": 4}
+
+
+def _input_bytes(shapes: list) -> int:
+    total = 0
+    for shape in shapes:
+        for type_name, dims in shape.items():
+            n = _ITEM_BYTES.get(type_name, 1)
+            for d in dims:
+                n *= int(d)
+            total += n
+    return total
+
+
+def _group(node_name: str) -> str:
+    """The node's name with its layer numbers as ``#``: one row for a role in every layer."""
+    return re.sub(r"\d+", "#", node_name)
+
+
 def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[str, Any]:
-    """Per-operator kernel time of the decode steps recorded in ORT profile ``files``."""
+    """Per-operator kernel time of the decode steps recorded in ORT profile ``files``, and per
+    node role (``layers.#.gate_up/...``): time, and for the weight-reading operators the bytes
+    their inputs hold and the rate they were read at."""
     runs: list[tuple[float, float]] = []
-    nodes: list[tuple[float, float, str, list]] = []
+    nodes: list[tuple[float, float, str, list, str]] = []
     for f in files:
         for ev in json.loads(Path(f).read_text()):
             if ev.get("cat") == "Session" and ev.get("name") == "model_run":
@@ -51,12 +88,16 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
                         ev["dur"],
                         args.get("op_name", "?"),
                         args.get("input_type_shape", []),
+                        ev["name"][: -len("_kernel_time")],
                     )
                 )
     runs.sort()
     nodes.sort()
     per_op: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
+    per_group: dict[str, float] = defaultdict(float)
+    group_op: dict[str, str] = {}
+    group_bytes: dict[str, tuple[str, int]] = {}  # node -> (its group, its input bytes)
     steps, step_us, kernel_us = 0, [], []
     j = 0
     for ts, dur in runs:
@@ -68,7 +109,7 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
             j += 1
         if not inside or any(
             prompt_tokens in dims
-            for *_, shapes in inside
+            for *_, shapes, _ in inside
             for shape in shapes
             for dims in shape.values()
         ):
@@ -77,9 +118,14 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
         step_us.append(dur)
         kernel_us.append(sum(n[1] for n in inside))
         seen: dict[str, int] = defaultdict(int)
-        for _, d, op, _ in inside:
+        for _, d, op, shapes, name in inside:
             per_op[op] += d
             seen[op] += 1
+            g = _group(name)
+            per_group[g] += d
+            if op in WEIGHT_OPS:
+                group_bytes[name] = (g, _input_bytes(shapes))
+            group_op[g] = op
         for op, c in seen.items():
             count[op] = max(count[op], c)
     if not steps:
@@ -88,10 +134,24 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
         op: {"us_per_step": round(t / steps, 1), "nodes": count[op]}
         for op, t in sorted(per_op.items(), key=lambda kv: -kv[1])
     }
+    mb: dict[str, float] = defaultdict(float)
+    members: dict[str, int] = defaultdict(int)
+    for g, b in group_bytes.values():
+        mb[g] += b / 1e6
+        members[g] += 1
+    groups = {}
+    for g, t in sorted(per_group.items(), key=lambda kv: -kv[1]):
+        us = t / steps
+        row: dict[str, Any] = {"op": group_op[g], "us_per_step": round(us, 1)}
+        if g in mb:
+            row.update(nodes=members[g], mb_per_step=round(mb[g], 4))
+            row["gb_s"] = round(mb[g] / us * 1e3, 3) if us else None  # MB/us = 1,000 GB/s
+        groups[g] = row
     return {
         "steps": steps,
         "nodes": sum(count.values()),
         "ops": ops,
+        "groups": groups,
         "step_us": round(statistics.fmean(step_us), 1),
         "kernel_us": round(statistics.fmean(kernel_us), 1),
     }
@@ -196,6 +256,8 @@ def bench_profile(args, log: Callable[[str], None] = print) -> dict[str, Any]:
                 "decode_tok_s_profiled": round(statistics.median(rates[name]), 1),
                 **step_profile(runner.end()),
             }
+    # what the weight-reading nodes' rates compare with: DRAM read bandwidth at this thread count
+    res["dram_read_gb_s"] = round(read_bandwidth(threads) / 1e9, 1)
     return res
 
 
@@ -235,6 +297,23 @@ def format_result(res: dict[str, Any]) -> str:
         f"{'decode tok/s while profiled':<34}"
         + "".join(f"{ran[n]['decode_tok_s_profiled']:>{w},.0f}" for n in names)
     )
+    bw = res.get("dram_read_gb_s")
+    for n in names:
+        groups = ran[n].get("groups", {})
+        lines += [
+            "",
+            f"{n}: per node role (mean us per decode step; the weight-reading ones: MB of "
+            f"inputs, read at GB/s, as a share of DRAM read bandwidth {bw} GB/s)",
+            f"{'role':<44}{'operator':>18}{'us':>10}{'nodes':>6}{'MB':>9}{'GB/s':>8}{'share':>7}",
+        ]
+        for g, row in groups.items():
+            line = f"{g[:43]:<44}{row['op'][:17]:>18}{row['us_per_step']:>10.1f}"
+            if "mb_per_step" in row:
+                share = f"{row['gb_s'] / bw:.0%}" if bw and row["gb_s"] else "-"
+                line += (
+                    f"{row['nodes']:>6}{row['mb_per_step']:>9.2f}{row['gb_s'] or 0:>8.1f}{share:>7}"
+                )
+            lines.append(line)
     for n, r in res["runners"].items():
         if "skipped" in r:
             lines.append(f"{n}: skipped ({r['skipped']})")

@@ -290,6 +290,19 @@ def test_profile_splits_decode_steps_per_operator(tiny_llama, capsys):
         and "MeshLinear" not in dense["ops"]
     )
     assert tiled["ops"]["MeshLinear"]["nodes"] == dense["ops"]["MatMul"]["nodes"]
+    # per node role: one row per role in every layer, and the linears' weight bytes and rate
+    for r, op in ((dense, "MatMul"), (tiled, "MeshLinear")):
+        linear = {g: row for g, row in r["groups"].items() if row["op"] == op}
+        assert linear and all("#" in g or "head" in g for g in linear)
+        assert all(row["mb_per_step"] > 0 and row["gb_s"] > 0 for row in linear.values())
+        assert sum(row["nodes"] for row in linear.values()) == r["ops"][op]["nodes"]
+        assert abs(sum(g["us_per_step"] for g in r["groups"].values()) - r["kernel_us"]) < (
+            0.01 * r["kernel_us"] + 1
+        )
+    # the same weights, dense or partitioned (the partition pads nothing at these shapes)
+    mb = [sum(g.get("mb_per_step", 0) for g in r["groups"].values()) for r in (dense, tiled)]
+    assert mb[0] > 0 and mb[1] > 0
+    assert res["dram_read_gb_s"] > 0
     genai = res["runners"]["onnxruntime-genai"]
     assert "skipped" not in genai, genai
     assert genai["steps"] == 2 * 5 and "MatMul" in genai["ops"]
@@ -298,5 +311,22 @@ def test_profile_splits_decode_steps_per_operator(tiny_llama, capsys):
         capsys,
     )
     assert rc == 0 and "executor overhead" in out and "onnxruntime-genai" not in out
+    assert "per node role" in out and "share" in out
     rc, out, err = cli(["profile", "--model", str(tiny_llama), "--tokens", "1"], capsys)
     assert rc == 2 and "--tokens" in err
+
+
+def test_profile_groups_roles_and_counts_weight_bytes():
+    """A node's role drops its layer numbers; a weight-reading node's input bytes are its
+    elements times their size, per ORT profile type name."""
+    from engine.lab import bench_profile as bp
+
+    assert bp._group("layers.12.gate_up/mesh_linear_q_glu") == "layers.#.gate_up/mesh_linear_q_glu"
+    assert bp._group("lm_head/mesh_linear_q") == "lm_head/mesh_linear_q"
+    shapes = [
+        {"float": [1, 1, 896]},
+        {"uint8": [8, 16, 256]},
+        {"float16": [8, 4, 64]},
+        {"int64": [3]},
+    ]
+    assert bp._input_bytes(shapes) == 896 * 4 + 8 * 16 * 256 + 8 * 4 * 64 * 2 + 3 * 8
