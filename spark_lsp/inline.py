@@ -172,11 +172,25 @@ class InlineCompletions:
         inf = holder["inf"] = self.inflight[uri] = Inflight(job, text, offset)
         st.sched().submit(job)
         result = await self._await(uri, inf, early)
-        st.send_status("completion", result.stats)
+        self._status_when_done(job, result.stats if "answered" in result.stats else None)
         if not job.future.done():  # answered early: the whole suggestion serves typing-through
             st.metrics.answered_early += 1
             self._upgrade_when_done(uri, inf)
         return result.items
+
+    def _status_when_done(self, job: Job, answer: dict | None) -> None:
+        """Tell the status bar (and the metrics) about the generation once it has ended, with the
+        engine's stats for the whole of it: an early answer's are the engine's so far (no tokens
+        counted yet, its time the answer's). `answer`: that early answer's stats, whose
+        `answered` and `answer_ms` go along. A generation cancelled after its early answer
+        (the user typed something else) reports nothing, as any cancelled one."""
+        extra = {k: answer[k] for k in ("answered", "answer_ms") if k in answer} if answer else {}
+
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.state.send_status("completion", {**f.result().stats, **extra})
+
+        job.future.add_done_callback(done)
 
     async def _await(
         self, uri: str, inf: Inflight, early: asyncio.Future | None = None

@@ -95,6 +95,9 @@ def status_payload(model: str, kind: str, stats: dict, wafer: dict | None) -> di
         "totalMs": _num(stats.get("total_ms")),
         "finishReason": stats.get("finish_reason"),
     }
+    if stats.get("answered"):  # answered before it was finished: when, and with what
+        out["answered"] = stats["answered"]
+        out["answerMs"] = _num(stats.get("answer_ms"))
     if wafer:
         out["wafer"] = wafer
         if wafer.get("decode_tok_s") is not None:

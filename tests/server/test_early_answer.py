@@ -176,6 +176,14 @@ async def test_served_early_answer_is_completed_for_typing_through(tiny_llama, s
         whole = again.items[0].insert_text
         assert whole.startswith(early) and len(whole) >= len(early)
         assert (await ed.metrics())["modelCalls"] == calls  # typing-through, no model call
+        # the status bar heard of the early-answered generation once it ended: its whole
+        # stats (tokens written, rate, the engine's time), and when and why it was answered
+        told = [s for s in ed.status if s.get("kind") == "completion" and s.get("answered")]
+        assert told, ed.status
+        last = told[-1]
+        assert last["newTokens"] > 0 and last["tokensPerSecond"] > 0
+        assert last["answered"] in ("lines", "words", "low confidence") and last["answerMs"] >= 0
+        assert last["totalMs"] >= last["ttftMs"] > 0
     finally:
         await client.shutdown_session()
         await client.stop()
