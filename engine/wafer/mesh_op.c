@@ -1687,36 +1687,85 @@ static inline void rotate(const float* x, float* y, const float* cos, const floa
 
 #define ATTN_ROWS 4 /* query rows per unit: their query heads share each key and value read */
 
-/* q . k for the 16 keys k_{perm(m)} = K + perm(m) H, perm(m) = 4 (m % 4) + m / 4, into sc[0..16):
-   16 dot products, then their 16 horizontal sums as one transposing reduction (15 shuffle-adds
-   instead of 16 four-level reductions); the permutation undoes the reduction's lane order. */
+#if defined(__AVX512F__)
+/* r[0..16) <- its transpose (lane j of r[i] <- lane i of r[j]): the classic 4-stage 16 x 16. */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; i++) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+/* ROWS query rows q[r H ..] against one block of keys kt (transposed: [H][16], key i in lane
+   i): sc[r ld + i] = q_r . k_i, a sequential sum over the head's dimensions per (row, key). */
+static inline __attribute__((always_inline)) void scores_rows(const float* kt, const float* q, size_t H, float* sc,
+                                                              size_t ld, const int ROWS) {
+  __m512 acc[8];
+  for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+  for (size_t d = 0; d < H; d++) {
+    const __m512 k = _mm512_load_ps(kt + d * 16);
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * H + d]), k, acc[r]);
+  }
+  for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(sc + r * ld, acc[r]);
+}
+
+/* The scores of n query vectors (qr, H apart) for the `keys` <= 16 keys at K into sc[r ld_sc ..]:
+   the block is transposed once and shared by every row, so a pass of many rows (a prefill, a
+   speculative verification) pays no per-row reduction; lanes past `keys` are zeros and their
+   scores unused.  Each (row, key) is summed the same way whatever the other rows, so a row's
+   scores do not depend on the pass it is in. */
+static inline __attribute__((always_inline)) void scores_block(const float* K, size_t keys, size_t H, const float* qr,
+                                                               size_t n, float* sc, size_t ld_sc) {
+  float kt[128 * 16] __attribute__((aligned(64))); /* H <= 128 (attn_compute checks it) */
+  for (size_t c = 0; c < H; c += 16) {
+    __m512 r[16];
+    for (size_t i = 0; i < 16; i++) r[i] = i < keys ? _mm512_loadu_ps(K + i * H + c) : _mm512_setzero_ps();
+    transpose16(r);
+    for (size_t i = 0; i < 16; i++) _mm512_store_ps(kt + (c + i) * 16, r[i]);
+  }
+  size_t r = 0;
+  for (; r + 8 <= n; r += 8) scores_rows(kt, qr + r * H, H, sc + r * ld_sc, ld_sc, 8);
+  const float* q = qr + r * H;
+  float* out = sc + r * ld_sc;
+  switch (n - r) { /* the rest: a row count known to the compiler, so the sums stay in registers */
+    case 7: scores_rows(kt, q, H, out, ld_sc, 7); break;
+    case 6: scores_rows(kt, q, H, out, ld_sc, 6); break;
+    case 5: scores_rows(kt, q, H, out, ld_sc, 5); break;
+    case 4: scores_rows(kt, q, H, out, ld_sc, 4); break;
+    case 3: scores_rows(kt, q, H, out, ld_sc, 3); break;
+    case 2: scores_rows(kt, q, H, out, ld_sc, 2); break;
+    case 1: scores_rows(kt, q, H, out, ld_sc, 1); break;
+    default: break;
+  }
+}
+#else
+/* q . k for the 16 keys at K (H apart) into sc[0..16). */
 static inline __attribute__((always_inline)) void scores16(const float* q, const float* K, size_t H, float* sc,
                                                            const size_t NV) {
-#if defined(__AVX512F__)
-  __m512 a[16];
-  for (int m = 0; m < 16; m++) {
-    const float* k = K + (size_t)(4 * (m % 4) + m / 4) * H;
-    v16 s = ld(q) * ld(k);
-    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
-    a[m] = (__m512)s;
-  }
-  __m512 b[8], c4[4], d[2];
-  for (int i = 0; i < 8; i++)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++)
-    c4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++)
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0x44), _mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0xEE));
-  _mm512_storeu_ps(sc, _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD)));
-#else
   for (size_t t = 0; t < 16; t++) {
     const float* k = K + t * H;
     v16 s = ld(q) * ld(k);
     for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
     sc[t] = hsum(s);
   }
-#endif
 }
+#endif
 
 /* out = sum_t p[t] V[t] / inv for two query vectors at once (they share each value row read);
    p1 / out1 NULL: one.  The sums stay in registers. */
@@ -1818,6 +1867,9 @@ static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, si
   }
   const size_t tmax = j->past + s1;
   for (size_t t0 = 0; t0 < tmax; t0 += 16) /* scores: each block of keys read once for the unit */
+#if defined(__AVX512F__)
+    scores_block(K + t0 * H, tmax - t0 < 16 ? tmax - t0 : 16, H, qr, n, sc + t0, ld_sc);
+#else
     for (size_t r = 0; r < n; r++) {
       if (t0 + 16 <= T[r]) {
         scores16(qr + r * H, K + t0 * H, H, sc + r * ld_sc + t0, NV);
@@ -1829,6 +1881,7 @@ static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, si
         }
       }
     }
+#endif
   float inv[ATTN_ROWS * 64];
   for (size_t r = 0; r < n; r++) inv[r] = 1.0f / softmax(sc + r * ld_sc, T[r]);
   for (size_t r = 0; r < n; r += 2) {
