@@ -183,12 +183,15 @@ class InlineCompletions:
         engine's stats for the whole of it: an early answer's are the engine's so far (no tokens
         counted yet, its time the answer's). `answer`: that early answer's stats, whose
         `answered` and `answer_ms` go along. A generation cancelled after its early answer
-        (the user typed something else) reports nothing, as any cancelled one."""
+        (the user typed something else) sends no status, as no cancelled one does, but still
+        counts in the metrics as a model call (its answer was shown)."""
         extra = {k: answer[k] for k in ("answered", "answer_ms") if k in answer} if answer else {}
 
         def done(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is None:
                 self.state.send_status("completion", {**f.result().stats, **extra})
+            elif answer is not None:
+                self.state.metrics.record_generation(answer)
 
         job.future.add_done_callback(done)
 

@@ -310,3 +310,32 @@ def test_a_late_token_is_not_waited_for_past_the_deadline():
     time.sleep(0.25)
     e.step("foo(bar", None, {})  # a poll past the deadline
     assert [r.items for r in sent] == [["foo("]]
+
+
+async def test_an_early_answer_reports_its_generation_when_it_ends():
+    """The status bar hears of an early-answered generation when it ends, with its whole stats
+    and how it was answered; one cancelled after its answer sends no status but counts as a
+    model call in the metrics."""
+    from spark_lsp.completions import Result
+    from spark_lsp.inline import InlineCompletions
+    from spark_lsp.status import Metrics
+
+    sent = []
+    state = SimpleNamespace(metrics=Metrics(), send_status=lambda kind, stats: sent.append(stats))
+    inline = InlineCompletions(state, lambda uri: True)
+    loop = asyncio.get_running_loop()
+    early = {"prompt_tokens": 9, "new_tokens": 0, "answered": "lines", "answer_ms": 41.0}
+
+    finished = Job("u", lambda j: None, loop)
+    inline._status_when_done(finished, early)
+    assert sent == []  # not yet: the generation is still writing
+    finished.future.set_result(Result(["x"], {"prompt_tokens": 9, "new_tokens": 12}))
+    await asyncio.sleep(0)
+    assert sent == [{"prompt_tokens": 9, "new_tokens": 12, "answered": "lines", "answer_ms": 41.0}]
+
+    cancelled = Job("v", lambda j: None, loop)
+    inline._status_when_done(cancelled, early)
+    cancelled.future.cancel()
+    await asyncio.sleep(0)
+    assert len(sent) == 1 and state.metrics.model_calls == 1
+    assert state.metrics.prompt_tokens == 9
