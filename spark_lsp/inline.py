@@ -172,26 +172,27 @@ class InlineCompletions:
         inf = holder["inf"] = self.inflight[uri] = Inflight(job, text, offset)
         st.sched().submit(job)
         result = await self._await(uri, inf, early)
-        self._status_when_done(job, result.stats if "answered" in result.stats else None)
+        if "answered" in result.stats:  # counted now, as shown; the status bar hears at its end
+            st.metrics.record_generation(result.stats)
+            self._status_when_done(job, result.stats)
+        else:
+            st.send_status("completion", result.stats)
         if not job.future.done():  # answered early: the whole suggestion serves typing-through
             st.metrics.answered_early += 1
             self._upgrade_when_done(uri, inf)
         return result.items
 
-    def _status_when_done(self, job: Job, answer: dict | None) -> None:
-        """Tell the status bar (and the metrics) about the generation once it has ended, with the
-        engine's stats for the whole of it: an early answer's are the engine's so far (no tokens
-        counted yet, its time the answer's). `answer`: that early answer's stats, whose
-        `answered` and `answer_ms` go along. A generation cancelled after its early answer
-        (the user typed something else) sends no status, as no cancelled one does, but still
-        counts in the metrics as a model call (its answer was shown)."""
-        extra = {k: answer[k] for k in ("answered", "answer_ms") if k in answer} if answer else {}
+    def _status_when_done(self, job: Job, answer: dict) -> None:
+        """Tell the status bar about a generation answered early (`answer`: that answer's stats,
+        the engine's so far: no tokens counted yet, its time the answer's) once it has ended, with
+        the engine's stats for the whole of it and the answer's `answered` and `answer_ms`. The
+        metrics counted it when it was answered; one cancelled after its answer (the user typed
+        something else) sends no status, as no cancelled generation does."""
+        extra = {k: answer[k] for k in ("answered", "answer_ms") if k in answer}
 
         def done(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is None:
-                self.state.send_status("completion", {**f.result().stats, **extra})
-            elif answer is not None:
-                self.state.metrics.record_generation(answer)
+                self.state.send_status("completion", {**f.result().stats, **extra}, record=False)
 
         job.future.add_done_callback(done)
 

@@ -199,9 +199,11 @@ class ServerState:
         return ServerError(str(exc))
 
     # -- status and metrics ----------------------------------------------------------------------
-    def send_status(self, kind: str, stats: dict) -> None:
-        """Count a finished generation and tell the editor's status bar about it."""
-        self.metrics.record_generation(stats)
+    def send_status(self, kind: str, stats: dict, record: bool = True) -> None:
+        """Count a finished generation (unless `record` is false: counted already) and tell the
+        editor's status bar about it."""
+        if record:
+            self.metrics.record_generation(stats)
         try:
             wafer = self.wafer.get(self.host.model, self.settings)
             self.editor.notify_status(status_payload(self.host.name, kind, stats, wafer))
