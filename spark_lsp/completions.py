@@ -363,8 +363,8 @@ class EarlyAnswer:
 
     def _answer(self, items: list[str], stats: dict, why: str, now: float) -> None:
         self.sent = True
-        ms = (now - self.t0) * 1e3  # the engine's stats so far, timed to this answer
-        self.send(Result(items, {**stats, "answered": why, "answer_ms": ms, "total_ms": ms}))
+        ms = (now - self.t0) * 1e3  # the engine's stats so far, and when this answer went
+        self.send(Result(items, {**stats, "answered": why, "answer_ms": ms}))
 
 
 def complete(*args: Any, **kw: Any) -> Result:
