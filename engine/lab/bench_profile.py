@@ -123,7 +123,7 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
             seen[op] += 1
             g = _group(name)
             per_group[g] += d
-            if op in WEIGHT_OPS:
+            if op in WEIGHT_OPS and name not in group_bytes:  # a node's inputs: the same each step
                 group_bytes[name] = (g, _input_bytes(shapes))
             group_op[g] = op
         for op, c in seen.items():
