@@ -25,7 +25,7 @@ from .cancel import CancelToken
 from .config import ModelConfig, ModelError, load_config, model_path
 from .generate import Generation, GenerationParams
 from .gguf import GGUFModel, default_precision, gguf_linear, is_gguf
-from .graph import build_decoder
+from .graph import KV_DTYPES, build_decoder
 from .linears import PRECISIONS, float_linear, make_linear
 from .prefix_cache import PrefixCache, Slot
 from .runtime import Runtime
@@ -128,6 +128,7 @@ class Engine:
         decode_threads: int | None = None,
         precision: str = "fp32",
         profile: str | None = None,
+        kv_cache: str = "auto",
     ) -> Engine:
         """Load a Hugging Face model folder or a GGUF file (``None``: the bundled default model).
 
@@ -144,7 +145,12 @@ class Engine:
         (``engine.precision``); loading never measures and loads exactly one engine.  For a GGUF
         file 'auto' keeps the file's own precision (``engine.gguf.default_precision``).
         ``profile``: record ONNX Runtime's per-node profile to files with this prefix
-        (:meth:`end_profiling` returns them; ``spark-lsp bench profile``).
+        (:meth:`end_profiling` returns them; ``spark-lsp bench profile``).  ``kv_cache``: the KV
+        cache's element type, 'float32', 'float16' or 'auto' (default): float16 for quantised
+        weights (int8, int4), as llama.cpp's default cache, float32 for fp32 weights, which are
+        the exact path.  A float16 cache halves what attention reads per token and what a long
+        context holds in memory; it needs the wafer attention op (``spark.wafer::DecoderAttention``)
+        and is float32 where the graph falls back to GroupQueryAttention.
         """
         t0 = time.perf_counter()
         if model_dir is None:
@@ -178,14 +184,23 @@ class Engine:
             if precision != "fp32":
                 linear = make_linear(precision, wafer=wafer, grid=grid)
         linear = linear if linear is not None else float_linear(wafer, grid)
-        options = {"rope_len": config.max_position_embeddings}
+        if kv_cache == "auto":
+            kv_cache = "float16" if precision in ("int8", "int4", "int8-rowq") else "float32"
+        elif kv_cache not in KV_DTYPES:
+            raise ValueError(f"kv_cache={kv_cache!r}: expected 'auto' or one of {KV_DTYPES}")
+        options = {"rope_len": config.max_position_embeddings, "kv_dtype": kv_cache}
         key = graph_cache.graph_key(source.digest(), config, options, linear)
 
         def build(data_file: Path):
             log.info("building the decoder graph for %s", folder)
             with source.open_weights() as weights:
                 return build_decoder(
-                    config, weights, linear, max_len=options["rope_len"], external_data=data_file
+                    config,
+                    weights,
+                    linear,
+                    max_len=options["rope_len"],
+                    external_data=data_file,
+                    kv_dtype=kv_cache,
                 )
 
         info = {

@@ -10,7 +10,9 @@ The graph is built for ONNX Runtime on CPU with batch size 1:
 * inputs  ``input_ids`` int64 [1, S], ``seqlens_k`` int32 [1] (= total length - 1),
   ``total_sequence_length`` int32 scalar, ``logits_from`` int64 [1] (first position that gets
   logits: S - number of trailing logits wanted), and per layer ``past.{i}.key`` /
-  ``past.{i}.value`` float32 [1, kv_heads, max_len, head_dim];
+  ``past.{i}.value`` [1, kv_heads, max_len, head_dim], float32, or float16 where the graph was
+  built with ``kv_dtype="float16"`` and its emitter's attention op reads such a cache (metadata
+  ``spark_lsp.kv_dtype`` says which; :data:`KV_DTYPES`);
 * outputs ``logits`` float32 [1, S - logits_from, vocab] and ``present.{i}.key`` / ``present.{i}.value``.
 
 Only positions from ``logits_from`` go on after the last layer's attention (its O-proj, MLP, the
@@ -51,6 +53,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
 GRAPH_VERSION = 10
+
+#: The KV cache element types a graph can hold (``build_decoder(kv_dtype=...)``).
+KV_DTYPES = ("float32", "float16")
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -380,6 +385,7 @@ def build_decoder(
     *,
     max_len: int | None = None,
     external_data: str | Path | None = None,
+    kv_dtype: str = "float32",
 ) -> onnx.ModelProto:
     """Build the decoder graph (see module docstring for its inputs and outputs).
 
@@ -387,8 +393,13 @@ def build_decoder(
     read one tensor at a time.  ``max_len`` bounds the positions the rotary tables cover (default:
     the model's ``max_position_embeddings``); the runtime's KV buffers must not exceed it.
     ``external_data``: stream the weights into this file as they are emitted (see
-    :class:`GraphBuilder`); save the returned model next to it.
+    :class:`GraphBuilder`); save the returned model next to it.  ``kv_dtype``: the KV cache's
+    element type, ``"float32"`` or ``"float16"``; a float16 cache needs the emitter's own
+    attention op (GroupQueryAttention on CPU reads float32), so a graph that falls back to
+    GroupQueryAttention keeps float32 whatever was asked (its metadata says what it holds).
     """
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: expected one of {KV_DTYPES}")
     linear = linear or DenseLinear()
     c = config
     H0, N, NKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -400,6 +411,7 @@ def build_decoder(
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
 
     act3d = bool(getattr(linear, "accepts_3d", False))
+    kv_types: set[int] = set()  # the KV cache's element type, per layer (all the same)
     ids = gb.input("input_ids", i64, [1, "seq"])
     seqlens_k = gb.input("seqlens_k", i32, [1])
     total_len = gb.input("total_sequence_length", i32, [])
@@ -565,8 +577,7 @@ def build_decoder(
             attn_in = [q, k, v]
         else:
             attn_in = [qkv3, "", ""]
-        past_k = gb.input(f"past.{i}.key", f32, [1, NKV, "max_len", H])
-        past_v = gb.input(f"past.{i}.value", f32, [1, NKV, "max_len", H])
+        past_k, past_v = f"past.{i}.key", f"past.{i}.value"  # graph inputs, typed below
         attn_inputs = [*attn_in, past_k, past_v, seqlens_k, total_len, cos_c, sin_c]
         # The emitter's own attention op where it has one (same inputs and outputs), else GQA.
         emit_attention = getattr(linear, "emit_attention", None)
@@ -589,8 +600,14 @@ def build_decoder(
             rotary_interleaved=0,
             scale=float(H0) ** -0.5,
         )
-        gb.output(pk, f"present.{i}.key", f32, [1, NKV, "max_len", H])
-        gb.output(pv, f"present.{i}.value", f32, [1, NKV, "max_len", H])
+        # float16 only where our op reads the cache (GroupQueryAttention on CPU reads float32)
+        kv_type = TensorProto.FLOAT16 if kv_dtype == "float16" and out else f32
+        kv_types.add(kv_type)
+        for name, value in ((past_k, None), (past_v, None), (pk, "key"), (pv, "value")):
+            if value is None:
+                gb.input(name, kv_type, [1, NKV, "max_len", H])
+            else:
+                gb.output(name, f"present.{i}.{value}", kv_type, [1, NKV, "max_len", H])
         attn2 = (
             attn
             if act3d
@@ -709,5 +726,6 @@ def build_decoder(
         "spark_lsp.graph_version": str(GRAPH_VERSION),
         "spark_lsp.max_len": str(max_len),
         "spark_lsp.kv_head_dim": str(H),
+        "spark_lsp.kv_dtype": "float16" if kv_types == {TensorProto.FLOAT16} else "float32",
     }
     return gb.to_model(metadata=meta)

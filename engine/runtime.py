@@ -210,7 +210,7 @@ class KVBuffers:
         for i in range(rt.num_layers):
             for t in ("key", "value"):
                 self.values[i, t] = ort.OrtValue.ortvalue_from_shape_and_type(
-                    shape, np.float32, "cpu", 0
+                    shape, rt.kv_dtype, "cpu", 0
                 )
         # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays.
         self.step_ids = np.zeros([1, 1], np.int64)
@@ -456,10 +456,11 @@ class Runtime:
         self.target = self.busy
         self.session = self.wide.session
         self.zero_i64 = np.zeros([1], np.int64)
-        # KV head size as built (the graph pads it to a multiple of 16).
-        self.head_dim = int(
-            next(i.shape[3] for i in self.session.get_inputs() if i.name == "past.0.key")
-        )
+        # KV head size as built (the graph pads it to a multiple of 16) and element type
+        # (float32, or float16 where the graph's attention op reads a half cache).
+        past = next(i for i in self.session.get_inputs() if i.name == "past.0.key")
+        self.head_dim = int(past.shape[3])
+        self.kv_dtype = np.dtype(np.float16 if past.type == "tensor(float16)" else np.float32)
 
     def end_profiling(self) -> list[str]:
         """Stop profiling (``profile=``) and return the profile files, one per session."""
@@ -476,7 +477,8 @@ class Runtime:
 
     def kv_bytes(self) -> int:
         """Bytes of one sequence's KV buffers."""
-        return 2 * self.num_layers * self.kv_heads * self.max_len * self.head_dim * 4
+        per = self.kv_dtype.itemsize
+        return 2 * self.num_layers * self.kv_heads * self.max_len * self.head_dim * per
 
     def _check_span(self, pos: int, n: int) -> None:
         if pos < 0 or n < 1 or pos + n > self.max_len:

@@ -64,6 +64,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -236,15 +237,16 @@ def sse_one(
 ) -> dict:
     """One generation as a pool-less HTTP client makes it: connect (HTTPS: with ``ssl_context``,
     a full TLS handshake each time), POST the whole prompt, read the event stream, close."""
-    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    where = urllib.parse.urlsplit(url)
+    host, port = where.hostname or "127.0.0.1", where.port or (443 if ssl_context else 80)
     t0 = time.perf_counter()
     body = json.dumps({"prompt": ids, "params": P.params_to_json(params), "slot": uri})
     if ssl_context is not None:  # a new TCP + TLS connection per request
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            host, int(port), context=ssl_context
+            host, port, context=ssl_context
         )
     else:
-        conn = http.client.HTTPConnection(host, int(port))  # a new connection per request
+        conn = http.client.HTTPConnection(host, port)  # a new connection per request
     conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     t_first, stats, event = None, {}, "message"

@@ -69,6 +69,25 @@ class BenchOptions:
     genai: tuple[str, ...] = (
         peer_mod.GENAI_PRECISIONS
     )  # onnxruntime-genai's models, one runner each
+    kv_caches: tuple[str, ...] = ("auto",)  # our KV cache types, one runner each (variant_names)
+
+
+#: ``--kv-cache`` values: Engine.load's ``kv_cache``.
+KV_CACHES = ("auto", "float32", "float16")
+
+
+def variant_names(precisions: tuple[str, ...], kv_caches: tuple[str, ...]) -> list[str]:
+    """Our runners besides the fp32 reference: each precision after fp32 with each KV cache
+    type, named by the precision alone for the engine's own choice (``auto``), else with
+    `` kv16`` / `` kv32`` after it (``int4 kv32``: int4 weights over a float32 cache)."""
+    suffix = {"auto": "", "float16": " kv16", "float32": " kv32"}
+    return [x + suffix[kv] for x in precisions[1:] for kv in kv_caches]
+
+
+def parse_variant(name: str) -> tuple[str, str]:
+    """A :func:`variant_names` name -> (precision, kv_cache)."""
+    x, _, kv = name.partition(" kv")
+    return x, {"": "auto", "16": "float16", "32": "float32"}[kv]
 
 
 def parse_list(spec: str, known, what: str) -> tuple[str, ...]:
@@ -292,8 +311,9 @@ def bench_engine(
     log(f"DRAM read bandwidth ({threads} threads): {bandwidth_samples[0] / 1e9:.1f} GB/s")
     rss: dict[str, int] = {}
 
-    def load(x: str):
+    def load(name: str):
         before = _rss()
+        x, kv = parse_variant(name)
         e = Engine.load(
             folder,
             threads=threads,
@@ -301,17 +321,19 @@ def bench_engine(
             grid=opts.grid,
             spinning=opts.spinning,
             precision=x,
+            kv_cache=kv,
         )
         warm = [16 + i % max(1, e.sample_vocab - 16) for i in range(64)]
         for _ in e.generate(
             warm, GenerationParams(max_new_tokens=8, ignore_eos=True), slot="warm-up"
         ):
             pass  # every weight page a step reads is resident now, as for the peers after their warm-up
-        rss[x] = max(0, _rss() - before)
+        rss[name] = max(0, _rss() - before)
         return e
 
     eng = load("fp32")
-    variants = {x: load(x) for x in precisions[1:]}
+    names = ["fp32", *variant_names(tuple(precisions), opts.kv_caches)]
+    variants = {x: load(x) for x in names[1:]}
     n_new = opts.new_tokens
     plen = opts.prompt_tokens
     if plen + n_new + 1 > eng.context:
@@ -345,7 +367,7 @@ def bench_engine(
     log(
         f"model {folder} ({cfg.architecture}, {n_params / 1e6:.1f}M parameters), prompt {plen} tokens, "
         f"{n_new} new tokens, {opts.repeats} repeats, {threads} threads"
-        + (f", precisions {', '.join(precisions)}" if len(precisions) > 1 else "")
+        + (f", precisions {', '.join(names)}" if len(names) > 1 else "")
     )
 
     ours = _Ours(eng)
@@ -398,7 +420,7 @@ def bench_engine(
     r = rates[0]
     internal = [s["decode_tok_s"] for s in ours.stats if s["new_tokens"] == n_new]
     n_ours = 1 + len(variants)
-    variant_rates = dict(zip(precisions, rates[:n_ours]))
+    variant_rates = dict(zip(names, rates[:n_ours]))
     for runner, pr in zip(runners[n_ours:], rates[n_ours:]):
         peers[runner.name] = {
             "version": runner.version,
@@ -430,7 +452,8 @@ def bench_engine(
             "decode_tok_s": variant_rates[x]["decode_tok_s"],
             "ttft_ms": variant_rates[x]["ttft_ms"],
             "rss_mb": rss[x] / 1e6,
-            "bits": {"fp32": 32, "int8": 8, "int8-rowq": 8, "int4": 4}.get(x, 32),
+            "bits": {"fp32": 32, "int8": 8, "int8-rowq": 8, "int4": 4}.get(parse_variant(x)[0], 32),
+            "kv_cache": str(e.runtime.kv_dtype),
             **_bandwidth_share(
                 variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth
             ),
@@ -730,6 +753,14 @@ def add_arguments(p) -> None:
         "(the peers' weights, the agreement reference; default: fp32)",
     )
     p.add_argument(
+        "--kv-cache",
+        default="auto",
+        metavar="LIST",
+        help="our KV cache's element type for each precision after fp32, comma-separated: auto "
+        "(the engine's choice: float16 for int8/int4), float32, float16; more than one gives each "
+        "precision a runner per type, named e.g. 'int4 kv32' (default: auto)",
+    )
+    p.add_argument(
         "--plot",
         default=None,
         metavar="FILE",
@@ -835,6 +866,7 @@ def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
             grid=grid,
             spinning=args.spinning,
             precisions=parse_precisions(getattr(args, "precision", "fp32")),
+            kv_caches=parse_list(getattr(args, "kv_cache", "auto"), KV_CACHES, "--kv-cache"),
             peer_names=parse_list(getattr(args, "peers", ",".join(PEERS)), PEERS, "--peers"),
             gguf=parse_list(getattr(args, "gguf", ",".join(GGUF_TYPES)), GGUF_TYPES, "--gguf"),
             genai=parse_list(
@@ -870,11 +902,18 @@ def prepare(model: str | None, opts: BenchOptions, log: Callable[[str], None] = 
     folder = resolve_model(str(model) if model is not None else None)
     cfg = load_config(folder)
     log(f"model {folder}")
-    for x in dict.fromkeys(["fp32", *opts.precisions]):
-        if x == "auto":
-            continue
+    precisions = tuple(x for x in dict.fromkeys(["fp32", *opts.precisions]) if x != "auto")
+    for x in ["fp32", *variant_names(precisions, opts.kv_caches)]:
         t0 = time.perf_counter()
-        e = Engine.load(folder, threads=opts.threads, wafer=opts.wafer, grid=opts.grid, precision=x)
+        prec, kv = parse_variant(x)
+        e = Engine.load(
+            folder,
+            threads=opts.threads,
+            wafer=opts.wafer,
+            grid=opts.grid,
+            precision=prec,
+            kv_cache=kv,
+        )
         log(f"spark-lsp {x}: graph {e.graph_path} ({time.perf_counter() - t0:.0f} s)")
         del e
     if not opts.peers:
@@ -913,10 +952,11 @@ def _verify_cost(args, opts: BenchOptions, log: Callable[[str], None]) -> int:
         if not all(0.0 <= a <= 1.0 for a in extra):
             raise ValueError("--acceptance: rates are between 0 and 1")
         rates = tuple(dict.fromkeys(extra + rates))
-    names = [x.strip().lower() for x in str(args.precision).split(",") if x.strip()]
+    listed = [x.strip().lower() for x in str(args.precision).split(",") if x.strip()]
+    names = variant_names(("", *dict.fromkeys(listed)), opts.kv_caches)  # fp32 only if listed
     res = verify_cost.bench_verify_cost(
         args.model,
-        tuple(dict.fromkeys(names)),
+        {x: parse_variant(x) for x in names},
         opts.prompt_tokens,
         opts.threads,
         wafer=opts.wafer,

@@ -70,7 +70,7 @@ def op_profile(eng, steps: int = 64, prompt_len: int = 61, verify: int = 0) -> d
     for i in range(rt.num_layers):  # one buffer bound as past and present, as the runtime does
         for t in ("key", "value"):
             v = ort.OrtValue.ortvalue_from_shape_and_type(
-                [1, rt.kv_heads, rt.max_len, rt.head_dim], np.float32
+                [1, rt.kv_heads, rt.max_len, rt.head_dim], rt.kv_dtype
             )
             binding.bind_ortvalue_input(f"past.{i}.{t}", v)
             binding.bind_ortvalue_output(f"present.{i}.{t}", v)

@@ -103,7 +103,7 @@ def format_rows(rows: dict[str, dict[str, Any]], acceptance: tuple[float, ...]) 
 
 def bench_verify_cost(
     model: str | None,
-    precisions: tuple[str, ...],
+    runners: dict[str, tuple[str, str]],
     prompt_tokens: int,
     threads: int | None,
     wafer: bool = True,
@@ -112,7 +112,8 @@ def bench_verify_cost(
     seed: int = 0,
     log=print,
 ) -> dict[str, Any]:
-    """``spark-lsp bench engine --verify-cost``: ``measure`` for our engine at each precision."""
+    """``spark-lsp bench engine --verify-cost``: ``measure`` for our engine loaded once per
+    runner: name -> (precision, KV cache type), e.g. ``{"int4 kv32": ("int4", "float32")}``."""
     import numpy as np
 
     from ..engine import Engine
@@ -122,8 +123,8 @@ def bench_verify_cost(
     folder = resolve_model(model)
     threads = threads or physical_cores()
     rows: dict[str, dict[str, Any]] = {}
-    for x in precisions:
-        eng = Engine.load(folder, threads=threads, wafer=wafer, precision=x)
+    for x, (prec, kv) in runners.items():
+        eng = Engine.load(folder, threads=threads, wafer=wafer, precision=prec, kv_cache=kv)
         avoid = set(eng.tokenizer.special_tokens.values()) | set(eng.eos_ids)
         pool = np.array([t for t in range(eng.sample_vocab) if t not in avoid])
         prompt = [int(t) for t in np.random.default_rng(seed).choice(pool, prompt_tokens)]

@@ -1639,7 +1639,11 @@ static const OrtCustomOp mesh_linear_q = {
  * do_rotary=1, rotary_interleaved=0), for the S new token rows of one pass:
  *   qkv        float [1, S, (heads + 2 kv_heads) H]: the packed Q|K|V rows; or, with k and v given,
  *              q alone [1, S, heads H] (the qk_norm form: k, v [1, S, kv_heads H])
- *   past_key / past_value  float [1, kv_heads, max_len, H]: the cache; positions [0, past) are valid
+ *   past_key / past_value  [1, kv_heads, max_len, H], float or float16 (both the same): the cache;
+ *              positions [0, past) are valid.  A float16 cache halves the bytes attention reads
+ *              per step and the memory a long context holds; the new rows are rounded to half
+ *              (nearest even) as they are written, and every read widens them to float, so a
+ *              row's keys and values are the same numbers whichever pass wrote them
  *   seqlens_k  int32 [1] = past + S - 1;  total_sequence_length int32 [] = past + S
  *   cos, sin   float [positions, H/2]: the rotate-half RoPE tables (position p's row)
  *   attn       float [1, S, heads H]; present_key / present_value: the cache with the S new rows
@@ -1668,7 +1672,8 @@ typedef struct {
 typedef struct {
   const float *q, *k_in, *v_in; /* row s of query head h at q + s * q_ld + h H (k_in, v_in: kv_ld) */
   size_t q_ld, kv_ld;
-  float *key, *value; /* present [kv_heads, max_len, H] */
+  void *key, *value; /* present [kv_heads, max_len, H]: float, or IEEE half floats (half) */
+  int half;
   float* out;         /* [S, heads H] */
   const float *cos, *sin;
   size_t S, H, heads, kv_heads, max_len, past, per_task;
@@ -1683,6 +1688,59 @@ static inline void rotate(const float* x, float* y, const float* cos, const floa
     y[i] = x1 * c - x2 * s;
     y[i + half] = x2 * c + x1 * s;
   }
+}
+
+/* The IEEE half float nearest f (ties to even; overflow to infinity, NaN kept): the portable
+   path's store into a half cache (AVX-512 uses vcvtps2ph, which rounds the same way). */
+static inline uint16_t half_bits(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  x &= 0x7FFFFFFFu;
+  if (x >= 0x7F800000u) return sign | 0x7C00u | (x > 0x7F800000u ? 0x200u : 0); /* inf, NaN */
+  if (x >= 0x477FF000u) return sign | 0x7C00u; /* rounds past 65504: infinity */
+  if (x < 0x38800000u) { /* below 2^-14: a subnormal half, m * 2^-24 */
+    if (x < 0x33000000u) return sign; /* below 2^-25: zero */
+    const uint32_t e = x >> 23, m = (x & 0x7FFFFFu) | 0x800000u, shift = 126 - e;
+    uint32_t h = m >> shift;
+    const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (h & 1u))) h++;
+    return sign | (uint16_t)h;
+  }
+  uint32_t h = ((x >> 13) - (112u << 10)) & 0xFFFFu; /* rebias 127 -> 15, keep 10 mantissa bits */
+  const uint32_t rest = x & 0x1FFFu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry rolls into the exponent */
+  return sign | (uint16_t)h;
+}
+
+/* 16 floats of a cache at element i: float, or half floats widened (exactly). */
+static inline __attribute__((always_inline)) v16 kv_ld(const void* base, size_t i, const int half) {
+  if (!half) return ld((const float*)base + i);
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+#else
+  v16 v;
+  const uint16_t* h = (const uint16_t*)base + i;
+  for (int l = 0; l < 16; l++) v[l] = half_value(h[l]);
+  return v;
+#endif
+}
+
+/* One head row (H floats, H a multiple of 16) into a cache at element i, rounded to half where
+   the cache holds halves. */
+static inline void kv_store_row(void* base, size_t i, const float* row, size_t H, int half) {
+  if (!half) {
+    memcpy((float*)base + i, row, H * sizeof(float));
+    return;
+  }
+  uint16_t* out = (uint16_t*)base + i;
+#if defined(__AVX512F__)
+  for (size_t c = 0; c < H; c += 16)
+    _mm256_storeu_si256((__m256i*)(out + c),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(row + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (size_t c = 0; c < H; c++) out[c] = half_bits(row[c]);
+#endif
 }
 
 #define ATTN_ROWS 4 /* query rows per unit: their query heads share each key and value read */
@@ -1730,12 +1788,13 @@ static inline __attribute__((always_inline)) void scores_rows(const float* kt, c
    speculative verification) pays no per-row reduction; lanes past `keys` are zeros and their
    scores unused.  Each (row, key) is summed the same way whatever the other rows, so a row's
    scores do not depend on the pass it is in. */
-static inline __attribute__((always_inline)) void scores_block(const float* K, size_t keys, size_t H, const float* qr,
-                                                               size_t n, float* sc, size_t ld_sc) {
+static inline __attribute__((always_inline)) void scores_block(const void* K, size_t t0, size_t keys, size_t H,
+                                                               const float* qr, size_t n, float* sc, size_t ld_sc,
+                                                               const int half) {
   float kt[128 * 16] __attribute__((aligned(64))); /* H <= 128 (attn_compute checks it) */
   for (size_t c = 0; c < H; c += 16) {
     __m512 r[16];
-    for (size_t i = 0; i < 16; i++) r[i] = i < keys ? _mm512_loadu_ps(K + i * H + c) : _mm512_setzero_ps();
+    for (size_t i = 0; i < 16; i++) r[i] = i < keys ? (__m512)kv_ld(K, (t0 + i) * H + c, half) : _mm512_setzero_ps();
     transpose16(r);
     for (size_t i = 0; i < 16; i++) _mm512_store_ps(kt + (c + i) * 16, r[i]);
   }
@@ -1755,49 +1814,54 @@ static inline __attribute__((always_inline)) void scores_block(const float* K, s
   }
 }
 #else
-/* q . k for the 16 keys at K (H apart) into sc[0..16). */
-static inline __attribute__((always_inline)) void scores16(const float* q, const float* K, size_t H, float* sc,
-                                                           const size_t NV) {
+/* q . k for the 16 keys from position t0 of the cache K (H apart) into sc[0..16). */
+static inline __attribute__((always_inline)) void scores16(const float* q, const void* K, size_t t0, size_t H,
+                                                           float* sc, const size_t NV, const int half) {
   for (size_t t = 0; t < 16; t++) {
-    const float* k = K + t * H;
-    v16 s = ld(q) * ld(k);
-    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * ld(k + 16 * c);
+    const size_t k = (t0 + t) * H;
+    v16 s = ld(q) * kv_ld(K, k, half);
+    for (size_t c = 1; c < NV; c++) s += ld(q + 16 * c) * kv_ld(K, k + 16 * c, half);
     sc[t] = hsum(s);
   }
 }
 #endif
 
-/* out = sum_t p[t] V[t] / inv for two query vectors at once (they share each value row read);
-   p1 / out1 NULL: one.  The sums stay in registers. */
-static inline __attribute__((always_inline)) void weigh_values(const float* V, size_t T, size_t H, const float* p0,
-                                                               const float* p1, float inv0, float inv1, float* out0,
-                                                               float* out1, const size_t NV) {
-  v16 a0[8], a1[8];
-  for (size_t c = 0; c < NV; c++) a0[c] = a1[c] = bc(0.0f);
-  if (p1) {
+/* out[q] = inv[q] sum_t p[q][t] V[t] for NQ query vectors sharing T (NQ <= 4, NQ NV <= 16 sums in
+   registers): each value row is read, and from a half cache widened, once for all of them.  One
+   vector alone sums even and odd t in two chains (FMA latency, not throughput, bounds one chain)
+   and adds them; several sum t in order.  Which heads go together depends on the group size
+   alone (attn_unit), so a row's numbers do not depend on the other rows of its pass. */
+static inline __attribute__((always_inline)) void weigh_values(const void* V, size_t T, size_t H, float* const* p,
+                                                               const float* inv, float* const* out, const size_t NV,
+                                                               const int half, const int NQ) {
+  v16 a[4][8];
+  for (int q = 0; q < NQ; q++)
+    for (size_t c = 0; c < NV; c++) a[q][c] = bc(0.0f);
+  if (NQ > 1) {
     for (size_t t = 0; t < T; t++) {
-      const v16 w0 = bc(p0[t]), w1 = bc(p1[t]);
       for (size_t c = 0; c < NV; c++) {
-        const v16 v = ld(V + t * H + 16 * c);
-        a0[c] += w0 * v;
-        a1[c] += w1 * v;
+        const v16 v = kv_ld(V, t * H + 16 * c, half);
+        for (int q = 0; q < NQ; q++) a[q][c] += bc(p[q][t]) * v;
       }
     }
-    for (size_t c = 0; c < NV; c++) st(out1 + 16 * c, a1[c] * bc(inv1));
   } else {
+    v16* a0 = a[0];
+    v16* a1 = a[1];
+    for (size_t c = 0; c < NV; c++) a1[c] = bc(0.0f);
     size_t t = 0;
-    for (; t + 1 < T; t += 2) { /* two chains: FMA latency, not throughput, bounds one */
-      const v16 w0 = bc(p0[t]), w1 = bc(p0[t + 1]);
+    for (; t + 1 < T; t += 2) {
+      const v16 w0 = bc(p[0][t]), w1 = bc(p[0][t + 1]);
       for (size_t c = 0; c < NV; c++) {
-        a0[c] += w0 * ld(V + t * H + 16 * c);
-        a1[c] += w1 * ld(V + (t + 1) * H + 16 * c);
+        a0[c] += w0 * kv_ld(V, t * H + 16 * c, half);
+        a1[c] += w1 * kv_ld(V, (t + 1) * H + 16 * c, half);
       }
     }
     if (t < T)
-      for (size_t c = 0; c < NV; c++) a0[c] += bc(p0[t]) * ld(V + t * H + 16 * c);
+      for (size_t c = 0; c < NV; c++) a0[c] += bc(p[0][t]) * kv_ld(V, t * H + 16 * c, half);
     for (size_t c = 0; c < NV; c++) a0[c] += a1[c];
   }
-  for (size_t c = 0; c < NV; c++) st(out0 + 16 * c, a0[c] * bc(inv0));
+  for (int q = 0; q < NQ; q++)
+    for (size_t c = 0; c < NV; c++) st(out[q] + 16 * c, a[q][c] * bc(inv[q]));
 }
 
 #if defined(__AVX512F__)
@@ -1852,10 +1916,11 @@ static inline float softmax(float* p, size_t T) {
 /* One unit: query rows [s0, s1) of the G query heads that share kv head g.  Query vector
    r = (s - s0) G + h attends to positions [0, past + s]. */
 static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, size_t g, size_t s0, size_t s1,
-                                                            float* qr, float* sc, size_t ld_sc, const size_t NV) {
-  const size_t H = j->H, G = j->heads / j->kv_heads, n = (s1 - s0) * G;
-  const float* K = j->key + g * j->max_len * H;
-  const float* V = j->value + g * j->max_len * H;
+                                                            float* qr, float* sc, size_t ld_sc, const size_t NV,
+                                                            const int half) {
+  const size_t H = j->H, G = j->heads / j->kv_heads, n = (s1 - s0) * G, es = half ? 2 : 4;
+  const void* K = (const char*)j->key + g * j->max_len * H * es;
+  const void* V = (const char*)j->value + g * j->max_len * H * es;
   size_t T[ATTN_ROWS * 64];
   for (size_t s = s0; s < s1; s++) {
     const size_t pos = j->past + s;
@@ -1868,15 +1933,15 @@ static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, si
   const size_t tmax = j->past + s1;
   for (size_t t0 = 0; t0 < tmax; t0 += 16) /* scores: each block of keys read once for the unit */
 #if defined(__AVX512F__)
-    scores_block(K + t0 * H, tmax - t0 < 16 ? tmax - t0 : 16, H, qr, n, sc + t0, ld_sc);
+    scores_block(K, t0, tmax - t0 < 16 ? tmax - t0 : 16, H, qr, n, sc + t0, ld_sc, half);
 #else
     for (size_t r = 0; r < n; r++) {
       if (t0 + 16 <= T[r]) {
-        scores16(qr + r * H, K + t0 * H, H, sc + r * ld_sc + t0, NV);
+        scores16(qr + r * H, K, t0, H, sc + r * ld_sc + t0, NV, half);
       } else {
         for (size_t t = t0; t < T[r]; t++) {
-          v16 a = ld(qr + r * H) * ld(K + t * H);
-          for (size_t c = 1; c < NV; c++) a += ld(qr + r * H + 16 * c) * ld(K + t * H + 16 * c);
+          v16 a = ld(qr + r * H) * kv_ld(K, t * H, half);
+          for (size_t c = 1; c < NV; c++) a += ld(qr + r * H + 16 * c) * kv_ld(K, t * H + 16 * c, half);
           sc[r * ld_sc + t] = hsum(a);
         }
       }
@@ -1884,20 +1949,23 @@ static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, si
 #endif
   float inv[ATTN_ROWS * 64];
   for (size_t r = 0; r < n; r++) inv[r] = 1.0f / softmax(sc + r * ld_sc, T[r]);
-  for (size_t r = 0; r < n; r += 2) {
-    const size_t s = s0 + r / G, h = r % G;
-    float* o0 = j->out + s * j->heads * H + (g * G + h) * H;
-    if (r + 1 < n && T[r + 1] == T[r]) { /* the next head of the same row: one pass over V */
-      weigh_values(V, T[r], H, sc + r * ld_sc, sc + (r + 1) * ld_sc, inv[r], inv[r + 1], o0, o0 + H, NV);
-    } else {
-      weigh_values(V, T[r], H, sc + r * ld_sc, NULL, inv[r], 0.0f, o0, NULL, NV);
-      if (r + 1 < n) {
-        const size_t s2 = s0 + (r + 1) / G, h2 = (r + 1) % G;
-        weigh_values(V, T[r + 1], H, sc + (r + 1) * ld_sc, NULL, inv[r + 1], 0.0f,
-                     j->out + s2 * j->heads * H + (g * G + h2) * H, NULL, NV);
+  const size_t QN = NV <= 4 ? 4 : 2; /* query vectors per pass over V (their sums fit the registers) */
+  for (size_t s = s0; s < s1; s++)    /* each row's heads in runs of QN: the same runs in every pass */
+    for (size_t h = 0; h < G; h += QN) {
+      const size_t r = (s - s0) * G + h, nq = G - h < QN ? G - h : QN;
+      float* ps[4];
+      float* os[4];
+      for (size_t q = 0; q < nq; q++) {
+        ps[q] = sc + (r + q) * ld_sc;
+        os[q] = j->out + s * j->heads * H + (g * G + h + q) * H;
+      }
+      switch (nq) {
+        case 4: weigh_values(V, T[r], H, ps, inv + r, os, NV, half, 4); break;
+        case 3: weigh_values(V, T[r], H, ps, inv + r, os, NV, half, 3); break;
+        case 2: weigh_values(V, T[r], H, ps, inv + r, os, NV, half, 2); break;
+        default: weigh_values(V, T[r], H, ps, inv + r, os, NV, half, 1); break;
       }
     }
-  }
 }
 
 /* Units [i per_task, (i + 1) per_task) of kv_heads x row blocks, head-major. */
@@ -1914,11 +1982,19 @@ static void attn_task(void* data, size_t i) {
     const size_t g = u / blocks, s0 = (u % blocks) * ATTN_ROWS;
     const size_t s1 = s0 + ATTN_ROWS < j->S ? s0 + ATTN_ROWS : j->S;
     float* sc = scratch + ATTN_ROWS * G * H;
-    switch (nv) {
-      case 1: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1); break;
-      case 2: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2); break;
-      case 4: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4); break;
-      default: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv); break;
+    switch (nv * 2 + (j->half != 0)) { /* a specialised loop per head size and cache type */
+      case 2: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1, 0); break;
+      case 3: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1, 1); break;
+      case 4: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2, 0); break;
+      case 5: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2, 1); break;
+      case 8: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4, 0); break;
+      case 9: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4, 1); break;
+      default:
+        if (j->half)
+          attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv, 1);
+        else
+          attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv, 0);
+        break;
     }
   }
   free(scratch);
@@ -1943,12 +2019,16 @@ static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t xd[8], pd[8], vd[8], cd[8], sd[8], ld_[8];
   AttnJob j = {.heads = (size_t)k->heads, .kv_heads = (size_t)k->kv_heads, .scale = k->scale};
   TRY(shape_of(in[3], &type, &rank, pd));
-  if (type != ELEM_FLOAT || rank != 4 || pd[0] != 1 || pd[1] != k->kv_heads || pd[3] % 16 || pd[3] == 0 ||
-      pd[3] > 128)
-    return error("DecoderAttention: past_key must be float [1, kv_num_heads, max_len, H], H 16, 32, ... or 128");
+  const int cache_type = type;
+  if ((type != ELEM_FLOAT && type != ELEM_FLOAT16) || rank != 4 || pd[0] != 1 || pd[1] != k->kv_heads ||
+      pd[3] % 16 || pd[3] == 0 || pd[3] > 128)
+    return error("DecoderAttention: past_key must be float or float16 [1, kv_num_heads, max_len, H], "
+                 "H 16, 32, ... or 128");
   TRY(shape_of(in[4], &type, &rank, vd));
-  if (type != ELEM_FLOAT || rank != 4 || memcmp(vd, pd, sizeof(int64_t) * 4))
-    return error("DecoderAttention: past_value must have past_key's shape");
+  if (type != cache_type || rank != 4 || memcmp(vd, pd, sizeof(int64_t) * 4))
+    return error("DecoderAttention: past_value must have past_key's type and shape");
+  j.half = cache_type == ELEM_FLOAT16;
+  const size_t es = j.half ? 2 : 4; /* bytes per cached element */
   j.max_len = (size_t)pd[2];
   j.H = (size_t)pd[3];
   const size_t H = j.H, qw = j.heads * H, kw = j.kv_heads * H;
@@ -1989,7 +2069,7 @@ static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
   }
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[7], (void**)&j.cos));
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[8], (void**)&j.sin));
-  float *past_k = NULL, *past_v = NULL;
+  void *past_k = NULL, *past_v = NULL;
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[3], (void**)&past_k));
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)in[4], (void**)&past_v));
 
@@ -2003,15 +2083,16 @@ static OrtStatus* attn_compute(void* kernel, OrtKernelContext* ctx) {
   TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(pv, (void**)&j.value));
   const size_t head = j.max_len * H;
   for (size_t g = 0; g < j.kv_heads; g++) { /* a fresh present buffer: the valid past rows first */
-    if (j.key != past_k) memcpy(j.key + g * head, past_k + g * head, j.past * H * sizeof(float));
-    if (j.value != past_v) memcpy(j.value + g * head, past_v + g * head, j.past * H * sizeof(float));
+    if (j.key != past_k) memcpy((char*)j.key + g * head * es, (char*)past_k + g * head * es, j.past * H * es);
+    if (j.value != past_v) memcpy((char*)j.value + g * head * es, (char*)past_v + g * head * es, j.past * H * es);
   }
   for (size_t s = 0; s < j.S; s++) { /* the new rows: keys rotated, values as they are */
     const size_t pos = j.past + s;
     for (size_t g = 0; g < j.kv_heads; g++) {
-      rotate(j.k_in + s * j.kv_ld + g * H, j.key + g * head + pos * H, j.cos + pos * (H / 2), j.sin + pos * (H / 2), H,
-             1.0f);
-      memcpy(j.value + g * head + pos * H, j.v_in + s * j.kv_ld + g * H, H * sizeof(float));
+      float k_row[128] __attribute__((aligned(64)));
+      rotate(j.k_in + s * j.kv_ld + g * H, k_row, j.cos + pos * (H / 2), j.sin + pos * (H / 2), H, 1.0f);
+      kv_store_row(j.key, g * head + pos * H, k_row, H, j.half);
+      kv_store_row(j.value, g * head + pos * H, j.v_in + s * j.kv_ld + g * H, H, j.half);
     }
   }
   if (j.S == 0) return NULL;
@@ -2042,7 +2123,14 @@ static OrtStatus* attn_create_kernel(const OrtCustomOp* op, OrtApiTable a, const
 }
 
 static const char* attn_name(const OrtCustomOp* op) { (void)op; return "DecoderAttention"; }
+/* Two registrations under one name, one per cache type (ONNX Runtime picks the kernel by the
+   types the graph gives past key/value and present key/value); one compute serves both. */
 static int attn_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 5 || i == 6 ? ELEM_INT32 : ELEM_FLOAT; }
+static int attn_input_type_half(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 5 || i == 6 ? ELEM_INT32 : i == 3 || i == 4 ? ELEM_FLOAT16 : ELEM_FLOAT;
+}
+static int attn_output_type_half(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : ELEM_FLOAT16; }
 static size_t nine(const OrtCustomOp* op) { (void)op; return 9; }
 static size_t three(const OrtCustomOp* op) { (void)op; return 3; }
 /* k and v (the qk_norm form) and total_sequence_length (implied by seqlens_k) are optional */
@@ -2072,6 +2160,26 @@ static const OrtCustomOp decoder_attention = {
     .KernelComputeV2 = attn_compute,
 };
 
+static const OrtCustomOp decoder_attention_half = {
+    .version = API_VERSION,
+    .GetName = attn_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = attn_input_type_half,
+    .GetInputTypeCount = nine,
+    .GetOutputType = attn_output_type_half,
+    .GetOutputTypeCount = three,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = attn_input_char,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = min_arity,
+    .GetVariadicInputHomogeneity = heterogeneous,
+    .GetVariadicOutputMinArity = min_arity,
+    .GetVariadicOutputHomogeneity = homogeneous,
+    .CreateKernelV2 = attn_create_kernel,
+    .KernelComputeV2 = attn_compute,
+};
+
 /* One domain for the process (it must outlive every session that uses it), made once even when
    sessions are created on several threads. */
 static OrtCustomOpDomain* domain;
@@ -2086,6 +2194,7 @@ static void make_domain(void) {
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear_q);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &decoder_attention);
+  if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &decoder_attention_half);
 }
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,

@@ -392,12 +392,17 @@ def reference_attention(
     scale: float,
     k: np.ndarray | None = None,
     v: np.ndarray | None = None,
+    written: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``DecoderAttention`` in numpy (float64 inside): the S new rows of ``x`` ([1, S, (heads +
     2 kv_heads) H] packed Q|K|V, or q alone with ``k`` and ``v``) attend causally to the cache
     ``past_k`` / ``past_v`` ([1, kv_heads, max_len, H], positions [0, past) valid) and to each
     other, after rotate-half RoPE at positions past + s.  Returns (attn [1, S, heads H], present
-    key, present value) with the new rows written at [past, past + S) of copies of the cache."""
+    key, present value) with the new rows written at [past, past + S) of copies of the cache (in
+    the cache's dtype: a float16 cache gets the new rows rounded to half, and attention reads the
+    rounded values, as the op does).  ``written``: (key, value) caches that already hold the new
+    rows (the op's present outputs): attend over those instead, so a half cache's key that the
+    op's float32 rotation rounded the other way does not count against its attention."""
     H = past_k.shape[-1]
     S = x.shape[1]
     if k is None:
@@ -417,6 +422,8 @@ def reference_attention(
     pk, pv = past_k.copy(), past_v.copy()
     pk[0, :, past : past + S] = rope(k).transpose(1, 0, 2)
     pv[0, :, past : past + S] = v.transpose(1, 0, 2)
+    if written is not None:
+        pk, pv = written
     q = rope(q)
     out = np.zeros((S, heads, H))
     group = heads // kv_heads
@@ -430,13 +437,16 @@ def reference_attention(
     return out.reshape(1, S, heads * H).astype(np.float32), pk, pv
 
 
-def attention_inputs(S: int, past: int, heads: int, kv_heads: int, H: int, max_len: int, seed=0):
+def attention_inputs(
+    S: int, past: int, heads: int, kv_heads: int, H: int, max_len: int, seed=0, kv_dtype="float32"
+):
     """Random inputs of ``DecoderAttention`` (tests and the self-test): packed x, past key and
-    value (positions >= past hold garbage the op must not read), and RoPE tables."""
+    value in ``kv_dtype`` (positions >= past hold garbage the op must not read), and RoPE
+    tables."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, S, (heads + 2 * kv_heads) * H)).astype(np.float32)
-    past_k = rng.standard_normal((1, kv_heads, max_len, H)).astype(np.float32)
-    past_v = rng.standard_normal((1, kv_heads, max_len, H)).astype(np.float32)
+    past_k = rng.standard_normal((1, kv_heads, max_len, H)).astype(kv_dtype)
+    past_v = rng.standard_normal((1, kv_heads, max_len, H)).astype(kv_dtype)
     inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
     freqs = np.outer(np.arange(max_len), inv)
     return x, past_k, past_v, np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
@@ -458,17 +468,24 @@ def attention_feeds(x, pk, pv, past: int, cos, sin) -> dict[str, np.ndarray]:
 
 
 def attention_model(
-    heads: int, kv_heads: int, H: int, scale: float, op: str = ATTN_OP, split=False
+    heads: int,
+    kv_heads: int,
+    H: int,
+    scale: float,
+    op: str = ATTN_OP,
+    split=False,
+    kv_dtype="float32",
 ):
     """A one-node model of ``DecoderAttention`` (``op=ATTN_OP``) or of GroupQueryAttention
     (``op="GroupQueryAttention"``) with the decoder's inputs: x (or q, k, v with ``split``),
-    past_key, past_value, seqlens_k, total_sequence_length, cos, sin."""
+    past_key, past_value (of ``kv_dtype``), seqlens_k, total_sequence_length, cos, sin."""
     f32 = TensorProto.FLOAT
+    kv = TensorProto.FLOAT16 if kv_dtype == "float16" else f32
     names = ["q", "k", "v"] if split else ["x", "", ""]
     ins = [helper.make_tensor_value_info(n, f32, [1, "S", None]) for n in names if n]
     ins += [
-        helper.make_tensor_value_info("past_key", f32, [1, kv_heads, "max_len", H]),
-        helper.make_tensor_value_info("past_value", f32, [1, kv_heads, "max_len", H]),
+        helper.make_tensor_value_info("past_key", kv, [1, kv_heads, "max_len", H]),
+        helper.make_tensor_value_info("past_value", kv, [1, kv_heads, "max_len", H]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("cos", f32, [None, H // 2]),
@@ -485,7 +502,7 @@ def attention_model(
         scale=float(scale),
         **({"do_rotary": 1, "rotary_interleaved": 0} if gqa else {}),
     )
-    outs = [helper.make_tensor_value_info(n, f32, None) for n in node.output]
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(node.output, (f32, kv, kv))]
     graph = helper.make_graph([node], "attention", ins, outs)
     model = helper.make_model(
         graph,
@@ -500,20 +517,26 @@ def attention_model(
 
 
 def _self_test_attention(path: str) -> None:
-    """Check a verify-sized pass (3 rows over 5 cached positions, group size 2) against numpy."""
+    """Check a verify-sized pass (3 rows over 5 cached positions, group size 2) against numpy,
+    with a float32 and a float16 cache."""
     heads, kv_heads, H, S, past = 4, 2, 16, 3, 5
-    x, pk, pv, cos, sin = attention_inputs(S, past, heads, kv_heads, H, 12)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.register_custom_ops_library(path)
-    model = attention_model(heads, kv_heads, H, H**-0.5)
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    got = sess.run(None, attention_feeds(x, pk, pv, past, cos, sin))
-    want = reference_attention(x, pk, pv, past, cos, sin, heads, kv_heads, H**-0.5)
-    for g, w in zip(got, want):
-        err = float(np.abs(g[..., : past + S, :] - w[..., : past + S, :]).max())
-        if not err < 1e-4:
-            raise RuntimeError(f"attention self-test: max error {err:g} against numpy")
+    for kv_dtype, tol in (("float32", 1e-4), ("float16", 4e-3)):
+        x, pk, pv, cos, sin = attention_inputs(S, past, heads, kv_heads, H, 12, kv_dtype=kv_dtype)
+        model = attention_model(heads, kv_heads, H, H**-0.5, kv_dtype=kv_dtype)
+        opts = ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=opts)
+        got = sess.run(None, attention_feeds(x, pk, pv, past, cos, sin))
+        want = reference_attention(x, pk, pv, past, cos, sin, heads, kv_heads, H**-0.5)
+        for g, w in zip(got, want):
+            if g.dtype != w.dtype:
+                raise RuntimeError(f"attention self-test: {g.dtype} output for a {kv_dtype} cache")
+            g, w = (a[..., : past + S, :].astype(np.float64) for a in (g, w))
+            # relative beyond 1: a half cache's new rows may round one unit the other way
+            if not (err := float((np.abs(g - w) / np.maximum(1.0, np.abs(w))).max())) < tol:
+                raise RuntimeError(f"attention self-test ({kv_dtype} cache): max error {err:g}")
 
 
 def library() -> str | None:

@@ -172,8 +172,9 @@ def run_info(args) -> int:
     for precision, n in info.memory.items():
         print(f"  {precision:5} {_size(n)}")
     print(
-        f"KV cache: {_size(info.kv_bytes_per_token)} per token "
+        f"KV cache: {_size(info.kv_bytes_per_token)} per token in float32 "
         f"({_size(info.kv_bytes_per_token * min(c.max_position_embeddings, 8192))} per slot at "
-        f"{min(c.max_position_embeddings, 8192)} tokens)"
+        f"{min(c.max_position_embeddings, 8192)} tokens); half that in float16, the cache the "
+        "engine gives int8 and int4 weights"
     )
     return 0

@@ -70,6 +70,24 @@ def test_precision_rows_json(tiny_llama, capsys):
     assert "precision_auto" not in res
 
 
+def test_kv_cache_runners(tiny_llama, capsys):
+    """`--kv-cache float16,float32`: each precision after fp32 runs once per cache type, named
+    for it, and says which cache it ran over; an unknown type is a clear error."""
+    argv = ["engine", "--model", str(tiny_llama), "--json", "--precision", "int8", *SMALL]
+    rc, out, err = cli([*argv, "--kv-cache", "float16,float32"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert list(res["precisions"]) == ["fp32", "int8 kv16", "int8 kv32"]
+    kv = {name: row["kv_cache"] for name, row in res["ours"].items()}
+    assert kv == {"fp32": "float32", "int8 kv16": "float16", "int8 kv32": "float32"}
+    assert res["ours"]["int8 kv16"]["bits"] == res["ours"]["int8 kv32"]["bits"] == 8
+    rc, out, err = cli([*argv, "--kv-cache", "bf16"], capsys)
+    assert rc == 2 and "--kv-cache: unknown 'bf16'" in err
+    assert bench.variant_names(("fp32", "int4"), ("auto", "float32")) == ["int4", "int4 kv32"]
+    assert bench.parse_variant("int4 kv32") == ("int4", "float32")
+    assert bench.parse_variant("int8-rowq") == ("int8-rowq", "auto")
+
+
 def test_default_is_fp32_only_and_keys_stay(tiny_llama, capsys):
     rc, out, err = cli(["engine", "--model", str(tiny_llama), "--json", *SMALL], capsys)
     assert rc == 0, err
@@ -211,6 +229,13 @@ def test_verify_cost(tiny_llama, capsys):
     res = json.loads(out)
     (name, row), *others = res["verify_cost"].items()
     assert name == "int8" and not others
+    rc, out, err = cli(
+        ["engine", "--model", str(tiny_llama), "--verify-cost", "--precision", "int8"]
+        + ["--prompt-tokens", "40", "--kv-cache", "float32,float16", "--json"],
+        capsys,
+    )
+    assert rc == 0, err
+    assert list(json.loads(out)["verify_cost"]) == ["int8 kv32", "int8 kv16"]
     assert row["prompt_tokens"] == 40 and row["drafted"] == 8
     assert row["step_ms"] > 0 and row["pass_ms"] > 0 and row["pass_one_row_ms"] > 0
     assert row["pass_in_steps"] == pytest.approx(row["pass_ms"] / row["step_ms"])

@@ -11,7 +11,7 @@ lines, odd K and N, the glu epilogue, the RMSNorm prologue), MeshLinearQ at 8 an
 and several rows, block sizes, mesh lines; rows independent of the batch, and the native build's
 outputs, bit for bit),
 DecoderAttention (prefill and decode, GQA groups, head sizes 64 and 128, the last positions of
-the buffer) and a tiny model's greedy tokens against the native build's.
+the buffer, a float16 cache and its rounding) and a tiny model's greedy tokens against the native build's.
 
 x86 only: on another architecture ``library()`` already builds the portable C."""
 
@@ -263,8 +263,20 @@ def test_attention_at_the_end_of_the_buffer(lib, heads, kv_heads, H, S):
 
 
 @pytest.mark.parametrize("heads,kv_heads,H", [(14, 2, 64), (4, 4, 128)])
-def test_attention_in_place_and_rewind(lib, heads, kv_heads, H):
-    attn_t.test_in_place_and_rewind(heads, kv_heads, H)
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_attention_in_place_and_rewind(lib, heads, kv_heads, H, kv_dtype):
+    attn_t.in_place_and_rewind(heads, kv_heads, H, kv_dtype)
+
+
+@pytest.mark.parametrize("heads,kv_heads,H", [(14, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize("S,past", [(1, 37), (9, 5), (64, 0)])
+def test_attention_half_cache(lib, heads, kv_heads, H, S, past):
+    attn_t.test_half_cache_matches_numpy(heads, kv_heads, H, S, past)
+
+
+def test_attention_half_rounding_matches_numpy(lib):
+    """The portable float -> half conversion (x86-64: no F16C) rounds as numpy does."""
+    attn_t.test_half_rounding_matches_numpy()
 
 
 # -- a whole model --------------------------------------------------------------------------------
