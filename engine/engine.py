@@ -147,8 +147,8 @@ class Engine:
         ``profile``: record ONNX Runtime's per-node profile to files with this prefix
         (:meth:`end_profiling` returns them; ``spark-lsp bench profile``).  ``kv_cache``: the KV
         cache's element type, 'float32', 'float16' or 'auto' (default): float16 for quantised
-        weights (int8, int4), as llama.cpp's default cache, float32 for fp32 weights, which are
-        the exact path.  A float16 cache halves what attention reads per token and what a long
+        weights (int8, int4: a quantising ``linear`` too), as llama.cpp's default cache, float32
+        for fp32 weights, which are the exact path.  A float16 cache halves what attention reads per token and what a long
         context holds in memory; it needs the wafer attention op (``spark.wafer::DecoderAttention``)
         and is float32 where the graph falls back to GroupQueryAttention.
         """
@@ -184,8 +184,8 @@ class Engine:
             if precision != "fp32":
                 linear = make_linear(precision, wafer=wafer, grid=grid)
         linear = linear if linear is not None else float_linear(wafer, grid)
-        if kv_cache == "auto":
-            kv_cache = "float16" if precision in ("int8", "int4", "int8-rowq") else "float32"
+        if kv_cache == "auto":  # quantised weights, whichever way they were chosen: float16
+            kv_cache = "float16" if getattr(linear, "bits", None) in (4, 8) else "float32"
         elif kv_cache not in KV_DTYPES:
             raise ValueError(f"kv_cache={kv_cache!r}: expected 'auto' or one of {KV_DTYPES}")
         options = {"rope_len": config.max_position_embeddings, "kv_dtype": kv_cache}

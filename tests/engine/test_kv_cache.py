@@ -135,3 +135,10 @@ def test_generation_and_prefix_reuse_over_a_half_cache(tmp_path):
         assert again.stats["reused_tokens"] >= len(eng.encode_prompt(prompt)) - 1
     assert len(tokens["float16"]) == 32
     assert tokens["float16"] == tokens["float32"]
+
+
+def test_an_explicit_quantising_emitter_gets_a_half_cache(tiny_models, tmp_path):
+    from engine.linears import make_linear
+
+    eng = Engine.load(tiny_models["llama"], linear=make_linear("int4"), cache_dir=tmp_path)
+    assert eng.runtime.kv_dtype == np.float16
