@@ -25,7 +25,8 @@
  * bias (optional) float [N] is added after the last line's reduction (what an Add node after the op
  * would compute, without the node).
  * Panels (or runs of rows) are cut into tasks run on ONNX Runtime's intra-op thread pool, and
- * token rows go through in blocks of six (prefill, speculative verification) or one (decode).
+ * token rows go through in blocks of six or four (prefill, speculative verification) or one at a
+ * time over two panels (decode); every row's sums run in the same order either way.
  *
  * No ONNX Runtime header is needed: the C API is an append-only table of function pointers
  * whose slots never move, so the few entries used are called by slot number (below).  Built on
@@ -271,54 +272,64 @@ static inline __attribute__((always_inline)) void reduce_into(float* y, size_t l
   }
 }
 
-/* Rows [0, MR) of panel q: each mesh line computes its partial products x[:, its k-block] @ its
-   tiles in registers, then reduces them into y along the line (chain order, as the graph form). */
+/* Rows [0, MR) of panels [q, q + NP) (NP panels side by side: 1, or 2 for one row): each mesh
+   line computes its partial products x[:, its k-block] @ its tiles in registers, then reduces
+   them into y along the line (chain order, as the graph form).  Every (row, column) sums its k
+   in order whatever MR and NP, so a row's outputs do not depend on the other rows of its pass
+   (a verification pass gives a decode step's numbers); one row takes two panels at a time so
+   eight running sums, not four, hide the FMA latency. */
 static inline __attribute__((always_inline)) void panel(const Job* j, const float* x, float* y, size_t q,
-                                                        const int MR) {
+                                                        const int MR, const int NP) {
   const Tiles* t = j->t;
-  const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR;
   size_t koff = 0;
   for (size_t p = 0; p < t->lines; p++) {
     const size_t rows = t->rows[p];
     const float* w = t->w[p] + q * rows * NR;
-    v16 part[MAXR][4], odd[4];
-    for (int r = 0; r < MR; r++)
-      for (int c = 0; c < 4; c++) part[r][c] = bc(0);
-    for (int c = 0; c < 4; c++) odd[c] = bc(0);
-    size_t k = 0;
-    if (MR == 1) /* two rows of weights per step: eight independent accumulators hide FMA latency */
-      for (; k + 2 <= rows; k += 2, w += 2 * NR) {
-        const v16 x0 = bc(x[koff + k]), x1 = bc(x[koff + k + 1]);
-        for (int c = 0; c < 4; c++) {
-          part[0][c] += x0 * ld(w + 16 * c);
-          odd[c] += x1 * ld(w + NR + 16 * c);
+    v16 part[2][MAXR][4];
+    for (int h = 0; h < NP; h++)
+      for (int r = 0; r < MR; r++)
+        for (int c = 0; c < 4; c++) part[h][r][c] = bc(0);
+    for (size_t k = 0; k < rows; k++, w += NR) {
+      for (int h = 0; h < NP; h++) {
+        const float* wh = w + h * rows * NR; /* panel q + h of line p */
+        const v16 w0 = ld(wh), w1 = ld(wh + 16), w2 = ld(wh + 32), w3 = ld(wh + 48);
+        for (int r = 0; r < MR; r++) {
+          const v16 xv = bc(x[r * t->K + koff + k]);
+          part[h][r][0] += xv * w0; part[h][r][1] += xv * w1;
+          part[h][r][2] += xv * w2; part[h][r][3] += xv * w3;
         }
       }
-    for (; k < rows; k++, w += NR) {
-      const v16 w0 = ld(w), w1 = ld(w + 16), w2 = ld(w + 32), w3 = ld(w + 48);
-      for (int r = 0; r < MR; r++) {
-        const v16 xv = bc(x[r * t->K + koff + k]);
-        part[r][0] += xv * w0; part[r][1] += xv * w1; part[r][2] += xv * w2; part[r][3] += xv * w3;
-      }
     }
-    if (MR == 1)
-      for (int c = 0; c < 4; c++) part[0][c] += odd[c];
-    reduce_into(y + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL, part, MR);
+    for (int h = 0; h < NP; h++) {
+      const size_t n0 = (q + h) * NR, nc = t->N - n0 < NR ? t->N - n0 : NR;
+      reduce_into(y + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL, part[h], MR);
+    }
     koff += rows;
   }
 }
 
-/* One task: a run of panels (output columns) for every token row. */
+/* One task: a run of panels (output columns) for every token row, two panels at a time: their
+   blocks of rows, then the rows left one by one, across both panels. */
 static void task(void* data, size_t i) {
   const Job* j = (const Job*)data;
   const size_t q0 = i * j->per_task;
   const size_t q1 = q0 + j->per_task < j->t->panels ? q0 + j->per_task : j->t->panels;
   const size_t K = j->t->K, N = j->t->N;
-  for (size_t q = q0; q < q1; q++) {
-    size_t m = 0;
-    for (; m + MAXR <= j->M; m += MAXR) panel(j, j->x + m * K, j->y + m * N, q, MAXR);
-    for (; m + 4 <= j->M; m += 4) panel(j, j->x + m * K, j->y + m * N, q, 4);
-    for (; m < j->M; m++) panel(j, j->x + m * K, j->y + m * N, q, 1);
+  size_t single = j->M / MAXR * MAXR; /* the first row left after the blocks of MAXR and of 4 */
+  single += (j->M - single) / 4 * 4;
+  for (size_t q = q0; q < q1; q += 2) {
+    const size_t np = q + 1 < q1 ? 2 : 1;
+    for (size_t h = 0; h < np; h++) {
+      size_t m = 0;
+      for (; m + MAXR <= j->M; m += MAXR) panel(j, j->x + m * K, j->y + m * N, q + h, MAXR, 1);
+      for (; m + 4 <= j->M; m += 4) panel(j, j->x + m * K, j->y + m * N, q + h, 4, 1);
+    }
+    for (size_t m = single; m < j->M; m++) {
+      if (np == 2)
+        panel(j, j->x + m * K, j->y + m * N, q, 1, 2);
+      else
+        panel(j, j->x + m * K, j->y + m * N, q, 1, 1);
+    }
   }
 }
 

@@ -200,7 +200,7 @@ def test_a_pass_gives_each_row_its_single_steps_numbers(heads, kv_heads, H, kv_d
     assert np.array_equal(np.concatenate(steps, axis=1), wide)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
 def test_a_models_pass_gives_its_steps_logits(precision, tmp_path, monkeypatch):
     """Qwen2.5-Coder-0.5B's attention groups (14 query heads over 2 KV heads: 7 a group) in a
     small random model: a 9-row pass (a speculative verification; AMX where the CPU has it)
