@@ -2171,25 +2171,8 @@ static const OrtCustomOp decoder_attention = {
     .KernelComputeV2 = attn_compute,
 };
 
-static const OrtCustomOp decoder_attention_half = {
-    .version = API_VERSION,
-    .GetName = attn_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = attn_input_type_half,
-    .GetInputTypeCount = nine,
-    .GetOutputType = attn_output_type_half,
-    .GetOutputTypeCount = three,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = attn_input_char,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = mem_default,
-    .GetVariadicInputMinArity = min_arity,
-    .GetVariadicInputHomogeneity = heterogeneous,
-    .GetVariadicOutputMinArity = min_arity,
-    .GetVariadicOutputHomogeneity = homogeneous,
-    .CreateKernelV2 = attn_create_kernel,
-    .KernelComputeV2 = attn_compute,
-};
+/* The same op over a float16 cache: decoder_attention's entries with these types (make_domain). */
+static OrtCustomOp decoder_attention_half;
 
 /* One domain for the process (it must outlive every session that uses it), made once even when
    sessions are created on several threads. */
@@ -2205,6 +2188,9 @@ static void make_domain(void) {
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &mesh_linear_q);
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &decoder_attention);
+  decoder_attention_half = decoder_attention;
+  decoder_attention_half.GetInputType = attn_input_type_half;
+  decoder_attention_half.GetOutputType = attn_output_type_half;
   if (!domain_error) domain_error = CALL(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &decoder_attention_half);
 }
 
