@@ -136,7 +136,7 @@ typedef struct OrtCustomOp {
 
 /* ---- the kernel ---- */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -1702,7 +1702,7 @@ static inline void rotate(const float* x, float* y, const float* cos, const floa
 }
 
 /* The IEEE half float nearest f (ties to even; overflow to infinity, NaN kept): the portable
-   path's store into a half cache (AVX-512 uses vcvtps2ph, which rounds the same way). */
+   path's store into a half cache (AVX-512 and F16C use vcvtps2ph, which rounds the same way). */
 static inline uint16_t half_bits(float f) {
   uint32_t x;
   memcpy(&x, &f, 4);
@@ -1729,6 +1729,13 @@ static inline __attribute__((always_inline)) v16 kv_ld(const void* base, size_t 
   if (!half) return ld((const float*)base + i);
 #if defined(__AVX512F__)
   return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+#elif defined(__F16C__) /* AVX2 machines: eight at a time */
+  const __m128i* h = (const __m128i*)((const uint16_t*)base + i);
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(h)), hi = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+  v16 v;
+  memcpy(&v, &lo, sizeof lo);
+  memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
+  return v;
 #else
   v16 v;
   const uint16_t* h = (const uint16_t*)base + i;
@@ -1749,6 +1756,10 @@ static inline void kv_store_row(void* base, size_t i, const float* row, size_t H
   for (size_t c = 0; c < H; c += 16)
     _mm256_storeu_si256((__m256i*)(out + c),
                         _mm512_cvtps_ph(_mm512_loadu_ps(row + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+  for (size_t c = 0; c < H; c += 8)
+    _mm_storeu_si128((__m128i*)(out + c),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(row + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
   for (size_t c = 0; c < H; c++) out[c] = half_bits(row[c]);
 #endif

@@ -81,6 +81,8 @@ def _builds(tmp_path_factory) -> dict[str, str]:
             assert "%zmm" not in asm and "%k1" not in asm, arch
             if arch == "x86-64":
                 assert "%ymm" not in asm, arch
+            # a float16 KV cache: F16C's conversions on AVX2, the portable rounding without
+            assert ("vcvtph2ps" in asm and "vcvtps2ph" in asm) == (arch != "x86-64"), arch
             symbols = subprocess.run(
                 ["objdump", "-T", str(path)], capture_output=True, text=True, check=True
             ).stdout
