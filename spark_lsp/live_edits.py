@@ -265,14 +265,17 @@ class LiveEdit:
         e = minimal_edit(doc, doc_text)
         a = self.region_start
         if e is None or e.start < a + self.head or e.end > a + len(generated):
-            return False  # not inside the generated text
+            self.unsteerable = "outside the written text"
+            return False
         new = doc_text[e.start : len(doc_text) - (len(doc) - e.end)]
         mine = generated[: e.start - a] + new + generated[e.end - a :]
         output = generated[self.head :]
         typed = mine[self.head :]
         if len(typed) < len(output) and output.startswith(typed):
-            return False  # only deleted the end: the user takes over
+            self.unsteerable = "deleted the end"  # the user takes over
+            return False
         if not self.steering.send(typed):
+            self.unsteerable = "no generation to steer, or earlier typing changed"
             return False
         shown = doc_text[a : a + len(shown) + len(doc_text) - len(doc)]
         self._confirmed = (doc_text, shown, mine)

@@ -309,6 +309,7 @@ async def test_live_edit_is_interrupted_by_typing(editor, sample):
     editor.after_apply = user_types
     res = await editor.command(resolved.command.command, *resolved.command.arguments)
     assert res["outcome"] == "stopped by the user" and not res["complete"], res
+    assert res["unsteerable"] == "outside the written text", res  # typing above it: no steer
     assert editor.text(URI).startswith("# user\n" + sample)  # what was written stays, typing too
     m = await editor.metrics()
     assert m["cancelLatencyMs"], m
