@@ -603,11 +603,11 @@ def build_decoder(
         # float16 only where our op reads the cache (GroupQueryAttention on CPU reads float32)
         kv_type = TensorProto.FLOAT16 if kv_dtype == "float16" and out else f32
         kv_types.add(kv_type)
-        for name, value in ((past_k, None), (past_v, None), (pk, "key"), (pv, "value")):
-            if value is None:
-                gb.input(name, kv_type, [1, NKV, "max_len", H])
-            else:
-                gb.output(name, f"present.{i}.{value}", kv_type, [1, NKV, "max_len", H])
+        kv_shape = [1, NKV, "max_len", H]
+        gb.input(past_k, kv_type, kv_shape)
+        gb.input(past_v, kv_type, kv_shape)
+        gb.output(pk, f"present.{i}.key", kv_type, kv_shape)
+        gb.output(pv, f"present.{i}.value", kv_type, kv_shape)
         attn2 = (
             attn
             if act3d

@@ -77,11 +77,11 @@ KV_CACHES = ("auto", "float32", "float16")
 
 
 def variant_names(precisions: tuple[str, ...], kv_caches: tuple[str, ...]) -> list[str]:
-    """Our runners besides the fp32 reference: each precision after fp32 with each KV cache
-    type, named by the precision alone for the engine's own choice (``auto``), else with
-    `` kv16`` / `` kv32`` after it (``int4 kv32``: int4 weights over a float32 cache)."""
+    """A runner per precision and KV cache type, named by the precision alone for the engine's
+    own choice (``auto``), else with `` kv16`` / `` kv32`` after it (``int4 kv32``: int4 weights
+    over a float32 cache)."""
     suffix = {"auto": "", "float16": " kv16", "float32": " kv32"}
-    return [x + suffix[kv] for x in precisions[1:] for kv in kv_caches]
+    return [x + suffix[kv] for x in precisions for kv in kv_caches]
 
 
 def parse_variant(name: str) -> tuple[str, str]:
@@ -332,7 +332,7 @@ def bench_engine(
         return e
 
     eng = load("fp32")
-    names = ["fp32", *variant_names(tuple(precisions), opts.kv_caches)]
+    names = ["fp32", *variant_names(tuple(precisions[1:]), opts.kv_caches)]
     variants = {x: load(x) for x in names[1:]}
     n_new = opts.new_tokens
     plen = opts.prompt_tokens
@@ -903,7 +903,7 @@ def prepare(model: str | None, opts: BenchOptions, log: Callable[[str], None] = 
     cfg = load_config(folder)
     log(f"model {folder}")
     precisions = tuple(x for x in dict.fromkeys(["fp32", *opts.precisions]) if x != "auto")
-    for x in ["fp32", *variant_names(precisions, opts.kv_caches)]:
+    for x in ["fp32", *variant_names(precisions[1:], opts.kv_caches)]:
         t0 = time.perf_counter()
         prec, kv = parse_variant(x)
         e = Engine.load(
@@ -953,7 +953,7 @@ def _verify_cost(args, opts: BenchOptions, log: Callable[[str], None]) -> int:
             raise ValueError("--acceptance: rates are between 0 and 1")
         rates = tuple(dict.fromkeys(extra + rates))
     listed = [x.strip().lower() for x in str(args.precision).split(",") if x.strip()]
-    names = variant_names(("", *dict.fromkeys(listed)), opts.kv_caches)  # fp32 only if listed
+    names = variant_names(tuple(dict.fromkeys(listed)), opts.kv_caches)  # fp32 only if listed
     res = verify_cost.bench_verify_cost(
         args.model,
         {x: parse_variant(x) for x in names},

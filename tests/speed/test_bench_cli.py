@@ -83,7 +83,7 @@ def test_kv_cache_runners(tiny_llama, capsys):
     assert res["ours"]["int8 kv16"]["bits"] == res["ours"]["int8 kv32"]["bits"] == 8
     rc, out, err = cli([*argv, "--kv-cache", "bf16"], capsys)
     assert rc == 2 and "--kv-cache: unknown 'bf16'" in err
-    assert bench.variant_names(("fp32", "int4"), ("auto", "float32")) == ["int4", "int4 kv32"]
+    assert bench.variant_names(("int4",), ("auto", "float32")) == ["int4", "int4 kv32"]
     assert bench.parse_variant("int4 kv32") == ("int4", "float32")
     assert bench.parse_variant("int8-rowq") == ("int8-rowq", "auto")
 
