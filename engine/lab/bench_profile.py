@@ -70,35 +70,32 @@ def _group(node_name: str) -> str:
     return re.sub(r"\d+", "#", node_name)
 
 
-def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[str, Any]:
-    """Per-operator kernel time of the decode steps recorded in ORT profile ``files``, and per
-    node role (``layers.#.gate_up/...``): time, and for the weight-reading operators the bytes
-    their inputs hold and the rate they were read at."""
+Node = tuple[float, float, str, list, str]  # start, duration (us), op, input shapes, node name
+
+
+def _events(file: str) -> tuple[list[tuple[float, float]], list[Node]]:
+    """The runs (start, duration) and node kernel events of one ORT profile file, by start."""
     runs: list[tuple[float, float]] = []
-    nodes: list[tuple[float, float, str, list, str]] = []
-    for f in files:
-        for ev in json.loads(Path(f).read_text()):
-            if ev.get("cat") == "Session" and ev.get("name") == "model_run":
-                runs.append((ev["ts"], ev["dur"]))
-            elif ev.get("cat") == "Node" and str(ev.get("name", "")).endswith("_kernel_time"):
-                args = ev.get("args", {})
-                nodes.append(
-                    (
-                        ev["ts"],
-                        ev["dur"],
-                        args.get("op_name", "?"),
-                        args.get("input_type_shape", []),
-                        ev["name"][: -len("_kernel_time")],
-                    )
+    nodes: list[Node] = []
+    for ev in json.loads(Path(file).read_text()):
+        if ev.get("cat") == "Session" and ev.get("name") == "model_run":
+            runs.append((ev["ts"], ev["dur"]))
+        elif ev.get("cat") == "Node" and str(ev.get("name", "")).endswith("_kernel_time"):
+            args = ev.get("args", {})
+            nodes.append(
+                (
+                    ev["ts"],
+                    ev["dur"],
+                    args.get("op_name", "?"),
+                    args.get("input_type_shape", []),
+                    ev["name"][: -len("_kernel_time")],
                 )
-    runs.sort()
-    nodes.sort()
-    per_op: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    per_group: dict[str, float] = defaultdict(float)
-    group_op: dict[str, str] = {}
-    group_bytes: dict[str, tuple[str, int]] = {}  # node -> (its group, its input bytes)
-    steps, step_us, kernel_us = 0, [], []
+            )
+    return sorted(runs), sorted(nodes)
+
+
+def _runs_with_nodes(runs: list[tuple[float, float]], nodes: list[Node]):
+    """Each run (start, duration) with the node events that started inside it (one file's)."""
     j = 0
     for ts, dur in runs:
         while j < len(nodes) and nodes[j][0] < ts:
@@ -107,6 +104,25 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
         while j < len(nodes) and nodes[j][0] <= ts + dur:
             inside.append(nodes[j])
             j += 1
+        yield dur, inside
+
+
+def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[str, Any]:
+    """Per-operator kernel time of the decode steps recorded in ORT profile ``files``, and per
+    node role (``layers.#.gate_up/...``): time, and for the weight-reading operators the bytes
+    their inputs hold and the rate they were read at."""
+    # each session writes its own file, timed from when that session's profiling began: a run's
+    # nodes are matched within its file (the engine's sessions start at different moments, and
+    # which one a step runs on follows the machine's load)
+    per_file = [_events(f) for f in files]
+    per_op: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    per_group: dict[str, float] = defaultdict(float)
+    group_op: dict[str, str] = {}
+    group_bytes: dict[str, tuple[str, int]] = {}  # node -> (its group, its input bytes)
+    steps, step_us, kernel_us = 0, [], []
+    matched = (run for runs, nodes in per_file for run in _runs_with_nodes(runs, nodes))
+    for dur, inside in matched:
         if not inside or any(
             prompt_tokens in dims
             for *_, shapes, _ in inside

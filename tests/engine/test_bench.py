@@ -330,3 +330,33 @@ def test_profile_groups_roles_and_counts_weight_bytes():
         {"int64": [3]},
     ]
     assert bp._input_bytes(shapes) == 896 * 4 + 8 * 16 * 256 + 8 * 4 * 64 * 2 + 3 * 8
+
+
+def test_profile_matches_nodes_to_runs_within_each_sessions_file(tmp_path):
+    """Each ONNX Runtime session writes its own profile, timed from when that session began; the
+    engine's sessions begin at different moments, and which one runs a step follows the machine's
+    load. A run's nodes are those of its own file: a prefill in one file whose times overlap
+    another file's decode steps neither takes their nodes nor is counted as a step."""
+    import json
+
+    from engine.lab import bench_profile as bp
+
+    def run(ts, dur):
+        return {"cat": "Session", "name": "model_run", "ts": ts, "dur": dur}
+
+    def node(ts, dur, op, name, tokens):
+        shapes = [{"float": [1, tokens, 8]}]
+        args = {"op_name": op, "input_type_shape": shapes}
+        return {"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": dur, "args": args}
+
+    calm = [run(100, 50), node(110, 20, "MatMul", "layers.0.o/matmul", 1)]
+    calm += [run(200, 50), node(205, 30, "MatMul", "layers.0.o/matmul", 1)]
+    # the prefill session's clock: its run spans the decode steps' times in the other file
+    wide = [run(90, 200), node(95, 150, "MatMul", "layers.0.o/matmul", bp.PROMPT_TOKENS)]
+    files = []
+    for name, events in (("calm", calm), ("wide", wide)):
+        (tmp_path / name).write_text(json.dumps(events))
+        files.append(str(tmp_path / name))
+    res = bp.step_profile(files)
+    assert res["steps"] == 2 and res["kernel_us"] == 25 and res["step_us"] == 50
+    assert res["ops"]["MatMul"] == {"us_per_step": 25, "nodes": 1}
