@@ -454,6 +454,9 @@ def bench_engine(
             "rss_mb": rss[x] / 1e6,
             "bits": {"fp32": 32, "int8": 8, "int8-rowq": 8, "int4": 4}.get(parse_variant(x)[0], 32),
             "kv_cache": str(e.runtime.kv_dtype),
+            # not in the RSS above (measured after a short warm-up): the cache a generation of
+            # this run's length fills, in the type this runner keeps it in
+            "kv_mb": e.runtime.kv_bytes() / e.runtime.max_len * (plen + n_new) / 1e6,
             **_bandwidth_share(
                 variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth
             ),
@@ -640,9 +643,10 @@ def format_classes(res: dict[str, Any]) -> list[str]:
         "",
         f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s: the larger of "
         "two samples, before and after the runs; "
-        "RSS: resident memory the runner added by its load and warm-up, approximate: one process)",
+        "RSS: resident memory the runner added by its load and warm-up, approximate: one process; "
+        "KV MB: our KV cache for one prompt and its new tokens, which that RSS does not hold)",
         f"{'bits':<6}{'runner':<26}{'prefill tok/s':>14}{'decode tok/s':>13}{'TTFT ms':>10}{'RSS MB':>9}"
-        f"{'MB/token':>10}{'% of bound':>11}{'decode vs llama.cpp':>21}",
+        f"{'KV MB':>7}{'MB/token':>10}{'% of bound':>11}{'decode vs llama.cpp':>21}",
     ]
     for bits in (32, 16, 8, 4):
         group = [(n, r) for n, r in rows if r.get("bits", 32) == bits]
@@ -655,9 +659,10 @@ def format_classes(res: dict[str, Any]) -> list[str]:
                 if llama and n.startswith("spark-lsp")
                 else ""
             )
+            kv = f"{r['kv_mb']:.1f}" if "kv_mb" in r else "-"
             lines.append(
                 f"{bits:<6}{n:<26}{r['prefill_tok_s']:>14.0f}{r['decode_tok_s']:>13.1f}{r['ttft_ms']:>10.0f}"
-                f"{r.get('rss_mb', 0):>9.0f}{mb:>10}{pct:>11}{vs:>21}"
+                f"{r.get('rss_mb', 0):>9.0f}{kv:>7}{mb:>10}{pct:>11}{vs:>21}"
             )
     return lines
 

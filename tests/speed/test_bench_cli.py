@@ -81,6 +81,10 @@ def test_kv_cache_runners(tiny_llama, capsys):
     kv = {name: row["kv_cache"] for name, row in res["ours"].items()}
     assert kv == {"fp32": "float32", "int8 kv16": "float16", "int8 kv32": "float32"}
     assert res["ours"]["int8 kv16"]["bits"] == res["ours"]["int8 kv32"]["bits"] == 8
+    # the cache one generation of the run fills (not in the RSS column): half the bytes in float16
+    kv_mb = {name: row["kv_mb"] for name, row in res["ours"].items()}
+    assert kv_mb["int8 kv16"] > 0 and kv_mb["int8 kv32"] == pytest.approx(2 * kv_mb["int8 kv16"])
+    assert kv_mb["fp32"] == pytest.approx(kv_mb["int8 kv32"])
     rc, out, err = cli([*argv, "--kv-cache", "bf16"], capsys)
     assert rc == 2 and "--kv-cache: unknown 'bf16'" in err
     assert bench.variant_names(("int4",), ("auto", "float32")) == ["int4", "int4 kv32"]

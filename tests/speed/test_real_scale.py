@@ -136,6 +136,7 @@ def test_class_table_groups_runners_by_bits():
                 "decode_tok_s": 40.0,
                 "ttft_ms": 1700,
                 "rss_mb": 600,
+                "kv_mb": 6.3,
                 "bits": 8,
                 "weight_mb_per_token": 500,
                 "bandwidth_pct": 100.0,
@@ -156,7 +157,9 @@ def test_class_table_groups_runners_by_bits():
     }
     lines = bench.format_classes(res)
     row = next(ln for ln in lines if ln.startswith("8") and "spark-lsp int8" in ln)
-    assert row.rstrip().endswith("1.25x") and "100%" in row
+    assert row.rstrip().endswith("1.25x") and "100%" in row and " 6.3 " in row
+    peer = next(ln for ln in lines if "llama.cpp Q8_0" in ln)
+    assert " - " in peer  # no KV figure for a peer
     assert not any("transformers" in ln for ln in lines)
 
 
