@@ -470,28 +470,37 @@ def run_plan_steps(
             if sampled
             else {"temperature": 0.0}
         )
-        params = params_cls(
-            max_new_tokens=p.max_tokens,
-            stop=stop,
-            stop_ids=control_ids(builder),
-            healed_prefix=healed + lead,
-            **decoding,
-        )  # generated, not emitted: put back below
-        raw, stats, finish = yield from generate_steps(
-            model,
-            job,
-            ids,
-            params,
-            done=(lambda s: generated_is_done(p, lead + s)),
-            on_text=(lambda s: on_text(lead + s)) if on_text is not None and lead else on_text,
-            speculative=speculative,
-            draft=p.draft,
-            text_prompt=replace(text, prefix=text.prefix + lead)
-            if lead and text.messages is None
-            else text,
-            **({"steering": steering.starting(lead)} if steering is not None else {}),
-        )
-        return lead + raw, {**stats, "finish_reason": finish}
+        while True:
+            params = params_cls(
+                max_new_tokens=p.max_tokens,
+                stop=stop,
+                stop_ids=control_ids(builder),
+                healed_prefix=healed + lead,
+                **decoding,
+            )  # generated, not emitted: put back below
+            raw, stats, finish = yield from generate_steps(
+                model,
+                job,
+                ids,
+                params,
+                done=(lambda s, lead=lead: generated_is_done(p, lead + s)),
+                on_text=(lambda s, lead=lead: on_text(lead + s))
+                if on_text is not None and lead
+                else on_text,
+                speculative=speculative,
+                draft=p.draft,
+                text_prompt=replace(text, prefix=text.prefix + lead)
+                if lead and text.messages is None
+                else text,
+                **({"steering": steering.starting(lead)} if steering is not None else {}),
+            )
+            # the user changed text they typed, or typed after the generation ended and not what
+            # it wrote: a successor continues after their text (their output as they left it)
+            late = steering is not None and steering.take_late()
+            if late and not (lead + raw).startswith(steering.typed):
+                lead = steering.typed
+                continue
+            return lead + raw, {**stats, "finish_reason": finish}
 
     raw, stats = yield from attempt(lead)
     if p.retry_lead and not raw.strip() and not steered():  # e.g. a docstring closed at once

@@ -195,7 +195,9 @@ def generate_steps(
                 on_step(text, line_logprob, getattr(gen, "stats", None) or {})
             if job.cancelled:
                 break
-            if done is not None and chunk.text and done(text):
+            # done, or the user changed text they typed into a live edit's output: a successor
+            # after their text follows (`live_edits.Steering.restarting`)
+            if (done is not None and chunk.text and done(text)) or (steer and steering.restarting):
                 early = True
                 # this generation only: the job goes on (a remote stream's `stop` counts its
                 # tokens as used, not wasted)

@@ -74,7 +74,10 @@ class Steering:
     The engine thread attaches each generation (`completions.generate_steps`); the event loop
     calls `send` with the whole output as the user now has it. Only additions reach the stream
     (`Stream.steer` takes text typed after what was typed before); an attempt started after a
-    lead (`starting`) is steered with the text after the lead."""
+    lead (`starting`) is steered with the text after the lead. A change to text typed before (a
+    second keystroke inside the output, a typo fixed in the lead) cannot be said to the stream:
+    the generation is stopped (`restarting`, which `generate_steps` checks at every chunk) and a
+    successor starts with the output as the user has it as its lead (`take_late`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,7 +85,9 @@ class Steering:
         self._lead = ""
         self._next_lead = ""
         self._ended = False  # a generation was attached and has ended
-        self._late = False  # typing came after the generation ended (see `send`)
+        # a successor must start after the user's text: typing came after the generation ended,
+        # or changed text typed before (see `send`)
+        self._late = False
         self.typed = ""  # the output as the user left it (empty: never steered)
 
     def starting(self, lead: str) -> Steering:
@@ -101,29 +106,36 @@ class Steering:
                 self._ended = True
 
     def send(self, typed: str) -> bool:
-        """The output as the user now has it; False when that cannot steer the generation (none
-        has run yet, or the user changed text they typed before, or the lead).
+        """The output as the user now has it; False when no generation has run yet (nothing to
+        steer).
 
         Typing that comes after the generation ended (the editor shows its output later than
         the engine makes it) is taken too: `take_late` then tells the live edit to start a
         successor that continues after the typed text, as a steer of a running generation
-        would have."""
+        would have. So is a change to text typed before, or to the lead: the running generation
+        stops (`restarting`) and a successor starts after the user's text in the same way."""
         with self._lock:
             gen, lead = self._gen, self._lead
             if gen is None and not self._ended:
                 return False
-            if not typed.startswith(self.typed) or not typed.startswith(lead):
-                return False
+            extends = typed.startswith(self.typed) and typed.startswith(lead)
             sent = max(len(self.typed), len(lead))
             self.typed = typed
-            if gen is None:
-                self._late = True
+            if gen is None or not extends or self._late:
+                self._late = True  # a successor after `typed` (a restart already pending takes it)
             elif len(typed) > sent:
                 gen.steer(typed[sent:])
             return True
 
+    @property
+    def restarting(self) -> bool:
+        """The user changed text typed before while a generation runs: it must stop, and a
+        successor start after their text."""
+        return self._late and self._gen is not None
+
     def take_late(self) -> bool:
-        """Whether typing came after the generation ended (since the last call)."""
+        """Whether a successor must start after the user's text (since the last call): they
+        typed after the generation ended, or changed what they typed before."""
         with self._lock:
             late, self._late = self._late, False
             return late
@@ -275,7 +287,7 @@ class LiveEdit:
             self.unsteerable = "deleted the end"  # the user takes over
             return False
         if not self.steering.send(typed):
-            self.unsteerable = "no generation to steer, or earlier typing changed"
+            self.unsteerable = "no generation to steer"
             return False
         shown = doc_text[a : a + len(shown) + len(doc_text) - len(doc)]
         self._confirmed = (doc_text, shown, mine)

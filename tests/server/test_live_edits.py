@@ -456,3 +456,39 @@ def test_typing_after_the_generation_ended_is_taken_for_a_successor():
     s.steering.starting("    return ab").attach(succ)
     assert not s.on_did_change(shown.replace("return a", "return ab + 1"), 4) and not s.stopped
     assert succ.pieces == [" + 1"] and not s.steering.take_late()
+
+
+def test_typing_again_inside_the_output_restarts_after_the_users_text():
+    """A second keystroke inside the output (not at its end) changes text the first steer sent,
+    which a stream cannot take (steers only add): the generation is stopped (`restarting`) and a
+    successor starts with the output as the user has it (`take_late`), instead of the edit
+    stopping. So does a fix to the lead of a successor."""
+    from spark_lsp.live_edits import Steering
+
+    doc = "def f():\n    pass\n"
+    at = doc.index("    pass")
+    s = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
+    s.steering, gen = Steering(), _Steerable()
+    s.steering.attach(gen)
+    s.edits_to(s.frame("    return a + b", final=False))
+    shown = doc[:at] + "    return a + b\n"
+    assert s.on_did_change(shown, 2)
+    # "x" after "return a", in the middle: a steer with the output as the user left it
+    assert not s.on_did_change(shown.replace("return a", "return ax"), 3) and not s.stopped
+    assert gen.pieces == ["    return ax + b"] and not s.steering.restarting
+    # "y" after it: not an addition to what was sent, so the stream is not steered again ...
+    assert not s.on_did_change(shown.replace("return a", "return axy"), 4) and not s.stopped
+    assert gen.pieces == ["    return ax + b"] and s.steers == 2 and s.unsteerable is None
+    # ... the running generation is told to stop, and a successor starts after the user's text
+    assert s.steering.restarting and s.typed == "    return axy + b"
+    s.steering.detach(gen)
+    assert s.steering.take_late() and not s.steering.take_late()
+    succ = _Steerable()
+    s.steering.starting("    return axy + b").attach(succ)
+    assert not s.steering.restarting
+    # typing at the end of the successor's lead steers it; a backspace inside the lead restarts
+    assert not s.on_did_change(shown.replace("return a + b", "return axy + b2"), 5)
+    assert succ.pieces == ["2"] and not s.steering.restarting
+    assert not s.on_did_change(shown.replace("return a + b", "return ay + b2"), 6)
+    assert succ.pieces == ["2"] and s.steering.restarting and not s.stopped
+    assert s.typed == "    return ay + b2" and s.steers == 4

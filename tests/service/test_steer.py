@@ -103,10 +103,13 @@ def _doc() -> str:
     return "def long():\n" + body
 
 
-async def _steered_edit(ed, cancel: bool = False, uri: str = URI) -> tuple[dict, int]:
-    """Stream a rewrite; after its first edit, the user types at the end of the written text
-    (in two keystrokes), then (`cancel`) cancels. Returns the command's result and the number of
-    edits applied before the typing."""
+async def _steered_edit(
+    ed, cancel: bool = False, uri: str = URI, inside: bool = False
+) -> tuple[dict, int]:
+    """Stream a rewrite; after its first edit, the user types where that edit's text ends (in
+    two keystrokes; `inside`: halfway into its first line, so the second keystroke changes text
+    the first one steered with), then (`cancel`) cancels. Returns the command's result and the
+    number of edits applied before the typing."""
     from lsprotocol import types as T
 
     from spark_lsp.documents import offset_at
@@ -136,6 +139,8 @@ async def _steered_edit(ed, cancel: bool = False, uri: str = URI) -> tuple[dict,
         (e,) = ed.applied[-1].edit.document_changes[0].edits
         doc = ed.text(uri)
         end = offset_at(doc, e.range.start.line, e.range.start.character) + len(e.new_text)
+        if inside:
+            end -= len(e.new_text) - len(e.new_text.split("\n")[0]) // 2
         ed.type(uri, ed.type(uri, end, "ZZ"), "_typed")
         if cancel:
             cancelling.append(
@@ -150,6 +155,39 @@ async def _steered_edit(ed, cancel: bool = False, uri: str = URI) -> tuple[dict,
     res = await ed.command(resolved.command.command, *resolved.command.arguments)
     await asyncio.gather(*cancelling)
     return res, before[0]
+
+
+@pytest.mark.parametrize("engine", ["local", "daemon"])
+async def test_typing_twice_inside_a_live_edits_output_steers_it(tiny_llama, run_dir, engine):
+    """Two keystrokes inside the written text: the first steers the stream, the second changes
+    what the first sent, so the generation restarts after the user's text (a successor with it as
+    its lead) instead of the edit stopping."""
+    proc = None
+    options = {}
+    if engine == "daemon":
+        proc, rec = start_daemon(tiny_llama)
+        options = {"engine": rec["url"]}
+    client, ed = await start_editor(tiny_llama, options)
+    try:
+        for attempt in range(4):
+            uri = f"file:///work/inside_{attempt}.py"
+            res, n = await _steered_edit(ed, uri=uri, inside=True)
+            if res["unsteerable"] == "carriage return" and attempt < 3:
+                continue  # the random model wrote one (see the test below)
+            assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
+            doc = ed.text(uri)
+            assert doc.count("ZZ_typed") == 1, doc
+            server = await ed.server_document(uri)
+            assert (server["text"], server["version"]) == (doc, ed.docs[uri][1])
+            if len(ed.applied) > n or attempt == 3:
+                break
+            assert "not valid Python" in res["outcome"], res  # as in the test below
+        assert len(ed.applied) > n, res  # the successor wrote after the user's text
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+        if proc is not None:
+            stop(proc.pid)
 
 
 @pytest.mark.parametrize("engine", ["local", "daemon"])
