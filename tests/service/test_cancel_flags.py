@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from websockets.sync.client import connect
@@ -43,10 +44,28 @@ def _flag_files(srv) -> list:
     return sorted(srv.flags_dir.glob("cancel-*"))
 
 
+def _named(path) -> bool:
+    """Whether a flags file can still be opened by its name: a file in the runtime directory, or
+    a memfd's /proc name (while the daemon keeps its descriptor; the number may be reused)."""
+    if str(path).startswith("/proc/"):
+        try:
+            return os.readlink(path).startswith("/memfd:cancel-")
+        except OSError:
+            return False
+    return Path(path).exists()
+
+
+MEMFD = hasattr(os, "memfd_create")
+KINDS = [pytest.param(True, id="memfd", marks=pytest.mark.skipif(not MEMFD, reason="no memfd"))]
+KINDS.append(pytest.param(False, id="file"))
+
+
 # -- the file --------------------------------------------------------------------------------------
-def test_a_word_set_by_one_side_is_seen_by_the_other(tmp_path):
-    mine = CancelFlags.create(tmp_path)
+@pytest.mark.parametrize("memfd", KINDS)
+def test_a_word_set_by_one_side_is_seen_by_the_other(tmp_path, memfd):
+    mine = CancelFlags.create(tmp_path, memfd=memfd)
     assert stat.S_IMODE(mine.path.stat().st_mode) == 0o600
+    assert str(mine.path).startswith("/proc/" if memfd else str(tmp_path))
     theirs = CancelFlags.open(str(mine.path), mine.count)
     word = mine.word(7)
     i = None
@@ -62,7 +81,41 @@ def test_a_word_set_by_one_side_is_seen_by_the_other(tmp_path):
         mine.word(mine.count)
     theirs.close()
     mine.close()
-    assert not mine.path.exists()
+    assert not _named(mine.path)
+
+
+@pytest.mark.skipif(not MEMFD, reason="no memfd")
+def test_a_client_cannot_truncate_the_daemons_memfd(tmp_path):
+    """A client that truncates the shared file (a bug) would make the daemon's next read of a
+    mapped word fault (SIGBUS: every editor's engine gone); the memfd's size is sealed."""
+    daemon = CancelFlags.create(tmp_path, count=8)
+    word = daemon.word(7)
+    fd = os.open(str(daemon.path), os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1 << 20)
+    finally:
+        os.close(fd)
+    client = CancelFlags.open(str(daemon.path), 8)
+    client.trip(7)
+    assert word.value == 1  # still mapped, still shared
+    client.close()
+    del word
+    daemon.close()
+
+
+@pytest.mark.skipif(not MEMFD, reason="no memfd")
+def test_an_unsealed_memfd_is_refused(tmp_path):
+    fd = os.memfd_create("cancel-x", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 32)
+        os.fchmod(fd, 0o600)
+        with pytest.raises(ValueError, match="sealed"):
+            CancelFlags.open(f"/proc/{os.getpid()}/fd/{fd}", 8)
+    finally:
+        os.close(fd)
 
 
 def test_all_words_in_use_means_no_flag(tmp_path):
@@ -77,7 +130,7 @@ def test_all_words_in_use_means_no_flag(tmp_path):
 
 
 def test_a_file_others_can_read_or_of_the_wrong_size_is_refused(tmp_path):
-    flags = CancelFlags.create(tmp_path, count=8)
+    flags = CancelFlags.create(tmp_path, count=8, memfd=False)
     os.chmod(flags.path, 0o644)
     with pytest.raises(ValueError, match="other users"):
         CancelFlags.open(str(flags.path), 8)
@@ -98,7 +151,7 @@ def test_sweep_removes_the_files_of_daemons_gone(tmp_path):
     gone.wait()
     stale = tmp_path / f"cancel-{gone.pid}-0123456789abcdef"
     stale.write_bytes(b"\0" * 16)
-    live = CancelFlags.create(tmp_path)  # this process's own
+    live = CancelFlags.create(tmp_path, memfd=False)  # this process's own
     other = tmp_path / f"cancel-{os.getppid()}-fedcba9876543210"  # a live process's
     other.write_bytes(b"\0" * 16)
     sweep(tmp_path)
@@ -133,11 +186,15 @@ def test_a_client_on_this_machine_stops_a_generation_by_the_flag_alone(server):
     c = SyncEngineClient(server.url, TOKEN)
     try:
         offer = c.hello["capabilities"]["cancel_flags"]
-        assert offer["count"] == COUNT and [str(p) for p in _flag_files(server)] == [offer["path"]]
+        assert offer["count"] == COUNT and _named(offer["path"])
+        # a sealed memfd where the system has them, not a file in the runtime directory
+        assert offer["path"].startswith("/proc/") == MEMFD and len(_flag_files(server)) == (
+            not MEMFD
+        )
         gen = c.generate(PROMPT, LONG, slot="a")
         assert gen._flag is not None
         next(iter(gen))
-        assert not _flag_files(server)  # named a word, so mapped: the name is removed
+        assert not _named(offer["path"])  # named a word, so mapped: the name is removed
         for i, _ in enumerate(gen):
             if i == 2:
                 break
