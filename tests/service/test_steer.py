@@ -7,6 +7,7 @@ successor continues after the typed text."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -157,32 +158,16 @@ async def _steered_edit(
     return res, before[0]
 
 
-@pytest.mark.parametrize("engine", ["local", "daemon"])
-async def test_typing_twice_inside_a_live_edits_output_steers_it(tiny_llama, run_dir, engine):
-    """Two keystrokes inside the written text: the first steers the stream, the second changes
-    what the first sent, so the generation restarts after the user's text (a successor with it as
-    its lead) instead of the edit stopping."""
-    proc = None
-    options = {}
+@contextlib.asynccontextmanager
+async def _editor(tiny_llama, engine: str):
+    """An editor on a language server whose engine is in-process (`local`) or a daemon."""
+    proc, options = None, {}
     if engine == "daemon":
         proc, rec = start_daemon(tiny_llama)
         options = {"engine": rec["url"]}
     client, ed = await start_editor(tiny_llama, options)
     try:
-        for attempt in range(4):
-            uri = f"file:///work/inside_{attempt}.py"
-            res, n = await _steered_edit(ed, uri=uri, inside=True)
-            if res["unsteerable"] == "carriage return" and attempt < 3:
-                continue  # the random model wrote one (see the test below)
-            assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
-            doc = ed.text(uri)
-            assert doc.count("ZZ_typed") == 1, doc
-            server = await ed.server_document(uri)
-            assert (server["text"], server["version"]) == (doc, ed.docs[uri][1])
-            if len(ed.applied) > n or attempt == 3:
-                break
-            assert "not valid Python" in res["outcome"], res  # as in the test below
-        assert len(ed.applied) > n, res  # the successor wrote after the user's text
+        yield ed
     finally:
         await client.shutdown_session()
         await client.stop()
@@ -190,35 +175,47 @@ async def test_typing_twice_inside_a_live_edits_output_steers_it(tiny_llama, run
             stop(proc.pid)
 
 
+async def _steer_until_written(ed, name: str, inside: bool = False) -> tuple[dict, int, str]:
+    """A steered edit (`_steered_edit`) in fresh documents until the successor's text shows;
+    checks each try: both keystrokes steered, the typing stays once, the server agrees."""
+    for attempt in range(4):
+        uri = f"file:///work/{name}_{attempt}.py"
+        res, n = await _steered_edit(ed, uri=uri, inside=inside)
+        if res["unsteerable"] == "carriage return" and attempt < 3:
+            # the random model wrote a carriage return before the typing: line breaks the
+            # editor may convert are not mapped, so typing there stops the edit
+            # (docs/service.md, "Not steered"). A fresh document again.
+            continue
+        # typing that reaches the server after the generation ended (before its last output
+        # showed) steers too: a successor continues after it (live_edits.Steering); so does a
+        # keystroke that changes what the one before it steered with (a restart after it)
+        assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
+        doc = ed.text(uri)
+        assert doc.count("ZZ_typed") == 1, doc  # what the user typed stays, once
+        server = await ed.server_document(uri)
+        assert (server["text"], server["version"]) == (doc, ed.docs[uri][1])
+        if len(ed.applied) > n or attempt == 3:
+            return res, n, doc
+        # The successor finished between two flushes, and the random model's whole text
+        # failed the final check, so none of it could be shown: a timing, tried again.
+        assert "not valid Python" in res["outcome"], res
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("engine", ["local", "daemon"])
+async def test_typing_twice_inside_a_live_edits_output_steers_it(tiny_llama, run_dir, engine):
+    """Two keystrokes inside the written text: the first steers the stream, the second changes
+    what the first sent, so the generation restarts after the user's text (a successor with it as
+    its lead) instead of the edit stopping."""
+    async with _editor(tiny_llama, engine) as ed:
+        res, n, _ = await _steer_until_written(ed, "inside", inside=True)
+        assert len(ed.applied) > n, res  # the successor wrote after the user's text
+
+
 @pytest.mark.parametrize("engine", ["local", "daemon"])
 async def test_typing_in_a_live_edit_steers_it(tiny_llama, run_dir, engine):
-    proc = None
-    options = {}
-    if engine == "daemon":
-        proc, rec = start_daemon(tiny_llama)
-        options = {"engine": rec["url"]}
-    client, ed = await start_editor(tiny_llama, options)
-    try:
-        for attempt in range(4):
-            uri = f"file:///work/steer_{attempt}.py"
-            res, n = await _steered_edit(ed, uri=uri)
-            if res["unsteerable"] == "carriage return" and attempt < 3:
-                # the random model wrote a carriage return before the typing: line breaks the
-                # editor may convert are not mapped, so typing there stops the edit
-                # (docs/service.md, "Not steered"). A fresh document again.
-                continue
-            # typing that reaches the server after the generation ended (before its last
-            # output showed) steers too: a successor continues after it (live_edits.Steering)
-            assert res["steers"] == 2 and res["outcome"] != "stopped by the user", res
-            doc = ed.text(uri)
-            assert doc.count("ZZ_typed") == 1, doc  # what the user typed stays, once
-            server = await ed.server_document(uri)
-            assert (server["text"], server["version"]) == (doc, ed.docs[uri][1])
-            if len(ed.applied) > n or attempt == 3:
-                break
-            # The successor finished between two flushes, and the random model's whole text
-            # failed the final check, so none of it could be shown: a timing, tried again.
-            assert "not valid Python" in res["outcome"], res
+    async with _editor(tiny_llama, engine) as ed:
+        res, n, doc = await _steer_until_written(ed, "steer")
         # the model went on after the typed text: the successor's edits follow it
         typed_end = doc.index("ZZ_typed") + len("ZZ_typed")
         assert len(ed.applied) > n and doc[typed_end:].strip(), res
@@ -234,8 +231,3 @@ async def test_typing_in_a_live_edit_steers_it(tiny_llama, run_dir, engine):
         assert doc.count("ZZ_typed") == 1, doc
         server = await ed.server_document(URI)
         assert server["text"] == doc
-    finally:
-        await client.shutdown_session()
-        await client.stop()
-        if proc is not None:
-            stop(proc.pid)
