@@ -8,12 +8,13 @@ maps it, and names it in its ``hello`` reply; the client maps it too.  On Linux 
 sealed memfd (``/proc/<daemon>/fd/<n>``, mode 0600; only this user's processes may open another
 process's descriptors): its size is sealed, so a client that truncates it (a bug) cannot make the
 daemon's reads of a mapped word fault and take every other editor's engine down with it.
-Elsewhere it is a file in the daemon's runtime directory (mode 0600, like its record).  A ``generate`` may then name a word (``cancel_flag``); the client
-zeroes the word before it sends the request and sets it to cancel, before it sends the ``cancel``
-message as usual.  The engine's ops look at the word between their tasks and the generation
-between its steps (``engine.runtime.Interrupt``'s ``watch``), so the engine stops without any of
-the daemon's threads having to wake.  The message still follows and keeps the protocol's state
-machine as it is: the word only makes the stop sooner.
+Elsewhere it is a file in the daemon's runtime directory (mode 0600, like its record).  A
+``generate`` may then name a word (``cancel_flag``); the client zeroes the word before it sends
+the request and sets it to cancel, before it sends the ``cancel`` message as usual.  The
+engine's ops look at the word between their tasks and the generation between its steps
+(``engine.runtime.Interrupt``'s ``watch``), so the engine stops without any of the daemon's
+threads having to wake.  The message still follows and keeps the protocol's state machine as it
+is: the word only makes the stop sooner.
 
 The client owns the words' use: a word is its generation's (and its steer successors') until that
 chain's last ``done``; the daemon only reads them.  The file's name is removed (a memfd's
