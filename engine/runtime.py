@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -201,17 +202,26 @@ class _Target:
 
 
 class KVBuffers:
-    """One sequence's preallocated KV cache plus the IOBindings (per session) that use it."""
+    """One sequence's preallocated KV cache plus the IOBindings (per session) that use it.
+
+    The cache lives in one anonymous mapping of its own, not on the heap: its pages stay
+    untouched (not resident) until a position is written, so a slot costs the positions it holds,
+    not its whole buffer, and its memory goes back to the system when the slot does. (Heap
+    buffers land in memory an earlier run's temporaries already touched: every slot's whole
+    buffer was resident, 100 MB at 0.5B over the default 8,192-token buffer in float16.)"""
 
     def __init__(self, runtime: Runtime) -> None:
         rt = runtime
-        shape = [1, rt.kv_heads, rt.max_len, rt.head_dim]
+        shape = (1, rt.kv_heads, rt.max_len, rt.head_dim)
+        per = int(np.prod(shape)) * rt.kv_dtype.itemsize
+        n = 2 * rt.num_layers
+        self._memory = mmap.mmap(-1, n * per)  # anonymous: zero pages until written
+        whole = np.frombuffer(self._memory, dtype=rt.kv_dtype).reshape((n, *shape))
         self.values = {}
         for i in range(rt.num_layers):
-            for t in ("key", "value"):
-                self.values[i, t] = ort.OrtValue.ortvalue_from_shape_and_type(
-                    shape, rt.kv_dtype, "cpu", 0
-                )
+            for j, t in enumerate(("key", "value")):
+                # shares the array's memory (and keeps the array alive)
+                self.values[i, t] = ort.OrtValue.ortvalue_from_numpy(whole[2 * i + j])
         # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays.
         self.step_ids = np.zeros([1, 1], np.int64)
         self.step_seqlens = np.zeros([1], np.int32)

@@ -8,6 +8,8 @@ every tiny architecture, and prefix reuse and generation over a half cache."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,43 @@ def test_an_explicit_quantising_emitter_gets_a_half_cache(tiny_models, tmp_path)
 
     eng = Engine.load(tiny_models["llama"], linear=make_linear("int4"), cache_dir=tmp_path)
     assert eng.runtime.kv_dtype == np.float16
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping holding ``address`` (Linux: /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc")
+def test_a_slot_holds_the_positions_it_wrote_not_its_whole_buffer(tiny_llama):
+    """A slot's KV cache is a mapping of its own whose pages stay untouched until a position is
+    written: a short prompt costs its positions, not the whole buffer (on the heap, the buffer
+    landed in memory earlier runs' temporaries had touched: every slot cost all of it)."""
+    eng = Engine.load(tiny_llama, slots=2)
+    rt = eng.runtime
+    kv = rt.new_kv()
+    address = kv.values[0, "key"].data_ptr()
+    assert all(v.data_ptr() != address for k, v in kv.values.items() if k != (0, "key"))
+    assert _resident_bytes(address) == 0
+    n = 16  # positions; one page per head of each buffer holds them
+    logits = rt.forward(kv, list(range(16, 16 + n)), 0)
+    page = os.sysconf("SC_PAGE_SIZE")
+    per_head = -(-n * rt.head_dim * rt.kv_dtype.itemsize // page) * page
+    written = 2 * rt.num_layers * rt.kv_heads * per_head
+    assert 0 < _resident_bytes(address) <= written < rt.kv_bytes() // 2
+    # the cache is the one the graph writes and reads: a step after it continues the prompt
+    want = Engine.load(tiny_llama, slots=2)
+    kv2 = want.runtime.new_kv()
+    whole = want.runtime.forward(kv2, list(range(16, 16 + n + 1)), 0, num_logits=2)
+    np.testing.assert_allclose(rt.decode(kv, 16 + n, n), whole[-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits[-1], whole[0], rtol=1e-4, atol=1e-4)
+    del kv, kv2
