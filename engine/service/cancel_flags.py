@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class CancelFlags:
         self.count = count
         self._owner = owner
         self._keep_fd = keep_fd  # a memfd's descriptor, open while its /proc name must resolve
+        self._lock = threading.Lock()
         try:
             self._map = mmap.mmap(fd, count * WORD)
         finally:
@@ -131,12 +133,15 @@ class CancelFlags:
     def unlink(self) -> None:
         """Remove the file's name (the daemon's side, once the client has mapped it): nothing is
         left behind, and nobody else can open it any more."""
-        if self._owner and self._named:
+        with self._lock:  # once: a second close of a memfd's number could close a reused one
+            if not (self._owner and self._named):
+                return
             self._named = False
-            if self._keep_fd is not None:
-                os.close(self._keep_fd)
-            else:
-                self.path.unlink(missing_ok=True)
+            keep, self._keep_fd = self._keep_fd, None
+        if keep is not None:
+            os.close(keep)
+        else:
+            self.path.unlink(missing_ok=True)
 
     # -- the client's side ---------------------------------------------------------------------
     def arm(self) -> int | None:

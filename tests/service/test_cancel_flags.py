@@ -107,6 +107,24 @@ def test_a_client_cannot_truncate_the_daemons_memfd(tmp_path):
 
 
 @pytest.mark.skipif(not MEMFD, reason="no memfd")
+def test_the_memfds_descriptor_is_closed_once(tmp_path):
+    """Its number may be reused as soon as it is closed (by the next connection's socket): a
+    second close, from `unlink` and `close` alike, must not close that."""
+    daemon = CancelFlags.create(tmp_path, count=8)
+    keep = int(str(daemon.path).rsplit("/", 1)[1])
+    daemon.unlink()
+    other = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(other, keep)  # another file now has the number
+    try:
+        daemon.unlink()
+        daemon.close()
+        os.fstat(keep)  # still open
+    finally:
+        os.close(keep)
+        os.close(other)
+
+
+@pytest.mark.skipif(not MEMFD, reason="no memfd")
 def test_an_unsealed_memfd_is_refused(tmp_path):
     fd = os.memfd_create("cancel-x", os.MFD_CLOEXEC)
     try:
