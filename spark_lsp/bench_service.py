@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import http.client
 import json
@@ -395,7 +396,8 @@ def _env() -> dict:
 def start_daemon(
     model: str | None, run_dir: str, cert: tuple[str, str] | None = None
 ) -> tuple[subprocess.Popen, dict]:
-    """The daemon (``cert``: its certificate and key files, for wss://) and its record."""
+    """The daemon (``cert``: its certificate and key files, for wss://) and its record. Its log
+    goes to ``daemon_log(run_dir)`` (warnings and above), which a failed run shows."""
     env = _env()
     env[rundir.ENV_DIR] = run_dir
     cmd = [sys.executable, "-m", "engine.service.daemon", "--log-level", "WARNING"]
@@ -403,9 +405,10 @@ def start_daemon(
         cmd += ["--model", model]
     if cert:
         cmd += ["--tls-cert", cert[0], "--tls-key", cert[1]]
-    proc = subprocess.Popen(
-        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    with open(daemon_log(run_dir), "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file
+        )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for path in Path(run_dir).glob("engine-*.json"):
@@ -417,6 +420,23 @@ def start_daemon(
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError("the engine daemon did not start")
+
+
+def daemon_log(run_dir: str) -> Path:
+    return Path(run_dir) / "daemon.log"
+
+
+def _show_daemon_log(run_dir: str, exc_type, exc, tb) -> bool:
+    """An exit callback: when the run fails, the daemon's log (its last lines) goes to stderr,
+    which is otherwise lost with the run's directory."""
+    if exc_type is not None:
+        try:
+            lines = daemon_log(run_dir).read_text(errors="replace").splitlines()[-40:]
+        except OSError:
+            lines = []
+        if lines:
+            print("the engine daemon's log (last lines):", *lines, sep="\n  ", file=sys.stderr)
+    return False
 
 
 def start_sse(
@@ -930,6 +950,8 @@ def run(args) -> int:
             cert = (pair[0], pair[1])
         if "ws" in wanted:
             proc, rec = start_daemon(args.model, run_dir, cert)
+            # last in, first out: the daemon is stopped (its log complete) before it is shown
+            stack.push(functools.partial(_show_daemon_log, run_dir))
             stack.callback(_stop, proc)
             ws = (rec["url"], rec["token"])
             if args.rtt > 0:

@@ -139,3 +139,18 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
     assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)
     assert s["suggestion_ms"]["p95_all"] == 120_000.0  # the hung one counts in the tail
     assert s["replicas_used"] == 2
+
+
+def test_a_failed_run_shows_the_daemons_log(tmp_path, capsys):
+    """The daemon's warnings go to a file in the run's directory, which is gone after the run:
+    when the run fails, its last lines go to stderr; a run that succeeds prints nothing."""
+    bench_service.daemon_log(str(tmp_path)).write_text(
+        "".join(f"line {i}\n" for i in range(50)) + "engine: TLS handshake with ? failed\n"
+    )
+    assert bench_service._show_daemon_log(str(tmp_path), None, None, None) is False
+    assert capsys.readouterr().err == ""
+    err = RuntimeError("cannot reach")
+    assert bench_service._show_daemon_log(str(tmp_path), RuntimeError, err, None) is False
+    shown = capsys.readouterr().err
+    assert "the engine daemon's log" in shown and "TLS handshake with ? failed" in shown
+    assert "line 49" in shown and "line 5\n" not in shown  # the last lines only
