@@ -213,10 +213,8 @@ class KVBuffers:
     def __init__(self, runtime: Runtime) -> None:
         rt = runtime
         shape = (1, rt.kv_heads, rt.max_len, rt.head_dim)
-        per = int(np.prod(shape)) * rt.kv_dtype.itemsize
-        n = 2 * rt.num_layers
-        self._memory = mmap.mmap(-1, n * per)  # anonymous: zero pages until written
-        whole = np.frombuffer(self._memory, dtype=rt.kv_dtype).reshape((n, *shape))
+        self._memory = mmap.mmap(-1, rt.kv_bytes())  # anonymous: zero pages until written
+        whole = np.frombuffer(self._memory, dtype=rt.kv_dtype).reshape((-1, *shape))
         self.values = {}
         for i in range(rt.num_layers):
             for j, t in enumerate(("key", "value")):
@@ -485,10 +483,10 @@ class Runtime:
     def new_kv(self) -> KVBuffers:
         return KVBuffers(self)
 
-    def kv_bytes(self) -> int:
-        """Bytes of one sequence's KV buffers."""
-        per = self.kv_dtype.itemsize
-        return 2 * self.num_layers * self.kv_heads * self.max_len * self.head_dim * per
+    def kv_bytes(self, positions: int | None = None) -> int:
+        """Bytes of one sequence's KV buffers (``positions``: of that many positions of them)."""
+        n = self.max_len if positions is None else positions
+        return 2 * self.num_layers * self.kv_heads * n * self.head_dim * self.kv_dtype.itemsize
 
     def _check_span(self, pos: int, n: int) -> None:
         if pos < 0 or n < 1 or pos + n > self.max_len:

@@ -456,7 +456,7 @@ def bench_engine(
             "kv_cache": str(e.runtime.kv_dtype),
             # not in the RSS above (measured after a short warm-up): the cache a generation of
             # this run's length fills, in the type this runner keeps it in
-            "kv_mb": e.runtime.kv_bytes() / e.runtime.max_len * (plen + n_new) / 1e6,
+            "kv_mb": e.runtime.kv_bytes(plen + n_new) / 1e6,
             **_bandwidth_share(
                 variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth
             ),
