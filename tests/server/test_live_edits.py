@@ -395,7 +395,9 @@ class _Steerable:
         self.pieces.append(text)
 
 
-def test_typing_in_the_generated_text_steers_and_anything_else_stops():
+def _steered(written: str):
+    """A steerable live edit over `def f(): pass`'s body whose first edit wrote `written` and
+    was confirmed by the client (version 2): (the session, its generation, the document)."""
     from spark_lsp.live_edits import Steering
 
     doc = "def f():\n    pass\n"
@@ -403,9 +405,14 @@ def test_typing_in_the_generated_text_steers_and_anything_else_stops():
     s = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
     s.steering, gen = Steering(), _Steerable()
     s.steering.attach(gen)
-    s.edits_to(s.frame("    return a", final=False))
-    shown = doc[:at] + "    return a\n"
+    s.edits_to(s.frame(written, final=False))
+    shown = doc[:at] + written + "\n"
     assert s.on_did_change(shown, 2)
+    return s, gen, shown
+
+
+def test_typing_in_the_generated_text_steers_and_anything_else_stops():
+    s, gen, shown = _steered("    return a")
     # typed at the end of the written text, then once more: the output as the user has it, in
     # pieces (each steer adds to the last)
     assert not s.on_did_change(shown.replace("return a", "return ab"), 3) and not s.stopped
@@ -416,18 +423,10 @@ def test_typing_in_the_generated_text_steers_and_anything_else_stops():
     (e,) = s.edits_to(s.frame("    return ab + 1 if a else 0", final=False))
     assert e.new_text == " if a else 0"
     # deleting the end of the output is the user taking over: the session stops
-    s2 = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
-    s2.steering = Steering()
-    s2.steering.attach(_Steerable())
-    s2.edits_to(s2.frame("    return a", final=False))
-    assert s2.on_did_change(shown, 2)
+    s2, _, _ = _steered("    return a")
     assert not s2.on_did_change(shown.replace("return a", "return "), 3) and s2.stopped_by_user
     # as does a change outside the generated text
-    s3 = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
-    s3.steering = Steering()
-    s3.steering.attach(_Steerable())
-    s3.edits_to(s3.frame("    return a", final=False))
-    assert s3.on_did_change(shown, 2)
+    s3, _, _ = _steered("    return a")
     assert not s3.on_did_change("# x\n" + shown, 3) and s3.stopped_by_user
 
 
@@ -463,16 +462,7 @@ def test_typing_again_inside_the_output_restarts_after_the_users_text():
     which a stream cannot take (steers only add): the generation is stopped (`restarting`) and a
     successor starts with the output as the user has it (`take_late`), instead of the edit
     stopping. So does a fix to the lead of a successor."""
-    from spark_lsp.live_edits import Steering
-
-    doc = "def f():\n    pass\n"
-    at = doc.index("    pass")
-    s = LiveEdit("u", doc, at, len(doc), Pos(1, 0), version=1)
-    s.steering, gen = Steering(), _Steerable()
-    s.steering.attach(gen)
-    s.edits_to(s.frame("    return a + b", final=False))
-    shown = doc[:at] + "    return a + b\n"
-    assert s.on_did_change(shown, 2)
+    s, gen, shown = _steered("    return a + b")
     # "x" after "return a", in the middle: a steer with the output as the user left it
     assert not s.on_did_change(shown.replace("return a", "return ax"), 3) and not s.stopped
     assert gen.pieces == ["    return ax + b"] and not s.steering.restarting
