@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import bisect
 import json
+import operator
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex, overload
 
 import numpy as np
 
 from .config import ModelError, model_path
 from .fim import FimFormat
+from .heap import trim_heap
 
 _EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<EOT>")
 
@@ -68,42 +70,168 @@ _BYTE_LEVEL_CHARS = _bytes_to_unicode()
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+class TokenBytes(Sequence):
+    """What each token id spells, as a read-only sequence: ``tb[i]`` is bytes, or None for a
+    special/control token.
+
+    A view of a :class:`ByteIndex`'s storage (one bytes blob of every token in id order, its
+    offsets, a None mask), so a large vocabulary costs no Python object per token; each lookup
+    slices a fresh bytes object out of the blob.
+    """
+
+    __slots__ = ("_blob", "_off", "_none")
+
+    def __init__(self, blob: bytes, off: memoryview, none: memoryview) -> None:
+        self._blob = blob
+        self._off = off  # token i is blob[off[i] : off[i + 1]]
+        self._none = none  # none[i]: token i spells nothing (None, not b"")
+
+    def __len__(self) -> int:
+        return len(self._none)
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> bytes | None: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[bytes | None, ...]: ...
+    def __getitem__(self, i: SupportsIndex | slice) -> bytes | None | tuple[bytes | None, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        i = operator.index(i)
+        if i < 0:
+            i += len(self._none)
+        if not 0 <= i < len(self._none):
+            raise IndexError("token id out of range")
+        if self._none[i]:
+            return None
+        return self._blob[self._off[i] : self._off[i + 1]]
+
+    def __repr__(self) -> str:
+        return f"<TokenBytes of {len(self)} tokens>"
+
+
+_KEY_MAX = 2**64 - 1
+
+
 class ByteIndex:
     """Token ids looked up by their bytes, for constraining the next token to a pending text.
 
-    ``token_bytes[i]`` is what token ``i`` spells (None for special/control tokens).  Tokens are
-    kept sorted by their bytes, so the tokens that *start with* a pending text are one contiguous
-    range (two bisections) and the tokens the pending text starts with are its proper prefixes
-    (a dict lookup each): a lookup costs microseconds plus the size of the answer, even for a
-    150k vocabulary.
+    ``token_bytes[i]`` is what token ``i`` spells (None for special/control tokens; see
+    :class:`TokenBytes`).  The tokens with non-empty bytes are also kept sorted by their bytes
+    (``_order``), so the tokens that start with a text are one contiguous range and the text's
+    own spellings (several ids may spell the same bytes) are the first tokens of that range.
+    Each sorted token's first 8 bytes, zero-padded, are a big-endian uint64 (``_keys``), sorted
+    like the bytes: ``consistent`` finds the ranges of every prefix of up to 8 pending bytes
+    with one vectorised ``searchsorted`` and narrows a longer pending text by bisection inside
+    its 8-byte range (usually a handful of tokens), so a lookup costs microseconds plus the
+    size of the answer, even for a 150k vocabulary.
+
+    Storage is one bytes blob of every token (in id order) and a few numpy arrays (offsets,
+    order, keys, a None mask: 17 bytes a token), with no Python object per token: every engine
+    process builds an index, and tuples, lists and dicts of a 150k vocabulary cost tens of MB.
+    Construction sorts by the uint64 keys in numpy and sorts only the runs of tokens that share
+    their first 8 bytes by their full bytes in Python.
     """
 
     def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
-        self.token_bytes: tuple[bytes | None, ...] = tuple(token_bytes)
-        pairs = sorted((b, i) for i, b in enumerate(self.token_bytes) if b)
-        self._keys = [b for b, _ in pairs]
-        self._ids = np.fromiter((i for _, i in pairs), np.int64, len(pairs))
-        self._exact: dict[bytes, list[int]] = {}
-        for b, i in pairs:
-            self._exact.setdefault(b, []).append(i)
+        tb = token_bytes if isinstance(token_bytes, (list, tuple)) else list(token_bytes)
+        count = len(tb)
+        lens = np.fromiter((-1 if b is None else len(b) for b in tb), np.int32, count)
+        none = lens < 0
+        lens[none] = 0
+        # joined in chunks: bytes.join of the whole vocabulary would take a scratch buffer
+        # descriptor (80 bytes) per token, several times the blob, that the allocator keeps
+        blob = b"".join(
+            [b"".join([b for b in tb[s : s + 4096] if b]) for s in range(0, count, 4096)]
+        )
+        off = np.zeros(count + 1, np.int32 if len(blob) < 2**31 else np.int64)
+        np.cumsum(lens, out=off[1:])
+        keys = np.fromiter(
+            (int.from_bytes(b[:8].ljust(8, b"\0"), "big") if b else 0 for b in tb), np.uint64, count
+        )
+        order = np.argsort(keys, kind="stable")  # ties stay in id order
+        order = order[lens[order] > 0].astype(np.int32)  # only tokens that spell something
+        keys = keys[order]
+        # equal keys: tokens that share their first 8 bytes (or, zero-padded, are prefixes of
+        # one another); the bytes after the 8th decide their order
+        tied = np.flatnonzero(keys[1:] == keys[:-1])
+        if tied.size:
+            firsts = tied[np.r_[True, tied[1:] != tied[:-1] + 1]]
+            lasts = tied[np.r_[tied[1:] != tied[:-1] + 1, True]] + 2
+            for a, b in zip(firsts.tolist(), lasts.tolist()):
+                order[a:b] = sorted(order[a:b].tolist(), key=tb.__getitem__)  # stable
+        self._blob = blob
+        self._off = off
+        self._none = none
+        self._order = order  # token ids in byte order (only tokens that spell something)
+        self._keys = keys  # _keys[r]: the first 8 bytes of the r-th token in byte order
+        self._off_mv = memoryview(off)
+        self._order_mv = memoryview(order)
+        self._keys_mv = memoryview(keys)
+        self._places = range(len(order))  # what bisect searches: place r is the r-th token
+        self.token_bytes = TokenBytes(blob, self._off_mv, memoryview(none))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ByteIndex, (tuple(self.token_bytes),)  # memoryviews do not pickle: rebuilt
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: the blob and the arrays."""
+        arrays = (self._off, self._none, self._order, self._keys)
+        return len(self._blob) + sum(a.nbytes for a in arrays)
+
+    def _key(self, r: int) -> bytes:
+        """The bytes of the ``r``-th token in byte order."""
+        i = self._order_mv[r]
+        return self._blob[self._off_mv[i] : self._off_mv[i + 1]]
 
     def consistent(self, pending: bytes) -> np.ndarray:
         """Sorted ids whose bytes start with ``pending`` or are a non-empty prefix of it."""
         if not pending:
             raise ValueError("pending text is empty: every token is consistent")
-        lo = bisect.bisect_left(self._keys, pending)
-        succ = pending.rstrip(b"\xff")  # the smallest byte string above every extension of pending
-        hi = (
-            len(self._keys)
-            if not succ
-            else bisect.bisect_left(self._keys, succ[:-1] + bytes([succ[-1] + 1]), lo)
-        )
-        parts = [self._ids[lo:hi]]
-        for k in range(1, len(pending)):
-            ids = self._exact.get(pending[:k])
-            if ids:
-                parts.append(np.asarray(ids, np.int64))
-        return np.sort(np.concatenate(parts))
+        n, size = len(self._places), len(pending)
+        m = min(size, 8)
+        head = int.from_bytes(pending[:m], "big")
+        # pending[:k] zero-padded to a key: every token that starts with it has a key in
+        # [wanted[k - 1], that + 2 ** (64 - 8k)), and so do tokens shorter than k that are
+        # prefixes of it when pending[:k] ends in zero bytes (the scans below skip those)
+        wanted = [(head >> 8 * (m - k)) << (64 - 8 * k) for k in range(1, m + 1)]
+        top = (head + 1) << (64 - 8 * m)  # 2**64 when pending[:8] is all 0xff: to the end
+        at = self._keys.searchsorted(np.array([*wanted, top & _KEY_MAX], np.uint64)).tolist()
+        keys, off, order = self._keys_mv, self._off_mv, self._order_mv
+        exact: list[int] = []  # the tokens that spell a proper prefix of pending
+        for k in range(1, min(size - 1, 8) + 1):
+            r, key = at[k - 1], wanted[k - 1]
+            while r < n and keys[r] == key:  # pending[:k] zero-padded: shorter, exact, longer
+                i = order[r]
+                length = off[i + 1] - off[i]
+                if length > k:
+                    break
+                if length == k:
+                    exact.append(i)
+                r += 1
+        lo, hi = at[m - 1], (at[m] if top <= _KEY_MAX else n)
+        while lo < hi and off[order[lo] + 1] - off[order[lo]] < m:
+            lo += 1
+        if size > 8:  # [lo, hi) start with pending[:8]: narrow it a byte at a time
+            key_of, places = self._key, self._places
+            for k in range(9, size + 1):
+                if lo >= hi:
+                    break
+                prefix = pending[:k]
+                lo = bisect.bisect_left(places, prefix, lo, hi, key=key_of)
+                if prefix[-1] != 0xFF:  # else the range already ends where pending[:k] does
+                    succ = prefix[:-1] + bytes((prefix[-1] + 1,))
+                    hi = bisect.bisect_left(places, succ, lo, hi, key=key_of)
+                r = lo  # pending[:k] itself sorts first among the tokens that start with it
+                while k < size and r < hi and off[order[r] + 1] - off[order[r]] == k:
+                    exact.append(order[r])
+                    r += 1
+        found = max(hi - lo, 0)
+        out = np.empty(found + len(exact), np.int64)
+        out[:found] = self._order[lo : lo + found]
+        out[found:] = exact
+        out.sort()
+        return out
 
 
 class Tokenizer:
@@ -152,6 +280,7 @@ class Tokenizer:
             raise ModelError(
                 f"tokenizer.json: cannot load: {str(e).splitlines()[0] if str(e) else e!r}"
             ) from None
+        trim_heap()  # the parsed JSON (tens of MB for a 150k vocabulary) is freed, not returned
 
         tcfg = _read_optional_json(folder / "tokenizer_config.json")
         smap = _read_optional_json(folder / "special_tokens_map.json")
@@ -215,6 +344,7 @@ class Tokenizer:
             with self._byte_index_lock:
                 if self._byte_index is None:
                     self._byte_index = ByteIndex(self._spell_tokens())
+                    trim_heap()  # the spelled list and the sort's temporaries
         return self._byte_index
 
     def build_byte_index_in_background(self) -> threading.Thread:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.heap import trim_heap
 from engine.service import rundir
 from engine.service.options import SPINNING
 
@@ -267,17 +268,6 @@ class SessionHost:
             "sessions": len(self.sessions),
             "models": shared.describe() if shared is not None else [],
         }
-
-
-def trim_heap() -> None:
-    """Give the heap's free pages back to the system (glibc keeps them after a session's or a
-    model's memory is freed); nothing where malloc_trim does not exist."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def peer_uid(sock: socket.socket | None) -> int | None:
