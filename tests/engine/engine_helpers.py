@@ -66,3 +66,12 @@ def greedy(engine: Engine, ids, n: int, slot=None):
 def random_ids(engine: Engine, n: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, engine.sample_vocab, n).tolist()
+
+
+def brute_consistent(token_bytes, pending: bytes) -> list[int]:
+    """The ids ``ByteIndex.consistent(pending)`` must give, by scanning every token."""
+    return [
+        i
+        for i, b in enumerate(token_bytes)
+        if b and (b.startswith(pending) or pending.startswith(b))
+    ]

@@ -10,19 +10,38 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from engine_helpers import brute_consistent
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.lab.models import bench_root
 from engine.tokenizer import ByteIndex, TokenBytes, Tokenizer
 
-
-def brute_consistent(token_bytes, pending: bytes) -> list[int]:
-    return [
-        i
-        for i, b in enumerate(token_bytes)
-        if b and (b.startswith(pending) or pending.startswith(b))
-    ]
+#: The edges of the prefix ranges: proper prefixes, 0xff runs, a token spelled twice.
+EDGE_VOCAB = [
+    None,
+    b"a",
+    b"ab",
+    b"abc",
+    b"ab\xff",
+    b"ab\xff\xff",
+    b"ac",
+    b"b",
+    b"\xff",
+    b"\xff\x00",
+    b"a",
+]
+EDGE_PENDINGS = [
+    b"a",
+    b"ab",
+    b"ab\xff",
+    b"abcd",
+    b"\xff",
+    b"\xff\x00\x01",
+    b"b",
+    b"c",
+    b"ab\xff\xff\xff",
+]
 
 
 def pendings_of(vocab, rng: np.random.Generator, alphabet: bytes, extra: int = 200):
@@ -75,19 +94,17 @@ def test_random_vocabulary_matches_brute_force(seed, alphabet):
     check_against_brute_force(vocab, pendings_of(vocab, rng, alphabet))
 
 
+def test_index_prefix_range_edges():
+    ix = ByteIndex(EDGE_VOCAB)
+    for pending in EDGE_PENDINGS:
+        assert ix.consistent(pending).tolist() == brute_consistent(EDGE_VOCAB, pending), pending
+    with pytest.raises(ValueError):
+        ix.consistent(b"")
+
+
 def test_edges_of_the_prefix_ranges():
     vocab = [
-        None,
-        b"a",
-        b"ab",
-        b"abc",
-        b"ab\xff",
-        b"ab\xff\xff",
-        b"ac",
-        b"b",
-        b"\xff",
-        b"\xff\x00",
-        b"a",
+        *EDGE_VOCAB,
         b"",
         b"a\x00",  # zero-padded to 8 bytes, these three share a head with b"a"
         b"a\x00\x00",
@@ -106,15 +123,7 @@ def test_edges_of_the_prefix_ranges():
         b"abcdefgi",
     ]
     pendings = [
-        b"a",
-        b"ab",
-        b"ab\xff",
-        b"abcd",
-        b"\xff",
-        b"\xff\x00\x01",
-        b"b",
-        b"c",
-        b"ab\xff\xff\xff",
+        *EDGE_PENDINGS,
         b"a\x00",
         b"a\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00",
         b"\x00",
