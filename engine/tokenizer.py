@@ -167,7 +167,6 @@ class ByteIndex:
         self._off_mv = memoryview(off)
         self._order_mv = memoryview(order)
         self._keys_mv = memoryview(keys)
-        self._places = range(len(order))  # what bisect searches: place r is the r-th token
         self.token_bytes = TokenBytes(blob, self._off_mv, memoryview(none))
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -188,7 +187,7 @@ class ByteIndex:
         """Sorted ids whose bytes start with ``pending`` or are a non-empty prefix of it."""
         if not pending:
             raise ValueError("pending text is empty: every token is consistent")
-        n, size = len(self._places), len(pending)
+        n, size = len(self._order), len(pending)
         m = min(size, 8)
         head = int.from_bytes(pending[:m], "big")
         # pending[:k] zero-padded to a key: every token that starts with it has a key in
@@ -213,7 +212,7 @@ class ByteIndex:
         while lo < hi and off[order[lo] + 1] - off[order[lo]] < m:
             lo += 1
         if size > 8:  # [lo, hi) start with pending[:8]: narrow it a byte at a time
-            key_of, places = self._key, self._places
+            key_of, places = self._key, range(n)  # bisect over places: r is the r-th token
             for k in range(9, size + 1):
                 if lo >= hi:
                     break
