@@ -7,7 +7,11 @@ plain GELU MLP, with or without biases), per-head q/k RMSNorm and an embedding s
 
 The graph is built for ONNX Runtime on CPU with batch size 1:
 
-* inputs  ``input_ids`` int64 [1, S], ``seqlens_k`` int32 [1] (= total length - 1),
+* inputs  ``input_ids`` int64 [1, S] or, in a graph with an external data file whose embedding
+  table only a Gather would read, ``inputs_embeds`` [1, S, hidden] in the table's element type
+  (the rows the runtime reads for those tokens, :mod:`engine.embedding`; metadata
+  ``spark_lsp.embedding`` says where the table lies in the data file), ``seqlens_k`` int32 [1]
+  (= total length - 1),
   ``total_sequence_length`` int32 scalar, ``logits_from`` int64 [1] (first position that gets
   logits: S - number of trailing logits wanted), and per layer ``past.{i}.key`` /
   ``past.{i}.value`` [1, kv_heads, max_len, head_dim], float32, or float16 where the graph was
@@ -42,6 +46,7 @@ into the layout it stores (a quantiser reads it back column-major).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +57,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 #: Bump when the emitted graph changes, so cached graphs from older builders are not reused.
-GRAPH_VERSION = 10
+GRAPH_VERSION = 11
 
 #: The KV cache element types a graph can hold (``build_decoder(kv_dtype=...)``).
 KV_DTYPES = ("float32", "float16")
@@ -118,10 +123,15 @@ class GraphBuilder:
             return self.initializer(name, np.concatenate(list(chunks)).reshape(shape), data_type)
         return self._external(name, shape, data_type, chunks)
 
-    def _external(self, name: str, shape, data_type: int, chunks) -> str:
-        """Write ``chunks`` back to back at the next aligned offset of the external data file."""
-        name = self.unique(name)
-        tensor = onnx.TensorProto(name=name, dims=shape, data_type=data_type)
+    @property
+    def external(self) -> bool:
+        """Whether the weights go to an external data file."""
+        return self._data is not None
+
+    def external_block(self, chunks) -> dict[str, str | int]:
+        """Write ``chunks`` back to back at the next aligned offset of the external data file,
+        as data the graph does not read itself (no initializer): returns its ``location``
+        (the file's name), ``offset`` and ``length``."""
         offset = -(-self._data.tell() // self.ALIGN) * self.ALIGN
         self._data.seek(offset)
         length = 0
@@ -129,7 +139,13 @@ class GraphBuilder:
             chunk = np.ascontiguousarray(chunk)
             self._data.write(chunk.data)
             length += chunk.nbytes
-        for key, value in (("location", self._data_name), ("offset", offset), ("length", length)):
+        return {"location": self._data_name, "offset": offset, "length": length}
+
+    def _external(self, name: str, shape, data_type: int, chunks) -> str:
+        """An initializer whose data is an :meth:`external_block`."""
+        name = self.unique(name)
+        tensor = onnx.TensorProto(name=name, dims=shape, data_type=data_type)
+        for key, value in self.external_block(chunks).items():
             entry = tensor.external_data.add()
             entry.key, entry.value = key, str(value)
         tensor.data_location = onnx.TensorProto.EXTERNAL
@@ -386,6 +402,7 @@ def build_decoder(
     max_len: int | None = None,
     external_data: str | Path | None = None,
     kv_dtype: str = "float32",
+    runtime_embedding: bool = True,
 ) -> onnx.ModelProto:
     """Build the decoder graph (see module docstring for its inputs and outputs).
 
@@ -397,6 +414,9 @@ def build_decoder(
     element type, ``"float32"`` or ``"float16"``; a float16 cache needs the emitter's own
     attention op (GroupQueryAttention on CPU reads float32), so a graph that falls back to
     GroupQueryAttention keeps float32 whatever was asked (its metadata says what it holds).
+    ``runtime_embedding``: with ``external_data``, write the embedding table into the data file
+    outside the graph (unless a tied LM head reads it in place) and take ``inputs_embeds``, the
+    rows :mod:`engine.embedding` reads, instead of ``input_ids``; False keeps the Gather.
     """
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r}: expected one of {KV_DTYPES}")
@@ -412,7 +432,6 @@ def build_decoder(
 
     act3d = bool(getattr(linear, "accepts_3d", False))
     kv_types: set[int] = set()  # the KV cache's element type, per layer (all the same)
-    ids = gb.input("input_ids", i64, [1, "seq"])
     seqlens_k = gb.input("seqlens_k", i32, [1])
     total_len = gb.input("total_sequence_length", i32, [])
     logits_from = gb.input("logits_from", i64, [1])
@@ -522,16 +541,24 @@ def build_decoder(
     tied = c.tie_word_embeddings or "lm_head.weight" not in w
     # A tied head read straight from the embedding initializer where the emitter can (the table
     # is then stored once, in float32); else [K, N] as a transposed view, which the emitter copies
-    # (or quantises) into the layout it stores, and the Gather's table is stored compact.
+    # (or quantises) into the layout it stores, and the table is stored compact.
     emit_tied = getattr(linear, "emit_tied", None) if tied else None
     table = _table_rows(w, "model.embed_tokens.weight")
     in_place = emit_tied is not None and getattr(linear, "reads_tied", lambda: True)()
     table_type = _F32 if in_place else embedding_type(table)
-    embed = gb.initializer_rows(
-        "embed_tokens", table.shape, table_type, embedding_chunks(table, table_type)
-    )
-    del table
-    residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [1, S, D]
+    rows = embedding_chunks(table, table_type)
+    embed = None
+    embedding: dict[str, str | int] | None = None
+    if runtime_embedding and gb.external and not in_place:
+        # Only one row per token is read: the runtime reads those rows from the data file
+        # (engine.embedding), so the table never enters the graph nor the process's memory.
+        embedding = {**gb.external_block(rows), "rows": V, "cols": D, "type": table_type}
+        residual = gb.input("inputs_embeds", table_type, [1, "seq", D])
+    else:
+        embed = gb.initializer_rows("embed_tokens", table.shape, table_type, rows)
+        ids = gb.input("input_ids", i64, [1, "seq"])
+        residual = gb.node("Gather", [embed, ids], name="embed", axis=0)  # [1, S, D]
+    del table, rows
     if table_type != TensorProto.FLOAT:
         residual = gb.node("Cast", [residual], name="embed_f32", to=TensorProto.FLOAT)
     embed_scale = float(getattr(c, "embed_scale", 1.0))
@@ -709,7 +736,7 @@ def build_decoder(
     def emit_head(x, norm):
         out = (
             emit_tied(gb, x, embed, (V, D), name="lm_head", **with_norm(norm))
-            if emit_tied
+            if emit_tied and embed is not None
             else None
         )
         if out is None:
@@ -728,4 +755,6 @@ def build_decoder(
         "spark_lsp.kv_head_dim": str(H),
         "spark_lsp.kv_dtype": "float16" if kv_types == {TensorProto.FLOAT16} else "float32",
     }
+    if embedding is not None:
+        meta["spark_lsp.embedding"] = json.dumps(embedding)
     return gb.to_model(metadata=meta)

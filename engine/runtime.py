@@ -4,8 +4,9 @@ Each :class:`KVBuffers` owns one sequence's cache: per layer a key and a value O
 [1, kv_heads, max_len, head_dim], allocated once and bound as both ``past`` and ``present``
 (GroupQueryAttention writes the new positions in place).  Rewinding a sequence is free: the next
 run simply passes a smaller position.  The decode step reuses a fully pre-bound IOBinding whose
-inputs and logits output are numpy-backed OrtValues, so a step is: write three integers, run,
-read one logits row — no allocation, no KV copy, no numpy conversion of the cache.
+inputs and logits output are numpy-backed OrtValues, so a step is: write the token (its id, or
+its embedding row: :mod:`engine.embedding`) and two integers, run, read one logits row — no
+allocation, no KV copy, no numpy conversion of the cache.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import numpy as np
 import onnxruntime as ort
 
 from .config import ModelError
+from .embedding import EmbeddingRows
 
-#: Graph inputs besides the KV buffers (see engine.graph).
-INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_from")
+#: Graph inputs besides the tokens (``input_ids``, or ``inputs_embeds``: the rows of
+#: :mod:`engine.embedding`) and the KV buffers (see engine.graph).
+INPUTS = ("seqlens_k", "total_sequence_length", "logits_from")
 
 
 def physical_cores() -> int:
@@ -220,21 +223,23 @@ class KVBuffers:
             for j, t in enumerate(("key", "value")):
                 # shares the array's memory (and keeps the array alive)
                 self.values[i, t] = ort.OrtValue.ortvalue_from_numpy(whole[2 * i + j])
-        # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays.
+        # Decode step: everything pre-bound; inputs/outputs share memory with these numpy arrays
+        # (the token: its id, or its embedding row where the runtime reads those).
         self.step_ids = np.zeros([1, 1], np.int64)
+        self.step_embeds = rt.embedding.empty(1) if rt.embedding is not None else None
         self.step_seqlens = np.zeros([1], np.int32)
         self.step_total = np.zeros([], np.int32)
         self.step_logits = np.zeros([1, 1, rt.vocab_size], np.float32)
+        self._step_token = (
+            rt.embedding.ortvalue(self.step_embeds)
+            if rt.embedding is not None
+            else ort.OrtValue.ortvalue_from_numpy(self.step_ids)
+        )
         self._step_values = [
             ort.OrtValue.ortvalue_from_numpy(a)
-            for a in (
-                self.step_ids,
-                self.step_seqlens,
-                self.step_total,
-                rt.zero_i64,
-                self.step_logits,
-            )
+            for a in (self.step_seqlens, self.step_total, rt.zero_i64, self.step_logits)
         ]
+        self._token_input = rt.token_input
         self._step: dict[_Target, ort.IOBinding] = {}
         self._general: dict[_Target, ort.IOBinding] = {}
 
@@ -243,9 +248,10 @@ class KVBuffers:
         b = self._step.get(target)
         if b is None:
             b = self._step[target] = target.session.io_binding()
-            for name, v in zip(INPUTS, self._step_values[:4]):
+            b.bind_ortvalue_input(self._token_input, self._step_token)
+            for name, v in zip(INPUTS, self._step_values[:3]):
                 b.bind_ortvalue_input(name, v)
-            b.bind_ortvalue_output("logits", self._step_values[4])
+            b.bind_ortvalue_output("logits", self._step_values[3])
             self._bind_kv(b)
         return b
 
@@ -269,17 +275,6 @@ SMALL_MODEL_BYTES = 64 << 20
 PREPACKING_OPS = frozenset(
     {"MatMul", "Gemm", "FusedMatMul", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat"}
 )
-
-
-def _gather_only(proto) -> set[str]:
-    """Initializers that only Gather nodes read, as their data (input 0): an embedding table."""
-    readers: dict[str, set[tuple[str, int]]] = {}
-    for n in proto.graph.node:
-        for i, name in enumerate(n.input):
-            readers.setdefault(name, set()).add((n.op_type, i))
-    return {
-        name for name, r in readers.items() if r and all(op == "Gather" and i == 0 for op, i in r)
-    }
 
 
 def huge_pages_available() -> bool:
@@ -323,9 +318,9 @@ class SharedWeights:
     The weights a decode step streams are read into anonymous memory advised for transparent huge
     pages (``MADV_HUGEPAGE``), not used from the file's 4 KB pages: streaming hundreds of MB per
     token through 4 KB pages misses the TLB on every page, and under virtualisation each miss
-    walks two page tables (measured on the 2-core VM: 0.5B decode int8 +29 %, int4 +6 %). A
-    table only read a row per token (the embedding's Gather) stays mapped from the file, so its
-    untouched rows never become resident. ``SPARK_LSP_WEIGHTS_MMAP=1``, or a system without
+    walks two page tables (measured on the 2-core VM: 0.5B decode int8 +29 %, int4 +6 %). (The
+    embedding table, read a row per token, is not among them: :mod:`engine.embedding`.)
+    ``SPARK_LSP_WEIGHTS_MMAP=1``, or a system without
     transparent huge pages, maps everything from the file instead (the page cache's pages,
     shared with other processes of the same model).
     """
@@ -335,7 +330,6 @@ class SharedWeights:
 
         mapped = os.environ.get("SPARK_LSP_WEIGHTS_MMAP", "") in ("1", "true", "yes")
         copy = not mapped and huge_pages_available()
-        gathered = _gather_only(proto)
         self._maps: dict[Path, np.memmap] = {}  # each data file, mapped once
         entries = []  # (initializer, file, offset, length, read into the buffer)
         for t in proto.graph.initializer:
@@ -348,7 +342,7 @@ class SharedWeights:
             offset, length = int(info.get("offset", 0)), int(info["length"])
             if offset + length > self._maps[path].size:
                 raise ModelError(f"{path.name}: initializer {t.name} lies past the file's end")
-            entries.append((t, path, offset, length, copy and t.name not in gathered))
+            entries.append((t, path, offset, length, copy))
         total = sum(_aligned(length) for *_, length, read in entries if read)
         self._heap = _huge_buffer(total) if total else None
         self.values: list[tuple[str, ort.OrtValue]] = []
@@ -464,6 +458,10 @@ class Runtime:
         self.target = self.busy
         self.session = self.wide.session
         self.zero_i64 = np.zeros([1], np.int64)
+        # The tokens' embedding rows, where the graph takes them rather than their ids
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.embedding = EmbeddingRows.of(model_path, meta)
+        self.token_input = "input_ids" if self.embedding is None else "inputs_embeds"
         # KV head size as built (the graph pads it to a multiple of 16) and element type
         # (float32, or float16 where the graph's attention op reads a half cache).
         past = next(i for i in self.session.get_inputs() if i.name == "past.0.key")
@@ -509,9 +507,13 @@ class Runtime:
         num_logits = max(1, min(int(num_logits), n))
         target = self.target if n <= SMALL_RUN_TOKENS else self.wide
         b = kv.binding(target)
+        if self.embedding is None:
+            b.bind_cpu_input("input_ids", ids)
+        else:  # ``rows`` (bound in place, not copied) lives until the run below returns
+            rows = self.embedding.read(ids, self.embedding.empty(n))
+            b.bind_ortvalue_input("inputs_embeds", self.embedding.ortvalue(rows))
         logits = np.empty([1, num_logits, self.vocab_size], np.float32)
         feeds = (
-            ids,
             np.array([pos + n - 1], np.int32),
             np.array(pos + n, np.int32),
             np.array([n - num_logits], np.int64),
@@ -528,7 +530,10 @@ class Runtime:
         """One decode step; returns the logits row [vocab] (a view valid until the next step on ``kv``)."""
         if pos + 1 > self.max_len:
             self._check_span(pos, 1)
-        kv.step_ids[0, 0] = token
+        if self.embedding is None:
+            kv.step_ids[0, 0] = token
+        else:
+            self.embedding.read_one(token, kv.step_embeds)
         kv.step_seqlens[0] = pos
         kv.step_total[...] = pos + 1
         target = self.target

@@ -41,8 +41,9 @@ def read_bandwidth(threads: int = 1, repeats: int = 5, nbytes: int = READ_BYTES)
 
 def graph_bytes_per_token(graph_path: str | Path) -> int:
     """Weight bytes one decode step of a built graph reads: every initializer except the rotary
-    tables (one row per position) and the embedding table (one row is gathered), which counts
-    when another node reads it whole (a tied LM head reading the table in place)."""
+    tables (one row per position) and the embedding table (one row per token: outside the graph,
+    engine.embedding, or a Gather's), which counts when another node reads it whole (a tied LM
+    head reading the table in place)."""
     import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)

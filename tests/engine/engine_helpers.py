@@ -75,3 +75,27 @@ def brute_consistent(token_bytes, pending: bytes) -> list[int]:
         for i, b in enumerate(token_bytes)
         if b and (b.startswith(pending) or pending.startswith(b))
     ]
+
+
+def runtime_table(model, data: Path):
+    """The embedding table a streamed graph leaves to the runtime (``engine.embedding``): its
+    metadata and its bytes in the data file ``data``; None where the graph gathers it itself."""
+    import json
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    if "spark_lsp.embedding" not in meta:
+        return None
+    e = json.loads(meta["spark_lsp.embedding"])
+    with open(data, "rb") as f:
+        f.seek(e["offset"])
+        return e, f.read(e["length"])
+
+
+def assert_same_table(streamed, data: Path, reference) -> None:
+    """A streamed graph that leaves its table to the runtime holds, in ``data``, the bytes of the
+    ``embed_tokens`` initializer of an in-memory build ``reference``, at an aligned offset."""
+    e, raw = runtime_table(streamed, data)
+    (table,) = [t for t in reference.graph.initializer if t.name == "embed_tokens"]
+    assert raw == table.raw_data
+    assert (e["rows"], e["cols"], e["type"]) == (*table.dims, table.data_type)
+    assert e["offset"] % 4096 == 0

@@ -138,13 +138,14 @@ def test_the_sessions_share_one_mapping_of_the_weights(tiny_llama, tmp_path, kw)
 
 
 @pytest.mark.parametrize("mode", ["huge", "env", "no-thp"])
-def test_streamed_weights_are_read_into_memory_and_the_table_stays_mapped(
+def test_streamed_weights_are_read_into_memory_and_the_table_stays_outside(
     tiny_llama, tmp_path, monkeypatch, mode
 ):
     """The weights each step streams are read into one anonymous buffer (advised for huge pages:
-    4 KB file pages miss the TLB on every page); the embedding table, read a row per token, stays
-    mapped from the file; SPARK_LSP_WEIGHTS_MMAP=1, or no transparent huge pages, maps
-    everything. Same tokens either way."""
+    4 KB file pages miss the TLB on every page); the embedding table, read a row per token, is
+    not among the graph's weights at all (the runtime reads its rows: engine.embedding);
+    SPARK_LSP_WEIGHTS_MMAP=1, or no transparent huge pages, maps everything. Same tokens either
+    way."""
     from engine_helpers import greedy, hf_greedy
 
     import engine.runtime as runtime_mod
@@ -155,16 +156,16 @@ def test_streamed_weights_are_read_into_memory_and_the_table_stays_mapped(
     # table is streamed too and read into memory with the rest)
     eng = Engine.load(tiny_llama, cache_dir=tmp_path, threads=2, precision="int8")
     shared = eng.runtime.shared
-    (table,) = [v for n, v in shared.values if n == "embed_tokens"]
+    assert eng.runtime.embedding is not None
+    assert "embed_tokens" not in {n for n, _ in shared.values}
     (data,) = shared._maps.values()
     mapped = range(data.ctypes.data, data.ctypes.data + data.size)
-    assert table.data_ptr() in mapped
-    others = [v.data_ptr() for n, v in shared.values if n != "embed_tokens"]
+    weights = [v.data_ptr() for _, v in shared.values]
     if mode != "huge":
-        assert shared._heap is None and all(p in mapped for p in others)
+        assert shared._heap is None and all(p in mapped for p in weights)
     else:
         heap = range(shared._heap.ctypes.data, shared._heap.ctypes.data + shared._heap.size)
-        assert others and all(p in heap for p in others)
+        assert weights and all(p in heap for p in weights)
     ids = random_ids(eng, 30, seed=55)
     assert greedy(eng, ids, 12).tokens == hf_greedy(tiny_llama, ids, 12)
 

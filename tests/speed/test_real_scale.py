@@ -3,6 +3,7 @@ llama.cpp's), the llama.cpp peer on the same weights, and the per-precision-clas
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -11,10 +12,12 @@ import pytest
 from onnx import numpy_helper
 from safetensors.numpy import load_file
 
+import engine.engine as engine_mod
 from engine.config import load_config
 from engine.engine import Engine
 from engine.fim import FimFormat
 from engine.generate import GenerationParams
+from engine.graph import build_decoder
 from engine.lab import bench, models
 from engine.lab.bandwidth import gguf_bytes_per_token, graph_bytes_per_token
 from engine.weights import write_safetensors
@@ -81,12 +84,18 @@ def test_synthetic_qwen_folder_runs(tmp_path, monkeypatch):
     assert (folder / "model.safetensors").stat().st_mtime_ns == before
 
 
-def test_graph_bytes_per_token_counts_what_a_step_reads(tiny_llama, tmp_path):
+@pytest.mark.parametrize("table", ["runtime", "gather"])
+def test_graph_bytes_per_token_counts_what_a_step_reads(tiny_llama, tmp_path, monkeypatch, table):
+    """Neither the rows the runtime reads (engine.embedding) nor a Gather's table count."""
+    if table == "gather":
+        monkeypatch.setattr(
+            engine_mod, "build_decoder", functools.partial(build_decoder, runtime_embedding=False)
+        )
     eng = Engine.load(tiny_llama, cache_dir=tmp_path, wafer=False, precision="int8")
     model = onnx.load(str(eng.graph_path))
     sizes = {t.name: numpy_helper.to_array(t).nbytes for t in model.graph.initializer}
-    embed = sizes.pop("embed_tokens") + sizes.pop("rope.cos") + sizes.pop("rope.sin")
-    assert embed > 0
+    assert sizes.pop("rope.cos") + sizes.pop("rope.sin") > 0
+    assert (sizes.pop("embed_tokens", 0) > 0) == (table == "gather")
     assert graph_bytes_per_token(eng.graph_path) == sum(sizes.values())
 
 
