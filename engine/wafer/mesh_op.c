@@ -981,10 +981,15 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
       for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++, blk++) {
       __m512i acc[QMAXR][4], odd[4];
+      /* -zp * sum(a) as int16 products (madd_epi16: one uop, not mullo's two): zp < 256 and
+         |sum(a)| <= 127 bs, which fits an int16 for blocks of up to 256 */
       for (int c = 0; c < 4; c++) {
         const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + b * NR + 16 * c)));
-        for (int r = 0; r < MR; r++)
-          acc[r][c] = _mm512_mullo_epi32(z, _mm512_set1_epi32(-j->xsum[(m + r) * t->blocks + blk]));
+        for (int r = 0; r < MR; r++) {
+          const int32_t s = -j->xsum[(m + r) * t->blocks + blk];
+          acc[r][c] = bs <= 256 ? _mm512_madd_epi16(z, _mm512_set1_epi32(s & 0xFFFF))
+                                : _mm512_mullo_epi32(z, _mm512_set1_epi32(s));
+        }
         odd[c] = _mm512_setzero_si512();
       }
       const int8_t* a = j->xq + m * t->Kq + kq + b * bs;
@@ -1013,13 +1018,16 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
           }
         }
       } else {
-        const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+        const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
         for (size_t k = 0; k < bs; k += 8, w += 256) {
           __m512i lo[4], hi[4];
           for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(w + 64 * c);
             lo[c] = _mm512_and_si512(v, lo_mask);
-            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+            /* one row: the high nibbles masked in place, 16 x the code (one uop, not a shift and a
+               mask); their own accumulators then hold 16 x the exact sum (|sum| < 2^21 a block),
+               shifted back at the block's end */
+            hi[c] = MR == 1 ? _mm512_and_si512(v, hi_mask) : _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
           }
           for (int r = 0; r < MR; r++) {
             int32_t a0, a1;
@@ -1035,7 +1043,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         }
       }
       if (MR == 1)
-        for (int c = 0; c < 4; c++) acc[0][c] = _mm512_add_epi32(acc[0][c], odd[c]);
+        for (int c = 0; c < 4; c++)
+          acc[0][c] = _mm512_add_epi32(acc[0][c], t->bits == 4 ? _mm512_srai_epi32(odd[c], 4) : odd[c]);
       for (int r = 0; r < MR; r++) {
         const __m512 s = _mm512_set1_ps(j->xs[(m + r) * t->blocks + blk]);
         for (int c = 0; c < 4; c++)

@@ -145,6 +145,21 @@ def test_matches_numpy(bits, block, T, k_sizes, N, kernel_path):
     assert (mesh_op.amx_tasks() > before) == (kernel_path == "amx")
 
 
+@pytest.mark.parametrize("bits,block", [(4, 256), (8, 256), (4, 512), (8, 512)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_zero_points_at_the_largest_activation_sums(bits, block, T):
+    """The zero point's correction, -zp * sum(a), is taken as 16-bit products for blocks of up
+    to 256 weights (|sum(a)| <= 127 x 256 fits an int16) and as 32-bit ones beyond: activations
+    that all quantise to +-127 give the largest sums either way."""
+    rng = np.random.default_rng(block + bits + T)
+    lines = _lines([2 * block, block], 70, bits, block, rng)
+    sess, _ = _session(lines, bits, block)
+    x = np.ones((T, 3 * block), np.float32)
+    x[1:, block:] = -1.0
+    x[0, -1] = -1.0
+    _close(sess.run(None, {"x": x})[0], mesh_op.reference_quantized(x, lines, block))
+
+
 @pytest.mark.parametrize("bits,block", [(8, 128), (8, 64), (8, 16), (4, 32), (4, 128), (4, 48)])
 @pytest.mark.parametrize("T", [2, 4, 9, 16, 17, 33, 70])
 @pytest.mark.parametrize("threads", [1, 2])
