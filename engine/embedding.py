@@ -3,8 +3,9 @@
 A step reads one row of the embedding table per token, but the table is vocabulary x hidden:
 151,936 x 896 bf16 (272 MB) for Qwen2.5-Coder-0.5B, 467 MB at 1.5B.  Left in the graph, ONNX
 Runtime maps it from the data file, and the kernel maps the page cache into a process in large
-folios (up to 2 MB at a time, whatever ``madvise`` says): a few hundred distinct tokens make most
-of the table resident in the process (``RssFile``), although each step reads a few KB of it.
+folios (reading 500 random rows of the 0.5B table mapped 258 MB of it; ``MADV_RANDOM`` does not
+change that): a few hundred distinct tokens make most of the table resident in the process
+(``RssFile``), although each step reads a few KB of it.
 So the graph builder writes the table into the data file outside the graph
 (:func:`engine.graph.build_decoder`, metadata ``spark_lsp.embedding``) and the runtime reads the
 rows here, with ``preadv`` into the bound input: the rows come from the page cache, the process
