@@ -113,8 +113,7 @@ class EmbeddingRows:
         ids = np.asarray(ids, np.int64).reshape(-1)
         n = len(ids)
         if n and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
-            bad = next(int(t) for t in ids if not 0 <= t < self.rows)
-            raise ModelError(f"token id {bad} is outside the model's {self.rows} embedding rows")
+            raise self._outside(next(int(t) for t in ids if not 0 <= t < self.rows))
         if self._table is not None:
             np.take(self._table, ids, axis=0, out=out[0])
             return out
@@ -127,11 +126,14 @@ class EmbeddingRows:
     def read_one(self, token: int, out: np.ndarray) -> None:
         """:meth:`read` of one token (a decode step's), without the array handling."""
         if not 0 <= token < self.rows:
-            raise ModelError(f"token id {token} is outside the model's {self.rows} embedding rows")
+            raise self._outside(token)
         if self._table is not None:
             out[0, 0] = self._table[token]
         else:
             self._pread(memoryview(out).cast("B"), token)
+
+    def _outside(self, token: int) -> ModelError:
+        return ModelError(f"token id {token} is outside the model's {self.rows} embedding rows")
 
     def _pread(self, into: memoryview, token: int) -> None:
         if self._fd is None:

@@ -735,9 +735,7 @@ def build_decoder(
 
     def emit_head(x, norm):
         out = (
-            emit_tied(gb, x, embed, (V, D), name="lm_head", **with_norm(norm))
-            if emit_tied and embed is not None
-            else None
+            emit_tied(gb, x, embed, (V, D), name="lm_head", **with_norm(norm)) if in_place else None
         )
         if out is None:
             key = "model.embed_tokens.weight" if tied else "lm_head.weight"

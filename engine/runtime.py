@@ -507,11 +507,7 @@ class Runtime:
         num_logits = max(1, min(int(num_logits), n))
         target = self.target if n <= SMALL_RUN_TOKENS else self.wide
         b = kv.binding(target)
-        if self.embedding is None:
-            b.bind_cpu_input("input_ids", ids)
-        else:  # ``rows`` (bound in place, not copied) lives until the run below returns
-            rows = self.embedding.read(ids, self.embedding.empty(n))
-            b.bind_ortvalue_input("inputs_embeds", self.embedding.ortvalue(rows))
+        bound = self.bind_tokens(b, ids)  # noqa: F841 - bound in place: kept until the run returns
         logits = np.empty([1, num_logits, self.vocab_size], np.float32)
         feeds = (
             np.array([pos + n - 1], np.int32),
@@ -523,6 +519,18 @@ class Runtime:
         b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self._run(target, b, interrupt)
         return logits[0]
+
+    def bind_tokens(self, binding: ort.IOBinding, tokens) -> np.ndarray:
+        """Bind ``tokens`` as the graph takes them: their ids, or their embedding rows
+        (:mod:`engine.embedding`).  Returns the array bound, which ONNX Runtime reads in place:
+        keep it until the run has returned."""
+        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(1, -1)
+        if self.embedding is None:
+            binding.bind_cpu_input("input_ids", ids)
+            return ids
+        rows = self.embedding.read(ids, self.embedding.empty(ids.shape[1]))
+        binding.bind_ortvalue_input("inputs_embeds", self.embedding.ortvalue(rows))
+        return rows
 
     def decode(
         self, kv: KVBuffers, token: int, pos: int, interrupt: Interrupt | None = None

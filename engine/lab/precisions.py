@@ -79,15 +79,11 @@ def op_profile(eng, steps: int = 64, prompt_len: int = 61, verify: int = 0) -> d
     ids = rng.integers(0, eng.sample_vocab, prompt_len + steps * n)
 
     names = {i.name for i in sess.get_inputs()}
-    emb = rt.embedding  # the graph takes the tokens' embedding rows, not their ids
 
     def run(tokens, pos):
         k = len(tokens)
-        if emb is not None:
-            rows = emb.read(tokens, emb.empty(k))  # bound in place: lives until the run returns
-            binding.bind_ortvalue_input("inputs_embeds", emb.ortvalue(rows))
+        bound = rt.bind_tokens(binding, tokens)  # noqa: F841 - read in place by the run below
         feeds = {
-            "input_ids": np.asarray(tokens, np.int64).reshape(1, k),
             "seqlens_k": np.array([pos + k - 1], np.int32),
             "total_sequence_length": np.array(pos + k, np.int32),
             "num_logits": np.array([k], np.int64),
