@@ -963,6 +963,62 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
   }
 }
 
+/* Bytes of codes of one panel of line p. */
+static inline size_t qpanel_bytes(const QTiles* t, size_t p) { return t->nb[p] * t->bs * (size_t)t->bits / 32 * 256; }
+
+#if HAVE_VNNI
+typedef struct {
+  const uint8_t *codes, *zp;
+  const char* scales;
+} QSegment;
+
+/* Where panel q's line p starts in the codes, scales and zero points.  A task streams its panels'
+   segments in (q, p) order: after a segment comes the next line's (p + 1), or line 0 of the next
+   panel (p = lines); NULL past the last panel. */
+static inline QSegment qsegment(const QTiles* t, size_t p, size_t q) {
+  QSegment s = {NULL, NULL, NULL};
+  if (p == t->lines) p = 0, q++;
+  if (q >= t->panels) return s;
+  s.codes = t->codes[p] + q * qpanel_bytes(t, p);
+  s.zp = t->zp[p] + q * t->nb[p] * NR;
+  s.scales = (const char*)t->scales[p] + q * t->nb[p] * NR * (t->half ? 2 : 4);
+  return s;
+}
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* how far ahead of the codes being read to prefetch (measured: 2-8 KB) */
+#endif
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2 /* how many blocks ahead to prefetch the scales and zero points */
+#endif
+
+/* A decode step streams each weight once from DRAM, and the hardware prefetchers stop at every
+   4 KB page and at every jump to another segment: ask for the codes PREFETCH_BYTES ahead of the
+   load, past the segment's end (``end``) into the next one (``next``).  Measured on 0.5B int4
+   decode: steps 15-25 % shorter (int8: about 6 %). */
+static inline __attribute__((always_inline)) void prefetch_codes(const uint8_t* w, size_t bytes, const uint8_t* end,
+                                                                  const uint8_t* next) {
+  uintptr_t pf = (uintptr_t)w + PREFETCH_BYTES;
+  if (pf >= (uintptr_t)end) {
+    if (next == NULL) return;
+    pf = (uintptr_t)next + (pf - (uintptr_t)end);
+  }
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(pf + o), _MM_HINT_T0);
+}
+
+/* The scales and zero points of block b of a segment of nb blocks, or of block b - nb of the next
+   segment (``next``). */
+static inline void prefetch_meta(const QTiles* t, QSegment here, QSegment next, size_t b, size_t nb) {
+  if (b >= nb) {
+    if (next.codes == NULL) return;
+    here = next, b -= nb;
+  }
+  const size_t sb = t->half ? 2 : 4;
+  for (size_t o = 0; o < NR * sb; o += 64) _mm_prefetch(here.scales + b * NR * sb + o, _MM_HINT_T0);
+  _mm_prefetch((const char*)(here.zp + b * NR), _MM_HINT_T0);
+}
+#endif
+
 /* Rows [m, m + MR) of panel q: every line's int dot products per block, scaled into float
    partial products, reduced into y in line order. */
 static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m, size_t q, const int MR) {
@@ -971,16 +1027,19 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
   size_t kq = 0, blk = 0;
   for (size_t p = 0; p < t->lines; p++) {
     const size_t nb = t->nb[p];
-    const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
+    const uint8_t* w = t->codes[p] + q * qpanel_bytes(t, p);
     const void* sc = t->scales[p];
     const size_t s0 = q * nb * NR; /* the panel's first scale */
     const uint8_t* zp = t->zp[p] + q * nb * NR;
 #if HAVE_VNNI
+    const QSegment here = qsegment(t, p, q), next = qsegment(t, p + 1, q);
+    const uint8_t* end = w + qpanel_bytes(t, p);
     __m512 part[QMAXR][4];
     for (int r = 0; r < MR; r++)
       for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++, blk++) {
       __m512i acc[QMAXR][4], odd[4];
+      prefetch_meta(t, here, next, b + PREFETCH_BLOCKS, nb);
       /* -zp * sum(a) as int16 products (madd_epi16: one uop, not mullo's two): zp < 256 and
          |sum(a)| <= 127 bs, which fits an int16 for blocks of up to 256 */
       for (int c = 0; c < 4; c++) {
@@ -998,6 +1057,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
 #pragma GCC unroll 2
           for (; k + 8 <= bs; k += 8, w += 512) {
+            prefetch_codes(w, 512, end, next.codes);
             int32_t a0, a1;
             memcpy(&a0, a + k, 4);
             memcpy(&a1, a + k + 4, 4);
@@ -1009,6 +1069,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
           }
         for (; k < bs; k += 4, w += 256) {
           __m512i wv[4];
+          prefetch_codes(w, 256, end, next.codes);
           for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + 64 * c);
           for (int r = 0; r < MR; r++) {
             int32_t ar;
@@ -1021,6 +1082,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
         for (size_t k = 0; k < bs; k += 8, w += 256) {
           __m512i lo[4], hi[4];
+          prefetch_codes(w, 256, end, next.codes);
           for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(w + 64 * c);
             lo[c] = _mm512_and_si512(v, lo_mask);
@@ -1264,10 +1326,6 @@ static inline void prefetch_block(const uint8_t* codes, const void* sc, size_t s
   for (size_t o = 0; o < NR * sb; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
   _mm_prefetch((const char*)(zp + b * NR), _MM_HINT_T0);
 }
-
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096 /* how far ahead of the codes being read to prefetch (measured: 2-8 KB) */
-#endif
 
 #ifndef AMX_AHEAD
 #define AMX_AHEAD 2 /* int4 blocks unpacked ahead of the one the tiles read */
