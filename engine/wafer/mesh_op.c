@@ -994,8 +994,8 @@ static inline QSegment qsegment(const QTiles* t, size_t p, size_t q) {
 
 /* A decode step streams each weight once from DRAM, and the hardware prefetchers stop at every
    4 KB page and at every jump to another segment: ask for the codes PREFETCH_BYTES ahead of the
-   load, past the segment's end (``end``) into the next one (``next``).  Measured on 0.5B int4
-   decode: steps 15-25 % shorter (int8: about 6 %). */
+   load, past the segment's end (``end``) into the next one (``next``), so the loads do not wait
+   on DRAM between bursts of arithmetic (docs/wafer.md). */
 static inline __attribute__((always_inline)) void prefetch_codes(const uint8_t* w, size_t bytes, const uint8_t* end,
                                                                   const uint8_t* next) {
   uintptr_t pf = (uintptr_t)w + PREFETCH_BYTES;
