@@ -147,6 +147,9 @@ class _Ours:
         self._params = GenerationParams
         self.version = "spark-lsp engine"
         self.stats: list[dict] = []
+        # whether the last run decoded on the spinning session (``spinning: auto`` picks it per
+        # generation: only while the CPU is calm)
+        self.last_spinning: bool | None = None
 
     def run(self, prompt: list[int], new_tokens: int, slot: Any = "bench"):
         gen = self.eng.generate(
@@ -161,6 +164,7 @@ class _Ours:
         t0 = time.perf_counter()
         gen = self.run(prompt, new_tokens)
         dt = time.perf_counter() - t0
+        self.last_spinning = bool(self.eng.runtime.target.spinning)
         if gen.stats["reused_tokens"]:
             raise RuntimeError("a cold run reused a prefix; the benchmark would be unfair")
         self.stats.append(dict(gen.stats))
@@ -187,6 +191,7 @@ def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, An
     tns: list[list[float]] = [[] for _ in runners]
     spans: list[list[float | None]] = [[] for _ in runners]
     tokens: list[list[list[int]]] = [[] for _ in runners]
+    spinning: list[list[bool]] = [[] for _ in runners]  # ours: each decode run's session
     for p in prompts:
         for i, runner in enumerate(runners):
             time.sleep(SETTLE_S)
@@ -196,6 +201,8 @@ def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, An
             tns[i].append(tn)
             spans[i].append(span)
             tokens[i].append(toks)
+            if getattr(runner, "last_spinning", None) is not None:
+                spinning[i].append(runner.last_spinning)
     out = []
     for i in range(len(runners)):
         t1, tn = _median(t1s[i]), _median(tns[i])
@@ -209,6 +216,7 @@ def _rates(runners: list, prompts: list[list[int]], n: int) -> list[dict[str, An
                 "decode_timed": "in-loop" if in_loop else "TN-T1",
                 "tokens": tokens[i][0],
                 "all_tokens": tokens[i],
+                **({"spinning_runs": [sum(spinning[i]), len(spinning[i])]} if spinning[i] else {}),
             }
         )
     return out
@@ -457,6 +465,8 @@ def bench_engine(
             # not in the RSS above (measured after a short warm-up): the cache a generation of
             # this run's length fills, in the type this runner keeps it in
             "kv_mb": e.runtime.kv_bytes(plen + n_new) / 1e6,
+            # [runs that decoded with spinning threads, runs]
+            "spinning_runs": variant_rates[x].get("spinning_runs"),
             **_bandwidth_share(
                 variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth
             ),
@@ -664,7 +674,24 @@ def format_classes(res: dict[str, Any]) -> list[str]:
                 f"{bits:<6}{n:<26}{r['prefill_tok_s']:>14.0f}{r['decode_tok_s']:>13.1f}{r['ttft_ms']:>10.0f}"
                 f"{r.get('rss_mb', 0):>9.0f}{kv:>7}{mb:>10}{pct:>11}{vs:>21}"
             )
+    lines += _sleeping_runs(res)
     return lines
+
+
+def _sleeping_runs(res: dict[str, Any]) -> list[str]:
+    """A line for each of our runners that decoded some runs without spinning threads: under
+    ``spinning: auto`` the engine stops spinning while the CPU is contended, which a peer's turn
+    just before can make it look (llama.cpp's threads spin regardless)."""
+    out = []
+    for x, r in res.get("ours", {}).items():
+        spun, runs = r.get("spinning_runs") or (0, 0)
+        if runs and spun < runs:
+            out.append(
+                f"spark-lsp {x} decoded {runs - spun} of {runs} runs without spinning threads "
+                "(spinning: auto saw the CPU contended); --spinning compares it spinning, as "
+                "llama.cpp's threads do"
+            )
+    return out
 
 
 def format_table(res: dict[str, Any]) -> str:

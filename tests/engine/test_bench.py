@@ -160,6 +160,22 @@ def test_engine_bench_table_and_errors(tiny_llama, capsys):
     assert rc == 2 and "--grid 'bad'" in err
 
 
+def test_engine_bench_says_which_runs_decoded_without_spinning_threads(tiny_llama, capsys):
+    """Each of our runs records whether it decoded on the spinning session; the table says when
+    some did not (auto mode under a contended CPU would otherwise pass for a slow engine)."""
+    args = ["engine", "--model", str(tiny_llama), "--no-peers", "--prompt-tokens", "32"]
+    args += ["--new-tokens", "4", "--repeats", "2", "--cancels", "0", "--no-wafer"]
+    rc, out, err = cli([*args, "--no-spinning"], capsys)
+    assert rc == 0, err
+    assert "spark-lsp fp32 decoded 2 of 2 runs without spinning threads" in out
+    rc, out, err = cli([*args, "--spinning", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["ours"]["fp32"]["spinning_runs"] == [2, 2]
+    rc, out, err = cli([*args, "--spinning"], capsys)
+    assert rc == 0, err
+    assert "without spinning threads" not in out
+
+
 @pytest.mark.slow
 def test_engine_bench_with_peers(tiny_llama, capsys):
     """Both peers run on the same weights and agree with our greedy tokens."""
