@@ -683,13 +683,15 @@ def _sleeping_runs(res: dict[str, Any]) -> list[str]:
     ``spinning: auto`` the engine stops spinning while the CPU is contended, which a peer's turn
     just before can make it look (llama.cpp's threads spin regardless)."""
     out = []
+    why = (
+        "--no-spinning" if res.get("spinning") is False else "spinning: auto saw the CPU contended"
+    )
     for x, r in res.get("ours", {}).items():
         spun, runs = r.get("spinning_runs") or (0, 0)
         if runs and spun < runs:
             out.append(
                 f"spark-lsp {x} decoded {runs - spun} of {runs} runs without spinning threads "
-                "(spinning: auto saw the CPU contended); --spinning compares it spinning, as "
-                "llama.cpp's threads do"
+                f"({why}); --spinning compares it spinning, as llama.cpp's threads do"
             )
     return out
 

@@ -167,7 +167,7 @@ def test_engine_bench_says_which_runs_decoded_without_spinning_threads(tiny_llam
     args += ["--new-tokens", "4", "--repeats", "2", "--cancels", "0", "--no-wafer"]
     rc, out, err = cli([*args, "--no-spinning"], capsys)
     assert rc == 0, err
-    assert "spark-lsp fp32 decoded 2 of 2 runs without spinning threads" in out
+    assert "spark-lsp fp32 decoded 2 of 2 runs without spinning threads (--no-spinning)" in out
     rc, out, err = cli([*args, "--spinning", "--json"], capsys)
     assert rc == 0, err
     assert json.loads(out)["ours"]["fp32"]["spinning_runs"] == [2, 2]
