@@ -17,8 +17,9 @@ holds its own int codes and scales, exactly as it would on the mesh.  Three ONNX
 * ``form="fused"`` (the default off a grid): one MatMulNBits over the whole weight.  Because blocks never cross a
   tile boundary, this computes the same per-tile products and sums them over the mesh axis inside
   the kernel's K loop — the mesh reduction is fused into the op.
-* ``form="op"`` (the default on a grid where the op builds with its AVX-512 VNNI loop; its
-  portable loops, on AVX2-only x86 and ARM, are slower than MatMulNBits': :func:`mesh_op.vnni`): one ``spark.wafer::MeshLinearQ``
+* ``form="op"`` (the default on a grid where the op builds with its AVX-512 VNNI or AVX2 loop;
+  its portable loops, on ARM and older x86, are slower than MatMulNBits': :func:`mesh_op.qloop`):
+  one ``spark.wafer::MeshLinearQ``
   node per linear (engine/wafer/mesh_op.c): each mesh line's int8/int4 tiles with their per-block
   scales, int8 dot products per line and the chain reduction of the lines' partial products in
   line order — the partition executed, as ``MeshLinear`` does for float weights.  Same weights and
@@ -53,6 +54,10 @@ TensorProto_UINT8, TensorProto_FLOAT = 2, 1  # onnx.TensorProto.UINT8 / FLOAT (n
 DEFAULT_BLOCK = {8: 128, 4: 32}
 _VALID_BLOCKS = (256, 128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
 
+
+#: MeshLinearQ's vector loops (:func:`mesh_op.qloop`): where it has one the partition executes by
+#: default; its portable C loops are slower than MatMulNBits', so the fused form is kept there.
+FAST_LOOPS = ("vnni", "avx2")
 
 #: Weights quantised per step (column chunks): bounds the float64 temporaries of quantising a
 #: large matrix (an LM head of 150k rows) to a few times 8 MB.
@@ -255,8 +260,8 @@ class QuantLinear:
         if op == "rowq" and bits != 8:
             raise ValueError("op='rowq' is int8 only (bits=8)")
         on_grid = getattr(inner, "grid", None) is not None
-        if form is None:  # the partition executed where the op builds with its VNNI loop
-            fast_op = mesh_op.quantized() and mesh_op.vnni()  # (else MatMulNBits is faster)
+        if form is None:  # the partition executed where the op has a vector loop
+            fast_op = mesh_op.quantized() and mesh_op.qloop() in FAST_LOOPS
             form = "op" if on_grid and op == "nbits" and fast_op else "fused"
         if form not in FORMS:
             raise ValueError(f"form={form!r}: expected one of {', '.join(FORMS)}")

@@ -848,6 +848,15 @@ static const OrtCustomOp mesh_linear = {
 #else
 #define HAVE_VNNI 0
 #endif
+/* AVX2 + FMA + F16C without AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake, most laptops):
+   the same integer dot products from vpmaddubsw / vpmaddwd (see "the AVX2 loop" below). */
+#if !HAVE_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2Q 1
+#define XW_K 256 /* int8: activations widened to int16 per this many k */
+#else
+#define HAVE_AVX2Q 0
+#endif
 #define QMAXR 3 /* token rows per pass over the weights */
 
 /* An IEEE half float's value (the portable path; the vector paths convert 16 at a time). */
@@ -941,6 +950,36 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
         }
         sum = _mm512_reduce_add_epi32(vsum);
         memset(q + i, 0, t->bs - i);
+#elif HAVE_AVX2Q /* 8 at a time, the tail as the portable loop does */
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 vmax = _mm256_setzero_ps();
+        size_t i = 0;
+        for (; i + 8 <= len; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), vmax);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+        for (size_t r = i; r < len; r++) {
+          const float a = v[r] < 0 ? -v[r] : v[r];
+          amax = a > amax ? a : amax;
+        }
+        const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        __m256i vsum = _mm256_setzero_si256();
+        for (i = 0; i + 8 <= len; i += 8) { /* cvtps rounds to nearest even, as round_even */
+          const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), vinv));
+          const __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+          _mm_storel_epi64((__m128i*)(q + i), _mm_packs_epi16(c16, c16));
+          vsum = _mm256_add_epi32(vsum, c);
+        }
+        int32_t sums[8];
+        _mm256_storeu_si256((__m256i*)sums, vsum);
+        for (int l = 0; l < 8; l++) sum += sums[l];
+        for (; i < len; i++) {
+          const int32_t c = (int32_t)round_even(v[i] * inv);
+          q[i] = (int8_t)c;
+          sum += c;
+        }
+        memset(q + len, 0, t->bs - len);
 #else
         for (size_t i = 0; i < len; i++) {
           const float a = v[i] < 0 ? -v[i] : v[i];
@@ -966,7 +1005,7 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
 /* Bytes of codes of one panel of line p. */
 static inline size_t qpanel_bytes(const QTiles* t, size_t p) { return t->nb[p] * t->bs * (size_t)t->bits / 32 * 256; }
 
-#if HAVE_VNNI
+#if HAVE_VNNI || HAVE_AVX2Q
 typedef struct {
   const uint8_t *codes, *zp;
   const char* scales;
@@ -993,12 +1032,12 @@ static inline QSegment qsegment(const QTiles* t, size_t p, size_t q) {
 #endif
 
 /* A decode step streams each weight once from DRAM, and the hardware prefetchers stop at every
-   4 KB page and at every jump to another segment: ask for the codes PREFETCH_BYTES ahead of the
-   load, past the segment's end (``end``) into the next one (``next``), so the loads do not wait
+   4 KB page and at every jump to another segment: ask for the codes ``ahead`` bytes (PREFETCH_BYTES,
+   or a block where blocks are larger) ahead of the load, past the segment's end (``end``) into the next one (``next``), so the loads do not wait
    on DRAM between bursts of arithmetic (docs/wafer.md). */
 static inline __attribute__((always_inline)) void prefetch_codes(const uint8_t* w, size_t bytes, const uint8_t* end,
-                                                                  const uint8_t* next) {
-  uintptr_t pf = (uintptr_t)w + PREFETCH_BYTES;
+                                                                  const uint8_t* next, size_t ahead) {
+  uintptr_t pf = (uintptr_t)w + ahead;
   if (pf >= (uintptr_t)end) {
     if (next == NULL) return;
     pf = (uintptr_t)next + (pf - (uintptr_t)end);
@@ -1020,7 +1059,15 @@ static inline void prefetch_meta(const QTiles* t, QSegment here, QSegment next, 
 #endif
 
 /* Rows [m, m + MR) of panel q: every line's int dot products per block, scaled into float
-   partial products, reduced into y in line order. */
+   partial products, reduced into y in line order.
+
+   The AVX2 loop (no VNNI: one instruction cannot sum four u8 x s8 products into an int32) takes
+   a block's codes 8 columns (32 bytes of each 256-byte group) at a time.  int4: codes < 16 times
+   activations in [-127, 127], so vpmaddubsw's int16 pair sums are exact and four groups of 8 k
+   add up in int16 before vpmaddwd widens them (the four products of a column's 4 k, as dpbusd).
+   int8: codes up to 255 would saturate vpmaddubsw, so codes and activations are widened to int16
+   and vpmaddwd sums k pairs.  Either way the same exact int32 dot products as the VNNI and the
+   portable loops, then the same float operations in the same order: bit-identical outputs. */
 static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m, size_t q, const int MR) {
   const QTiles* t = j->t;
   const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR, bs = t->bs;
@@ -1057,7 +1104,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
 #pragma GCC unroll 2
           for (; k + 8 <= bs; k += 8, w += 512) {
-            prefetch_codes(w, 512, end, next.codes);
+            prefetch_codes(w, 512, end, next.codes, PREFETCH_BYTES);
             int32_t a0, a1;
             memcpy(&a0, a + k, 4);
             memcpy(&a1, a + k + 4, 4);
@@ -1069,7 +1116,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
           }
         for (; k < bs; k += 4, w += 256) {
           __m512i wv[4];
-          prefetch_codes(w, 256, end, next.codes);
+          prefetch_codes(w, 256, end, next.codes, PREFETCH_BYTES);
           for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + 64 * c);
           for (int r = 0; r < MR; r++) {
             int32_t ar;
@@ -1082,7 +1129,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
         for (size_t k = 0; k < bs; k += 8, w += 256) {
           __m512i lo[4], hi[4];
-          prefetch_codes(w, 256, end, next.codes);
+          prefetch_codes(w, 256, end, next.codes, PREFETCH_BYTES);
           for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(w + 64 * c);
             lo[c] = _mm512_and_si512(v, lo_mask);
@@ -1121,6 +1168,98 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
       const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
       for (size_t c = 0; c < nc; c++) {
         const float v = p == 0 ? tmp[c] : yr[c] + tmp[c];
+        yr[c] = b ? v + b[c] : v;
+      }
+    }
+#elif HAVE_AVX2Q /* the AVX2 loop: see above the function */
+    const QSegment next = qsegment(t, p + 1, q);
+    const uint8_t* end = w + qpanel_bytes(t, p);
+    const size_t bbytes = bs * (size_t)t->bits / 32 * 256; /* one block's codes */
+    float part[QMAXR][NR] __attribute__((aligned(32)));
+    int32_t dots[QMAXR][NR] __attribute__((aligned(32)));
+    int16_t xw[QMAXR][XW_K] __attribute__((aligned(32))); /* int8: activations as int16, XW_K at a time */
+    for (int r = 0; r < MR; r++) memset(part[r], 0, sizeof(part[r]));
+    const __m256i ones = _mm256_set1_epi16(1), lo_mask = _mm256_set1_epi8(0x0F);
+    for (size_t b = 0; b < nb; b++, blk++, w += bbytes) {
+      prefetch_codes(w, bbytes, end, next.codes, bbytes > PREFETCH_BYTES ? bbytes : PREFETCH_BYTES);
+      const int8_t* a = j->xq + m * t->Kq + kq + b * bs;
+      for (int c = 0; c < 8; c++) { /* -zp * sum(a), as the VNNI loop */
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + b * NR + 8 * c)));
+        for (int r = 0; r < MR; r++) {
+          const int32_t s = -j->xsum[(m + r) * t->blocks + blk];
+          _mm256_store_si256((__m256i*)(dots[r] + 8 * c), bs <= 256 ? _mm256_madd_epi16(z, _mm256_set1_epi32(s & 0xFFFF))
+                                                                   : _mm256_mullo_epi32(z, _mm256_set1_epi32(s)));
+        }
+      }
+      if (t->bits == 8) { /* codes and activations widened to int16: vpmaddwd sums k pairs exactly */
+        for (size_t k0 = 0; k0 < bs; k0 += XW_K) {
+          const size_t kn = bs - k0 < XW_K ? bs - k0 : XW_K;
+          for (int r = 0; r < MR; r++)
+            for (size_t k = 0; k < kn; k += 16)
+              _mm256_store_si256((__m256i*)(xw[r] + k),
+                                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a + r * t->Kq + k0 + k))));
+          for (int c = 0; c < 8; c++) { /* 8 columns at a time: 32 bytes of each 256-byte group */
+            const uint8_t* wc = w + k0 / 4 * 256 + 32 * c;
+            __m256i lo[QMAXR], hi[QMAXR]; /* columns 0-3 and 4-7, two k pairs each */
+            for (int r = 0; r < MR; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+            for (size_t k = 0; k < kn; k += 4, wc += 256) {
+              const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)wc));
+              const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 16)));
+              for (int r = 0; r < MR; r++) {
+                int64_t a4;
+                memcpy(&a4, xw[r] + k, 8);
+                const __m256i x = _mm256_set1_epi64x(a4);
+                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(w0, x));
+                hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(w1, x));
+              }
+            }
+            for (int r = 0; r < MR; r++) { /* pairs summed: columns (0 1 4 5 | 2 3 6 7), reordered */
+              __m256i* d = (__m256i*)(dots[r] + 8 * c);
+              *d = _mm256_add_epi32(*d, _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[r], hi[r]), 0xD8));
+            }
+          }
+        }
+      } else { /* int4: codes < 16, so vpmaddubsw's int16 pair sums never saturate */
+        for (int c = 0; c < 8; c++) {
+          const uint8_t* wc = w + 32 * c;
+          __m256i acc[QMAXR];
+          for (int r = 0; r < MR; r++) acc[r] = _mm256_load_si256((const __m256i*)(dots[r] + 8 * c));
+          for (size_t k = 0; k < bs;) {
+            __m256i s16[QMAXR];
+            for (int r = 0; r < MR; r++) s16[r] = _mm256_setzero_si256();
+            /* four groups of 8 k: an int16 lane sums 4 products a group, |sum| <= 16 x 15 x 127 < 2^15 */
+            for (int g = 0; g < 4 && k < bs; g++, k += 8, wc += 256) {
+              const __m256i v = _mm256_loadu_si256((const __m256i*)wc);
+              const __m256i lo = _mm256_and_si256(v, lo_mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+              for (int r = 0; r < MR; r++) {
+                int32_t a0, a1;
+                memcpy(&a0, a + r * t->Kq + k, 4);
+                memcpy(&a1, a + r * t->Kq + k + 4, 4);
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)));
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+              }
+            }
+            for (int r = 0; r < MR; r++) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s16[r], ones));
+          }
+          for (int r = 0; r < MR; r++) _mm256_store_si256((__m256i*)(dots[r] + 8 * c), acc[r]);
+        }
+      }
+      for (int c = 0; c < 8; c++) {
+        const size_t si = s0 + b * NR + 8 * c;
+        const __m256 sc8 = t->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)sc + si)))
+                                   : _mm256_loadu_ps((const float*)sc + si);
+        for (int r = 0; r < MR; r++) {
+          const __m256 xs = _mm256_set1_ps(j->xs[(m + r) * t->blocks + blk]);
+          _mm256_store_ps(part[r] + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(dots[r] + 8 * c))),
+                                                           _mm256_mul_ps(sc8, xs), _mm256_load_ps(part[r] + 8 * c)));
+        }
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      float* yr = j->y + (m + r) * t->N + n0;
+      const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
+      for (size_t c = 0; c < nc; c++) {
+        const float v = p == 0 ? part[r][c] : yr[c] + part[r][c];
         yr[c] = b ? v + b[c] : v;
       }
     }
@@ -1226,6 +1365,9 @@ static void amx_probe(void) {
 /* Whether MeshLinearQ was compiled with its AVX-512 VNNI loop (else the portable C one, several
    times slower than ONNX Runtime's own MatMulNBits kernels: engine/quant.py then defaults to those). */
 __attribute__((visibility("default"))) int spark_mesh_vnni(void) { return HAVE_VNNI; }
+
+/* Whether MeshLinearQ was compiled with its AVX2 loop (an AVX2 + FMA + F16C CPU without VNNI). */
+__attribute__((visibility("default"))) int spark_mesh_avx2(void) { return HAVE_AVX2Q; }
 
 /* Whether the AMX path can run in this process (asks Linux for the tile state on first call). */
 __attribute__((visibility("default"))) int spark_mesh_amx(void) {

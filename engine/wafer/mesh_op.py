@@ -657,11 +657,22 @@ def _native():
 
 def vnni() -> bool:
     """Whether the :func:`library`'s ``MeshLinearQ`` has its AVX-512 VNNI loop (this CPU has
-    AVX512-VNNI and AVX512BW).  Elsewhere (AVX2-only x86, ARM) it runs portable C loops: the same
-    results bit for bit, but 8-30x slower than with VNNI and than ONNX Runtime's vectorised
-    ``MatMulNBits`` kernels, so ``QuantLinear`` defaults to the fused form there."""
+    AVX512-VNNI and AVX512BW)."""
+    return qloop() == "vnni"
+
+
+def qloop() -> str | None:
+    """Which inner loop the :func:`library`'s ``MeshLinearQ`` was compiled with: ``"vnni"``
+    (AVX-512 VNNI and BW), ``"avx2"`` (AVX2, FMA and F16C without VNNI: AMD Zen 2/3, most
+    laptops), ``"portable"`` (plain C: ARM, older x86), or ``None`` without the library.  All give
+    the same results bit for bit; the portable loops are several times slower than ONNX Runtime's
+    vectorised ``MatMulNBits`` kernels, so ``QuantLinear`` defaults to the fused form there."""
     lib = _native()
-    return bool(lib is not None and lib.spark_mesh_vnni())
+    if lib is None:
+        return None
+    if lib.spark_mesh_vnni():
+        return "vnni"
+    return "avx2" if lib.spark_mesh_avx2() else "portable"
 
 
 def amx() -> bool:

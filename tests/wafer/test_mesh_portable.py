@@ -1,7 +1,8 @@
 """The op library's code paths for CPUs other than this one (engine/wafer/mesh_op.c).
 
 ``mesh_op.c`` picks its inner loops when it is compiled: AVX-512 (and VNNI, AMX) where the
-compiler targets them, GCC vector extensions and plain C otherwise.  ``library()`` builds for
+compiler targets them, AVX2 for MeshLinearQ's integer loop, GCC vector extensions and plain C
+otherwise.  ``library()`` builds for
 this CPU, so the other tests only run the paths this machine's compiler picks.  Here the library
 is built (:func:`mesh_op.build`, once per session) for ``-march=x86-64-v3`` (AVX2 + FMA: most
 laptops, AMD Zen 2/3) and ``-march=x86-64`` (SSE2, no FMA: the portable C that ARM also builds),
@@ -109,23 +110,38 @@ def lib(request, _builds, monkeypatch) -> str:
     return path
 
 
-def test_only_the_native_build_has_the_vnni_loop(lib):
-    """spark_mesh_vnni says which MeshLinearQ loop was compiled (QuantLinear's default form
-    follows it); this machine's own build has VNNI where the CPU does."""
-    assert ctypes.CDLL(lib).spark_mesh_vnni() == 0
+def test_each_build_says_which_quantised_loop_it_has(lib, request):
+    """spark_mesh_vnni / spark_mesh_avx2 say which MeshLinearQ loop was compiled (QuantLinear's
+    default form follows :func:`mesh_op.qloop`): the AVX2 loop for x86-64-v3, the portable one
+    for x86-64; this machine's own build has the loop its CPU flags allow."""
+    arch = request.node.callspec.params["lib"]
+    built = ctypes.CDLL(lib)
+    assert built.spark_mesh_vnni() == 0
+    assert built.spark_mesh_avx2() == (arch == "x86-64-v3")
+    if shutil.which("objdump"):  # the AVX2 loop's int8 x uint8 products are in the machine code
+        asm = subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
+        assert ("vpmaddubsw" in asm) == (arch == "x86-64-v3"), arch
     with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    assert mesh_op.vnni() == ("avx512_vnni" in flags and "avx512bw" in flags)
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    want = (
+        "vnni"
+        if {"avx512_vnni", "avx512bw"} <= flags
+        else "avx2"
+        if {"avx2", "fma", "f16c"} <= flags
+        else "portable"
+    )
+    assert mesh_op.qloop() == want
 
 
-def test_quantlinear_defaults_to_matmulnbits_without_the_vnni_loop(monkeypatch):
+def test_quantlinear_defaults_to_matmulnbits_without_a_vector_loop(monkeypatch):
     """Where MeshLinearQ would run its portable loops the quantised emitter on a grid defaults to
     fused MatMulNBits (ONNX Runtime's vectorised kernels); form="op" can still be asked for."""
-    monkeypatch.setattr(mesh_op, "vnni", lambda: False)
+    monkeypatch.setattr(mesh_op, "qloop", lambda: "portable")
     assert QuantLinear(8, inner=TiledLinear((2, 2))).form == "fused"
     assert QuantLinear(4, inner=TiledLinear((2, 2)), form="op").form == "op"
-    monkeypatch.setattr(mesh_op, "vnni", lambda: True)
-    assert QuantLinear(4, inner=TiledLinear((2, 2))).form == "op"
+    for loop in ("vnni", "avx2"):
+        monkeypatch.setattr(mesh_op, "qloop", lambda loop=loop: loop)
+        assert QuantLinear(4, inner=TiledLinear((2, 2))).form == "op"
 
 
 def test_self_tests_pass(lib):
