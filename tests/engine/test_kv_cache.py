@@ -122,21 +122,31 @@ def test_half_cache_logits_match_float32(tiny_models, tmp_path, arch):
 
 
 def test_generation_and_prefix_reuse_over_a_half_cache(tmp_path):
-    """The bundled model at int8: the same greedy tokens as over a float32 cache, and a second
-    request sharing the prompt reuses its cached prefix."""
+    """The bundled model at int8: the same greedy tokens as over a float32 cache up to a near
+    tie, and a second request sharing the prompt reuses its cached prefix.  A float16 cache moves
+    a logit by about 1e-3 of the largest; int8 activation codes can carry that across a rounding
+    boundary, so where the float32 run's top two logits are closer than that, either token is a
+    correct greedy choice (which one depends on the CPU's kernels), and the runs may part there."""
     prompt = "def fibonacci(n):\n    " * 4
     params = GenerationParams(max_new_tokens=32, ignore_eos=True)
-    tokens = {}
+    tokens, engines = {}, {}
     for kv in ("float16", "float32"):
         eng = Engine.load(None, precision="int8", kv_cache=kv, cache_dir=tmp_path, threads=2)
         gen = eng.generate(prompt, params, slot="doc")
         gen.result()
-        tokens[kv] = list(gen.tokens)
+        tokens[kv], engines[kv] = list(gen.tokens), eng
         again = eng.generate(prompt + "return", params, slot="doc")
         again.result()
         assert again.stats["reused_tokens"] >= len(eng.encode_prompt(prompt)) - 1
-    assert len(tokens["float16"]) == 32
-    assert tokens["float16"] == tokens["float32"]
+    assert len(tokens["float16"]) == len(tokens["float32"]) == 32
+    half, full = tokens["float16"], tokens["float32"]
+    parted = next((i for i, (a, b) in enumerate(zip(half, full)) if a != b), None)
+    if parted is not None:
+        ids = engines["float32"].encode_prompt(prompt) + full[:parted]
+        logits = engines["float32"].forward_logits(ids)[-1]
+        top = np.sort(logits)[-2:]
+        assert parted >= 4, (parted, half, full)
+        assert top[1] - top[0] <= 5e-3 * float(np.abs(logits).max()), (parted, top)
 
 
 def test_an_explicit_quantising_emitter_gets_a_half_cache(tiny_models, tmp_path):
