@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import onnxruntime as ort
 
 from .config import ModelConfig
+from .cpu import INT8_DOT_FLAGS, cpu_flags, cpu_id
 from .files import write_json_atomic
 from .graph_cache import cache_root
 from .linears import PRECISIONS
@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 #: Linear-weight parameters from which the static rule takes int8 (8 MB of fp32 weights: more
 #: than a core's L2 cache on current CPUs).
 INT8_MIN_PARAMS = 2_000_000
-#: CPU feature flags (``/proc/cpuinfo``) that give int8 dot products.
-INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"})
 #: Bumped when the stored format or the key changes (old files are then ignored).
 FORMAT = 1
 
@@ -74,30 +72,6 @@ class PrecisionChoice:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def cpu_id() -> str:
-    """The CPU model name (``/proc/cpuinfo``), else what ``platform`` reports."""
-    model = platform.processor() or platform.machine()
-    for line in _cpuinfo().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return model
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty where unknown."""
-    for line in _cpuinfo().splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
 
 
 def linear_params(config: ModelConfig) -> int:

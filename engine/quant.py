@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .cpu import int8_dot
 from .graph import DenseLinear
 from .wafer import mesh_op
 from .wafer.partition import block_sizes, mesh_node, reduce_axis
@@ -287,6 +288,10 @@ class QuantLinear:
         self.symmetric = symmetric
         self.roles = frozenset(roles) if roles is not None else None
         self.op = op
+        # int8-rowq's weights as uint8 (zero point 128) where the CPU has no int8 dot product:
+        # there ONNX Runtime's u8 x s8 kernel sums pairs of products in saturating int16
+        # (255 x 127 x 2 > 32767) and its u8 x u8 one widens to int16 first (exact)
+        self.rowq_unsigned = op == "rowq" and not int8_dot()
         self.layout: dict[str, dict] = {}
 
     @property
@@ -345,7 +350,8 @@ class QuantLinear:
         inner_key = inner() if callable(inner) else "dense"
         roles = "all" if self.roles is None else "+".join(sorted(self.roles))
         if self.op == "rowq":
-            return f"rowq8-{self.form}-{roles}-v2/{inner_key}"
+            u8 = "-u8" if self.rowq_unsigned else ""
+            return f"rowq8{u8}-{self.form}-{roles}-v2/{inner_key}"
         # 4-bit: v5 / v3 since its scales are half floats
         form = ("meshq-v5" if self.bits == 4 else "meshq-v4") if self.form == "op" else self.form
         version = "v3" if self.bits == 4 else "v2"
@@ -659,10 +665,14 @@ class QuantLinear:
             to=TensorProto_UINT8,
         )
         zp = gb.initializer(f"{name}.x_zero_point", np.array(128, np.uint8))
+        w_zp: list[str] = []
+        if self.rowq_unsigned:  # (see __init__) the same products, from q + 128 and zero point 128
+            q = (q.astype(np.int16) + 128).astype(np.uint8)
+            w_zp = [gb.initializer(f"{name}.w_zero_point", np.array(128, np.uint8))]
         if self.form == "fused" or len(parts) == 1:
             acc = gb.node(
                 "MatMulInteger",
-                [xq, gb.initializer(f"{name}.q8", q), zp],
+                [xq, gb.initializer(f"{name}.q8", q), zp, *w_zp],
                 name=f"{name}/matmul_int8",
             )
         else:
@@ -679,7 +689,7 @@ class QuantLinear:
                 qp = gb.initializer(
                     f"{name}.line{p}.q8", np.ascontiguousarray(q[offs[p] : offs[p + 1]])
                 )
-                part = gb.node("MatMulInteger", [xs[p], qp, zp], name=f"{name}/line{p}_int8")
+                part = gb.node("MatMulInteger", [xs[p], qp, zp, *w_zp], name=f"{name}/line{p}_int8")
                 acc = (
                     part
                     if acc is None

@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from .cancel import Cancelled, CancelToken
+from .cpu import cpu_id
 from .files import write_json_atomic
 from .generate import Chunk, Generation, GenerationParams, Model, _Emitter
-from .precision import cpu_id
 from .sampling import token_logprob
 
 #: Relative top-2 logit margin below which a batched verification's argmax is re-decided by a

@@ -247,6 +247,29 @@ def test_rowq_rows_are_independent(form):
         QuantLinear(4, op="rowq")
 
 
+@pytest.mark.parametrize("unsigned", [False, True])
+@pytest.mark.parametrize("form", ["fused", "mesh"])
+def test_rowq_products_do_not_saturate(form, unsigned, monkeypatch):
+    """int8-rowq's integer products, exactly: activations that all quantise to 255 (x = max)
+    against weights at +-127 give the pairs that a u8 x s8 kernel summing into int16 saturates
+    (2 x 255 x 127 > 32767; ONNX Runtime's kernel on CPUs without an int8 dot product). Where
+    the CPU has none the weights are stored as u8 (zero point 128), which that CPU's u8 x u8
+    kernel widens first; the signed form runs only where the CPU has the dot product."""
+    from engine import cpu, quant
+
+    if not unsigned and not cpu.int8_dot():
+        pytest.skip("u8 x s8 saturates on this CPU: int8-rowq stores u8 weights here")
+    monkeypatch.setattr(quant, "int8_dot", lambda: not unsigned)
+    q = QuantLinear(8, inner=partition.TiledLinear((2, 2)), op="rowq", form=form)
+    assert q.rowq_unsigned == unsigned and ("rowq8-u8" in q.cache_key()) == unsigned
+    w = np.full((256, 64), 0.5, np.float32)
+    w[:, 32:] = -0.5  # every code +-127
+    x = np.ones((2, 256), np.float32)  # every code 255 - 128 = 127 from the zero point 128
+    x[1, ::2] = -1.0
+    got = _run_linear(q, w, x)
+    np.testing.assert_allclose(got, x @ w, rtol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["int8", "int8-rowq"])
 def test_speculation_identical_on_quantised_engine(tiny_llama, tmp_path_factory, precision):
     from engine.speculative import generate
