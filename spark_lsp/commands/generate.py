@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str) -> None:
         default="auto",
         choices=("auto", "fp32", "int8", "int4", "int8-rowq"),
         help="weight precision; auto (default) = the decision `spark-lsp tune` stored for this "
-        "model and machine, else a static rule (int8 on large models with int8 dot products)",
+        "model and machine, else a static rule (int8 on large models where the CPU has int8 arithmetic)",
     )
 
 

@@ -115,7 +115,12 @@ def test_static_rule(tiny_llama):
     assert precision.linear_params(big) > precision.INT8_MIN_PARAMS > precision.linear_params(cfg)
     assert precision.static_rule(big, frozenset({"avx2", "avx512_vnni"})).precision == "int8"
     assert precision.static_rule(big, frozenset({"asimddp"})).precision == "int8"
-    assert precision.static_rule(big, frozenset({"avx2"})).precision == "fp32"
+    avx2 = frozenset({"avx2", "fma", "f16c"})  # AVX2's 16-bit multiply-adds (MeshLinearQ's loop)
+    assert precision.static_rule(big, avx2).precision == "int8"
+    assert "avx2" in precision.static_rule(big, avx2).reason
+    assert precision.static_rule(big, frozenset({"avx2"})).precision == "fp32"  # no FMA, F16C
+    assert precision.static_rule(big, frozenset({"sse4_2", "avx"})).precision == "fp32"
+    assert precision.static_rule(cfg, avx2).precision == "fp32"
     assert precision.static_rule(cfg, frozenset({"avx512_vnni"})).precision == "fp32"
 
 
