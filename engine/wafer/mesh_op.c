@@ -2114,6 +2114,79 @@ static inline __attribute__((always_inline)) void scores_block(const void* K, si
     default: break;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ATTN_AVX2 1
+/* AVX2's form of the above: r[0..8) <- its 8 x 8 transpose (lane j of r[i] <- lane i of r[j]). */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; i++) r[i] = t[i];
+}
+
+/* 8 floats of a cache at element i: float, or half floats widened (exactly). */
+static inline __m256 kv_ld8(const void* base, size_t i, const int half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)))
+              : _mm256_loadu_ps((const float*)base + i);
+}
+
+/* As the AVX-512 scores_rows: 16 keys in two registers, ROWS <= 6 rows (12 sums). */
+static inline __attribute__((always_inline)) void scores_rows(const float* kt, const float* q, size_t H, float* sc,
+                                                              size_t ld, const int ROWS) {
+  __m256 acc[6][2];
+  for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (size_t d = 0; d < H; d++) {
+    const __m256 k0 = _mm256_load_ps(kt + d * 16), k1 = _mm256_load_ps(kt + d * 16 + 8);
+    for (int r = 0; r < ROWS; r++) {
+      const __m256 x = _mm256_set1_ps(q[r * H + d]);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++) {
+    _mm256_storeu_ps(sc + r * ld, acc[r][0]);
+    _mm256_storeu_ps(sc + r * ld + 8, acc[r][1]);
+  }
+}
+
+/* As the AVX-512 scores_block (the same sums per (row, key), so the same scores): the block's
+   keys transposed 8 x 8 at a time, rows 6 at a time. */
+static inline __attribute__((always_inline)) void scores_block(const void* K, size_t t0, size_t keys, size_t H,
+                                                               const float* qr, size_t n, float* sc, size_t ld_sc,
+                                                               const int half) {
+  float kt[128 * 16] __attribute__((aligned(32))); /* H <= 128 (attn_compute checks it) */
+  for (size_t c = 0; c < H; c += 8)
+    for (size_t h = 0; h < 16; h += 8) {
+      __m256 r[8];
+      for (size_t i = 0; i < 8; i++) r[i] = h + i < keys ? kv_ld8(K, (t0 + h + i) * H + c, half) : _mm256_setzero_ps();
+      transpose8(r);
+      for (size_t i = 0; i < 8; i++) _mm256_store_ps(kt + (c + i) * 16 + h, r[i]);
+    }
+  size_t r = 0;
+  for (; r + 6 <= n; r += 6) scores_rows(kt, qr + r * H, H, sc + r * ld_sc, ld_sc, 6);
+  const float* q = qr + r * H;
+  float* out = sc + r * ld_sc;
+  switch (n - r) {
+    case 5: scores_rows(kt, q, H, out, ld_sc, 5); break;
+    case 4: scores_rows(kt, q, H, out, ld_sc, 4); break;
+    case 3: scores_rows(kt, q, H, out, ld_sc, 3); break;
+    case 2: scores_rows(kt, q, H, out, ld_sc, 2); break;
+    case 1: scores_rows(kt, q, H, out, ld_sc, 1); break;
+    default: break;
+  }
+}
 #else
 /* q . k for the 16 keys from position t0 of the cache K (H apart) into sc[0..16). */
 static inline __attribute__((always_inline)) void scores16(const float* q, const void* K, size_t t0, size_t H,
@@ -2184,6 +2257,25 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(ATTN_AVX2)
+/* glu_exp on 8 lanes (the same polynomial and clamp as exp16). */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 /* p[0..T) = exp(p - max p) in place; returns their sum (float32, max-subtracted, as GQA). */
 static inline float softmax(float* p, size_t T) {
   size_t t = 0;
@@ -2203,6 +2295,25 @@ static inline float softmax(float* p, size_t T) {
     sv = _mm512_add_ps(sv, e);
   }
   sum = _mm512_reduce_add_ps(sv);
+#elif defined(ATTN_AVX2) /* the same, 8 lanes at a time */
+  if (T >= 8) {
+    __m256 mv = _mm256_loadu_ps(p);
+    for (t = 8; t + 8 <= T; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+  }
+  for (; t < T; t++) m = p[t] > m ? p[t] : m;
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= T; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), mb));
+    _mm256_storeu_ps(p + t, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sums[8];
+  _mm256_storeu_ps(sums, sv);
+  for (int l = 0; l < 8; l++) sum += sums[l];
 #else
   for (t = 1; t < T; t++) m = p[t] > m ? p[t] : m;
   t = 0;
@@ -2233,7 +2344,7 @@ static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, si
   }
   const size_t tmax = j->past + s1;
   for (size_t t0 = 0; t0 < tmax; t0 += 16) /* scores: each block of keys read once for the unit */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(ATTN_AVX2)
     scores_block(K, t0, tmax - t0 < 16 ? tmax - t0 : 16, H, qr, n, sc + t0, ld_sc, half);
 #else
     for (size_t r = 0; r < n; r++) {
