@@ -12,9 +12,8 @@ Without a stored decision the **static rule** applies:
     weights hold at least :data:`INT8_MIN_PARAMS` parameters; fp32 otherwise.
 
 Why: decoding one token reads every weight once, so once the weights outgrow the CPU's caches a
-step is bound by the bytes read; int8 reads a quarter of fp32's, and with int8 arithmetic its
-arithmetic is no slower (on an AVX2-only Zen 3, int8 decoded 3.0x fp32's speed at 0.5B and 2.4x
-on the bundled model: MeshLinearQ's AVX2 loop).  Among the quantised precisions int8 (per-block scales and zero points)
+step is bound by the bytes read; int8 reads a quarter of fp32's, and with int8 arithmetic
+(MeshLinearQ's VNNI or AVX2 loop) its arithmetic is no slower (BENCHMARKS.md: the Zen 3 rows).  Among the quantised precisions int8 (per-block scales and zero points)
 is the one that keeps greedy agreement with fp32 close to complete on real code, so it is the one
 safe to take without a measurement; int4 and int8-rowq are chosen only by a measurement.  A small
 model's weights stay in cache, where fp32 loses nothing and is exact.  Without int8 arithmetic
