@@ -1015,22 +1015,27 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
         }
         sum = _mm512_reduce_add_epi32(vsum);
         memset(q + i, 0, t->bs - i);
-#elif HAVE_AVX2Q /* 8 at a time, the tail as the portable loop does */
+#else /* the portable loops; with AVX2 the first len8 values 8 at a time, the rest here */
+#if HAVE_AVX2Q
+        const size_t len8 = len / 8 * 8;
         const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
         __m256 vmax = _mm256_setzero_ps();
-        size_t i = 0;
-        for (; i + 8 <= len; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), vmax);
+        for (size_t i = 0; i < len8; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), vmax);
         float lanes[8];
         _mm256_storeu_ps(lanes, vmax);
         for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-        for (size_t r = i; r < len; r++) {
-          const float a = v[r] < 0 ? -v[r] : v[r];
+#else
+        const size_t len8 = 0;
+#endif
+        for (size_t i = len8; i < len; i++) {
+          const float a = v[i] < 0 ? -v[i] : v[i];
           amax = a > amax ? a : amax;
         }
         const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+#if HAVE_AVX2Q
         const __m256 vinv = _mm256_set1_ps(inv);
         __m256i vsum = _mm256_setzero_si256();
-        for (i = 0; i + 8 <= len; i += 8) { /* cvtps rounds to nearest even, as round_even */
+        for (size_t i = 0; i < len8; i += 8) { /* cvtps rounds to nearest even, as round_even */
           const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), vinv));
           const __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
           _mm_storel_epi64((__m128i*)(q + i), _mm_packs_epi16(c16, c16));
@@ -1039,19 +1044,8 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
         int32_t sums[8];
         _mm256_storeu_si256((__m256i*)sums, vsum);
         for (int l = 0; l < 8; l++) sum += sums[l];
-        for (; i < len; i++) {
-          const int32_t c = (int32_t)round_even(v[i] * inv);
-          q[i] = (int8_t)c;
-          sum += c;
-        }
-        memset(q + len, 0, t->bs - len);
-#else
-        for (size_t i = 0; i < len; i++) {
-          const float a = v[i] < 0 ? -v[i] : v[i];
-          amax = a > amax ? a : amax;
-        }
-        const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
-        for (size_t i = 0; i < len; i++) {
+#endif
+        for (size_t i = len8; i < len; i++) {
           const int32_t c = (int32_t)round_even(v[i] * inv);
           q[i] = (int8_t)c;
           sum += c;
@@ -1268,7 +1262,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
                                  _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a + r * t->Kq + k0 + k))));
           for (int c = 0; c < 8; c++) { /* 8 columns at a time: 32 bytes of each 256-byte group */
             const uint8_t* wc = w + k0 / 4 * 256 + 32 * c;
-            prefetch_codes(w + c * (bbytes / 8), bbytes / 8, end, next.codes, ahead);
+            if (k0 == 0) prefetch_codes(w + c * (bbytes / 8), bbytes / 8, end, next.codes, ahead);
             __m256i lo[QMAXR], hi[QMAXR]; /* columns 0-3 and 4-7, two k pairs each */
             for (int r = 0; r < MR; r++) lo[r] = hi[r] = _mm256_setzero_si256();
             for (size_t k = 0; k < kn; k += 4, wc += 256) {
