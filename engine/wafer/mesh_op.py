@@ -655,12 +655,6 @@ def _native():
         return _state["cdll"]
 
 
-def vnni() -> bool:
-    """Whether the :func:`library`'s ``MeshLinearQ`` has its AVX-512 VNNI loop (this CPU has
-    AVX512-VNNI and AVX512BW)."""
-    return qloop() == "vnni"
-
-
 def qloop() -> str | None:
     """Which inner loop the :func:`library`'s ``MeshLinearQ`` was compiled with: ``"vnni"``
     (AVX-512 VNNI and BW), ``"avx2"`` (AVX2, FMA and F16C without VNNI: AMD Zen 2/3, most

@@ -30,7 +30,7 @@ import test_mesh_fusions as fusions_t
 import test_mesh_op as float_t
 import test_mesh_q as q_t
 
-from engine import Engine
+from engine import Engine, cpu
 from engine.generate import GenerationParams
 from engine.linears import make_linear
 from engine.quant import QuantLinear
@@ -103,7 +103,7 @@ def lib(request, _builds, monkeypatch) -> str:
     the quantised emitters keep the op form) stand for the rest."""
     native = mesh_op.library()
     assert native is not None and mesh_op.quantized() and mesh_op.attention(), mesh_op.why_not()
-    mesh_op._native()  # ctypes' copy stays the native library's (amx(), vnni(), amx_tasks())
+    mesh_op._native()  # ctypes' copy stays the native library's (amx(), qloop(), amx_tasks())
     path = _builds[request.param]
     monkeypatch.setattr(mesh_op, "library", lambda: path)
     monkeypatch.setenv("SPARK_LSP_AMX", "0")  # (these builds have no AMX path anyway)
@@ -121,13 +121,12 @@ def test_each_build_says_which_quantised_loop_it_has(lib, request):
     if shutil.which("objdump"):  # the AVX2 loop's int8 x uint8 products are in the machine code
         asm = subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
         assert ("vpmaddubsw" in asm) == (arch == "x86-64-v3"), arch
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    flags = cpu.cpu_flags()
     want = (
         "vnni"
         if {"avx512_vnni", "avx512bw"} <= flags
         else "avx2"
-        if {"avx2", "fma", "f16c"} <= flags
+        if cpu.AVX2_FLAGS <= flags
         else "portable"
     )
     assert mesh_op.qloop() == want
