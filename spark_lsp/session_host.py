@@ -181,8 +181,10 @@ class SessionHost:
         except Exception:  # a session's failure ends that session only
             log.exception("session %d failed", n)
         finally:
-            self.sessions.pop(n, None)
-            session.close()  # its generations stop, its model and KV slots are given back
+            try:
+                session.close()  # its generations stop, its model and KV slots are given back
+            finally:  # counted until then: `sessions` never runs ahead of the models' `sharedBy`
+                self.sessions.pop(n, None)
             writer.close()
             self.last_active = time.monotonic()
             model_host.settle_heap()  # the closed session's objects are collected, not frozen
