@@ -228,6 +228,13 @@ def _block_for(k_extent: int, preferred: int) -> int | None:
 FORMS = ("fused", "op", "mesh")
 
 
+def op_is_default() -> bool:
+    """Whether quantised linears on a grid default to the ``op`` form here: the ``MeshLinearQ``
+    library loads and its inner loop is vectorised (:data:`FAST_LOOPS`).  Elsewhere (ARM, x86
+    before AVX2) they default to fused ``MatMulNBits``, whose kernels ONNX Runtime vectorises."""
+    return mesh_op.quantized() and mesh_op.qloop() in FAST_LOOPS
+
+
 class QuantLinear:
     """Linear emitter with ``bits``-bit weights (MatMulNBits or MeshLinearQ, int8 compute).
 
@@ -262,8 +269,7 @@ class QuantLinear:
             raise ValueError("op='rowq' is int8 only (bits=8)")
         on_grid = getattr(inner, "grid", None) is not None
         if form is None:  # the partition executed where the op has a vector loop
-            fast_op = mesh_op.quantized() and mesh_op.qloop() in FAST_LOOPS
-            form = "op" if on_grid and op == "nbits" and fast_op else "fused"
+            form = "op" if on_grid and op == "nbits" and op_is_default() else "fused"
         if form not in FORMS:
             raise ValueError(f"form={form!r}: expected one of {', '.join(FORMS)}")
         if form == "op":
