@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import graph_cache_dir, load_engine, random_ids
+from op_forms import needs_op_default
 
 from engine import Engine, ModelError
 
@@ -137,6 +138,7 @@ def test_the_sessions_share_one_mapping_of_the_weights(tiny_llama, tmp_path, kw)
     assert _mappings(Path(eng.graph_path).parent / "model.onnx.data") == 1
 
 
+@needs_op_default
 @pytest.mark.parametrize("mode", ["huge", "env", "no-thp"])
 def test_streamed_weights_are_read_into_memory_and_the_table_stays_outside(
     tiny_llama, tmp_path, monkeypatch, mode

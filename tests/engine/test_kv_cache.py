@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from op_forms import needs_op_default, op_linear
 
 from engine import Engine, GenerationParams
 from engine.graph import DenseLinear, build_decoder
@@ -32,8 +33,8 @@ def _kv_types(eng: Engine) -> set[str]:
 @pytest.mark.parametrize(
     "precision,kv_cache,want",
     [
-        ("int8", "auto", np.float16),
-        ("int4", "auto", np.float16),
+        pytest.param("int8", "auto", np.float16, marks=needs_op_default),
+        pytest.param("int4", "auto", np.float16, marks=needs_op_default),
         ("fp32", "auto", np.float32),
         ("int8", "float32", np.float32),
         ("fp32", "float16", np.float16),
@@ -51,6 +52,7 @@ def test_each_load_gets_its_cache_type(tiny_models, tmp_path, precision, kv_cach
     assert eng.runtime.kv_bytes() == per_token * eng.context * np.dtype(want).itemsize
 
 
+@needs_op_default
 def test_the_graph_cache_keeps_the_two_apart(tiny_models, tmp_path):
     half = Engine.load(tiny_models["llama"], precision="int8", cache_dir=tmp_path)
     full = Engine.load(
@@ -150,9 +152,8 @@ def test_generation_and_prefix_reuse_over_a_half_cache(tmp_path):
 
 
 def test_an_explicit_quantising_emitter_gets_a_half_cache(tiny_models, tmp_path):
-    from engine.linears import make_linear
 
-    eng = Engine.load(tiny_models["llama"], linear=make_linear("int4"), cache_dir=tmp_path)
+    eng = Engine.load(tiny_models["llama"], linear=op_linear("int4"), cache_dir=tmp_path)
     assert eng.runtime.kv_dtype == np.float16
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+from op_forms import needs_op_default
 
 import engine.engine
 from engine import Engine, GenerationParams, precision
@@ -129,6 +130,7 @@ def test_unknown_precision_is_a_clear_error(tiny_llama, tmp_path):
         Engine.load(tiny_llama, precision="fp8", cache_dir=tmp_path)
 
 
+@needs_op_default
 def test_op_profile_counts_decode_runs_only(tiny_llama, tmp_path):
     """`python -m engine.lab.precisions --profile`: per-op time of the decode runs, not the prompt's."""
     prof = op_profile(Engine.load(tiny_llama, precision="int8", cache_dir=tmp_path), steps=5)

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from op_forms import needs_op_default
 
 from engine.lab import bench
 from spark_lsp.cli import build_parser
@@ -70,6 +71,7 @@ def test_precision_rows_json(tiny_llama, capsys):
     assert "precision_auto" not in res
 
 
+@needs_op_default
 def test_kv_cache_runners(tiny_llama, capsys):
     """`--kv-cache float16,float32`: each precision after fp32 runs once per cache type, named
     for it, and says which cache it ran over; an unknown type is a clear error."""

@@ -7,6 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto
+from op_forms import op_linear
 
 from engine.generate import GenerationParams
 from engine.graph import GraphBuilder
@@ -67,7 +68,7 @@ def test_tiled_fused_equals_mesh_form(bits, role):
     x = rng.standard_normal((4, 256)).astype(np.float32)
     fused = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32, form="fused")
     mesh = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32, form="mesh")
-    op = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32)
+    op = QuantLinear(bits, inner=partition.TiledLinear((4, 4)), block_size=32, form="op")
     a, b, c = (
         _run_linear(fused, w, x, role),
         _run_linear(mesh, w, x, role),
@@ -113,7 +114,7 @@ def test_bad_arguments():
 def engines(tiny_llama, tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "graph_cache"
     return {
-        p: load_engine(tiny_llama, make_linear(p, wafer=True), cache_dir=cache, threads=1)
+        p: load_engine(tiny_llama, op_linear(p, wafer=True), cache_dir=cache, threads=1)
         for p in ("fp32", "int8", "int4")
     }
 

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from op_forms import op_linear
 
 from engine import Engine, GenerationParams
 from engine.cancel import CancelToken
@@ -31,7 +32,7 @@ def engine(request, tiny_models, tmp_path_factory):
         tiny_models["llama"],
         cache_dir=tmp_path_factory.getbasetemp() / "graph_cache_abort",
         threads=2,
-        precision=request.param,
+        linear=op_linear(request.param),
     )
     assert eng.runtime.custom_ops == (mesh_op.library(),)
     assert eng.runtime._bind_abort is not None

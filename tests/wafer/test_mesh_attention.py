@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from op_forms import op_linear
 
 from engine import Engine, GenerationParams
 from engine.graph import build_decoder
@@ -212,7 +213,7 @@ def test_a_models_pass_gives_its_steps_logits(precision, tmp_path, monkeypatch):
     shape.update(num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=2, vocab_size=512)
     monkeypatch.setitem(lab_models.SYNTHETIC, "synthetic-gqa7", shape)
     folder = lab_models.synthetic_model("synthetic-gqa7", root=tmp_path)
-    rt = Engine.load(folder, precision=precision, cache_dir=tmp_path, threads=2).runtime
+    rt = Engine.load(folder, linear=op_linear(precision), cache_dir=tmp_path, threads=2).runtime
     ids = [(7 * i + 3) % 500 + 10 for i in range(59)]
     kv = rt.new_kv()
     rt.forward(kv, ids[:50], 0)
@@ -248,10 +249,10 @@ def test_emitters_choose_the_op_and_fall_back_to_gqa(tiny_models, monkeypatch):
         return {n.op_type for n in model.graph.node} & {"GroupQueryAttention", mesh_op.ATTN_OP}
 
     for precision in ("fp32", "int8", "int4"):
-        assert attention_ops(make_linear(precision, grid=(2, 2))) == {mesh_op.ATTN_OP}
+        assert attention_ops(op_linear(precision, grid=(2, 2))) == {mesh_op.ATTN_OP}
     assert attention_ops(make_linear("fp32", wafer=False)) == {"GroupQueryAttention"}
     monkeypatch.setattr(mesh_op, "attention", lambda: False)
-    assert attention_ops(make_linear("int4", grid=(2, 2))) == {"GroupQueryAttention"}
+    assert attention_ops(op_linear("int4", grid=(2, 2))) == {"GroupQueryAttention"}
 
 
 class _WithGQA:

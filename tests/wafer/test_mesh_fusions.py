@@ -16,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto
+from op_forms import op_linear
 
 from engine.graph import GraphBuilder, build_decoder
 from engine.quant import QuantLinear
@@ -195,7 +196,6 @@ def test_decoder_drops_the_fused_nodes_and_keeps_its_outputs(tiny_models, precis
     or both hidden: no Split / Sigmoid / Mul after gate_up (4 nodes per layer), no norm nodes
     (2 per layer and the final one), and the logits of the unfused graph to float rounding."""
     from engine.config import load_config
-    from engine.linears import make_linear
     from engine.weights import load_weights
 
     path = tiny_models["llama"]
@@ -215,7 +215,7 @@ def test_decoder_drops_the_fused_nodes_and_keeps_its_outputs(tiny_models, precis
 
     models = {}
     for kind in ("fused", "unfused"):
-        lin = make_linear(precision, grid=(2, 2))
+        lin = op_linear(precision, grid=(2, 2))
         models[kind] = (
             build_decoder(config, weights, lin if kind == "fused" else Unfused(lin), max_len=64),
             lin.custom_op_libraries,
@@ -290,7 +290,6 @@ def _run_graph(gb, libs, feeds, threads=1):
 def test_norm_prologue_matches_the_separate_norm(precision, skip, keep_sum, T, kernel_path):
     """emit(norm=...) equals the plain op fed the rows normed in numpy (and, fp32, numpy's
     product) to float rounding; the second output is x + skip exactly."""
-    from engine.linears import make_linear
 
     K, N, eps = 96, 70, 1e-5
     rng = np.random.default_rng(T)
@@ -298,7 +297,7 @@ def test_norm_prologue_matches_the_separate_norm(precision, skip, keep_sum, T, k
     gamma = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     x = rng.standard_normal((T, K)).astype(np.float32)
     sk = rng.standard_normal((T, K)).astype(np.float32)
-    lin = make_linear(precision, grid=(3, 2))
+    lin = op_linear(precision, grid=(3, 2))
     assert lin.fuses_norm
     gb = _norm_graph(
         lambda gb, xi, norm: lin.emit(gb, xi, w, name="qkv", role="qkv", norm=norm),
@@ -327,7 +326,6 @@ def test_norm_prologue_matches_the_separate_norm(precision, skip, keep_sum, T, k
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_norm_prologue_with_glu_and_the_tied_head(precision):
     """The prologue composes with the glu epilogue (gate_up) and, fp32, the transposed head."""
-    from engine.linears import make_linear
 
     K, F, V, eps = 64, 40, 300, 1e-6
     rng = np.random.default_rng(11)
@@ -335,7 +333,7 @@ def test_norm_prologue_with_glu_and_the_tied_head(precision):
     x = x[:5]
     sk = rng.standard_normal(x.shape).astype(np.float32)
     gamma = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
-    lin = make_linear(precision, grid=(2, 2))
+    lin = op_linear(precision, grid=(2, 2))
     gb = _norm_graph(
         lambda gb, xi, norm: lin.emit_gated(gb, xi, w, name="gu", act="silu", bias=b, norm=norm),
         K,

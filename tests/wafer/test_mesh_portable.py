@@ -29,10 +29,10 @@ import test_mesh_attention as attn_t
 import test_mesh_fusions as fusions_t
 import test_mesh_op as float_t
 import test_mesh_q as q_t
+from op_forms import op_linear
 
 from engine import Engine, cpu
 from engine.generate import GenerationParams
-from engine.linears import make_linear
 from engine.quant import QuantLinear
 from engine.wafer import mesh_op
 from engine.wafer.partition import TiledLinear
@@ -314,7 +314,7 @@ def test_tiny_model_tokens_equal_the_native_build(
         if build == "native":
             monkeypatch.undo()
             monkeypatch.setenv("SPARK_LSP_AMX", "0")
-        linear = make_linear(precision, grid=(2, 2))  # VNNI here: the op form on a grid
+        linear = op_linear(precision, grid=(2, 2))
         assert linear.custom_op_libraries == (
             (lib,) if build == "portable" else (mesh_op.library(),)
         )
