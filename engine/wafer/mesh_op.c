@@ -248,14 +248,11 @@ static void glu_panel(int glu, const float* y, size_t ldy, float* out, size_t ou
 /* The packed columns a gated linear of out_n outputs stores: whole panels of gate|up halves. */
 static inline size_t glu_columns(size_t out_n) { return (out_n + GLU_HALF - 1) / GLU_HALF * NR; }
 
-/* Write (first line) or add (every next line: the partial sum arriving from the previous line)
-   MR rows of 64 partial products into y, of which only nc columns exist; after the last line,
-   add the bias b (if any), as an Add node after the op would. */
 /* y[c] = (first ? v[c] : y[c] + v[c]) (+ b[c] where there is a bias b): one step of the chain
    reduction and, on the last line, the bias.  The four cases are four loops: written as one loop
    with `b ? ... : ...` inside, compilers vectorise it with masked loads of b, which read from NULL
    where there is no bias, and AMD's cores (Zen 4, Zen 5) run such a load, every lane masked off on
-   an unmapped page, as a microcode assist: on a Zen 5 those assists took most of a 9-row pass. */
+   an unmapped page, as a slow microcode assist, once per row, line and panel (docs/wafer.md). */
 static inline void add_row(float* restrict y, const float* restrict v, size_t nc, int first,
                            const float* restrict b) {
   if (first && b)
@@ -268,6 +265,9 @@ static inline void add_row(float* restrict y, const float* restrict v, size_t nc
     for (size_t c = 0; c < nc; c++) y[c] = y[c] + v[c];
 }
 
+/* Write (first line) or add (every next line: the partial sum arriving from the previous line)
+   MR rows of 64 partial products into y, of which only nc columns exist; after the last line,
+   add the bias b (if any), as an Add node after the op would. */
 static inline __attribute__((always_inline)) void reduce_into(float* y, size_t ldy, size_t nc, int first,
                                                               const float* b, v16 part[][4], const int MR) {
   for (int r = 0; r < MR; r++) {
