@@ -152,7 +152,6 @@ def test_generation_and_prefix_reuse_over_a_half_cache(tmp_path):
 
 
 def test_an_explicit_quantising_emitter_gets_a_half_cache(tiny_models, tmp_path):
-
     eng = Engine.load(tiny_models["llama"], linear=op_linear("int4"), cache_dir=tmp_path)
     assert eng.runtime.kv_dtype == np.float16
 
