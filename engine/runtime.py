@@ -291,7 +291,7 @@ def _aligned(n: int, to: int = 64) -> int:
     return -(-n // to) * to
 
 
-def _huge_buffer(size: int) -> np.ndarray:
+def huge_buffer(size: int) -> np.ndarray:
     """``size`` bytes of anonymous memory advised for transparent huge pages where the platform
     has them (else ordinary pages)."""
     import mmap
@@ -344,7 +344,7 @@ class SharedWeights:
                 raise ModelError(f"{path.name}: initializer {t.name} lies past the file's end")
             entries.append((t, path, offset, length, copy))
         total = sum(_aligned(length) for *_, length, read in entries if read)
-        self._heap = _huge_buffer(total) if total else None
+        self._heap = huge_buffer(total) if total else None
         self.values: list[tuple[str, ort.OrtValue]] = []
         at = 0
         with contextlib.ExitStack() as stack:

@@ -246,6 +246,9 @@ class _Stream:
             "flushes": session.flushes,
             "complete": self.written_final,
             "steers": session.steers,  # the user's changes that steered the model
+            # generations restarted after the user's text (a change to text typed before, or
+            # typing after the generation ended)
+            "successors": session.steering.successors if session.steering else 0,
             # why the user's typing stopped the edit instead of steering it, when it could not
             "unsteerable": session.unsteerable if session.stopped_by_user else None,
         }

@@ -89,10 +89,13 @@ class Steering:
         # or changed text typed before (see `send`)
         self._late = False
         self.typed = ""  # the output as the user left it (empty: never steered)
+        self.successors = 0  # generations started after the user's text
 
     def starting(self, lead: str) -> Steering:
         """The next attempt's output begins with `lead` (text the model did not write)."""
         self._next_lead = lead
+        if lead and lead == self.typed:  # a successor: it continues after the user's text
+            self.successors += 1
         return self
 
     def attach(self, gen: Any) -> None:

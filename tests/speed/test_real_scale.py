@@ -19,7 +19,12 @@ from engine.fim import FimFormat
 from engine.generate import GenerationParams
 from engine.graph import build_decoder
 from engine.lab import bench, models
-from engine.lab.bandwidth import gguf_bytes_per_token, graph_bytes_per_token
+from engine.lab.bandwidth import (
+    READERS,
+    gguf_bytes_per_token,
+    graph_bytes_per_token,
+    read_bandwidth,
+)
 from engine.weights import write_safetensors
 
 
@@ -108,6 +113,18 @@ def test_graph_bytes_per_token_counts_a_tied_head_reading_the_embedding(tiny_lla
     rope = sizes.pop("rope.cos") + sizes.pop("rope.sin")
     assert rope > 0 and sizes["embed_tokens"] > 0
     assert graph_bytes_per_token(eng.graph_path) == sum(sizes.values())
+
+
+def test_bandwidth_readers_read_every_element():
+    """Each reader sees the whole part it is given (a bound from a reader that skipped data
+    would be too high), and the bound is a finite rate from every reader's best."""
+    part = np.ones(100_003, np.float32)
+    part[77_777] = 3.0
+    by_name = {r.__name__: r for r in READERS}
+    assert by_name["_max"](part) == 3.0
+    assert by_name["_dot"](part) == pytest.approx(100_002 + 9.0)
+    rate = read_bandwidth(threads=2, repeats=1, nbytes=4 << 20)
+    assert 0 < rate < float("inf")
 
 
 @pytest.mark.parametrize("tied", [True, False])
