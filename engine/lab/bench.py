@@ -421,14 +421,36 @@ def bench_engine(
     ours.stats.clear()
     rates = _rates(runners, prompts, n_new)
     bandwidth_samples.append(read_bandwidth(threads))
-    bandwidth = max(bandwidth_samples)
-    result["bandwidth_gb_s"] = bandwidth / 1e9
-    result["bandwidth_samples_gb_s"] = [round(b / 1e9, 2) for b in bandwidth_samples]
     log(f"DRAM read bandwidth after the runs: {bandwidth_samples[-1] / 1e9:.1f} GB/s")
     r = rates[0]
     internal = [s["decode_tok_s"] for s in ours.stats if s["new_tokens"] == n_new]
     n_ours = 1 + len(variants)
     variant_rates = dict(zip(names, rates[:n_ours]))
+    # weight bytes a decode step reads, per runner: ours from the graph, llama.cpp's from its GGUF
+    step_bytes = {
+        x: graph_bytes_per_token(e.graph_path) for x, e in {"fp32": eng, **variants}.items()
+    }
+    peer_bytes = {
+        runner.name: gguf_bytes_per_token(runner.path)
+        for runner in runners[n_ours:]
+        if isinstance(runner, LlamaCppPeer)
+    }
+    bandwidth, result["bandwidth_bound_by"] = memory_bound(
+        bandwidth_samples,
+        {
+            **{
+                f"spark-lsp {x}": variant_rates[x]["decode_tok_s"] * b
+                for x, b in step_bytes.items()
+            },
+            **{
+                runner.name: pr["decode_tok_s"] * peer_bytes[runner.name]
+                for runner, pr in zip(runners[n_ours:], rates[n_ours:])
+                if runner.name in peer_bytes
+            },
+        },
+    )
+    result["bandwidth_gb_s"] = bandwidth / 1e9
+    result["bandwidth_samples_gb_s"] = [round(b / 1e9, 2) for b in bandwidth_samples]
     for runner, pr in zip(runners[n_ours:], rates[n_ours:]):
         peers[runner.name] = {
             "version": runner.version,
@@ -441,7 +463,7 @@ def bench_engine(
         }
         if isinstance(runner, LlamaCppPeer):
             peers[runner.name].update(
-                _bandwidth_share(pr["decode_tok_s"], gguf_bytes_per_token(runner.path), bandwidth)
+                _bandwidth_share(pr["decode_tok_s"], peer_bytes[runner.name], bandwidth)
             )
             runner.close()
         log(
@@ -467,9 +489,7 @@ def bench_engine(
             "kv_mb": e.runtime.kv_bytes(plen + n_new) / 1e6,
             # [runs that decoded with spinning threads, runs]
             "spinning_runs": variant_rates[x].get("spinning_runs"),
-            **_bandwidth_share(
-                variant_rates[x]["decode_tok_s"], graph_bytes_per_token(e.graph_path), bandwidth
-            ),
+            **_bandwidth_share(variant_rates[x]["decode_tok_s"], step_bytes[x], bandwidth),
         }
         result.setdefault("ours", {})[x] = row
     del variants
@@ -537,6 +557,19 @@ def _best(ours: dict[str, dict], peers: dict[str, dict]) -> dict[str, Any] | Non
     n = max(measured, key=lambda k: measured[k]["decode_tok_s"])
     a, b = ours[x]["decode_tok_s"], measured[n]["decode_tok_s"]
     return {"ours": x, "ours_decode_tok_s": a, "peer": n, "peer_decode_tok_s": b, "ratio": a / b}
+
+
+def memory_bound(samples: list[float], streamed: dict[str, float]) -> tuple[float, str]:
+    """The DRAM read bandwidth decode shares are taken of (bytes/s), and what set it: the
+    reader's best sample, or a runner whose decode streamed its weights faster than the reader
+    read (``streamed``: runner -> tok/s x weight bytes a step reads).  A runner that streams
+    faster proves the memory delivers that much, so a bound below it would be no bound: every
+    share is then at most 100 %."""
+    bound, by = max(samples), "reader"
+    for name, rate in streamed.items():
+        if rate > bound:
+            bound, by = rate, name
+    return bound, by
 
 
 def _bandwidth_share(
@@ -651,9 +684,14 @@ def format_classes(res: dict[str, Any]) -> list[str]:
         return []
     lines = [
         "",
-        f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s: the larger of "
-        "two samples, before and after the runs; "
-        "RSS: resident memory the runner added by its load and warm-up, approximate: one process; "
+        f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s: "
+        + (
+            "the larger of two samples, before and after the runs; "
+            if res.get("bandwidth_bound_by", "reader") == "reader"
+            else f"what {res['bandwidth_bound_by']}'s decode streamed, more than the reader's "
+            f"samples ({', '.join(f'{b:.1f}' for b in res.get('bandwidth_samples_gb_s', []))}); "
+        )
+        + "RSS: resident memory the runner added by its load and warm-up, approximate: one process; "
         "KV MB: our KV cache for one prompt and its new tokens, which that RSS does not hold)",
         f"{'bits':<6}{'runner':<26}{'prefill tok/s':>14}{'decode tok/s':>13}{'TTFT ms':>10}{'RSS MB':>9}"
         f"{'KV MB':>7}{'MB/token':>10}{'% of bound':>11}{'decode vs llama.cpp':>21}",
