@@ -89,13 +89,17 @@ class Steering:
         # or changed text typed before (see `send`)
         self._late = False
         self.typed = ""  # the output as the user left it (empty: never steered)
+        self._successor_due = False  # `take_late` said a successor must start; none has yet
         self.successors = 0  # generations started after the user's text
 
     def starting(self, lead: str) -> Steering:
-        """The next attempt's output begins with `lead` (text the model did not write)."""
-        self._next_lead = lead
-        if lead and lead == self.typed:  # a successor: it continues after the user's text
-            self.successors += 1
+        """The next attempt's output begins with `lead` (text the model did not write): the
+        user's text, when it is the successor `take_late` asked for."""
+        with self._lock:
+            self._next_lead = lead
+            if lead and self._successor_due:
+                self._successor_due = False
+                self.successors += 1
         return self
 
     def attach(self, gen: Any) -> None:
@@ -141,6 +145,7 @@ class Steering:
         typed after the generation ended, or changed what they typed before."""
         with self._lock:
             late, self._late = self._late, False
+            self._successor_due = self._successor_due or late
             return late
 
 

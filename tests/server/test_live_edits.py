@@ -450,11 +450,16 @@ def test_typing_after_the_generation_ended_is_taken_for_a_successor():
     assert not s.on_did_change(shown.replace("return a", "return ab"), 3) and not s.stopped
     assert gen.pieces == [] and s.typed == "    return ab" and s.steers == 1
     assert s.steering.take_late() and not s.steering.take_late()  # once per late typing
-    # a successor attached with the typed text as its lead is steered with what follows it
+    # a successor attached with the typed text as its lead is steered with what follows it;
+    # it is counted once (a later attempt with a lead no late typing asked for is not one)
     succ = _Steerable()
+    assert s.steering.successors == 0
     s.steering.starting("    return ab").attach(succ)
+    assert s.steering.successors == 1
     assert not s.on_did_change(shown.replace("return a", "return ab + 1"), 4) and not s.stopped
     assert succ.pieces == [" + 1"] and not s.steering.take_late()
+    s.steering.starting("    return ab + 1")
+    assert s.steering.successors == 1
 
 
 def test_typing_again_inside_the_output_restarts_after_the_users_text():
