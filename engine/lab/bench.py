@@ -426,10 +426,9 @@ def bench_engine(
     internal = [s["decode_tok_s"] for s in ours.stats if s["new_tokens"] == n_new]
     n_ours = 1 + len(variants)
     variant_rates = dict(zip(names, rates[:n_ours]))
+    engines = {"fp32": eng, **variants}
     # weight bytes a decode step reads, per runner: ours from the graph, llama.cpp's from its GGUF
-    step_bytes = {
-        x: graph_bytes_per_token(e.graph_path) for x, e in {"fp32": eng, **variants}.items()
-    }
+    step_bytes = {x: graph_bytes_per_token(e.graph_path) for x, e in engines.items()}
     peer_bytes = {
         runner.name: gguf_bytes_per_token(runner.path)
         for runner in runners[n_ours:]
@@ -473,10 +472,8 @@ def bench_engine(
     precision_rows = None
     if variants or auto is not None:
         measured = {n: p for n, p in peers.items() if "skipped" not in p}
-        precision_rows = _precision_rows(
-            {"fp32": eng, **variants}, variant_rates, prompts, measured, log
-        )
-    for x, e in {"fp32": eng, **variants}.items():
+        precision_rows = _precision_rows(engines, variant_rates, prompts, measured, log)
+    for x, e in engines.items():
         row = {
             "prefill_tok_s": variant_rates[x]["prefill_tok_s"],
             "decode_tok_s": variant_rates[x]["decode_tok_s"],
@@ -675,6 +672,15 @@ def format_precisions(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bound_source(res: dict[str, Any]) -> str:
+    """Where the class table's bandwidth bound came from (:func:`memory_bound`)."""
+    by = res.get("bandwidth_bound_by", "reader")
+    if by == "reader":
+        return "the larger of two samples, before and after the runs; "
+    samples = ", ".join(f"{b:.1f}" for b in res.get("bandwidth_samples_gb_s", []))
+    return f"what {by}'s decode streamed, more than the reader's samples ({samples}); "
+
+
 def format_classes(res: dict[str, Any]) -> list[str]:
     """Every runner by precision class (32-, 8-, 4-bit weights): rates, resident memory, and decode
     against the DRAM bound (measured bandwidth / weight bytes read per token)."""
@@ -685,12 +691,7 @@ def format_classes(res: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"by precision class (DRAM read bandwidth {res['bandwidth_gb_s']:.1f} GB/s: "
-        + (
-            "the larger of two samples, before and after the runs; "
-            if res.get("bandwidth_bound_by", "reader") == "reader"
-            else f"what {res['bandwidth_bound_by']}'s decode streamed, more than the reader's "
-            f"samples ({', '.join(f'{b:.1f}' for b in res.get('bandwidth_samples_gb_s', []))}); "
-        )
+        + _bound_source(res)
         + "RSS: resident memory the runner added by its load and warm-up, approximate: one process; "
         "KV MB: our KV cache for one prompt and its new tokens, which that RSS does not hold)",
         f"{'bits':<6}{'runner':<26}{'prefill tok/s':>14}{'decode tok/s':>13}{'TTFT ms':>10}{'RSS MB':>9}"
