@@ -8,14 +8,16 @@ by one lock, so the engine can be shared between threads.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import threading
 import time
 from array import array
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +61,20 @@ class _ModelSource:
         if self.gguf is not None:
             return self.gguf.open_weights(self.config)
         return open_weights(self.path, self.config)
+
+
+def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """``fn()`` run on a thread of its own; its result (or exception) from ``.result()``."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to the caller of .result()
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="spark-digest", daemon=True).start()
+    return future
 
 
 def _open_model(model_dir: str | Path) -> _ModelSource:
@@ -157,6 +173,9 @@ class Engine:
             model_dir = models.default_model_dir()
         source = _open_model(model_dir)
         folder, config, tokenizer = source.path, source.config, source.tokenizer
+        # Hashing the weights (a graph-cache key: seconds the first time a model is seen) reads
+        # the files while the emitter below may be compiling the op library (a first run).
+        digest = _in_background(source.digest)
         if max_context is not None and (
             isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2
         ):
@@ -189,7 +208,7 @@ class Engine:
         elif kv_cache not in KV_DTYPES:
             raise ValueError(f"kv_cache={kv_cache!r}: expected 'auto' or one of {KV_DTYPES}")
         options = {"rope_len": config.max_position_embeddings, "kv_dtype": kv_cache}
-        key = graph_cache.graph_key(source.digest(), config, options, linear)
+        key = graph_cache.graph_key(digest.result(), config, options, linear)
 
         def build(data_file: Path):
             log.info("building the decoder graph for %s", folder)

@@ -36,7 +36,10 @@ The emitter for a precision name is made by :func:`engine.linears.make_linear`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +64,36 @@ _VALID_BLOCKS = (256, 128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
 FAST_LOOPS = ("vnni", "avx2")
 
 #: Weights quantised per step (column chunks): bounds the float64 temporaries of quantising a
-#: large matrix (an LM head of 150k rows) to a few times 8 MB.
+#: large matrix (an LM head of 150k rows) to a few times 8 MB, shared by the threads that
+#: quantise at once.
 QUANT_CHUNK = 1 << 20
+#: At most this many threads quantise a weight's chunks at once.
+QUANT_THREADS = 8
+
+
+def quant_threads() -> int:
+    """Threads for quantising at graph build: the CPUs this process may run on, up to
+    ``QUANT_THREADS``; ``SPARK_LSP_BUILD_THREADS`` overrides."""
+    env = os.environ.get("SPARK_LSP_BUILD_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, QUANT_THREADS))
+
+
+def in_threads(fn: Callable[[int], None], starts: Sequence[int], threads: int) -> None:
+    """``fn(start)`` for every start, on up to ``threads`` threads (inline for one); the first
+    error is raised once all have run."""
+    if threads == 1 or len(starts) <= 1:
+        for start in starts:
+            fn(start)
+        return
+    with ThreadPoolExecutor(min(threads, len(starts))) as pool:
+        for done in [pool.submit(fn, start) for start in starts]:
+            done.result()
 
 
 # -- packing -------------------------------------------------------------------------------------
@@ -108,13 +139,20 @@ def quantize_blockwise(
     scales = np.empty((N, nb), np.float32)
     zps = None if symmetric else np.empty((N, nb), np.uint8)
     # Column chunks: a 150k-row LM head never exists in float64 at once.
-    step = max(1, QUANT_CHUNK // (nb * block_size))
-    for n0 in range(0, N, step):
+    threads = quant_threads()
+    step = max(1, QUANT_CHUNK // threads // (nb * block_size))
+    read = threading.Lock()
+
+    def run(n0: int) -> None:
         n1 = min(N, n0 + step)
-        p, sc, zp = _quantize_columns(w[:, n0:n1], bits, block_size, nb, symmetric)
+        with read:  # a lazy weight (a tied head) reads its file: one chunk at a time
+            cols = w[:, n0:n1]
+        p, sc, zp = _quantize_columns(cols, bits, block_size, nb, symmetric)
         packed[n0:n1], scales[n0:n1] = p, sc
         if zps is not None:
             zps[n0:n1] = zp
+
+    in_threads(run, range(0, N, step), threads)
     zero_points = None
     if zps is not None:
         z = zps
@@ -444,23 +482,27 @@ class QuantLinear:
 
     def _pack_line(self, w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One mesh line's tiles ``w[k, N]`` quantised and packed in MeshLinearQ's layout, a run
-        of whole panels at a time: the temporaries stay a few MB even for a 150k-column LM head."""
+        of whole panels at a time: the temporaries stay a few MB even for a 150k-column LM head.
+        The runs are spread over threads (:func:`quant_threads`, each with its share of
+        ``QUANT_CHUNK``): building a graph is mostly this, and numpy's loops release the GIL."""
         k, N = w.shape
         panels = -(-N // mesh_op.PANEL)
-        step = max(1, QUANT_CHUNK // (k * mesh_op.PANEL)) * mesh_op.PANEL
-        out = None
-        for n0 in range(0, N, step):
-            qw = quantize_blockwise(
-                w[:, n0 : n0 + step], self.bits, block, symmetric=self.symmetric
-            )
+        threads = quant_threads()
+        step = max(1, QUANT_CHUNK // threads // (k * mesh_op.PANEL)) * mesh_op.PANEL
+        out = mesh_op.empty_quantized(panels, k, block, self.bits)
+        read = threading.Lock()
+
+        def run(n0: int) -> None:
+            with read:  # a lazy weight (a tied head) reads its file: one run at a time
+                cols = w[:, n0 : n0 + step]
+            qw = quantize_blockwise(cols, self.bits, block, symmetric=self.symmetric)
             codes, zps = unpack_codes(qw)
-            chunk = mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)
-            if out is None:
-                out = [np.empty((panels, *a.shape[1:]), a.dtype) for a in chunk]
             q0 = n0 // mesh_op.PANEL
-            for o, a in zip(out, chunk):
+            for o, a in zip(out, mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)):
                 o[q0 : q0 + a.shape[0]] = a
-        return out[0], out[1], out[2]
+
+        in_threads(run, range(0, N, step), threads)
+        return out
 
     def emit(
         self,

@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -436,6 +437,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
 
 
 _DIGESTS: dict[tuple, str] = {}
+_DIGEST_LOCK = threading.RLock()
 #: Content digests kept between processes (in the spark-lsp cache folder), by file identity.
 DIGESTS_FILE = "digests.json"
 #: Files remembered there (the oldest are forgotten first).
@@ -487,19 +489,20 @@ def file_digest(path: Path) -> str:
     st = path.stat()
     stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     key = (name, *stat)
-    if key in _DIGESTS:
-        return _DIGESTS[key]
-    rec = _read_digests(_digests_path()).get(name)
-    if isinstance(rec, dict) and rec.get("stat") == stat and isinstance(rec.get("digest"), str):
-        _DIGESTS[key] = rec["digest"]
-        return rec["digest"]
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    _DIGESTS[key] = digest = h.hexdigest()
-    _remember_digest(name, stat, digest)
-    return digest
+    with _DIGEST_LOCK:  # a second thread asking for the same file waits for the first's hash
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+        rec = _read_digests(_digests_path()).get(name)
+        if isinstance(rec, dict) and rec.get("stat") == stat and isinstance(rec.get("digest"), str):
+            _DIGESTS[key] = rec["digest"]
+            return rec["digest"]
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _DIGESTS[key] = digest = h.hexdigest()
+        _remember_digest(name, stat, digest)
+        return digest
 
 
 def weights_digest(model_dir: str | Path) -> str:

@@ -196,11 +196,16 @@ def glu_interleave(a: np.ndarray, F: int) -> np.ndarray:
     a = np.asarray(a, np.float32)
     if a.shape[-1] != 2 * F:
         raise ValueError(f"expected {2 * F} [gate | up] columns, got shape {a.shape}")
-    cols = glu_columns(F)
-    out = np.zeros((*a.shape[:-1], cols.size), np.float32)
-    keep = cols >= 0
-    out[..., keep] = a[..., cols[keep]]
-    return out
+    lead, half = a.shape[:-1], PANEL // 2
+    full, rest = divmod(F, half)
+    # [..., panel, gate|up, 32]: strided copies of each half, not a gather over every column
+    out = np.zeros((*lead, full + (rest > 0), 2, half), np.float32)
+    for side in (0, 1):
+        src = a[..., side * F : (side + 1) * F]
+        out[..., :full, side, :] = src[..., : full * half].reshape(*lead, full, half)
+        if rest:
+            out[..., full, side, :rest] = src[..., full * half :]
+    return out.reshape(*lead, -1)
 
 
 def float_node_inputs(w: np.ndarray, k_sizes: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -269,6 +274,20 @@ def pack_quantized(
 
     scale_type = np.float16 if bits == 4 else np.float32
     return out, per_panel(scales, scale_type), per_panel(zero_points, np.uint8)
+
+
+def empty_quantized(
+    panels: int, k: int, block: int, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Uninitialised arrays of :func:`pack_quantized`'s shapes and types for ``panels`` panels of
+    one line of K extent ``k`` (zero-padded to whole blocks), to be filled a run of panels at a
+    time."""
+    nb = -(-k // block)
+    return (
+        np.empty((panels, nb * block * bits // 32, 4 * PANEL), np.uint8),
+        np.empty((panels, nb, PANEL), np.float16 if bits == 4 else np.float32),
+        np.empty((panels, nb, PANEL), np.uint8),
+    )
 
 
 def half_scales(scales: np.ndarray) -> np.ndarray:

@@ -93,3 +93,29 @@ def test_the_record_keeps_the_latest_files(cache, tmp_path, monkeypatch):
         weights.file_digest(f)
         files.append(str(f.resolve()))
     assert list(json.loads((cache / weights.DIGESTS_FILE).read_text())) == files[-3:]
+
+
+def test_threads_asking_at_once_hash_a_file_once(cache, tmp_path, monkeypatch):
+    """Engine.load hashes the weights on a thread of its own while another may ask too (the
+    precision rule): the second waits for the first's digest instead of hashing again."""
+    import hashlib
+    import threading
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(os.urandom(1 << 20))
+    calls, real = [], hashlib.blake2b
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(weights.hashlib, "blake2b", counting)
+    got: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(weights.file_digest(f))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(got)) == 1 and len(got) == 4

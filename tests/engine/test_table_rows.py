@@ -104,9 +104,13 @@ def test_a_non_finite_value_in_the_rows_read_is_refused(tmp_path):
             rows[850:950]
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_lazy_weight_quantises_to_the_same_codes(tmp_path, bits, monkeypatch):
+def test_a_lazy_weight_quantises_to_the_same_codes(tmp_path, bits, threads, monkeypatch):
+    """A lazy weight reads its columns a chunk at a time, one reader at a time however many
+    threads quantise: the codes of the eager weight."""
     monkeypatch.setattr(quant, "QUANT_CHUNK", 1 << 14)  # several column chunks
+    monkeypatch.setenv("SPARK_LSP_BUILD_THREADS", str(threads))
     cfg, _ = _table_model(tmp_path / "m", vocab=3000)
     with open_weights(tmp_path / "m", cfg) as w:
         lazy = w.rows("lm_head.weight").T

@@ -379,10 +379,12 @@ def test_emitter_equals_fused_matmulnbits(bits, role, grid, K, N):
     assert emitters["op"].max_verify_tokens is None and emitters["fused"].max_verify_tokens == 1
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_line_packing_in_column_chunks_equals_one_pass(bits, monkeypatch):
+def test_line_packing_in_column_chunks_equals_one_pass(bits, threads, monkeypatch):
     """The emitter quantises and packs a wide line a run of panels at a time (bounded memory for
-    a 150k-column LM head): the same arrays as quantising and packing it whole."""
+    a 150k-column LM head), the runs spread over threads: the same arrays as quantising and
+    packing it whole."""
     import engine.quant as quant
 
     rng = np.random.default_rng(bits)
@@ -391,7 +393,10 @@ def test_line_packing_in_column_chunks_equals_one_pass(bits, monkeypatch):
     qw = quantize_blockwise(w, bits, 16)
     codes, zps = unpack_codes(qw)
     whole = mesh_op.pack_quantized(codes, qw.scales, zps, bits)
-    monkeypatch.setattr(quant, "QUANT_CHUNK", 48 * 64 * 3)  # 192-column chunks, uneven tail
+    monkeypatch.setenv("SPARK_LSP_BUILD_THREADS", str(threads))
+    assert quant.quant_threads() == threads
+    # 192-column runs (64 with 3 threads: each takes a third of the chunk), an uneven tail
+    monkeypatch.setattr(quant, "QUANT_CHUNK", 48 * 64 * 3)
     for got, want in zip(lin._pack_line(w, 16), whole):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
