@@ -169,8 +169,11 @@ def _quantize_columns(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes [n, nb, bytes], scales [n, nb] and zero points [n, nb] of the columns ``w[K, n]``."""
     K, N = w.shape
-    blocks = np.zeros((N, nb * block_size), np.float64)
-    blocks[:, :K] = w.T
+    if K == nb * block_size:  # whole blocks (real models): one conversion, no zero fill
+        blocks = np.asarray(w.T, np.float64, order="C")
+    else:
+        blocks = np.zeros((N, nb * block_size), np.float64)
+        blocks[:, :K] = w.T
     blocks = blocks.reshape(N, nb, block_size)
     qmax = (1 << bits) - 1
     if symmetric:
@@ -183,7 +186,11 @@ def _quantize_columns(
         hi = np.maximum(blocks.max(-1), 0.0)
         scale = _scales((hi - lo) / qmax, bits)
         zp = np.clip(np.round(-lo / scale), 0, qmax).astype(np.int64)
-    q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
+    # round(w / scale) + zp, clipped, computed in place (the chunk's one float64 buffer)
+    q = np.divide(blocks, scale[..., None], out=blocks)
+    np.round(q, out=q)
+    q += zp[..., None]
+    q = np.clip(q, 0, qmax, out=q).astype(np.uint8)
     if bits == 4:
         q = q[..., 0::2] | (q[..., 1::2] << 4)
     return q, scale.astype(np.float32), zp.astype(np.uint8)

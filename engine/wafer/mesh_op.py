@@ -196,6 +196,14 @@ def glu_interleave(a: np.ndarray, F: int) -> np.ndarray:
     a = np.asarray(a, np.float32)
     if a.shape[-1] != 2 * F:
         raise ValueError(f"expected {2 * F} [gate | up] columns, got shape {a.shape}")
+    if a.ndim == 2 and a.flags.f_contiguous and not a.flags.c_contiguous:
+        # a checkpoint's [out, in] weight seen as [K, 2F]: move whole rows of its transpose, and
+        # return the same column-major layout (its columns, which the quantiser reads, contiguous)
+        cols = glu_columns(F)
+        out_t = np.zeros((cols.size, a.shape[0]), np.float32)
+        keep = cols >= 0
+        out_t[keep] = a.T[cols[keep]]
+        return out_t.T
     lead, half = a.shape[:-1], PANEL // 2
     full, rest = divmod(F, half)
     # [..., panel, gate|up, 32]: strided copies of each half, not a gather over every column
