@@ -85,6 +85,20 @@ def test_glu_columns_order():
         mesh_op.glu_interleave(a, 41)
 
 
+@pytest.mark.parametrize("F", [1, 31, 32, 33, 100])
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_glu_interleave_of_a_weight_in_either_layout(F, order):
+    """Rows of [gate | up] columns, and a checkpoint's [out, in] weight seen as [K, 2F] (column
+    major, which the interleave keeps): the columns of glu_columns' order, zeros in the padding."""
+    w = np.random.default_rng(F).standard_normal((7, 2 * F)).astype(np.float32)
+    w = np.asfortranarray(w) if order == "F" else w
+    cols = mesh_op.glu_columns(F)
+    want = np.where(cols >= 0, w[:, np.maximum(cols, 0)], 0)
+    got = mesh_op.glu_interleave(w, F)
+    np.testing.assert_array_equal(got, want)
+    assert got.flags.f_contiguous == (order == "F")
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("grid,K,F", [((2, 2), 64, 96), ((3, 2), 70, 45), ((1, 1), 33, 1)])
