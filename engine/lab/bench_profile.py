@@ -161,7 +161,9 @@ def step_profile(files: list[str], prompt_tokens: int = PROMPT_TOKENS) -> dict[s
         row: dict[str, Any] = {"op": group_op[g], "us_per_step": round(us, 1)}
         if g in mb:
             row.update(nodes=members[g], mb_per_step=round(mb[g], 4))
-            row["gb_s"] = round(mb[g] / us * 1e3, 3) if us else None  # MB/us = 1,000 GB/s
+            # MB/us = 1,000 GB/s; four significant digits: a tiny model's small linear reads a few
+            # KB a step, which a fixed three decimals rounded to 0 on a slow machine
+            row["gb_s"] = float(f"{mb[g] / us * 1e3:.4g}") if us else None
         groups[g] = row
     return {
         "steps": steps,
