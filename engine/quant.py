@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -84,15 +84,24 @@ def quant_threads() -> int:
     return max(1, min(n, QUANT_THREADS))
 
 
-def in_threads(fn: Callable[[int], None], starts: Sequence[int], threads: int) -> None:
-    """``fn(start)`` for every start, on up to ``threads`` threads (inline for one); the first
-    error is raised once all have run."""
+def in_column_runs(w, step: int, fn: Callable[[int, np.ndarray], None], threads: int) -> None:
+    """``fn(n0, w[:, n0:n0 + step])`` for every run of ``step`` columns of ``w``, on up to
+    ``threads`` threads (inline for one run or one thread); a lazy weight (a tied head, which
+    reads its file) is read one run at a time.  The first error is raised once all have run."""
+    read = threading.Lock()
+
+    def run(n0: int) -> None:
+        with read:
+            cols = w[:, n0 : n0 + step]
+        fn(n0, cols)
+
+    starts = range(0, w.shape[1], step)
     if threads == 1 or len(starts) <= 1:
-        for start in starts:
-            fn(start)
+        for n0 in starts:
+            run(n0)
         return
     with ThreadPoolExecutor(min(threads, len(starts))) as pool:
-        for done in [pool.submit(fn, start) for start in starts]:
+        for done in [pool.submit(run, n0) for n0 in starts]:
             done.result()
 
 
@@ -147,18 +156,15 @@ def quantize_blockwise(
     # Column chunks: a 150k-row LM head never exists in float64 at once.
     threads = threads or quant_threads()
     step = max(1, QUANT_CHUNK // threads // (nb * block_size))
-    read = threading.Lock()
 
-    def run(n0: int) -> None:
-        n1 = min(N, n0 + step)
-        with read:  # a lazy weight (a tied head) reads its file: one chunk at a time
-            cols = w[:, n0:n1]
+    def run(n0: int, cols: np.ndarray) -> None:
+        n1 = n0 + cols.shape[1]
         p, sc, zp = _quantize_columns(cols, bits, block_size, nb, symmetric)
         packed[n0:n1], scales[n0:n1] = p, sc
         if zps is not None:
             zps[n0:n1] = zp
 
-    in_threads(run, range(0, N, step), threads)
+    in_column_runs(w, step, run, threads)
     zero_points = None
     if zps is not None:
         z = zps
@@ -503,18 +509,15 @@ class QuantLinear:
         threads = quant_threads()
         step = max(1, QUANT_CHUNK // threads // (k * mesh_op.PANEL)) * mesh_op.PANEL
         out = mesh_op.empty_quantized(panels, k, block, self.bits)
-        read = threading.Lock()
 
-        def run(n0: int) -> None:
-            with read:  # a lazy weight (a tied head) reads its file: one run at a time
-                cols = w[:, n0 : n0 + step]
+        def run(n0: int, cols: np.ndarray) -> None:
             qw = quantize_blockwise(cols, self.bits, block, symmetric=self.symmetric, threads=1)
             codes, zps = unpack_codes(qw)
             q0 = n0 // mesh_op.PANEL
             for o, a in zip(out, mesh_op.pack_quantized(codes, qw.scales, zps, self.bits)):
                 o[q0 : q0 + a.shape[0]] = a
 
-        in_threads(run, range(0, N, step), threads)
+        in_column_runs(w, step, run, threads)
         return out
 
     def emit(

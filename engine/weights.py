@@ -437,7 +437,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
 
 
 _DIGESTS: dict[tuple, str] = {}
-_DIGEST_LOCK = threading.RLock()
+_DIGEST_LOCK = threading.Lock()
 #: Content digests kept between processes (in the spark-lsp cache folder), by file identity.
 DIGESTS_FILE = "digests.json"
 #: Files remembered there (the oldest are forgotten first).
@@ -489,7 +489,7 @@ def file_digest(path: Path) -> str:
     st = path.stat()
     stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     key = (name, *stat)
-    with _DIGEST_LOCK:  # a second thread asking for the same file waits for the first's hash
+    with _DIGEST_LOCK:  # one hash at a time: a thread asking for the same file waits for it
         if key in _DIGESTS:
             return _DIGESTS[key]
         rec = _read_digests(_digests_path()).get(name)
