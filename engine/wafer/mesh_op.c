@@ -2376,6 +2376,28 @@ static inline __attribute__((always_inline)) void attn_unit(const AttnJob* j, si
     }
 }
 
+/* attn_unit specialised per head size (16, 32, 64: nv = H / 16 a constant) and cache type, and for
+   any other head size, each a function of its own: inlined into one function (a switch over
+   them), the eight copies took the compiler 2.5 times as long, on every machine's first load. */
+#define ATTN_UNIT_PARAMS \
+  const AttnJob *j, size_t g, size_t s0, size_t s1, float *qr, float *sc, size_t ld_sc, size_t nv
+#define ATTN_UNIT(u, NV, HALF) \
+  static void attn_unit_##u(ATTN_UNIT_PARAMS) { (void)nv; attn_unit(j, g, s0, s1, qr, sc, ld_sc, NV, HALF); }
+ATTN_UNIT(0, 1, 0)
+ATTN_UNIT(1, 1, 1)
+ATTN_UNIT(2, 2, 0)
+ATTN_UNIT(3, 2, 1)
+ATTN_UNIT(4, 4, 0)
+ATTN_UNIT(5, 4, 1)
+ATTN_UNIT(6, nv, 0)
+ATTN_UNIT(7, nv, 1)
+static void (*const attn_units[8])(ATTN_UNIT_PARAMS) = {attn_unit_0, attn_unit_1, attn_unit_2, attn_unit_3,
+                                                       attn_unit_4, attn_unit_5, attn_unit_6, attn_unit_7};
+static inline size_t attn_unit_index(size_t nv, int half) {
+  const size_t h = half != 0;
+  return nv == 1 ? h : nv == 2 ? 2 + h : nv == 4 ? 4 + h : 6 + h;
+}
+
 /* Units [i per_task, (i + 1) per_task) of kv_heads x row blocks, head-major. */
 static void attn_task(void* data, size_t i) {
   const AttnJob* j = (const AttnJob*)data;
@@ -2390,20 +2412,7 @@ static void attn_task(void* data, size_t i) {
     const size_t g = u / blocks, s0 = (u % blocks) * ATTN_ROWS;
     const size_t s1 = s0 + ATTN_ROWS < j->S ? s0 + ATTN_ROWS : j->S;
     float* sc = scratch + ATTN_ROWS * G * H;
-    switch (nv * 2 + (j->half != 0)) { /* a specialised loop per head size and cache type */
-      case 2: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1, 0); break;
-      case 3: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 1, 1); break;
-      case 4: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2, 0); break;
-      case 5: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 2, 1); break;
-      case 8: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4, 0); break;
-      case 9: attn_unit(j, g, s0, s1, scratch, sc, ld_sc, 4, 1); break;
-      default:
-        if (j->half)
-          attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv, 1);
-        else
-          attn_unit(j, g, s0, s1, scratch, sc, ld_sc, nv, 0);
-        break;
-    }
+    attn_units[attn_unit_index(nv, j->half)](j, g, s0, s1, scratch, sc, ld_sc, nv);
   }
   free(scratch);
 }
