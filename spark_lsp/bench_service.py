@@ -73,6 +73,7 @@ from engine import Engine, GenerationParams
 from engine.service import protocol as P
 from engine.service import rundir, tls
 from engine.service.client import EngineClient, SyncEngineClient
+from engine.service.options import DEFAULT_SPINNING, SPINNING
 
 from . import bench_link
 from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
@@ -115,6 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="put ws and sse behind an emulated network link of this round trip, ms (default 0: "
         "loopback; see spark_lsp/bench_link.py)",
+    )
+    p.add_argument(
+        "--spinning",
+        choices=sorted(SPINNING),
+        default=DEFAULT_SPINNING,
+        help="ONNX Runtime spinning of the daemon's and the SSE endpoint's engines alike "
+        f"(default {DEFAULT_SPINNING}, the daemon's default; the in-process engine keeps its "
+        "own default, auto)",
     )
     p.add_argument(
         "--ray", action="store_true", help="also K editors against 1 and 2 Ray Serve replicas"
@@ -394,13 +403,17 @@ def _env() -> dict:
 
 
 def start_daemon(
-    model: str | None, run_dir: str, cert: tuple[str, str] | None = None
+    model: str | None,
+    run_dir: str,
+    cert: tuple[str, str] | None = None,
+    spinning: str = DEFAULT_SPINNING,
 ) -> tuple[subprocess.Popen, dict]:
     """The daemon (``cert``: its certificate and key files, for wss://) and its record. Its log
     goes to ``daemon_log(run_dir)`` (warnings and above), which a failed run shows."""
     env = _env()
     env[rundir.ENV_DIR] = run_dir
     cmd = [sys.executable, "-m", "engine.service.daemon", "--log-level", "WARNING"]
+    cmd += ["--spinning", spinning]
     if model:
         cmd += ["--model", model]
     if cert:
@@ -440,10 +453,12 @@ def _show_daemon_log(run_dir: str, exc_type, exc, tb) -> bool:
 
 
 def start_sse(
-    model: str | None, cert: tuple[str, str] | None = None
+    model: str | None, cert: tuple[str, str] | None = None, spinning: str = DEFAULT_SPINNING
 ) -> tuple[subprocess.Popen, str]:
-    """The SSE endpoint (``cert``: its certificate and key files, for https://) and its URL."""
-    cmd = [sys.executable, "-m", "engine.service.sse"] + (["--model", model] if model else [])
+    """The SSE endpoint (``cert``: its certificate and key files, for https://) and its URL; its
+    engine spins as the daemon's (``spinning``), so the two transports serve the same engine."""
+    cmd = [sys.executable, "-m", "engine.service.sse", "--spinning", spinning]
+    cmd += ["--model", model] if model else []
     if cert:
         cmd += ["--tls-cert", cert[0], "--tls-key", cert[1]]
     proc = subprocess.Popen(
@@ -939,6 +954,7 @@ def run(args) -> int:
         "max_tokens": args.max_tokens,
         "tls": bool(args.tls),
         "rtt_ms": args.rtt,
+        "spinning": args.spinning,
         "transports": {},
     }
     load_before = os.getloadavg()
@@ -949,7 +965,7 @@ def run(args) -> int:
             *pair, cafile = throwaway_certificate(run_dir)
             cert = (pair[0], pair[1])
         if "ws" in wanted:
-            proc, rec = start_daemon(args.model, run_dir, cert)
+            proc, rec = start_daemon(args.model, run_dir, cert, args.spinning)
             # last in, first out: the daemon is stopped (its log complete) before it is shown
             stack.push(functools.partial(_show_daemon_log, run_dir))
             stack.callback(_stop, proc)
@@ -959,7 +975,7 @@ def run(args) -> int:
                 stack.callback(_stop, link)
                 ws = (url, rec["token"])
         if "sse" in wanted:
-            proc, sse_url = start_sse(args.model, cert)
+            proc, sse_url = start_sse(args.model, cert, args.spinning)
             stack.callback(_stop, proc)
             if args.rtt > 0:
                 link, sse_url = bench_link.start(sse_url, args.rtt)
@@ -1041,7 +1057,8 @@ def print_table(r: dict) -> None:
         else ""
     )
     print(
-        f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion{link} "
+        f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion{link}, "
+        f"daemon and SSE engines spinning {r.get('spinning', DEFAULT_SPINNING)} "
         f"(load average {f(load.get('before'))} -> {f(load.get('after'))})"
     )
     print(

@@ -28,6 +28,7 @@ from typing import Any
 from ..config import ModelError
 from . import protocol as P
 from . import tls
+from .options import SPINNING
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,8 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.service.sse [--model DIR] [--port N] [--tls-cert PEM --tls-key PEM]``:
-    prints the URL, serves until SIGTERM."""
+    """``python -m engine.service.sse [--model DIR] [--port N] [--spinning off|on|auto]
+    [--tls-cert PEM --tls-key PEM]``: prints the URL, serves until SIGTERM."""
     from ..engine import Engine  # ONNX Runtime loads only when the endpoint really starts
 
     p = argparse.ArgumentParser(
@@ -140,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument(
+        "--spinning",
+        choices=sorted(SPINNING),
+        default="auto",
+        help="ONNX Runtime threads spin between steps (default auto, as in-process)",
+    )
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     args = p.parse_args(argv)
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except tls.TLSConfigError as e:
         print(f"python -m engine.service.sse: {e}", file=sys.stderr)
         return 2
-    engine = Engine.load(args.model, slots=args.slots)
+    engine = Engine.load(args.model, slots=args.slots, spinning=SPINNING[args.spinning])
     gc.collect()
     gc.freeze()  # as the daemon does: the model's objects stay out of full collections
     server = serve(engine, port=args.port, ssl_context=ctx)

@@ -154,3 +154,34 @@ def test_a_failed_run_shows_the_daemons_log(tmp_path, capsys):
     shown = capsys.readouterr().err
     assert "the engine daemon's log" in shown and "TLS handshake with ? failed" in shown
     assert "line 49" in shown and "line 5\n" not in shown  # the last lines only
+
+
+@pytest.mark.parametrize("spinning", ["off", "on", "auto"])
+def test_the_daemon_and_the_sse_endpoint_spin_alike(monkeypatch, tmp_path, spinning):
+    """Both transports' engines get the run's --spinning (the SSE endpoint's own default is
+    auto, the daemon's off: compared with their defaults, the two would differ by more than
+    their transports)."""
+    started: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        started.append(cmd)
+        raise Stop
+
+    monkeypatch.setattr(bench_service.subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        bench_service.start_daemon(None, str(tmp_path), None, spinning)
+    with pytest.raises(Stop):
+        bench_service.start_sse(None, None, spinning)
+    for cmd in started:
+        assert cmd[cmd.index("--spinning") + 1] == spinning
+    assert bench_service.DEFAULT_SPINNING == "off"  # the daemon's own default, measured by default
+
+
+def test_the_sse_endpoint_refuses_an_unknown_spinning():
+    from engine.service import sse
+
+    with pytest.raises(SystemExit):
+        sse.main(["--spinning", "sometimes"])
