@@ -1095,7 +1095,13 @@ static inline QSegment qsegment(const QTiles* t, size_t p, size_t q) {
 }
 
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096 /* how far ahead of the codes being read to prefetch (measured: 2-8 KB) */
+#define PREFETCH_BYTES 8192 /* how far ahead of the codes being read to prefetch (measured: 2-32 KB) */
+#endif
+/* Into L2 (T1), not L1 (T0): an L1 tracks far fewer outstanding misses than an L2, and with the
+   prefetches queued there the stream had too few in flight to keep up with DRAM; the loads then
+   find the lines in L2 (docs/speed.md, "What limits int4 at 1.5B"). */
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2 /* how many blocks ahead to prefetch the scales and zero points */
@@ -1112,7 +1118,7 @@ static inline __attribute__((always_inline)) void prefetch_codes(const uint8_t* 
     if (next == NULL) return;
     pf = (uintptr_t)next + (pf - (uintptr_t)end);
   }
-  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(pf + o), _MM_HINT_T0);
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(pf + o), PREFETCH_HINT);
 }
 
 /* The scales and zero points of block b of a segment of nb blocks, or of block b - nb of the next
@@ -1123,8 +1129,8 @@ static inline void prefetch_meta(const QTiles* t, QSegment here, QSegment next, 
     here = next, b -= nb;
   }
   const size_t sb = t->half ? 2 : 4;
-  for (size_t o = 0; o < NR * sb; o += 64) _mm_prefetch(here.scales + b * NR * sb + o, _MM_HINT_T0);
-  _mm_prefetch((const char*)(here.zp + b * NR), _MM_HINT_T0);
+  for (size_t o = 0; o < NR * sb; o += 64) _mm_prefetch(here.scales + b * NR * sb + o, PREFETCH_HINT);
+  _mm_prefetch((const char*)(here.zp + b * NR), PREFETCH_HINT);
 }
 #endif
 
@@ -1547,7 +1553,11 @@ static inline void prefetch_block(const uint8_t* codes, const void* sc, size_t s
    Software-pipelined, since tiles are not renamed and each block's products must leave the C
    tiles before the next block's start: while a unit's tile products run, the vector units unpack
    the int4 block AMX_AHEAD ahead and scale the dots of the unit AMX_LAG behind (rings of
-   AMX_RING buffers), and the codes are prefetched PREFETCH_BYTES ahead. */
+   AMX_RING buffers), and the codes are prefetched AMX_PREFETCH_BYTES ahead (into L1: the tiles
+   load from it). */
+#ifndef AMX_PREFETCH_BYTES
+#define AMX_PREFETCH_BYTES 4096
+#endif
 static void qtask_amx(void* data, size_t i) {
   const QJob* j = (const QJob*)data;
   const QTiles* t = j->t;
@@ -1585,7 +1595,7 @@ static void qtask_amx(void* data, size_t i) {
       const void* sc = t->scales[p];
       const size_t s0 = q * nb * NR, sb = t->half ? 2 : 4; /* the panel's first scale, bytes each */
       const uint8_t* zp = t->zp[p] + q * nb * NR;
-      const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = PREFETCH_BYTES / cb ? PREFETCH_BYTES / cb : 1;
+      const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = AMX_PREFETCH_BYTES / cb ? AMX_PREFETCH_BYTES / cb : 1;
       memset(part, 0, j->M * NR * sizeof(float));
       for (size_t b = 0; b < AMX_AHEAD && b < nb && t->bits == 4; b++)
         amx_unpack4(w + b * (bs / 8) * 256, zp + b * NR, bs, unpacked + (b % AMX_RING) * bs * NR);
