@@ -73,7 +73,7 @@ from engine import Engine, GenerationParams
 from engine.service import protocol as P
 from engine.service import rundir, tls
 from engine.service.client import EngineClient, SyncEngineClient
-from engine.service.options import DAEMON_SPINNING, SPINNING
+from engine.service.options import DEFAULT_SPINNING, SPINNING
 
 from . import bench_link
 from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
@@ -120,9 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spinning",
         choices=sorted(SPINNING),
-        default=DAEMON_SPINNING,
+        default=DEFAULT_SPINNING,
         help="ONNX Runtime spinning of the daemon's and the SSE endpoint's engines alike "
-        f"(default {DAEMON_SPINNING}, the daemon's default; the in-process engine keeps its "
+        f"(default {DEFAULT_SPINNING}, the daemon's default; the in-process engine keeps its "
         "own default, auto)",
     )
     p.add_argument(
@@ -406,7 +406,7 @@ def start_daemon(
     model: str | None,
     run_dir: str,
     cert: tuple[str, str] | None = None,
-    spinning: str = DAEMON_SPINNING,
+    spinning: str = DEFAULT_SPINNING,
 ) -> tuple[subprocess.Popen, dict]:
     """The daemon (``cert``: its certificate and key files, for wss://) and its record. Its log
     goes to ``daemon_log(run_dir)`` (warnings and above), which a failed run shows."""
@@ -453,7 +453,7 @@ def _show_daemon_log(run_dir: str, exc_type, exc, tb) -> bool:
 
 
 def start_sse(
-    model: str | None, cert: tuple[str, str] | None = None, spinning: str = DAEMON_SPINNING
+    model: str | None, cert: tuple[str, str] | None = None, spinning: str = DEFAULT_SPINNING
 ) -> tuple[subprocess.Popen, str]:
     """The SSE endpoint (``cert``: its certificate and key files, for https://) and its URL; its
     engine spins as the daemon's (``spinning``), so the two transports serve the same engine."""
@@ -1058,7 +1058,7 @@ def print_table(r: dict) -> None:
     )
     print(
         f"{r['keystrokes']} keystrokes, {r['max_tokens']} tokens per suggestion{link}, "
-        f"daemon and SSE engines spinning {r.get('spinning', DAEMON_SPINNING)} "
+        f"daemon and SSE engines spinning {r.get('spinning', DEFAULT_SPINNING)} "
         f"(load average {f(load.get('before'))} -> {f(load.get('after'))})"
     )
     print(

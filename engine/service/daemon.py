@@ -30,7 +30,7 @@ from . import cancel_flags, rundir, tls
 from .address import is_loopback
 from .launch import DaemonError, resolve_models
 from .local import LocalModels
-from .options import DAEMON_SPINNING, DEFAULT_SLOTS, SPINNING, add_arguments
+from .options import DEFAULT_SLOTS, DEFAULT_SPINNING, SPINNING, add_arguments
 from .server import EngineServer
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,12 @@ def load_engines(
     slots: int = DEFAULT_SLOTS,
     precision: str = "fp32",
     threads: int | None = None,
-    spinning: bool | None = SPINNING[DAEMON_SPINNING],
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
 ) -> list[Any]:
-    """The daemon's engines. ``spinning`` defaults to auto, as in-process (``DAEMON_SPINNING``):
-    the ONNX Runtime threads spin between steps while the CPU is calm, and sleep while it is
-    contended, when the threads that write tokens and read cancels need the cores."""
+    """The daemon's engines. ``spinning`` defaults to off (the in-process engine's default is
+    auto): between two steps a generation's thread writes its token and the connection's thread
+    reads cancels, and ONNX Runtime threads that spin between steps hold the cores those threads
+    need on a small machine."""
     from ..engine import Engine  # lazily: ONNX Runtime loads only when a daemon really starts
 
     engines = []
@@ -183,7 +184,7 @@ def main_args(args: argparse.Namespace) -> int:
                 slots=args.slots,
                 precision=args.precision,
                 threads=args.threads,
-                spinning=SPINNING[args.spinning or DAEMON_SPINNING],
+                spinning=SPINNING[args.spinning],
             )
         )
     except (DaemonError, OSError, ValueError) as e:

@@ -11,13 +11,8 @@ from .address import host_port
 DEFAULT_SLOTS = 8
 #: ``--spinning`` values -> ``Engine.load(spinning=...)``.
 SPINNING = {"off": False, "on": True, "auto": None}
-#: The daemon's ``--spinning``: auto, as the in-process engine (its ONNX Runtime threads spin
-#: between steps while the CPU is calm). Off, each decode step wakes a sleeping thread: through the
-#: daemon a 128-token generation took 1.5x its in-process time on 2 cores (docs/service.md).
-DAEMON_SPINNING = "auto"
-#: The Ray replicas' ``--spinning``: off, since a replica hands every token to its event loop
-#: (Serve's streaming), which needs a core between steps.
-RAY_SPINNING = "off"
+#: The daemon's and the Ray replicas' ``--spinning`` (the in-process engine's default is auto).
+DEFAULT_SPINNING = "off"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,10 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spinning",
         choices=sorted(SPINNING),
-        default=None,
-        help="ONNX Runtime threads spin between steps: auto (the daemon's default: while the "
-        "CPU is calm, as in-process), on, or off (the default of --ray replicas, whose event "
-        "loop needs a core between steps)",
+        default=DEFAULT_SPINNING,
+        help="ONNX Runtime threads spin between steps: off (default: the threads that read "
+        "the socket and write the tokens need the cores between steps), on, or auto (while the "
+        "CPU is calm, as in-process); for the daemon and for --ray replicas",
     )
     p.add_argument(
         "--allow-remote",

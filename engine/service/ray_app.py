@@ -74,7 +74,7 @@ from .connection import Connection
 from .daemon import INTERACTIVE_PREFILL_CHUNK, read_token_file, warn_cleartext
 from .launch import DaemonError, resolve_models
 from .local import describe
-from .options import RAY_SPINNING, SPINNING
+from .options import DEFAULT_SPINNING, SPINNING
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,12 @@ class EngineReplica:
         threads: int | None = None,
         slots: int = SLOTS,
         precision: str = "fp32",
-        spinning: bool | None = SPINNING[RAY_SPINNING],
+        spinning: bool | None = SPINNING[DEFAULT_SPINNING],
     ) -> None:
         from ..engine import Engine  # ONNX Runtime loads in the replica process only
 
-        # spinning: off by default (RAY_SPINNING): a replica hands every token to its event loop
-        # (Serve's streaming), which needs a core between steps
+        # spinning: the daemon's default (off), for the same reason: a replica hands every
+        # token to its event loop (Serve's streaming), which needs a core between steps
         self.engine = Engine.load(
             model_dir, slots=slots, threads=threads, precision=precision, spinning=spinning
         )
@@ -501,7 +501,7 @@ def build_app(
     threads: int | None = 1,
     slots: int = SLOTS,
     precision: str = "fp32",
-    spinning: bool | None = SPINNING[RAY_SPINNING],
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
 ):
     shards = [
         EngineReplica.options(
@@ -526,7 +526,7 @@ def deploy(
     threads: int | None = None,
     slots: int = SLOTS,
     precision: str = "fp32",
-    spinning: bool | None = SPINNING[RAY_SPINNING],
+    spinning: bool | None = SPINNING[DEFAULT_SPINNING],
     tls_cert: str | None = None,
     tls_key: str | None = None,
 ) -> str:
@@ -626,7 +626,7 @@ def main_args(args) -> int:
             threads=args.threads,
             slots=args.slots,
             precision=args.precision,
-            spinning=SPINNING[args.spinning or RAY_SPINNING],
+            spinning=SPINNING[args.spinning],
             tls_cert=args.tls_cert if secure else None,
             tls_key=args.tls_key if secure else None,
         )

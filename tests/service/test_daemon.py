@@ -110,10 +110,10 @@ def test_join_or_start_starts_one_detached_daemon_and_joins_it(run_dir):
     assert rundir.read_record(rundir.model_key(launch.resolve_models([None]))) is None
 
 
-def test_daemon_engines_spin_while_calm_as_in_process_unless_told_not_to():
-    """A daemon's engines spin as the in-process one does by default (`--spinning auto`: a
-    spinning decode session for small models while the CPU is calm, a sleeping one while it is
-    contended), and `--spinning off` keeps every session's threads sleeping between steps."""
+def test_daemon_engines_do_not_spin_unless_asked():
+    """A daemon's event loop writes every token and reads every cancel between steps: its ONNX
+    Runtime threads must not spin by default (`--spinning off`), and `auto` keeps the in-process
+    behaviour (a spinning decode session for small models while the CPU is calm)."""
     import argparse
 
     from engine.service.daemon import load_engines
@@ -121,7 +121,7 @@ def test_daemon_engines_spin_while_calm_as_in_process_unless_told_not_to():
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert p.parse_args([]).spinning is None  # each mode's own default: daemon auto, --ray off
+    assert p.parse_args([]).spinning == "off"
     (eng,) = load_engines([default_model_dir()], slots=1, spinning=SPINNING["off"])
     rt = eng.runtime
     assert rt.calm is rt.busy and not rt.busy.spinning
