@@ -3,7 +3,8 @@ partitioned linear (float weights, and int8 / int4 weights), and ``DecoderAttent
 
 ``mesh_op.c`` (next to this file) computes a whole tiled linear — every mesh line's partial
 products and their chain reduction — in one kernel launch.  It is compiled on first use with the
-system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for this CPU (``-march=native``) into
+system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for this CPU (``-march=native``; with
+link-time optimisation where the compiler has it, :data:`LTO`, which compiles on every core) into
 the spark-lsp cache (``$SPARK_LSP_CACHE/ops``, else ``~/.cache/spark-lsp/ops``), keyed by the
 source, compiler and CPU, and loaded into sessions with ``SessionOptions.register_custom_ops_library``.
 Like the graph cache, a build is written to a temporary name and renamed, so concurrent servers
@@ -82,6 +83,12 @@ FLAGS = (
     "-std=gnu11",
     "-fno-math-errno",  # sqrtf as one instruction: no libm
 )
+#: Link-time optimisation, tried first (a build without it where the compiler cannot): the one
+#: source's code generation is split into partitions the compiler runs in parallel (GCC: a job
+#: per core, through ``make`` where it is installed, else one after the other), so a machine's
+#: first load waits less for the library.  The machine code is the same functions, optimised
+#: alike: the outputs are the same bit for bit (tests/wafer/test_mesh_build.py).
+LTO = ("-flto=auto",)
 #: Libraries after the source: libm for fmaf where the target has no FMA instruction (the
 #: portable loops' fused multiply-adds; a -march=native build on an FMA CPU needs nothing).
 LIBS = ("-lm",)
@@ -117,9 +124,16 @@ def _ort_version() -> tuple[int, ...]:
     return tuple(int(p) for p in ort.__version__.split(".")[:2] if p.isdigit())
 
 
-def _compile(cc: str, out: Path, arch: list[str]) -> str | None:
+def _compile(cc: str, out: Path, arch: list[str], lto: bool = True) -> str | None:
     """Compile with ``FLAGS`` and ``arch`` into ``out`` (written to a temporary name and renamed,
-    so a reader never sees half a file); returns ``None``, or the command and why it failed."""
+    so a reader never sees half a file): with ``LTO`` first, then without it where that failed (a
+    compiler without link-time optimisation); returns ``None``, or the command and why it failed."""
+    if lto and _compile_once(cc, out, [*LTO, *arch]) is None:
+        return None
+    return _compile_once(cc, out, arch)
+
+
+def _compile_once(cc: str, out: Path, arch: list[str]) -> str | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
@@ -146,7 +160,7 @@ def _build(cc: str, out: Path) -> None:
     raise RuntimeError("; ".join(errors))
 
 
-def build(out: Path, arch: list[str], cc: str | None = None) -> Path:
+def build(out: Path, arch: list[str], cc: str | None = None, lto: bool = True) -> Path:
     """Compile the library for a chosen target into ``out`` and return it: ``arch`` is the
     compiler's target flags, e.g. ``["-march=x86-64-v3"]`` (AVX2 + FMA, no AVX-512) or
     ``["-march=x86-64"]`` (SSE2 only: the kernels' portable C loops).
@@ -155,12 +169,12 @@ def build(out: Path, arch: list[str], cc: str | None = None) -> Path:
     compiles (tests/wafer/test_mesh_portable.py) and for a build to ship to other machines.  No
     self-test runs here (``_self_test`` and friends take the path).  Raises ``RuntimeError`` with
     the compiler's message where it fails, or where no compiler is found (``cc`` else ``$CC``,
-    ``cc``, ``gcc``, ``clang``)."""
+    ``cc``, ``gcc``, ``clang``).  ``lto=False``: without link-time optimisation (``LTO``)."""
     cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     out = Path(out)
-    if (error := _compile(cc, out, list(arch))) is not None:
+    if (error := _compile(cc, out, list(arch), lto)) is not None:
         raise RuntimeError(error)
     return out
 
@@ -594,7 +608,13 @@ def library() -> str | None:
                 key = hashlib.sha256(
                     b"\0".join(
                         x.encode()
-                        for x in (SOURCE.read_text(), cc, ver, " ".join(FLAGS + LIBS), _cpu_id())
+                        for x in (
+                            SOURCE.read_text(),
+                            cc,
+                            ver,
+                            " ".join(FLAGS + LTO + LIBS),
+                            _cpu_id(),
+                        )
                     )
                 ).hexdigest()[:16]
                 out = ops_dir() / f"mesh_op-{key}.so"
