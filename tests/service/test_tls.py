@@ -161,7 +161,8 @@ def test_threads_multiplex_generations_and_cancels_on_one_wss_connection(server,
                 ref[p],
                 "length",
             ):
-                wrong.append((p, gen.finish_reason, gen.text, gen.error))
+                # everything needed to tell a numerical drift from a mixed-up stream, if it flakes
+                wrong.append((p, gen.finish_reason, gen.text, ref[p], gen.stats, gen.error))
 
     try:
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
@@ -169,7 +170,8 @@ def test_threads_multiplex_generations_and_cancels_on_one_wss_connection(server,
             t.start()
         for t in threads:
             t.join(120)
-        assert not wrong and len(ends) == 48 and not c.closed
+        assert not wrong, wrong
+        assert len(ends) == 48 and not c.closed
         assert "cancelled" in ends and "length" in ends
     finally:
         c.close()
