@@ -1134,6 +1134,128 @@ static inline void prefetch_meta(const QTiles* t, QSegment here, QSegment next, 
 }
 #endif
 
+#if HAVE_VNNI
+/* acc += the 4-byte dot products of u8 w and s8 x, in acc's register.  GCC 12 compiles
+   _mm512_dpbusd_epi32 into a copy of the accumulator, the instruction and a copy back, and then
+   reloads the weights once per token row: the int8 3-row loop ran 65 instructions a step for its
+   12 vpdpbusd, 33 with the asm form, which ties the accumulator to its register (KEEP: a value
+   held in its register, not reloaded from memory at each use). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+#define KEEP(v) __asm__("" : "+v"(v))
+#else
+#define KEEP(v) ((void)0)
+#define DPBUSD(acc, w, x) ((acc) = _mm512_dpbusd_epi32((acc), (w), (x)))
+#endif
+/* One block's codes in a panel's line (bs k x NR columns). */
+static inline size_t qblock_bytes(const QTiles* t) { return t->bs * (size_t)t->bits / 32 * 256; }
+
+/* Whether this 256-byte step of a block is one whose codes this row group prefetches: with G
+   groups reading each block in turn, group g takes every G-th step (from its g-th), so the next
+   codes are asked for at the same rate all through the block, not only while its first group reads it. */
+static inline int prefetch_turn(size_t* turn, size_t G) {
+  if (*turn) {
+    --*turn;
+    return 0;
+  }
+  *turn = G - 1;
+  return 1;
+}
+
+/* Block b (the op's block blk) of a panel's line for token rows [m, m + MR): the exact int32 dot
+   products of its 4 column groups, scaled into part[r][c] (float, blocks added in order).  Row
+   group g of the G that read this block in turn prefetches its share of the codes PREFETCH_BYTES
+   ahead (prefetch_turn), and the first group the next blocks' scales and zero points. */
+static inline __attribute__((always_inline)) void qblock(const QJob* j, const uint8_t* w, const uint8_t* end,
+                                                         QSegment here, QSegment next, const uint8_t* zp,
+                                                         const void* sc, size_t s0, size_t b, size_t nb,
+                                                         size_t blk, size_t kq, size_t m, const int MR, __m512 part[][4],
+                                                         size_t g, size_t G) {
+  const QTiles* t = j->t;
+  const size_t bs = t->bs;
+  __m512i acc[QMAXR][4], odd[4];
+  if (g == 0) prefetch_meta(t, here, next, b + PREFETCH_BLOCKS, nb);
+  size_t turn = g; /* this group prefetches the steps i = g (mod G) */
+  /* -zp * sum(a) as int16 products (madd_epi16: one uop, not mullo's two): zp < 256 and
+     |sum(a)| <= 127 bs, which fits an int16 for blocks of up to 256 */
+  for (int c = 0; c < 4; c++) {
+    const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + b * NR + 16 * c)));
+    for (int r = 0; r < MR; r++) {
+      const int32_t s = -j->xsum[(m + r) * t->blocks + blk];
+      acc[r][c] = bs <= 256 ? _mm512_madd_epi16(z, _mm512_set1_epi32(s & 0xFFFF))
+                            : _mm512_mullo_epi32(z, _mm512_set1_epi32(s));
+    }
+    odd[c] = _mm512_setzero_si512();
+  }
+  const int8_t* a = j->xq + m * t->Kq + kq + b * bs;
+  if (t->bits == 8) {
+    size_t k = 0;
+    if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
+#pragma GCC unroll 2
+      for (; k + 8 <= bs; k += 8, w += 512) {
+        for (int u = 0; u < 2; u++)
+          if (prefetch_turn(&turn, G)) prefetch_codes(w + 256 * u, 256, end, next.codes, PREFETCH_BYTES);
+        int32_t a0, a1;
+        memcpy(&a0, a + k, 4);
+        memcpy(&a1, a + k + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
+        for (int c = 0; c < 4; c++) {
+          DPBUSD(acc[0][c], _mm512_loadu_si512(w + 64 * c), x0);
+          DPBUSD(odd[c], _mm512_loadu_si512(w + 256 + 64 * c), x1);
+        }
+      }
+    for (; k < bs; k += 4, w += 256) {
+      __m512i wv[4];
+      if (prefetch_turn(&turn, G)) prefetch_codes(w, 256, end, next.codes, PREFETCH_BYTES);
+      for (int c = 0; c < 4; c++) {
+        wv[c] = _mm512_loadu_si512(w + 64 * c);
+        KEEP(wv[c]); /* one load each, held in its register for every row */
+      }
+      for (int r = 0; r < MR; r++) {
+        int32_t ar;
+        memcpy(&ar, a + r * t->Kq + k, 4);
+        const __m512i xv = _mm512_set1_epi32(ar);
+        for (int c = 0; c < 4; c++) DPBUSD(acc[r][c], wv[c], xv);
+      }
+    }
+  } else {
+    const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
+    for (size_t k = 0; k < bs; k += 8, w += 256) {
+      __m512i lo[4], hi[4];
+      if (prefetch_turn(&turn, G)) prefetch_codes(w, 256, end, next.codes, PREFETCH_BYTES);
+      for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(w + 64 * c);
+        lo[c] = _mm512_and_si512(v, lo_mask);
+        /* one row: the high nibbles masked in place, 16 x the code (one uop, not a shift and a
+           mask); their own accumulators then hold 16 x the exact sum (|sum| < 2^21 a block),
+           shifted back at the block's end */
+        hi[c] = MR == 1 ? _mm512_and_si512(v, hi_mask) : _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+      }
+      for (int r = 0; r < MR; r++) {
+        int32_t a0, a1;
+        memcpy(&a0, a + r * t->Kq + k, 4);
+        memcpy(&a1, a + r * t->Kq + k + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
+        for (int c = 0; c < 4; c++) {
+          DPBUSD(acc[r][c], lo[c], x0);
+          if (MR == 1) DPBUSD(odd[c], hi[c], x1);
+          else DPBUSD(acc[r][c], hi[c], x1);
+        }
+      }
+    }
+  }
+  if (MR == 1)
+    for (int c = 0; c < 4; c++)
+      acc[0][c] = _mm512_add_epi32(acc[0][c], t->bits == 4 ? _mm512_srai_epi32(odd[c], 4) : odd[c]);
+  for (int r = 0; r < MR; r++) {
+    const __m512 s = _mm512_set1_ps(j->xs[(m + r) * t->blocks + blk]);
+    for (int c = 0; c < 4; c++)
+      part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
+                                   _mm512_mul_ps(scales16(t, sc, s0 + b * NR + 16 * c), s), part[r][c]);
+  }
+}
+#endif
+
 /* Rows [m, m + MR) of panel q: every line's int dot products per block, scaled into float
    partial products, reduced into y in line order.
 
@@ -1160,83 +1282,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
     __m512 part[QMAXR][4];
     for (int r = 0; r < MR; r++)
       for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
-    for (size_t b = 0; b < nb; b++, blk++) {
-      __m512i acc[QMAXR][4], odd[4];
-      prefetch_meta(t, here, next, b + PREFETCH_BLOCKS, nb);
-      /* -zp * sum(a) as int16 products (madd_epi16: one uop, not mullo's two): zp < 256 and
-         |sum(a)| <= 127 bs, which fits an int16 for blocks of up to 256 */
-      for (int c = 0; c < 4; c++) {
-        const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zp + b * NR + 16 * c)));
-        for (int r = 0; r < MR; r++) {
-          const int32_t s = -j->xsum[(m + r) * t->blocks + blk];
-          acc[r][c] = bs <= 256 ? _mm512_madd_epi16(z, _mm512_set1_epi32(s & 0xFFFF))
-                                : _mm512_mullo_epi32(z, _mm512_set1_epi32(s));
-        }
-        odd[c] = _mm512_setzero_si512();
-      }
-      const int8_t* a = j->xq + m * t->Kq + kq + b * bs;
-      if (t->bits == 8) {
-        size_t k = 0;
-        if (MR == 1) /* two groups of 4 k per step: eight independent accumulators */
-#pragma GCC unroll 2
-          for (; k + 8 <= bs; k += 8, w += 512) {
-            prefetch_codes(w, 512, end, next.codes, PREFETCH_BYTES);
-            int32_t a0, a1;
-            memcpy(&a0, a + k, 4);
-            memcpy(&a1, a + k + 4, 4);
-            const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
-            for (int c = 0; c < 4; c++) {
-              acc[0][c] = _mm512_dpbusd_epi32(acc[0][c], _mm512_loadu_si512(w + 64 * c), x0);
-              odd[c] = _mm512_dpbusd_epi32(odd[c], _mm512_loadu_si512(w + 256 + 64 * c), x1);
-            }
-          }
-        for (; k < bs; k += 4, w += 256) {
-          __m512i wv[4];
-          prefetch_codes(w, 256, end, next.codes, PREFETCH_BYTES);
-          for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + 64 * c);
-          for (int r = 0; r < MR; r++) {
-            int32_t ar;
-            memcpy(&ar, a + r * t->Kq + k, 4);
-            const __m512i xv = _mm512_set1_epi32(ar);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
-          }
-        }
-      } else {
-        const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
-        for (size_t k = 0; k < bs; k += 8, w += 256) {
-          __m512i lo[4], hi[4];
-          prefetch_codes(w, 256, end, next.codes, PREFETCH_BYTES);
-          for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(w + 64 * c);
-            lo[c] = _mm512_and_si512(v, lo_mask);
-            /* one row: the high nibbles masked in place, 16 x the code (one uop, not a shift and a
-               mask); their own accumulators then hold 16 x the exact sum (|sum| < 2^21 a block),
-               shifted back at the block's end */
-            hi[c] = MR == 1 ? _mm512_and_si512(v, hi_mask) : _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
-          }
-          for (int r = 0; r < MR; r++) {
-            int32_t a0, a1;
-            memcpy(&a0, a + r * t->Kq + k, 4);
-            memcpy(&a1, a + r * t->Kq + k + 4, 4);
-            const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
-            for (int c = 0; c < 4; c++) {
-              acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], x0);
-              if (MR == 1) odd[c] = _mm512_dpbusd_epi32(odd[c], hi[c], x1);
-              else acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], x1);
-            }
-          }
-        }
-      }
-      if (MR == 1)
-        for (int c = 0; c < 4; c++)
-          acc[0][c] = _mm512_add_epi32(acc[0][c], t->bits == 4 ? _mm512_srai_epi32(odd[c], 4) : odd[c]);
-      for (int r = 0; r < MR; r++) {
-        const __m512 s = _mm512_set1_ps(j->xs[(m + r) * t->blocks + blk]);
-        for (int c = 0; c < 4; c++)
-          part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
-                                       _mm512_mul_ps(scales16(t, sc, s0 + b * NR + 16 * c), s), part[r][c]);
-      }
-    }
+    for (size_t b = 0; b < nb; b++, blk++, w += qblock_bytes(t))
+      qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, MR, part, 0, 1);
     for (int r = 0; r < MR; r++) {
       float tmp[NR];
       for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, part[r][c]);
@@ -1371,6 +1418,50 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
     kq += nb * bs;
   }
 }
+
+#if HAVE_VNNI
+#ifndef QMULTI
+#define QMULTI 16 /* up to this many token rows share one read of each block (qpanel_rows) */
+#endif
+/* Rows [0, M) of panel q, 3 < M <= QMULTI (a speculative verification pass): every row group
+   takes each block in turn while it is in L1, instead of sweeping the whole panel once per
+   QMAXR rows.  A sweep per group streamed the panel from DRAM only in the first one and left the
+   memory idle while the others computed from L2, so a 9-row int8 pass cost the stream plus the
+   arithmetic; block by block the stream runs under all of it.  Each row's float operations are
+   those of qpanel, in the same order: the same outputs bit for bit. */
+static void qpanel_rows(const QJob* j, size_t q) {
+  const QTiles* t = j->t;
+  const size_t M = j->M, n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR;
+  const size_t G = M / QMAXR + (M % QMAXR + 1) / 2; /* row groups: of 3, then of 2 or 1 */
+  __m512 part[QMULTI][4];
+  size_t kq = 0, blk = 0;
+  for (size_t p = 0; p < t->lines; p++) {
+    const size_t nb = t->nb[p];
+    const uint8_t* w = t->codes[p] + q * qpanel_bytes(t, p);
+    const void* sc = t->scales[p];
+    const size_t s0 = q * nb * NR;
+    const uint8_t* zp = t->zp[p] + q * nb * NR;
+    const QSegment here = qsegment(t, p, q), next = qsegment(t, p + 1, q);
+    const uint8_t* end = w + qpanel_bytes(t, p);
+    for (size_t r = 0; r < M; r++)
+      for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++, blk++, w += qblock_bytes(t)) {
+      size_t m = 0, g = 0;
+      for (; m + QMAXR <= M; m += QMAXR, g++)
+        qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, QMAXR, part + m, g, G);
+      for (; m + 2 <= M; m += 2, g++) qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, 2, part + m, g, G);
+      for (; m < M; m++, g++) qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, 1, part + m, g, G);
+    }
+    for (size_t r = 0; r < M; r++) {
+      float tmp[NR];
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, part[r][c]);
+      const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
+      add_row(j->y + r * t->N + n0, tmp, nc, p == 0, b);
+    }
+    kq += nb * t->bs;
+  }
+}
+#endif
 
 /* ---- MeshLinearQ's AMX path: passes of many token rows (speculative verification, prefill) ----
  *
@@ -1675,6 +1766,12 @@ static void qtask(void* data, size_t i) {
   const size_t q0 = i * j->panels_per_task;
   const size_t q1 = q0 + j->panels_per_task < j->t->panels ? q0 + j->panels_per_task : j->t->panels;
   for (size_t q = q0; q < q1; q++) {
+#if HAVE_VNNI
+    if (j->M > QMAXR && j->M <= QMULTI) {
+      qpanel_rows(j, q);
+      continue;
+    }
+#endif
     size_t m = 0;
     for (; m + QMAXR <= j->M; m += QMAXR) qpanel(j, m, q, QMAXR);
     for (; m + 2 <= j->M; m += 2) qpanel(j, m, q, 2);

@@ -250,18 +250,21 @@ def test_3d_input_and_threads(bits, threads, kernel_path):
     _close(y[0], mesh_op.reference_quantized(x[0], lines, 32))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_rows_do_not_depend_on_the_batch(bits, kernel_path):
+@pytest.mark.parametrize("bits,block", [(8, 32), (8, 128), (4, 32)])
+@pytest.mark.parametrize("T", [4, 9, 11, 19])
+def test_rows_do_not_depend_on_the_batch(bits, block, T, kernel_path):
     """A batch of rows gives bit for bit the results of one row at a time (speculative
-    verification relies on it)."""
-    rng = np.random.default_rng(2)
-    lines = _lines([96, 96, 80], 200, bits, 32, rng)
-    sess, _ = _session(lines, bits, 32)
-    x = rng.standard_normal((11, 272)).astype(np.float32) * rng.uniform(0.1, 10, (11, 1)).astype(
+    verification relies on it): up to 16 rows, whose row groups take each block in turn
+    (qpanel_rows), and more, which sweep each panel once per group of rows."""
+    rng = np.random.default_rng(2 + T)
+    lines = _lines([96 * block // 32, 96 * block // 32, 80], 200, bits, block, rng)
+    sess, _ = _session(lines, bits, block)
+    K = sum(k for *_, k in lines)
+    x = rng.standard_normal((T, K)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(
         np.float32
     )
     batch = sess.run(None, {"x": x})[0]
-    single = np.concatenate([sess.run(None, {"x": x[i : i + 1]})[0] for i in range(11)])
+    single = np.concatenate([sess.run(None, {"x": x[i : i + 1]})[0] for i in range(T)])
     assert np.array_equal(batch, single)
 
 
