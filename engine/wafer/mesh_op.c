@@ -2147,7 +2147,9 @@ static inline void kv_store_row(void* base, size_t i, const float* row, size_t H
 #endif
 }
 
+#ifndef ATTN_ROWS
 #define ATTN_ROWS 4 /* query rows per unit: their query heads share each key and value read */
+#endif
 
 #if defined(__AVX512F__)
 /* r[0..16) <- its transpose (lane j of r[i] <- lane i of r[j]): the classic 4-stage 16 x 16. */

@@ -229,9 +229,10 @@ def test_quantized_is_bit_identical_to_the_native_build(lib, bits, block, T, mon
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_rows_do_not_depend_on_the_batch(lib, bits):
-    q_t.test_rows_do_not_depend_on_the_batch(bits, "vnni")
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 32)])
+@pytest.mark.parametrize("T", [9, 19])
+def test_quantized_rows_do_not_depend_on_the_batch(lib, bits, block, T):
+    q_t.test_rows_do_not_depend_on_the_batch(bits, block, T, "vnni")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
