@@ -1284,13 +1284,8 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
       for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++, blk++, w += qblock_bytes(t))
       qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, MR, part, 0, 1);
-    for (int r = 0; r < MR; r++) {
-      float tmp[NR];
-      for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, part[r][c]);
-      float* yr = j->y + (m + r) * t->N + n0;
-      const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
-      add_row(yr, tmp, nc, p == 0, b);
-    }
+    reduce_into(j->y + m * t->N + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL,
+                (v16(*)[4])part, MR);
 #elif HAVE_AVX2Q /* the AVX2 loop: see above the function */
     const QSegment next = qsegment(t, p + 1, q);
     const uint8_t* end = w + qpanel_bytes(t, p);
@@ -1452,12 +1447,8 @@ static void qpanel_rows(const QJob* j, size_t q) {
       for (; m + 2 <= M; m += 2, g++) qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, 2, part + m, g, G);
       for (; m < M; m++, g++) qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, 1, part + m, g, G);
     }
-    for (size_t r = 0; r < M; r++) {
-      float tmp[NR];
-      for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, part[r][c]);
-      const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
-      add_row(j->y + r * t->N + n0, tmp, nc, p == 0, b);
-    }
+    reduce_into(j->y + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL, (v16(*)[4])part,
+                (int)M);
     kq += nb * t->bs;
   }
 }
