@@ -1075,7 +1075,6 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
 /* Bytes of codes of one panel of line p. */
 static inline size_t qpanel_bytes(const QTiles* t, size_t p) { return t->nb[p] * t->bs * (size_t)t->bits / 32 * 256; }
 
-#if HAVE_VNNI || HAVE_AVX2Q
 typedef struct {
   const uint8_t *codes, *zp;
   const char* scales;
@@ -1094,6 +1093,30 @@ static inline QSegment qsegment(const QTiles* t, size_t p, size_t q) {
   return s;
 }
 
+/* Panel q's line p as the loops read it: nb blocks of codes from `codes` to `end`, their scales
+   from element s0 of `scales` and their zero points from `zp`; `here` and `next` are this segment
+   and the one after it in a task's stream (qsegment), which the prefetches run into. */
+typedef struct {
+  const uint8_t *codes, *end, *zp;
+  const void* scales;
+  size_t nb, s0;
+  QSegment here, next;
+} QLine;
+
+static inline QLine qline(const QTiles* t, size_t p, size_t q) {
+  QLine L;
+  L.nb = t->nb[p];
+  L.codes = t->codes[p] + q * qpanel_bytes(t, p);
+  L.end = L.codes + qpanel_bytes(t, p);
+  L.scales = t->scales[p];
+  L.s0 = q * L.nb * NR; /* the panel's first scale */
+  L.zp = t->zp[p] + q * L.nb * NR;
+  L.here = qsegment(t, p, q);
+  L.next = qsegment(t, p + 1, q);
+  return L;
+}
+
+#if HAVE_VNNI || HAVE_AVX2Q
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192 /* how far ahead of the codes being read to prefetch (measured: 2-32 KB) */
 #endif
@@ -1162,19 +1185,19 @@ static inline int prefetch_turn(size_t* turn, size_t G) {
   return 1;
 }
 
-/* Block b (the op's block blk) of a panel's line for token rows [m, m + MR): the exact int32 dot
+/* Block b (the op's block blk, its codes at w) of line L for token rows [m, m + MR): the exact int32 dot
    products of its 4 column groups, scaled into part[r][c] (float, blocks added in order).  Row
    group g of the G that read this block in turn prefetches its share of the codes PREFETCH_BYTES
    ahead (prefetch_turn), and the first group the next blocks' scales and zero points. */
-static inline __attribute__((always_inline)) void qblock(const QJob* j, const uint8_t* w, const uint8_t* end,
-                                                         QSegment here, QSegment next, const uint8_t* zp,
-                                                         const void* sc, size_t s0, size_t b, size_t nb,
+static inline __attribute__((always_inline)) void qblock(const QJob* j, const QLine* L, const uint8_t* w, size_t b,
                                                          size_t blk, size_t kq, size_t m, const int MR, __m512 part[][4],
                                                          size_t g, size_t G) {
   const QTiles* t = j->t;
+  const uint8_t *end = L->end, *zp = L->zp;
+  const QSegment next = L->next;
   const size_t bs = t->bs;
   __m512i acc[QMAXR][4], odd[4];
-  if (g == 0) prefetch_meta(t, here, next, b + PREFETCH_BLOCKS, nb);
+  if (g == 0) prefetch_meta(t, L->here, next, b + PREFETCH_BLOCKS, L->nb);
   size_t turn = g; /* this group prefetches the steps i = g (mod G) */
   /* -zp * sum(a) as int16 products (madd_epi16: one uop, not mullo's two): zp < 256 and
      |sum(a)| <= 127 bs, which fits an int16 for blocks of up to 256 */
@@ -1251,7 +1274,7 @@ static inline __attribute__((always_inline)) void qblock(const QJob* j, const ui
     const __m512 s = _mm512_set1_ps(j->xs[(m + r) * t->blocks + blk]);
     for (int c = 0; c < 4; c++)
       part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
-                                   _mm512_mul_ps(scales16(t, sc, s0 + b * NR + 16 * c), s), part[r][c]);
+                                   _mm512_mul_ps(scales16(t, L->scales, L->s0 + b * NR + 16 * c), s), part[r][c]);
   }
 }
 #endif
@@ -1271,24 +1294,20 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
   const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR, bs = t->bs;
   size_t kq = 0, blk = 0;
   for (size_t p = 0; p < t->lines; p++) {
-    const size_t nb = t->nb[p];
-    const uint8_t* w = t->codes[p] + q * qpanel_bytes(t, p);
-    const void* sc = t->scales[p];
-    const size_t s0 = q * nb * NR; /* the panel's first scale */
-    const uint8_t* zp = t->zp[p] + q * nb * NR;
+    const QLine L = qline(t, p, q);
+    const size_t nb = L.nb;
+    const uint8_t* w = L.codes;
 #if HAVE_VNNI
-    const QSegment here = qsegment(t, p, q), next = qsegment(t, p + 1, q);
-    const uint8_t* end = w + qpanel_bytes(t, p);
     __m512 part[QMAXR][4];
     for (int r = 0; r < MR; r++)
       for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++, blk++, w += qblock_bytes(t))
-      qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, MR, part, 0, 1);
+      qblock(j, &L, w, b, blk, kq, m, MR, part, 0, 1);
     reduce_into(j->y + m * t->N + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL,
                 (v16(*)[4])part, MR);
 #elif HAVE_AVX2Q /* the AVX2 loop: see above the function */
-    const QSegment next = qsegment(t, p + 1, q);
-    const uint8_t* end = w + qpanel_bytes(t, p);
+    const uint8_t *end = L.end, *zp = L.zp;
+    const QSegment next = L.next;
     const size_t bbytes = bs * (size_t)t->bits / 32 * 256; /* one block's codes */
     float part[QMAXR][NR] __attribute__((aligned(32)));
     int32_t dots[QMAXR][NR] __attribute__((aligned(32)));
@@ -1365,9 +1384,9 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         }
       }
       for (int c = 0; c < 8; c++) {
-        const size_t si = s0 + b * NR + 8 * c;
-        const __m256 sc8 = t->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)sc + si)))
-                                   : _mm256_loadu_ps((const float*)sc + si);
+        const size_t si = L.s0 + b * NR + 8 * c;
+        const __m256 sc8 = t->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)L.scales + si)))
+                                   : _mm256_loadu_ps((const float*)L.scales + si);
         for (int r = 0; r < MR; r++) {
           const __m256 xs = _mm256_set1_ps(j->xs[(m + r) * t->blocks + blk]);
           _mm256_store_ps(part[r] + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(dots[r] + 8 * c))),
@@ -1389,7 +1408,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
         const int8_t* a = j->xq + (m + r) * t->Kq + kq + b * bs;
         int32_t acc[NR];
         const int32_t s = j->xsum[(m + r) * t->blocks + blk + b];
-        for (size_t c = 0; c < NR; c++) acc[c] = -(int32_t)zp[b * NR + c] * s;
+        for (size_t c = 0; c < NR; c++) acc[c] = -(int32_t)L.zp[b * NR + c] * s;
         const size_t group = t->bits == 8 ? 4 : 8;
         for (size_t k = 0; k < bs; k += group, wr += 256)
           for (size_t c = 0; c < NR; c++)
@@ -1402,7 +1421,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
               }
             }
         const float xsb = j->xs[(m + r) * t->blocks + blk + b];
-        for (size_t c = 0; c < NR; c++) part[c] = __builtin_fmaf((float)acc[c], scale_at(t, sc, s0 + b * NR + c) * xsb, part[c]);
+        for (size_t c = 0; c < NR; c++) part[c] = __builtin_fmaf((float)acc[c], scale_at(t, L.scales, L.s0 + b * NR + c) * xsb, part[c]);
       }
       float* yr = j->y + (m + r) * t->N + n0;
       const float* b = p + 1 == t->lines && t->bias ? t->bias + n0 : NULL;
@@ -1431,21 +1450,17 @@ static void qpanel_rows(const QJob* j, size_t q) {
   __m512 part[QMULTI][4];
   size_t kq = 0, blk = 0;
   for (size_t p = 0; p < t->lines; p++) {
-    const size_t nb = t->nb[p];
-    const uint8_t* w = t->codes[p] + q * qpanel_bytes(t, p);
-    const void* sc = t->scales[p];
-    const size_t s0 = q * nb * NR;
-    const uint8_t* zp = t->zp[p] + q * nb * NR;
-    const QSegment here = qsegment(t, p, q), next = qsegment(t, p + 1, q);
-    const uint8_t* end = w + qpanel_bytes(t, p);
+    const QLine L = qline(t, p, q);
+    const size_t nb = L.nb;
+    const uint8_t* w = L.codes;
     for (size_t r = 0; r < M; r++)
       for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++, blk++, w += qblock_bytes(t)) {
       size_t m = 0, g = 0;
       for (; m + QMAXR <= M; m += QMAXR, g++)
-        qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, QMAXR, part + m, g, G);
-      for (; m + 2 <= M; m += 2, g++) qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, 2, part + m, g, G);
-      for (; m < M; m++, g++) qblock(j, w, end, here, next, zp, sc, s0, b, nb, blk, kq, m, 1, part + m, g, G);
+        qblock(j, &L, w, b, blk, kq, m, QMAXR, part + m, g, G);
+      for (; m + 2 <= M; m += 2, g++) qblock(j, &L, w, b, blk, kq, m, 2, part + m, g, G);
+      for (; m < M; m++, g++) qblock(j, &L, w, b, blk, kq, m, 1, part + m, g, G);
     }
     reduce_into(j->y + n0, t->N, nc, p == 0, p + 1 == t->lines && t->bias ? t->bias + n0 : NULL, (v16(*)[4])part,
                 (int)M);
@@ -1672,11 +1687,10 @@ static void qtask_amx(void* data, size_t i) {
     const size_t n0 = q * NR, nc = t->N - n0 < NR ? t->N - n0 : NR;
     size_t blk = 0;
     for (size_t p = 0; p < t->lines; p++) {
-      const size_t nb = t->nb[p];
-      const uint8_t* w = t->codes[p] + q * (nb * bs * (size_t)t->bits / 32) * 256;
-      const void* sc = t->scales[p];
-      const size_t s0 = q * nb * NR, sb = t->half ? 2 : 4; /* the panel's first scale, bytes each */
-      const uint8_t* zp = t->zp[p] + q * nb * NR;
+      const QLine L = qline(t, p, q);
+      const size_t nb = L.nb, s0 = L.s0, sb = t->half ? 2 : 4; /* the panel's first scale, bytes each */
+      const uint8_t *w = L.codes, *zp = L.zp;
+      const void* sc = L.scales;
       const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = AMX_PREFETCH_BYTES / cb ? AMX_PREFETCH_BYTES / cb : 1;
       memset(part, 0, j->M * NR * sizeof(float));
       for (size_t b = 0; b < AMX_AHEAD && b < nb && t->bits == 4; b++)
