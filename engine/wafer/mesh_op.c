@@ -1072,8 +1072,9 @@ static void quantize_rows(const QTiles* t, const float* x, size_t M, int8_t* xq,
   }
 }
 
-/* Bytes of codes of one panel of line p. */
-static inline size_t qpanel_bytes(const QTiles* t, size_t p) { return t->nb[p] * t->bs * (size_t)t->bits / 32 * 256; }
+/* Bytes of codes of one block of a panel's line (bs k x NR columns), and of one panel of line p. */
+static inline size_t qblock_bytes(const QTiles* t) { return t->bs * (size_t)t->bits / 32 * 256; }
+static inline size_t qpanel_bytes(const QTiles* t, size_t p) { return t->nb[p] * qblock_bytes(t); }
 
 typedef struct {
   const uint8_t *codes, *zp;
@@ -1170,9 +1171,6 @@ static inline void prefetch_meta(const QTiles* t, QSegment here, QSegment next, 
 #define KEEP(v) ((void)0)
 #define DPBUSD(acc, w, x) ((acc) = _mm512_dpbusd_epi32((acc), (w), (x)))
 #endif
-/* One block's codes in a panel's line (bs k x NR columns). */
-static inline size_t qblock_bytes(const QTiles* t) { return t->bs * (size_t)t->bits / 32 * 256; }
-
 /* Whether this 256-byte step of a block is one whose codes this row group prefetches: with G
    groups reading each block in turn, group g takes every G-th step (from its g-th), so the next
    codes are asked for at the same rate all through the block, not only while its first group reads it. */
@@ -1308,7 +1306,7 @@ static inline __attribute__((always_inline)) void qpanel(const QJob* j, size_t m
 #elif HAVE_AVX2Q /* the AVX2 loop: see above the function */
     const uint8_t *end = L.end, *zp = L.zp;
     const QSegment next = L.next;
-    const size_t bbytes = bs * (size_t)t->bits / 32 * 256; /* one block's codes */
+    const size_t bbytes = qblock_bytes(t);
     float part[QMAXR][NR] __attribute__((aligned(32)));
     int32_t dots[QMAXR][NR] __attribute__((aligned(32)));
     int16_t xw[QMAXR][XW_K] __attribute__((aligned(32))); /* int8: activations as int16, XW_K at a time */
@@ -1691,7 +1689,7 @@ static void qtask_amx(void* data, size_t i) {
       const size_t nb = L.nb, s0 = L.s0, sb = t->half ? 2 : 4; /* the panel's first scale, bytes each */
       const uint8_t *w = L.codes, *zp = L.zp;
       const void* sc = L.scales;
-      const size_t cb = bs * (size_t)t->bits / 32 * 256, pf_ahead = AMX_PREFETCH_BYTES / cb ? AMX_PREFETCH_BYTES / cb : 1;
+      const size_t cb = qblock_bytes(t), pf_ahead = AMX_PREFETCH_BYTES / cb ? AMX_PREFETCH_BYTES / cb : 1;
       memset(part, 0, j->M * NR * sizeof(float));
       for (size_t b = 0; b < AMX_AHEAD && b < nb && t->bits == 4; b++)
         amx_unpack4(w + b * (bs / 8) * 256, zp + b * NR, bs, unpacked + (b % AMX_RING) * bs * NR);
