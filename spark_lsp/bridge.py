@@ -2,8 +2,9 @@
 to the user's session host (`spark_lsp.session_host`), which runs every editor's language-server
 session in one process with one copy of each model.
 
-What an editor starts is then about 10 MB (Python and this module: the standard library only, no
-pygls, numpy or engine), instead of a full server with its own tokenizer or engine. The bridge:
+What an editor starts is then Python and this module (the standard library only, no pygls,
+numpy or engine) while it connects, and a waiting shell afterwards, instead of a full server with
+its own tokenizer or engine. The bridge:
 
 1. reads the host's record in the user's runtime directory (the engine daemon's:
    `$SPARK_LSP_RUN_DIR`, else `$XDG_RUNTIME_DIR/spark-lsp`, else `~/.cache/spark-lsp/run`, a
@@ -14,8 +15,13 @@ pygls, numpy or engine), instead of a full server with its own tokenizer or engi
    holds a lock for its lifetime: a second one exits at once);
 3. connects to the socket (in the 0700 folder; the host also checks the peer's uid), sends one
    JSON line (the token, and this editor's `--model` / `--engine`), and reads the host's answer;
-4. copies bytes both ways until either side closes. The LSP framing is followed (not parsed
-   into objects) only to see `shutdown` / `exit` go by and to know where a message ends.
+4. hands the editor's stdin and stdout to the host (`SCM_RIGHTS` over the socket), so the host
+   reads and writes the editor's pipes itself, and becomes a waiter: `/bin/sh` blocked on one
+   read of the socket (about 1.7 MB resident, 0.4 MB proportional, where a Python process takes
+   11 and 6), which exits with the status the host sends when the session ends. Where the
+   editor's stdio is not a pipe or a socket (a terminal, a file) the bridge instead copies bytes
+   both ways until either side closes, following the LSP framing (not parsing it into objects)
+   to see `shutdown` / `exit` go by and to know where a message ends.
 
 If the host goes away while the editor still talks to it, the editor gets a
 `window/showMessage` error saying so and the bridge exits with status 1, which editors report
@@ -76,6 +82,15 @@ LIFE_LOCK = f"lsp-host-{INSTALL}.lock"  # held by the host for its whole life
 SOCKET = f"lsp-host-{INSTALL}.sock"
 LOG = "lsp-host.log"
 PROTOCOL = 1
+#: The waiter a bridge becomes once the host holds the editor's stdio: fd 3 is the socket to the
+#: host, which sends the exit status ("0" or "1") when the session ends; if the socket closes
+#: without one, the host died: $2 goes to stderr, $1 (an LSP `window/showMessage` frame) to the
+#: editor, and the status is 1. POSIX sh, so the bridge costs a shell's memory while it waits.
+WAITER = (
+    'if IFS= read -r status <&3; then case "$status" in 0|1) exit "$status";; esac; fi; '
+    "printf '%s\\n' \"$2\" >&2; printf '%s' \"$1\"; exit 1"
+)
+SHELL = "/bin/sh"
 START_TIMEOUT_S = 60.0
 HELLO_TIMEOUT_S = 30.0
 CONNECT_TRIES = 4
@@ -366,35 +381,98 @@ def pump(sock: socket.socket, stdin: int = 0, stdout: int = 1, host_pid: int | N
         pass
     if seen["exit"]:
         return 0 if seen["shutdown"] else 1
-    if seen["eof"]:
-        return 0  # the editor closed its end
-    host = (
-        f"the shared spark-lsp session host (pid {host_pid})"
-        if host_pid
-        else ("the shared spark-lsp session host")
-    )
-    if host_pid and _outlives(host_pid, 0.3):  # a dying process closes its sockets first
-        what = f"{host} closed this editor's session"
-    else:
-        what = f"{host} stopped"
-    log_path = os.path.join(runtime_dir(), LOG)
-    message = f"spark-lsp: {what}; restart the language server (log: {log_path})"
-    print(f"spark-lsp serve --shared: {message}", file=sys.stderr, flush=True)
+    if seen["eof"]:  # the editor closed its end: as `serve --stdio` then exits
+        return 0 if seen["shutdown"] else 1
+    # a dying process closes its sockets first
+    closed = bool(host_pid) and _outlives(host_pid, 0.3)
+    notice, text = host_notice(host_pid, "closed this editor's session" if closed else "stopped")
+    print(text, file=sys.stderr, flush=True)
     if outbound.at_boundary:  # never inside a half-written message
         try:
-            _write_all(
-                stdout,
-                frame(
-                    {
-                        "jsonrpc": "2.0",
-                        "method": "window/showMessage",
-                        "params": {"type": 1, "message": message},
-                    }
-                ),
-            )
+            _write_all(stdout, notice)
         except OSError:
             pass
     return 1
+
+
+# -- handing the editor's stdio to the host ------------------------------------------------------
+def can_hand_off(stdin: int = 0, stdout: int = 1) -> bool:
+    """Whether the editor's stdio can be handed to the host: both pipes or sockets (what editors
+    spawn servers with), not one socket for both ways, and a POSIX shell to wait in. A terminal
+    or a file is copied instead (the host would set it non-blocking under the user's shell)."""
+    import stat
+
+    if not hasattr(socket, "SCM_RIGHTS") or not os.access(SHELL, os.X_OK):
+        return False
+    try:
+        a, b = os.fstat(stdin), os.fstat(stdout)
+    except OSError:
+        return False
+    piped = all(stat.S_ISFIFO(x.st_mode) or stat.S_ISSOCK(x.st_mode) for x in (a, b))
+    return piped and (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino)
+
+
+def send_stdio(sock: socket.socket, stdin: int = 0, stdout: int = 1) -> None:
+    """Send the host our `stdin` and `stdout` (one byte carrying both descriptors)."""
+    fds = stdin.to_bytes(4, sys.byteorder) + stdout.to_bytes(4, sys.byteorder)
+    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+
+
+def host_notice(host_pid: int | None, what: str, folder: str | None = None) -> tuple[bytes, str]:
+    """What the editor is told when the host `what` ("stopped", "closed this editor's
+    session"): (the `window/showMessage` error as a frame, the line for stderr)."""
+    host = "the shared spark-lsp session host" + (f" (pid {host_pid})" if host_pid else "")
+    log_path = os.path.join(folder or runtime_dir(), LOG)
+    message = f"spark-lsp: {host} {what}; restart the language server (log: {log_path})"
+    notice = {"jsonrpc": "2.0", "method": "window/showMessage"}
+    return frame({**notice, "params": {"type": 1, "message": message}}), (
+        f"spark-lsp serve --shared: {message}"
+    )
+
+
+def death_notice(host_pid: int | None) -> tuple[bytes, str]:
+    """What the editor is told if the host dies while the bridge waits."""
+    return host_notice(host_pid, "stopped")
+
+
+def wait_host(sock: socket.socket, host_pid: int | None, stdout: int = 1) -> int:
+    """The waiter in Python (where `SHELL` cannot be run): the status the host sends when the
+    session ends; if the host dies first, the editor is told and the status is 1."""
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            data = sock.recv(16)
+            if not data:
+                break
+            line += data
+    except OSError:
+        pass
+    if line in (b"0\n", b"1\n"):  # a whole line, as the shell's `read` takes it
+        return int(line)
+    notice, text = death_notice(host_pid)
+    print(text, file=sys.stderr, flush=True)
+    try:
+        _write_all(stdout, notice)
+    except OSError:
+        pass
+    return 1
+
+
+def become_waiter(sock: socket.socket, host_pid: int | None) -> int:
+    """Replace this process by the shell waiter (`WAITER`), keeping only the socket (as fd 3),
+    the editor's stdout (for the death notice) and stderr; returns only if the shell cannot run."""
+    notice, text = death_notice(host_pid)
+    try:
+        if sock.fileno() != 3:
+            os.dup2(sock.fileno(), 3)
+        os.set_inheritable(3, True)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the host reads the editor's stdin; the waiter holds no copy of it
+        os.close(null)
+        os.execv(SHELL, ["sh", "-c", WAITER, "spark-lsp-bridge", notice.decode(), text])
+    except OSError:
+        pass
+    return wait_host(sock, host_pid)
 
 
 def stop_host(pid: int, timeout_s: float = 10.0) -> bool:
@@ -432,12 +510,20 @@ def main(model: str | None = None, engine: str | None = None) -> int:
     them (a model path is made absolute here, where the editor's working directory is known)."""
     if model and os.path.exists(os.path.expanduser(model)):
         model = os.path.abspath(os.path.expanduser(model))
+    handoff = can_hand_off()
     try:
-        sock, reply = open_session({"model": model or None, "engine": engine})
+        sock, reply = open_session({"model": model or None, "engine": engine, "handoff": handoff})
     except BridgeError as exc:
         print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, HostRefused) else 1
     try:
+        if handoff and reply.get("handoff"):
+            try:
+                send_stdio(sock)
+            except OSError as exc:
+                print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
+                return 1
+            return become_waiter(sock, reply.get("pid"))
         return pump(sock, host_pid=reply.get("pid"))
     finally:
         sock.close()

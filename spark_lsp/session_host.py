@@ -2,10 +2,13 @@
 sessions sharing one engine per model (`model_host.SharedModels`).
 
 Editors start `spark-lsp serve --stdio --shared`, a tiny bridge (`spark_lsp.bridge`) that
-connects here over a Unix socket in the user's runtime directory and copies the editor's bytes.
-Each connection is one full session of the same server `serve --stdio` runs (`create_server`,
-fed as the TCP transport feeds its sessions: `transports.run_stream_session`), so every feature
-is the same; its own documents, settings, engine thread and responses. Sessions that configure
+connects here over a Unix socket in the user's runtime directory and hands over the editor's stdin
+and stdout (`SCM_RIGHTS`; the host then reads and writes the editor's pipes itself, with no
+process relaying between them, and tells the waiting bridge its exit status at the end), or, where
+its stdio is not a pipe, copies the editor's bytes over the socket. Each connection is one full
+session of the same server `serve --stdio` runs (`create_server`, fed as the TCP transport feeds
+its sessions: `transports.run_stream_session`), so every feature is the same; its own documents,
+settings, engine thread and responses. Sessions that configure
 the same model (folder and precision) share one `LocalModel` (weights, KV cache pool, tokenizer);
 one that configures another model gets its own; `engine: auto` / `ws://` sessions use a daemon as
 they would from `serve --stdio`.
@@ -36,7 +39,7 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.heap import trim_heap
 from engine.service import rundir
@@ -53,6 +56,8 @@ IDLE_EXIT_S = 600.0
 IDLE_ENV = "SPARK_LSP_HOST_IDLE_EXIT"
 SPINNING_ENV = "SPARK_LSP_HOST_SPINNING"
 HELLO_TIMEOUT_S = 10.0
+#: How long a closing session waits for the editor to read what was written to it.
+FLUSH_TIMEOUT_S = 5.0
 #: The longest Unix socket path (sun_path holds 108 bytes with its terminating NUL).
 MAX_SOCKET_PATH = 107
 
@@ -175,9 +180,13 @@ class SessionHost:
         if opened is None:
             writer.close()
             return
-        n, session = opened
+        n, session, stdio = opened
+        status: int | None = None
         try:
-            await transports.run_stream_session(session, reader, f"session {n}")
+            if stdio is None:
+                await transports.run_stream_session(session, reader, f"session {n}")
+            else:
+                status = await self._run_handed_off(n, session, reader, stdio.reader)
         except Exception:  # a session's failure ends that session only
             log.exception("session %d failed", n)
         finally:
@@ -185,16 +194,69 @@ class SessionHost:
                 session.close()  # its generations stop, its model and KV slots are given back
             finally:  # counted until then: `sessions` never runs ahead of the models' `sharedBy`
                 self.sessions.pop(n, None)
+            if stdio is not None:
+                await self._end_handed_off(writer, stdio, status)
             writer.close()
             self.last_active = time.monotonic()
             model_host.settle_heap()  # the closed session's objects are collected, not frozen
             trim_heap()
             log.info("session %d closed (%d open)", n, len(self.sessions))
 
+    async def _run_handed_off(
+        self,
+        n: int,
+        session: transports.Session,
+        control: asyncio.StreamReader,
+        editor: asyncio.StreamReader,
+    ) -> int | None:
+        """Run a session on the editor's own stdin until the editor ends it (its exit status:
+        `exit`'s, or at the end of its input 0 after `shutdown`, else 1, as `serve --stdio`),
+        its waiting bridge goes away (-1: nobody to tell) or the host closes it (None)."""
+        run = asyncio.ensure_future(transports.run_stream_session(session, editor, f"session {n}"))
+        gone = asyncio.ensure_future(control.read(1))  # the waiter sends nothing: EOF = gone
+        try:
+            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (run, gone):
+                task.cancel()
+        if gone.done() and not gone.cancelled():
+            return -1
+        run.result()  # a session's failure is logged by the caller
+        ls = session.ls
+        if session.exited and ls.exit_code is not None:
+            return ls.exit_code
+        if editor.at_eof():
+            return 0 if ls.protocol._shutdown else 1
+        return None  # a stream that is not LSP: closed by the host
+
+    async def _end_handed_off(
+        self, control: asyncio.StreamWriter, stdio: EditorStdio, status: int | None
+    ) -> None:
+        """Finish a handed-off session: the editor gets every byte written to it (and, when the
+        host closed the session, a message saying so), then the bridge its exit status."""
+        stdio.inbound.close()
+        out = stdio.writer
+        if status is None:
+            what = "closed this editor's session"
+            out.write(bridge.host_notice(os.getpid(), what, str(self.folder))[0])
+            status = 1
+        out.close()
+        try:
+            await asyncio.wait_for(out.wait_closed(), FLUSH_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError):
+            pass  # an editor that stopped reading: its pipe is closed with what it did not read
+        if status >= 0:
+            control.write(b"%d\n" % status)
+            try:
+                await asyncio.wait_for(control.drain(), FLUSH_TIMEOUT_S)
+            except (asyncio.TimeoutError, OSError):
+                pass
+
     async def _hello(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[int, transports.Session] | None:
-        """Check the connection and its hello line; the new session, or None (refused)."""
+    ) -> tuple[int, transports.Session, EditorStdio | None] | None:
+        """Check the connection and its hello line; the new session and, when the bridge handed
+        over the editor's stdio, its streams; None when refused."""
 
         def refuse(why: str) -> None:
             log.warning("refused a connection: %s", why)
@@ -244,11 +306,31 @@ class SessionHost:
             refuse(f"cannot start a session: {type(exc).__name__}: {exc}")
             return None
         session.ls.state.host_info = lambda: self.info(n)
+        handoff = hello.get("handoff") is True and hasattr(socket, "recv_fds")
+        if handoff:  # the bridge's next byte carries its stdio: the transport must not read it
+            writer.transport.pause_reading()
+        answer = {"ok": True, "pid": os.getpid(), "session": n, "handoff": handoff}
+        writer.write(json.dumps(answer).encode() + b"\n")
+        stdio = None
+        if handoff:
+            try:
+                stdio = await take_stdio(writer.get_extra_info("socket"), HELLO_TIMEOUT_S)
+            except (OSError, ValueError, asyncio.TimeoutError) as exc:
+                log.warning("session %d: no stdio from its bridge: %s", n, exc)
+                session.close()
+                return None
+            session.ls.protocol.set_writer(stdio.writer, include_headers=True)
+            writer.transport.resume_reading()  # from now on only the bridge's end: EOF
         self.sessions[n] = session
         self.opened += 1
-        writer.write(json.dumps({"ok": True, "pid": os.getpid(), "session": n}).encode() + b"\n")
-        log.info("session %d opened (model %s, engine %s)", n, model or "default", engine)
-        return n, session
+        log.info(
+            "session %d opened (model %s, engine %s%s)",
+            n,
+            model or "default",
+            engine,
+            ", the editor's stdio handed over" if stdio else "",
+        )
+        return n, session, stdio
 
     def _server(self, model: str | None, engine: str | None) -> Any:
         from pygls.protocol import default_converter
@@ -270,6 +352,78 @@ class SessionHost:
             "sessions": len(self.sessions),
             "models": shared.describe() if shared is not None else [],
         }
+
+
+class _PipeWriter(asyncio.streams.FlowControlMixin):
+    """The protocol of a `StreamWriter` on the editor's stdout pipe: flow control, and a
+    `wait_closed` that returns once the pipe's buffered bytes are written and it is closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def _get_close_waiter(self, stream: Any) -> asyncio.Future:
+        return self._closed
+
+
+class EditorStdio(NamedTuple):
+    """A handed-over editor's stdin (as a stream reader and its transport) and stdout."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    inbound: asyncio.ReadTransport
+
+
+async def take_stdio(sock: Any, timeout_s: float) -> EditorStdio:
+    """Receive the editor's stdin and stdout from a bridge (one byte with two descriptors over
+    `sock`, the connection's socket) and open them as the session's streams."""
+    loop = asyncio.get_running_loop()
+    own = socket.socket(fileno=os.dup(sock.fileno()))  # asyncio's socket object has no recvmsg
+    own.setblocking(False)
+    got: asyncio.Future = loop.create_future()
+
+    def ready() -> None:
+        if got.done():  # readable again before the waiting coroutine ran
+            return
+        try:
+            got.set_result(socket.recv_fds(own, 1, 2))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            got.set_exception(exc)
+
+    loop.add_reader(own.fileno(), ready)
+    try:
+        _, fds, _, _ = await asyncio.wait_for(got, timeout_s)
+    finally:
+        loop.remove_reader(own.fileno())
+        own.close()
+    for fd in fds:
+        os.set_inheritable(fd, False)  # never into a daemon the host starts
+    if len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected the editor's stdin and stdout, got {len(fds)} descriptors")
+    inp = os.fdopen(fds[0], "rb", buffering=0)
+    out = os.fdopen(fds[1], "wb", buffering=0)
+    reader = asyncio.StreamReader(limit=MAX_HEADER)
+    inbound = None
+    try:
+        inbound, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), inp)
+        transport, protocol = await loop.connect_write_pipe(_PipeWriter, out)
+    except BaseException:  # e.g. a descriptor that is not a pipe or a socket (ValueError)
+        if inbound is not None:
+            inbound.close()
+        else:
+            inp.close()
+        out.close()
+        raise
+    return EditorStdio(reader, asyncio.StreamWriter(transport, protocol, None, loop), inbound)
 
 
 def peer_uid(sock: socket.socket | None) -> int | None:

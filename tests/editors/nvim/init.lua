@@ -24,5 +24,6 @@ require('spark').setup({
   model = os.getenv('SPARK_TEST_MODEL') ~= '' and os.getenv('SPARK_TEST_MODEL') or nil,
   filetypes = { 'python' },
   inline = os.getenv('SPARK_TEST_INLINE') or 'auto',
+  shared = os.getenv('SPARK_TEST_SHARED') == '1',
   settings = settings,
 })
