@@ -242,7 +242,7 @@ class SessionHost:
             status = 1
         out.close()
         try:
-            await asyncio.wait_for(out.wait_closed(), FLUSH_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(stdio.outbound.closed), FLUSH_TIMEOUT_S)
         except (asyncio.TimeoutError, OSError):
             pass  # an editor that stopped reading: its pipe is closed with what it did not read
         if status >= 0:
@@ -355,20 +355,17 @@ class SessionHost:
 
 
 class _PipeWriter(asyncio.streams.FlowControlMixin):
-    """The protocol of a `StreamWriter` on the editor's stdout pipe: flow control, and a
-    `wait_closed` that returns once the pipe's buffered bytes are written and it is closed."""
+    """The protocol of a `StreamWriter` on the editor's stdout pipe: flow control (`drain`), and
+    `closed`, done once the pipe's buffered bytes are written and it is closed (or broken)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._closed = asyncio.get_running_loop().create_future()
+        self.closed = asyncio.get_running_loop().create_future()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        if not self._closed.done():
-            self._closed.set_result(None)
-
-    def _get_close_waiter(self, stream: Any) -> asyncio.Future:
-        return self._closed
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
 class EditorStdio(NamedTuple):
@@ -377,6 +374,7 @@ class EditorStdio(NamedTuple):
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     inbound: asyncio.ReadTransport
+    outbound: _PipeWriter
 
 
 async def take_stdio(sock: Any, timeout_s: float) -> EditorStdio:
@@ -423,7 +421,8 @@ async def take_stdio(sock: Any, timeout_s: float) -> EditorStdio:
             inp.close()
         out.close()
         raise
-    return EditorStdio(reader, asyncio.StreamWriter(transport, protocol, None, loop), inbound)
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+    return EditorStdio(reader, writer, inbound, protocol)
 
 
 def peer_uid(sock: socket.socket | None) -> int | None:

@@ -485,9 +485,10 @@ def test_a_bridge_whose_stdio_is_one_socket_copies_the_bytes(tiny_llama, run_dir
 def test_a_handed_over_session_ends_with_the_status_lsp_asks(tiny_llama, run_dir):
     """The host tells the waiting bridge the status `serve --stdio` would exit with: 0 after
     `shutdown` then `exit`, 1 for `exit` alone, and at the end of the editor's input 0 after
-    `shutdown`, else 1; every response written before the exit reaches the editor."""
+    `shutdown`, else 1; every response written before the exit reaches the editor. A host
+    stopped by SIGTERM tells each editor it closed its session, and the status is 1."""
     a, b, c = raw(tiny_llama), raw(tiny_llama), raw(tiny_llama)
-    d = raw(tiny_llama)
+    d, e = raw(tiny_llama), raw(tiny_llama)
     try:
         a.shutdown()
         assert a.proc.returncode == 0
@@ -498,8 +499,14 @@ def test_a_handed_over_session_ends_with_the_status_lsp_asks(tiny_llama, run_dir
         assert c.proc.wait(30) == 0
         d.proc.stdin.close()
         assert d.proc.wait(30) == 1
+        host = e.call("spark/metrics", {})["sessionHost"]["pid"]
+        os.kill(host, signal.SIGTERM)
+        assert e.proc.wait(30) == 1
+        shown = [p for _, m, p in e.notifications if m == "window/showMessage"]
+        assert shown and f"(pid {host}) closed this editor's session" in shown[-1]["message"]
+        assert wait_gone(host, 30)
     finally:
-        for client in (a, b, c, d):
+        for client in (a, b, c, d, e):
             if client.proc.poll() is None:
                 client.proc.kill()
 
