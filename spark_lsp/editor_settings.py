@@ -204,7 +204,7 @@ def settings_md(_: str = "") -> str:
             "before the editor sends any settings. Each session's settings (`model`, `engine`,",
             "`precision` and the rest) work as without it; sessions with the same `model` and",
             "`precision` share one engine. To opt in: VS Code",
-            '`"spark.server.extraArgs": ["--shared"]`; Neovim',
+            '`"spark.server.shared": true`; Neovim',
             "`require('spark').setup({ shared = true })`.",
             "",
         ]

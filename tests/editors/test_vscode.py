@@ -4,7 +4,7 @@ drives it from headless Chromium (type → ghost text → Tab → code action �
 Needs the toolchain that `.ci/run` installs (`editors/vscode/test/e2e.sh --install-only`: Debian
 chromium + dev packages, Node 24, code-server, playwright-core). Without it the test is skipped
 locally, and fails under CI=true, where the toolchain is expected. Run twice: with the server the
-extension starts by default, and with `"spark.server.extraArgs": ["--shared"]`, where that server
+extension starts by default, and with `"spark.server.shared": true`, where that server
 is a bridge handing VS Code's stdio to a session host of the test's own."""
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ export function which(name: string, envPath = process.env.PATH ?? ''): string | 
 export function resolveServerCommand(): ServerCommand {
   const cfg = vscode.workspace.getConfiguration('spark');
   const extra = cfg.get<string[]>('server.extraArgs', []);
-  const serve = ['serve', ...extra];
+  const shared = cfg.get<boolean>('server.shared', false) && !extra.includes('--shared');
+  const serve = ['serve', ...(shared ? ['--shared'] : []), ...extra];
 
   const configured = cfg.get<string>('server.path', '').trim();
   if (configured) {

@@ -49,7 +49,7 @@ export function documentSelector(): { scheme: string; language?: string }[] {
 
 /** Whether a configuration change touches something only a server restart applies. */
 export function needsRestart(e: vscode.ConfigurationChangeEvent): boolean {
-  return ['spark.server.path', 'spark.server.extraArgs', 'spark.languages']
+  return ['spark.server.path', 'spark.server.extraArgs', 'spark.server.shared', 'spark.languages']
     .some((s) => e.affectsConfiguration(s));
 }
 

@@ -8,7 +8,7 @@
 #
 # Defaults: the bundled model (no --model), artifacts in artifacts/vscode-e2e/, the spark-lsp found
 # next to `python3` or on PATH. Toolchains live in $SPARK_TOOLS_DIR (default ~/.cache/spark-lsp/tools, shared by clones).
-# --shared: the server runs as `serve --stdio --shared` ("spark.server.extraArgs"), a bridge to the
+# --shared: the server runs as `serve --stdio --shared` ("spark.server.shared"), a bridge to the
 # user's session host (set SPARK_LSP_RUN_DIR to keep that host apart from the user's own).
 set -euo pipefail
 
@@ -129,7 +129,7 @@ json.dump({
     "spark.server.path": server,
     "spark.model": model,
     "spark.minConfidence": 0,  # every suggestion: the run needs ghost text from a small model
-    "spark.server.extraArgs": ["--shared"] if shared == "1" else [],
+    "spark.server.shared": shared == "1",
 }, open(path, "w"), indent=2)
 PY
 T_INST0=$(now)
