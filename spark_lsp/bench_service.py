@@ -82,7 +82,7 @@ from .prompt import PromptBuilder
 ROOT = Path(__file__).resolve().parents[1]
 #: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
 MEMORY_MODELS = "default,synthetic-qwen2.5-coder-0.5b@int4"
-MEMORY_MODES = "daemon,host"
+MEMORY_MODES = "daemon,host,host-daemon"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=MEMORY_MODES,
         metavar="LIST",
         help="what --memory compares with one in-process server: daemon (4 servers with "
-        "engine: auto and their daemon), host (4 bridges and their session host); default "
+        "engine: auto and their daemon), host (4 bridges and their session host), host-daemon "
+        f"(4 bridges, their host, its sessions with engine: auto, and their daemon); default "
         f"{MEMORY_MODES}",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -763,12 +764,13 @@ def run_memory(
     precision: str | None,
     text: str,
     sessions: int = 4,
-    modes: tuple[str, ...] = ("daemon", "host"),
+    modes: tuple[str, ...] = tuple(MEMORY_MODES.split(",")),
 ) -> dict:
     """Resident memory of one in-process language server vs `sessions` language servers with
-    `engine: auto` and the one daemon they share (mode `daemon`), and vs `sessions` editors'
-    bridges and the one session host they share (mode `host`), each session with a document
-    open and one suggestion made."""
+    `engine: auto` and the one daemon they share (mode `daemon`), vs `sessions` editors'
+    bridges and the one session host they share (mode `host`), and vs the bridges, the host and
+    the daemon its sessions use with `engine: auto` (mode `host-daemon`), each session with a
+    document open and one suggestion made."""
     from engine.lab.models import SYNTHETIC, synthetic_model
 
     if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
@@ -789,6 +791,8 @@ def run_memory(
         out.update(_memory_daemon(model, options, text, sessions, one))
     if "host" in modes:
         out["host"] = _memory_host(model, options, text, sessions, one)
+    if "host-daemon" in modes:
+        out["host_daemon"] = _memory_host(model, options, text, sessions, one, daemon=True)
     return out
 
 
@@ -843,53 +847,73 @@ def _memory_daemon(
 
 
 def _memory_host(
-    model: str | None, options: dict, text: str, sessions: int, one: dict[str, float]
+    model: str | None,
+    options: dict,
+    text: str,
+    sessions: int,
+    one: dict[str, float],
+    daemon: bool = False,
 ) -> dict:
     """`sessions` editors' bridges (`serve --stdio --shared`) and the session host they share
     (the first bridge starts it; the bench checks that every session runs in it and that they
-    share one engine)."""
+    share one engine); with `daemon`, the sessions use `engine: auto`, so that engine is the
+    daemon the first one starts (and its memory is counted)."""
     from spark_lsp import bridge
 
+    if daemon:
+        options = {**options, "engine": "auto"}
     with tempfile.TemporaryDirectory(prefix="spark-") as run_dir:
         old = os.environ.get(bridge.ENV_DIR)
-        os.environ[bridge.ENV_DIR] = run_dir  # a host of this run only, not the user's
-        clients, host_pid = [], None
+        # a host (and a daemon: rundir reads the same variable) of this run only, not the user's
+        os.environ[bridge.ENV_DIR] = run_dir
+        clients, host_pid, recs, parts = [], None, [], []
         try:
-            hosts = []
+            hosts, engines = [], []
             for i in range(sessions):
-                client, _ = _server(
+                client, engine = _server(
                     model, options, f"file:///bench/h{i}.py", text, cmd=bridge_cmd(model)
                 )
                 clients.append(client)
+                engines.append(engine)
                 hosts.append((client.call("spark/metrics", {}, 30) or {}).get("sessionHost"))
             pids = {h.get("pid") if h else None for h in hosts}
             shared = hosts[-1].get("models") if hosts[-1] else None
-            if (
-                len(pids) != 1
-                or None in pids
-                or len(shared or []) != 1
-                or shared[0].get("sessions") != sessions
-            ):
+            recs = [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
+            if daemon:
+                one_engine = len(recs) == 1 and all(
+                    str(e.get("engine", "")).startswith("ws://") for e in engines
+                )
+            else:
+                one_engine = len(shared or []) == 1 and shared[0].get("sessions") == sessions
+            if len(pids) != 1 or None in pids or not one_engine:
                 raise RuntimeError(
-                    f"the {sessions} sessions did not share one host and one engine: {hosts}"
+                    f"the {sessions} sessions did not share one host and one engine: {hosts}, "
+                    f"{len(recs)} daemon(s)"
                 )
             host_pid = pids.pop()
             bridges = [memory_mb(c.proc.pid) for c in clients]
             host = memory_mb(host_pid)
+            parts = [memory_mb(recs[0]["pid"])] if daemon else []
             thin = not any(maps_onnxruntime(c.proc.pid) for c in clients)
         finally:
             for c in clients:
                 c.shutdown()
             if host_pid is not None:
                 bridge.stop_host(host_pid)
+            for r in recs:
+                try:
+                    os.kill(r["pid"], signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
             if old is None:
                 os.environ.pop(bridge.ENV_DIR, None)
             else:
                 os.environ[bridge.ENV_DIR] = old
-    total = _sum([*bridges, host])
+    total = _sum([*bridges, host, *parts])
     return {
         "bridges_mb": bridges,
         "host_mb": host,
+        "daemon_mb": parts[0] if parts else None,
         "shared_models": shared,
         "total_mb": total,
         "ratio_rss": total["rss"] / one["rss"] if one["rss"] else None,
@@ -1094,13 +1118,17 @@ def print_table(r: dict) -> None:
         )
     for name, m in r.get("memory", {}).items():
         one = m["one_inproc_server_mb"]
-        h = m.get("host")
-        if h:
+        for key, what in (("host", "a session host"), ("host_daemon", "a session host + daemon")):
+            h = m.get(key)
+            if not h:
+                continue
+            d = h.get("daemon_mb")
+            daemon = f", daemon {d['rss']:.0f}" if d else ""
             print(
                 f"memory {name}: one in-process server RSS {one['rss']:.0f} MB (PSS "
-                f"{one['pss']:.0f}); {m['sessions']} bridges sharing one session host RSS "
+                f"{one['pss']:.0f}); {m['sessions']} bridges sharing {what} RSS "
                 f"{h['total_mb']['rss']:.0f} MB (PSS {h['total_mb']['pss']:.0f}; host "
-                f"{h['host_mb']['rss']:.0f}, each bridge "
+                f"{h['host_mb']['rss']:.0f}{daemon}, each bridge "
                 f"{statistics.median(s['rss'] for s in h['bridges_mb']):.1f}, PSS "
                 f"{statistics.median(s['pss'] for s in h['bridges_mb']):.1f}): "
                 f"x{f(h['ratio_rss'])} RSS, x{f(h['ratio_pss'])} PSS"

@@ -21,8 +21,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from engine.cancel import CancelToken
@@ -45,6 +47,24 @@ TOKEN_ENV = "SPARK_LSP_ENGINE_TOKEN"
 #: Environment variable naming a CA bundle (PEM) to trust for a `wss://` daemon's certificate,
 #: besides the system's trust store (a team's private CA, or a self-signed certificate).
 CA_ENV = tls.CA_ENV
+
+
+_TOKENIZERS: weakref.WeakValueDictionary[str, Tokenizer] = weakref.WeakValueDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def shared_tokenizer(folder: Path) -> Tokenizer:
+    """The tokenizer of `folder`, loaded once per process while any session uses it: a session
+    host's sessions on one daemon model then hold one copy (~40 MB at a 150k-token vocabulary)
+    where each would load its own. It is read-only once loaded, as the in-process engine's, which
+    its sessions share the same way."""
+    key = str(Path(folder).resolve())
+    with _TOKENIZERS_LOCK:
+        tok = _TOKENIZERS.get(key)
+        if tok is None:
+            tok = Tokenizer.load(folder)
+            _TOKENIZERS[key] = tok
+        return tok
 
 
 def token_for(url: str) -> str | None:
@@ -79,7 +99,7 @@ class EngineServiceModel:
         folder = launch.resolve_models([model_dir])[0]
         self.model_dir = folder
         self.name = folder.name
-        self.tokenizer = Tokenizer.load(folder)
+        self.tokenizer = shared_tokenizer(folder)
         self.config = load_config(folder)
         self.context: int | None = None
         self.needs_tuning = False

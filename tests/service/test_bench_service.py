@@ -108,6 +108,15 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
         # a bridge is Python alone: far smaller than a thin server (pygls, the tokenizer)
         assert max(p[k] for p in h["bridges_mb"]) < min(p[k] for p in m["session_servers_mb"]) / 2
     assert h["ratio_rss"] < m["ratio_rss"]  # the point of it
+    # mode host-daemon: the bridges, their host, and the daemon the host's sessions joined
+    # (run_memory checks one host, and one daemon every session's engine is)
+    hd = m["host_daemon"]
+    assert len(hd["bridges_mb"]) == 4 and hd["daemon_mb"]["rss"] > 0
+    for k in ("rss", "pss"):
+        assert hd["total_mb"][k] == pytest.approx(
+            sum(p[k] for p in [*hd["bridges_mb"], hd["host_mb"], hd["daemon_mb"]])
+        )
+    assert hd["ratio_rss"] < m["ratio_rss"]  # 4 thin sessions in one process, not 4 processes
 
 
 def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request():
