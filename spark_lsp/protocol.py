@@ -290,7 +290,7 @@ class SparkProtocol(LanguageServerProtocol):
     @lsp_method(T.EXIT)
     def lsp_exit(self, *args):
         """9. `exit`: 0 after `shutdown`, 1 without; the server (or its session) decides how to end."""
-        self._server.exit_requested(0 if self._shutdown else 1)
+        self._server.exit_requested(self._server.ending_code())
         yield from ()
 
     def _handle_cancel_notification(self, msg_id):
@@ -334,6 +334,11 @@ class SparkLanguageServer(LanguageServer):
 
     def request_cancelled_before_start(self) -> None:
         """Called when `$/cancelRequest` cancels a request whose handler never started."""
+
+    def ending_code(self) -> int:
+        """The status a session ends with, by `exit` or at the end of its input: 0 after
+        `shutdown`, else 1 (LSP)."""
+        return 0 if self.protocol._shutdown else 1
 
     def exit_requested(self, code: int) -> None:
         """The client sent `exit` (or went away): end the session with `code`."""
@@ -418,7 +423,7 @@ class SparkLanguageServer(LanguageServer):
             except (OSError, ValueError):
                 return
             finally:  # the editor closed our input: 0 if it shut us down first, else 1
-                loop.call_soon_threadsafe(end, 0 if self.protocol._shutdown else 1)
+                loop.call_soon_threadsafe(end, self.ending_code())
 
         def terminate(why: str) -> None:
             log.warning("%s: stopping", why)

@@ -226,7 +226,7 @@ class SessionHost:
         if session.exited and ls.exit_code is not None:
             return ls.exit_code
         if editor.at_eof():
-            return 0 if ls.protocol._shutdown else 1
+            return ls.ending_code()
         return None  # a stream that is not LSP: closed by the host
 
     async def _end_handed_off(
