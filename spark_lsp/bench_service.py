@@ -755,6 +755,40 @@ def _server(model: str | None, options: dict, uri: str, text: str, cmd: list[str
     return client, engine
 
 
+@contextlib.contextmanager
+def _private_run_dir():
+    """A runtime directory of this run only (the daemons' and the session host's records and
+    sockets: `rundir` and `bridge` read the same variable), not the user's; short, for the
+    host's Unix socket path."""
+    with tempfile.TemporaryDirectory(prefix="spark-") as run_dir:
+        old = os.environ.get(rundir.ENV_DIR)
+        os.environ[rundir.ENV_DIR] = run_dir
+        try:
+            yield run_dir
+        finally:
+            if old is None:
+                os.environ.pop(rundir.ENV_DIR, None)
+            else:
+                os.environ[rundir.ENV_DIR] = old
+
+
+def _daemon_records(run_dir: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
+
+
+def _on_one_daemon(recs: list[dict], engines: list[dict]) -> bool:
+    """Whether one daemon runs and every server's engine (`spark/metrics`) is a daemon."""
+    return len(recs) == 1 and all(str(e.get("engine", "")).startswith("ws://") for e in engines)
+
+
+def _stop_daemons(recs: list[dict]) -> None:
+    for r in recs:
+        try:
+            os.kill(r["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def _sum(parts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(p[k] for p in parts) for k in ("rss", "pss")}
 
@@ -800,9 +834,7 @@ def _memory_daemon(
     model: str | None, options: dict, text: str, sessions: int, one: dict[str, float]
 ) -> dict:
     """`sessions` language servers with `engine: auto` and their daemon."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        old = os.environ.get(rundir.ENV_DIR)
-        os.environ[rundir.ENV_DIR] = run_dir  # a daemon of this run only, not the user's
+    with _private_run_dir() as run_dir:
         clients, recs = [], []
         try:
             engines = []
@@ -812,10 +844,8 @@ def _memory_daemon(
                 )
                 clients.append(client)
                 engines.append(engine)
-            recs = [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
-            if len(recs) != 1 or not all(
-                str(e.get("engine", "")).startswith("ws://") for e in engines
-            ):
+            recs = _daemon_records(run_dir)
+            if not _on_one_daemon(recs, engines):
                 raise RuntimeError(
                     f"the {sessions} servers did not share one daemon: {len(recs)} daemon(s), "
                     f"engines {[e.get('engine') for e in engines]}"
@@ -826,15 +856,7 @@ def _memory_daemon(
         finally:
             for c in clients:
                 c.shutdown()
-            for r in recs:
-                try:
-                    os.kill(r["pid"], signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            if old is None:
-                os.environ.pop(rundir.ENV_DIR, None)
-            else:
-                os.environ[rundir.ENV_DIR] = old
+            _stop_daemons(recs)
     total = _sum([*servers, daemon])
     return {
         "session_servers_mb": servers,
@@ -862,10 +884,7 @@ def _memory_host(
 
     if daemon:
         options = {**options, "engine": "auto"}
-    with tempfile.TemporaryDirectory(prefix="spark-") as run_dir:
-        old = os.environ.get(bridge.ENV_DIR)
-        # a host (and a daemon: rundir reads the same variable) of this run only, not the user's
-        os.environ[bridge.ENV_DIR] = run_dir
+    with _private_run_dir() as run_dir:
         clients, host_pid, recs, parts = [], None, [], []
         try:
             hosts, engines = [], []
@@ -878,11 +897,9 @@ def _memory_host(
                 hosts.append((client.call("spark/metrics", {}, 30) or {}).get("sessionHost"))
             pids = {h.get("pid") if h else None for h in hosts}
             shared = hosts[-1].get("models") if hosts[-1] else None
-            recs = [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
+            recs = _daemon_records(run_dir)
             if daemon:
-                one_engine = len(recs) == 1 and all(
-                    str(e.get("engine", "")).startswith("ws://") for e in engines
-                )
+                one_engine = _on_one_daemon(recs, engines)
             else:
                 one_engine = len(shared or []) == 1 and shared[0].get("sessions") == sessions
             if len(pids) != 1 or None in pids or not one_engine:
@@ -900,15 +917,7 @@ def _memory_host(
                 c.shutdown()
             if host_pid is not None:
                 bridge.stop_host(host_pid)
-            for r in recs:
-                try:
-                    os.kill(r["pid"], signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            if old is None:
-                os.environ.pop(bridge.ENV_DIR, None)
-            else:
-                os.environ[bridge.ENV_DIR] = old
+            _stop_daemons(recs)
     total = _sum([*bridges, host, *parts])
     return {
         "bridges_mb": bridges,
