@@ -58,6 +58,8 @@ SPINNING_ENV = "SPARK_LSP_HOST_SPINNING"
 HELLO_TIMEOUT_S = 10.0
 #: How long a closing session waits for the editor to read what was written to it.
 FLUSH_TIMEOUT_S = 5.0
+#: What the log says of a session opened on the editor's own stdio (the editor tests look for it).
+HANDED_OVER = "the editor's stdio handed over"
 #: The longest Unix socket path (sun_path holds 108 bytes with its terminating NUL).
 MAX_SOCKET_PATH = 107
 
@@ -328,7 +330,7 @@ class SessionHost:
             n,
             model or "default",
             engine,
-            ", the editor's stdio handed over" if stdio else "",
+            f", {HANDED_OVER}" if stdio else "",
         )
         return n, session, stdio
 

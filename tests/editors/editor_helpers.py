@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +23,39 @@ def server_cmd(log_file: Path | None = None) -> list[str]:
     if log_file is not None:
         cmd += ["--log-file", str(log_file), "--log-level", "INFO"]
     return cmd
+
+
+class PrivateSessionHost:
+    """`serve --shared` for one editor test: `env` points the bridges at a runtime directory of the
+    test's own (short: the host's Unix socket lives in it), so the session host they start is not
+    the user's; on leaving, that host is stopped, its log kept in `log` and the folder removed."""
+
+    def __init__(self) -> None:
+        from spark_lsp import bridge
+
+        self._dir = tempfile.TemporaryDirectory(prefix="spark-")
+        self.env = {bridge.ENV_DIR: self._dir.name, "SPARK_LSP_HOST_IDLE_EXIT": "2"}
+        self.log = ""
+
+    def __enter__(self) -> PrivateSessionHost:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from spark_lsp import bridge
+
+        record = bridge.read_record(self._dir.name)
+        if record is not None:
+            bridge.stop_host(record["pid"])
+        log = Path(self._dir.name) / bridge.LOG
+        self.log = log.read_text(errors="replace") if log.exists() else ""
+        self._dir.cleanup()
+
+    @property
+    def handed_over(self) -> bool:
+        """Whether the host ran a session on the editor's own stdio (the bridge handed it over)."""
+        from spark_lsp.session_host import HANDED_OVER
+
+        return HANDED_OVER in self.log
 
 
 def bundled_model_present() -> bool:

@@ -8,18 +8,16 @@ server Neovim starts is the bridge to a session host (`serve --stdio --shared`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from editor_helpers import editor_model, server_cmd
-
-from spark_lsp import bridge
+from editor_helpers import PrivateSessionHost, editor_model, server_cmd
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
@@ -119,17 +117,9 @@ def scenario(request, tiny_llama, tmp_path_factory):
     )
     for d in ("state", "data", "cache", "config"):
         env[f"XDG_{d.upper()}_HOME"] = str(tmp / d)
-    run_dir = None
-    if mode == "shared":
-        # short: the host's Unix socket lives here (a socket path holds at most 107 bytes)
-        run_dir = Path(tempfile.mkdtemp(prefix="spark-nv-"))
-        env.update(
-            {
-                "SPARK_TEST_SHARED": "1",
-                bridge.ENV_DIR: str(run_dir),
-                "SPARK_LSP_HOST_IDLE_EXIT": "2",
-            }
-        )
+    host = PrivateSessionHost() if mode == "shared" else None
+    if host is not None:
+        env.update({"SPARK_TEST_SHARED": "1", **host.env})
     env.update(
         {
             "SPARK_SETUP_SNIPPET": str(snippet),
@@ -142,26 +132,22 @@ def scenario(request, tiny_llama, tmp_path_factory):
             "SPARK_TEST_TIMEOUT_MS": "240000",
         }
     )
-    try:
+    with host or contextlib.nullcontext():
         proc = _run_nvim(nvim, env, tmp)
-    finally:
-        if run_dir is not None:
-            record = bridge.read_record(str(run_dir))
-            if record is not None:
-                bridge.stop_host(record["pid"])
-    if run_dir is not None:
-        log = run_dir / bridge.LOG  # the session host's (the bridge leaves --log-file to it)
+    if host is not None:  # the session host's log (the bridge leaves --log-file to it)
+        server_log = host.log or "(none)"
+    else:
+        server_log = log.read_text(errors="replace") if log.exists() else "(none)"
     diag = (
         f"nvim exit {proc.returncode}\nstderr: {proc.stderr.decode(errors='replace')[-2000:]}\n"
-        f"server log: {log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}"
+        f"server log: {server_log[-3000:]}"
     )
     if not out.exists():
         pytest.fail(f"the Neovim scenario wrote no result\n{diag}")
     # a random test model's text is not always valid UTF-8
     result = json.loads(out.read_bytes().decode("utf-8", errors="replace"))
-    if run_dir is not None:
-        handed = "the editor's stdio handed over" in log.read_text(errors="replace")
-        result["stdio_handed_over"] = {"ok": handed, "detail": "see the host's log"}
+    if host is not None:
+        result["stdio_handed_over"] = {"ok": host.handed_over, "detail": "see the host's log"}
     return mode, result, diag
 
 

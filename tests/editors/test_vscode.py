@@ -9,16 +9,14 @@ is a bridge handing VS Code's stdio to a session host of the test's own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
-from editor_helpers import ROOT, editor_model, server_executable
-
-from spark_lsp import bridge
+from editor_helpers import ROOT, PrivateSessionHost, editor_model, server_executable
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
@@ -49,22 +47,16 @@ def test_vscode_end_to_end(tiny_llama, tmp_path, shared):
     if model:
         cmd += ["--model", model]
     env = dict(os.environ)
-    run_dir = None
-    if shared:
+    host = PrivateSessionHost() if shared else None
+    if host is not None:
         cmd.append("--shared")
-        run_dir = Path(tempfile.mkdtemp(prefix="spark-vs-"))  # short: the host's socket is in it
-        env.update({bridge.ENV_DIR: str(run_dir), "SPARK_LSP_HOST_IDLE_EXIT": "2"})
-    try:
+        env.update(host.env)
+    with host or contextlib.nullcontext():
         proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd=ROOT, env=env)
-    finally:
-        record = bridge.read_record(str(run_dir)) if run_dir else None
-        if record is not None:
-            bridge.stop_host(record["pid"])
     log = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
-    if run_dir is not None:  # the host logs the sessions; VS Code's stdio went to it
-        host_log = (run_dir / bridge.LOG).read_text(errors="replace")
-        log += f"\nsession host log:\n{host_log[-3000:]}"
-        assert "the editor's stdio handed over" in host_log, log[-6000:]
+    if host is not None:  # the host logs the sessions; VS Code's stdio went to it
+        log += f"\nsession host log:\n{host.log[-3000:]}"
+        assert host.handed_over, log[-6000:]
     result_file = out / "result.json"
     assert result_file.exists(), (
         f"the VS Code driver wrote no result (exit {proc.returncode}):\n{log[-4000:]}"
