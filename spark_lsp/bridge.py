@@ -48,6 +48,9 @@ ENV_DIR = "SPARK_LSP_RUN_DIR"  # the same override as engine.service.rundir
 ENV_SHARED = (
     "SPARK_LSP_SHARED"  # "1": `serve --stdio` is a bridge (an editor that cannot add flags)
 )
+#: Why `--shared` found no session host, for the server that the editor then gets instead (its
+#: own, as without `--shared`), which says so in the editor once.
+ENV_UNSHARED = "SPARK_LSP_UNSHARED"
 
 
 def install_key(root: str | None = None) -> str:
@@ -257,7 +260,10 @@ def clear_stale(folder: str) -> bool:
 
 def open_session(options: dict) -> tuple[socket.socket, dict]:
     """A session in the user's host (started if none runs): (the socket, the host's answer)."""
-    folder = runtime_dir()
+    try:
+        folder = runtime_dir()
+    except OSError as exc:
+        raise BridgeError(f"no runtime directory for the session host: {exc}") from None
     problem: Exception | None = None
     for attempt in range(CONNECT_TRIES):
         record = read_record(folder) or start_host(folder)
@@ -505,17 +511,33 @@ def _method(body: bytes) -> str | None:
     return msg.get("method") if isinstance(msg, dict) else None
 
 
-def main(model: str | None = None, engine: str | None = None) -> int:
+def main(model: str | None = None, engine: str | None = None, own_server=None) -> int:
     """Run the bridge for one editor: `model` and `engine` as `serve --model/--engine` take
-    them (a model path is made absolute here, where the editor's working directory is known)."""
+    them (a model path is made absolute here, where the editor's working directory is known).
+
+    `own_server(why)`: what runs when no session host can be reached or started (a runtime
+    directory that cannot be written, a socket path too long, a host that fails to start): the
+    editor's own server, as `serve --stdio` without `--shared` (nothing has been read from the
+    editor yet), so the editor keeps its suggestions and is told why. A host that refuses the
+    session (a bad --model) is not worked around: its error is the one `serve` would give."""
     if model and os.path.exists(os.path.expanduser(model)):
         model = os.path.abspath(os.path.expanduser(model))
     handoff = can_hand_off()
     try:
         sock, reply = open_session({"model": model or None, "engine": engine, "handoff": handoff})
-    except BridgeError as exc:
+    except HostRefused as exc:
         print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, HostRefused) else 1
+        return 2
+    except BridgeError as exc:
+        if own_server is None:
+            print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
+            return 1
+        print(
+            f"spark-lsp serve --shared: {exc}; this editor runs its own server",
+            file=sys.stderr,
+            flush=True,
+        )
+        return own_server(str(exc))
     try:
         if handoff and reply.get("handoff"):
             try:
@@ -572,7 +594,25 @@ def argv_main(argv: list[str]) -> int:
             os.execv(sys.executable, [sys.executable, "-I", "-S", __file__, *argv])
         except OSError:
             pass  # run here, with the site packages loaded
-    return main(options.get("--model"), options.get("--engine"))
+    return main(
+        options.get("--model"),
+        options.get("--engine"),
+        own_server=lambda why: exec_own_server(argv, why),
+    )
+
+
+def exec_own_server(argv: list[str], why: str) -> int:
+    """Become `spark-lsp serve` with `argv` but without `--shared` (and without
+    $SPARK_LSP_SHARED): the editor's own server, told `why` through $SPARK_LSP_UNSHARED.
+    A new interpreter with the site packages (this one has none: see `argv_main`)."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_SHARED}
+    env[ENV_UNSHARED] = why
+    args = [a for a in argv if a != "--shared"]
+    try:
+        os.execve(sys.executable, [sys.executable, "-m", "spark_lsp.cli", "serve", *args], env)
+    except OSError as exc:
+        print(f"spark-lsp serve: cannot start the editor's own server: {exc}", file=sys.stderr)
+    return 1
 
 
 def wants_bridge(argv: list[str]) -> bool:

@@ -209,10 +209,12 @@ def create_server(
     model_dir: str | None = None,
     engine: str | None = None,
     converter_factory: Callable[[], Any] = default_converter,
+    notice: str | None = None,
 ) -> SparkServer:
     """The language server of one session. `converter_factory`: its LSP (de)serialiser; a
     session host passes one that returns the same converter for every session (it holds no
-    session state, only the structuring code it generates per message type)."""
+    session state, only the structuring code it generates per message type). `notice`: a
+    warning shown in the editor once it has initialised (why this server runs as it does)."""
     ls = SparkServer(model_dir, engine, converter_factory)
     st = ls.state
 
@@ -229,6 +231,8 @@ def create_server(
 
     @ls.feature(T.INITIALIZED)
     def initialized(ls: SparkServer, params: T.InitializedParams):
+        if notice:
+            ls.editor.show_warning(notice)
         st.sched()
         st.start_loading()
 

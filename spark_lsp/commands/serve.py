@@ -113,17 +113,24 @@ def model_argument(model: str | None) -> str | None:
 
 
 def run(args) -> int:
+    from spark_lsp import bridge  # standard library only (cli routes `--shared` to it first)
+
     shared = getattr(args, "shared", False) or (
-        os.environ.get("SPARK_LSP_SHARED", "").strip() in ("1", "true", "yes")
+        os.environ.get(bridge.ENV_SHARED, "").strip() in ("1", "true", "yes")
         and not (args.tcp or args.ws)
     )
     if shared:
         if args.tcp or args.ws:
             print("spark-lsp serve: --shared is for --stdio (an editor's bridge)", file=sys.stderr)
             return 2
-        from spark_lsp import bridge  # `spark-lsp serve --shared` comes to it before argparse
+        return bridge.main(args.model, args.engine, own_server=lambda why: serve_here(args, why))
+    # set by a bridge that found no session host and became this server (bridge.exec_own_server)
+    return serve_here(args, os.environ.pop(bridge.ENV_UNSHARED, None))
 
-        return bridge.main(args.model, args.engine)
+
+def serve_here(args, unshared: str | None = None) -> int:
+    """The language server in this process. `unshared`: why `--shared` found no session host
+    (the bridge then runs this instead), which the editor is told once it has initialised."""
     try:
         model = model_argument(args.model)
     except BadModel as exc:
@@ -137,7 +144,13 @@ def run(args) -> int:
     )
 
     if not (args.tcp or args.ws):
-        return create_server(model, args.engine).start_io()
+        notice = None
+        if unshared:
+            notice = (
+                f"spark-lsp: --shared found no session host ({unshared}); this window runs "
+                "its own server and model"
+            )
+        return create_server(model, args.engine, notice=notice).start_io()
     return _serve_network(args, lambda: create_server(model, args.engine))
 
 

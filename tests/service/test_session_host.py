@@ -187,6 +187,50 @@ def test_bridge_arguments():
     assert not bridge.wants_bridge(["--tcp", "127.0.0.1:1", "--shared"])
 
 
+def test_no_host_to_reach_gives_the_editor_its_own_server(tmp_path, monkeypatch):
+    """A runtime directory that cannot be made (here: under a file) is no host to reach: the
+    bridge hands over to `own_server` with the reason, before reading anything from the editor;
+    without one it exits 1 as before. A host that refuses the session is not worked around."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(bridge.ENV_DIR, str(blocker / "run"))
+    with pytest.raises(bridge.BridgeError, match="no runtime directory"):
+        bridge.open_session({})
+    reasons: list[str] = []
+    assert bridge.main(None, None, own_server=lambda why: reasons.append(why) or 7) == 7
+    assert len(reasons) == 1 and "no runtime directory" in reasons[0]
+    assert bridge.main(None, None) == 1
+
+    def refused(options):
+        raise bridge.HostRefused("the session host refused the session: --model x: not found")
+
+    monkeypatch.setattr(bridge, "open_session", refused)
+    assert bridge.main("x", None, own_server=lambda why: pytest.fail("worked around")) == 2
+
+
+@pytest.mark.slow
+def test_a_bridge_without_a_host_runs_the_editors_own_server(tiny_llama, tmp_path, monkeypatch):
+    """A host that cannot serve (a socket path past the 107 bytes a Unix socket takes) exits
+    before serving; the bridge then becomes the editor's own `serve --stdio`, which says why in
+    the editor once and answers as usual."""
+    deep = tmp_path / ("d" * 110)
+    monkeypatch.setenv(bridge.ENV_DIR, str(deep))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(bridge.ENV_SHARED, "1")  # the bridge's own server must not be a bridge
+    client = raw(tiny_llama)
+    try:
+        shown = client.wait_notification("window/showMessage", timeout=30)
+        assert shown["type"] == 2 and "found no session host" in shown["message"]
+        assert "the session host exited" in shown["message"]
+        assert client.call("spark/metrics", {})["sessionHost"] is None  # its own server
+        assert bridge.read_record(str(deep)) is None
+        client.open(URI, SAMPLE)
+        assert client.inline(URI, OFFSETS[0]).result(60) is not None
+    finally:
+        client.shutdown()
+    assert client.proc.returncode == 0
+
+
 def test_a_host_serves_only_its_own_installation(tmp_path):
     """The host's files are named by the installation's key, which changes when the interpreter,
     the folder or any source file does: an upgraded spark-lsp starts its own host."""
