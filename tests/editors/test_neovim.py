@@ -50,6 +50,7 @@ COMMON = [
     "statusline",
     "status_command",
     "checkhealth",
+    "restarts_after_exit",
 ]
 # run name -> (setup()'s inline option, the ghost-text path it must pick, checks)
 RUNS = {

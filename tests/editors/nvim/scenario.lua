@@ -28,10 +28,14 @@ end
 -- what the server tells the user (window/showMessage reaches vim.notify): an edit whose result
 -- failed the server's edit checks is refused with a message, and the buffer is left as it was
 local refusals = {}
+local restarted = {} -- the plugin's "started it again" messages
 local notify = vim.notify
 vim.notify = function(msg, ...)
   if type(msg) == 'string' and msg:find('was not applied', 1, true) then
     table.insert(refusals, msg)
+  end
+  if type(msg) == 'string' and msg:find('started it again', 1, true) then
+    table.insert(restarted, msg)
   end
   return notify(msg, ...)
 end
@@ -505,6 +509,34 @@ local function scenario()
   local health = ok_health and table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n') or health_err
   record('checkhealth', ok_health and health:find('server running', 1, true) ~= nil
     and not health:find('ERROR', 1, true), health)
+
+  -- 7. A server that stops on its own is started again for the buffers it served ----------------
+  pcall(vim.cmd, 'tabclose')
+  vim.api.nvim_set_current_buf(buf)
+  local old = client()
+  local old_id = old and old.id
+  if old then
+    -- `exit` without `shutdown`: the server ends with status 1 (with `shared`, the session host
+    -- ends the session and the editor's process exits 1), as a crashed server would
+    require('spark.compat').notify(old, 'exit', nil)
+  end
+  local again = wait_for(function()
+    local x = client()
+    return x and x.id ~= old_id and x.initialized and x
+  end, 30000)
+  local reloaded = again and wait_for(function()
+    local m = server_metrics()
+    return m and m.loaded and m
+  end, 120000, 200)
+  local g3
+  if reloaded then
+    vim.api.nvim_win_set_cursor(0, { vim.api.nvim_buf_line_count(buf), 0 })
+    vim.api.nvim_input('<Esc>o<C-u>    ')
+    sleep(50)
+    g3 = type_until_ghost('return na', 3000)
+  end
+  record('restarts_after_exit', g3 ~= nil and #restarted == 1,
+    { old = old_id, new = again and again.id, ghost = g3, messages = restarted })
 end
 
 co = coroutine.create(function()

@@ -19,6 +19,13 @@ function M.notify(client, method, params)
   return client.notify(method, params)
 end
 
+function M.is_stopped(client)
+  if M.has_011 then
+    return client:is_stopped()
+  end
+  return client.is_stopped()
+end
+
 function M.cancel_request(client, id)
   if M.has_011 then
     return client:cancel_request(id)

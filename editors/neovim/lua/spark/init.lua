@@ -14,6 +14,13 @@ local M = {}
 M.opts = nil -- resolved options once setup() ran
 M.mode = nil -- 'native' | 'extmark' | false
 local augroup
+local attached = {} -- buffers the server was attached to (re-attached after a restart)
+local restarts = {} -- when the server was restarted (vim.uv.now() ms), for the budget below
+
+--- Restarts after the server stopped on its own: at most RESTARTS within RESTART_WINDOW_MS, as
+--- VS Code's language client allows, so a server that cannot start is not restarted forever.
+M.RESTARTS = 3
+M.RESTART_WINDOW_MS = 180000
 
 local function resolve(buf)
   return (buf == nil or buf == 0) and vim.api.nvim_get_current_buf() or buf
@@ -102,6 +109,7 @@ local function instruction_command(command, ctx)
 end
 
 local function on_attach(client, buf)
+  attached[buf] = true
   local b = backend()
   if b then
     if M.mode == 'native' then
@@ -131,7 +139,41 @@ function M.client_config(buf)
     },
     commands = { ['spark.editWithInstruction'] = instruction_command },
     on_attach = on_attach,
+    on_exit = function(code, signal) M._on_exit(code, signal) end,
   }
+end
+
+--- The server process ended. Neovim does not start a server again by itself, so one that stopped
+--- on its own (a non-zero status: a crash, or `--shared`'s session host gone; or a signal other
+--- than the SIGTERM of a deliberate :LspStop!) is started again for the buffers it served,
+--- within the restart budget. A clean exit (after shutdown) or Neovim quitting is left alone.
+function M._on_exit(code, signal)
+  if (code == 0 and (signal or 0) == 0) or signal == 15 then
+    return
+  end
+  vim.schedule(function()
+    if vim.v.exiting ~= vim.NIL or not M.opts then
+      return
+    end
+    local now = (vim.uv or vim.loop).now()
+    restarts = vim.tbl_filter(function(t) return now - t < M.RESTART_WINDOW_MS end, restarts)
+    local why = signal ~= 0 and ('signal ' .. signal) or ('status ' .. code)
+    if #restarts >= M.RESTARTS then
+      vim.notify(string.format('spark: the server stopped (%s), %d times in %d minutes: not '
+        .. 'restarting it (:edit a buffer to try again)', why, #restarts + 1,
+        M.RESTART_WINDOW_MS / 60000), vim.log.levels.ERROR)
+      return
+    end
+    table.insert(restarts, now)
+    local bufs = vim.tbl_keys(attached)
+    attached = {}
+    for _, buf in ipairs(bufs) do
+      if vim.api.nvim_buf_is_loaded(buf) then
+        M.attach(buf)
+      end
+    end
+    vim.notify('spark: the server stopped (' .. why .. '); started it again', vim.log.levels.WARN)
+  end)
 end
 
 local function wants(buf)
@@ -151,8 +193,11 @@ function M.attach(buf)
   end
   return vim.lsp.start(M.client_config(buf), {
     bufnr = buf,
-    -- One server for every buffer: the model is loaded once.
-    reuse_client = function(client, cfg) return client.name == cfg.name end,
+    -- One server for every buffer: the model is loaded once (not one that has stopped: after
+    -- a restart, Neovim 0.11 still lists it for a moment).
+    reuse_client = function(client, cfg)
+      return client.name == cfg.name and not compat.is_stopped(client)
+    end,
   })
 end
 
