@@ -43,26 +43,18 @@ def count_words(text):
 URI = "file:///content/sample.py"
 
 
-@pytest.fixture(scope="module")
-def client():
+@pytest.fixture(scope="module", params=["fp32", "int8", "int4"])
+def client(request):
+    """The server on the bundled model at each precision it ships with (they decode apart)."""
     c = LspClient(server_cmd(str(MODEL)))
-    c.initialize(
-        {"liveEdits": False, "minConfidence": 0}
-    )  # every suggestion: these tests judge them
-    c.wait_ready()
+    # every suggestion: these tests judge them
+    c.initialize({"liveEdits": False, "minConfidence": 0, "precision": request.param})
+    assert c.wait_ready()["engine"]["precision"] == request.param
     c.open(URI, SRC)
     yield c
     c.shutdown()
 
 
-# The bundled 5M-parameter model (val loss 3.26 after 90 CPU minutes) does not yet complete these
-# reliably; kept as non-strict xfails so a better model shows up as XPASS instead of being untested.
-WEAK_MODEL = pytest.mark.xfail(
-    strict=False, reason="the bundled model is too small/undertrained for this"
-)
-
-
-@WEAK_MODEL
 def test_completes_an_obvious_line(client):
     off = SRC.index("    return a\n") + len("    return a")
     items = client.inline(URI, off, trigger=1).result(120)["items"]
@@ -70,7 +62,6 @@ def test_completes_an_obvious_line(client):
     assert any("b" in it["insertText"] and "\n" not in it["insertText"] for it in items), items
 
 
-@WEAK_MODEL
 def test_typing_through_real_suggestion(client):
     text = SRC.replace("        return f.read().splitlines()\n", "        return f.\n")
     uri = URI + ".tt"
