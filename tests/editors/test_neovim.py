@@ -184,6 +184,44 @@ def test_neovim(scenario, check):
     assert result[check]["ok"], f"[{mode}] {check} failed: {result[check].get('detail')!r}\n{diag}"
 
 
+def test_neovim_restarts_a_stopped_server_within_its_budget(tmp_path):
+    """The plugin's restart rule (`_on_exit`, in a real Neovim, `attach` stubbed): a clean exit or
+    the SIGTERM of `:LspStop!` is left alone; a non-zero status or another signal re-attaches
+    the buffers the server served, RESTARTS times in RESTART_WINDOW_MS, then an error instead."""
+    script = tmp_path / "restart.lua"
+    script.write_text(
+        f"vim.opt.runtimepath:append({json.dumps(str(HERE.parents[1] / 'editors' / 'neovim'))})\n"
+        "local spark = require('spark')\n"
+        "spark.opts = {}\n"
+        "local buf = vim.api.nvim_create_buf(true, false)\n"
+        "vim.api.nvim_buf_set_lines(buf, 0, -1, false, { 'x = 1' })\n"
+        "local log = {}\n"
+        "spark.attach = function(b) spark._attached[b] = true; table.insert(log, 'attach') end\n"
+        "vim.notify = function(msg, level) table.insert(log, level .. ':' .. msg) end\n"
+        "spark._attached[buf] = true\n"
+        "for _, e in ipairs({ { 0, 0 }, { 0, 15 }, { 1, 0 }, { 0, 9 }, { 2, 0 }, { 1, 0 } }) do\n"
+        "  spark._on_exit(e[1], e[2])\n"
+        "  vim.wait(50, function() return false end)\n"
+        "  table.insert(log, '|')\n"
+        "end\n"
+        "io.stdout:write(vim.json.encode(log) .. '\\n')\n"
+    )
+    proc = subprocess.run(
+        [_nvim("nvim"), "--headless", "-l", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    log = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("[")))
+    steps = " ".join(log).split("|")[:-1]
+    assert [s.strip() for s in steps[:2]] == ["", ""]  # clean exit, SIGTERM: left alone
+    for step, why in zip(steps[2:5], ("status 1", "signal 9", "status 2")):
+        assert step.split() and step.split()[0] == "attach", steps
+        assert f"stopped ({why}); started it again" in step, steps
+    assert "attach" not in steps[5] and "not restarting" in steps[5] and "4 times" in steps[5]
+
+
 def test_neovim_shared_option_reaches_the_server_command(tmp_path):
     """`shared = true` adds `--shared` to the server command, also beside the `cmd` that
     `spark-lsp editor neovim` prints (the plugin's own config module, in a real Neovim)."""

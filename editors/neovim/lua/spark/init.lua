@@ -14,7 +14,7 @@ local M = {}
 M.opts = nil -- resolved options once setup() ran
 M.mode = nil -- 'native' | 'extmark' | false
 local augroup
-local attached = {} -- buffers the server was attached to (re-attached after a restart)
+M._attached = {} -- buffers the server was attached to (re-attached after a restart)
 local restarts = {} -- when the server was restarted (vim.uv.now() ms), for the budget below
 
 --- Restarts after the server stopped on its own: at most RESTARTS within RESTART_WINDOW_MS, as
@@ -109,7 +109,7 @@ local function instruction_command(command, ctx)
 end
 
 local function on_attach(client, buf)
-  attached[buf] = true
+  M._attached[buf] = true
   local b = backend()
   if b then
     if M.mode == 'native' then
@@ -165,8 +165,8 @@ function M._on_exit(code, signal)
       return
     end
     table.insert(restarts, now)
-    local bufs = vim.tbl_keys(attached)
-    attached = {}
+    local bufs = vim.tbl_keys(M._attached)
+    M._attached = {}
     for _, buf in ipairs(bufs) do
       if vim.api.nvim_buf_is_loaded(buf) then
         M.attach(buf)
