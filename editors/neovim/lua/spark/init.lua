@@ -17,8 +17,9 @@ local augroup
 M._attached = {} -- buffers the server was attached to (re-attached after a restart)
 local restarts = {} -- when the server was restarted (vim.uv.now() ms), for the budget below
 
---- Restarts after the server stopped on its own: at most RESTARTS within RESTART_WINDOW_MS, as
---- VS Code's language client allows, so a server that cannot start is not restarted forever.
+--- Restarts after the server stopped on its own: at most RESTARTS within RESTART_WINDOW_MS (VS
+--- Code's language client allows 4 in 3 minutes), so a server that cannot start is not restarted
+--- forever.
 M.RESTARTS = 3
 M.RESTART_WINDOW_MS = 180000
 
