@@ -525,19 +525,14 @@ def main(model: str | None = None, engine: str | None = None, own_server=None) -
     handoff = can_hand_off()
     try:
         sock, reply = open_session({"model": model or None, "engine": engine, "handoff": handoff})
-    except HostRefused as exc:
-        print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
-        return 2
     except BridgeError as exc:
-        if own_server is None:
-            print(f"spark-lsp serve --shared: {exc}", file=sys.stderr, flush=True)
-            return 1
-        print(
-            f"spark-lsp serve --shared: {exc}; this editor runs its own server",
-            file=sys.stderr,
-            flush=True,
-        )
-        return own_server(str(exc))
+        refused = isinstance(exc, HostRefused)
+        fall_back = own_server is not None and not refused
+        tail = "; this editor runs its own server" if fall_back else ""
+        print(f"spark-lsp serve --shared: {exc}{tail}", file=sys.stderr, flush=True)
+        if fall_back:
+            return own_server(str(exc))
+        return 2 if refused else 1
     try:
         if handoff and reply.get("handoff"):
             try:
@@ -615,12 +610,17 @@ def exec_own_server(argv: list[str], why: str) -> int:
     return 1
 
 
+def shared_by_env() -> bool:
+    """Whether $SPARK_LSP_SHARED asks for the bridge (an editor that cannot add flags)."""
+    return os.environ.get(ENV_SHARED, "").strip() in ("1", "true", "yes")
+
+
 def wants_bridge(argv: list[str]) -> bool:
     """`serve` arguments that ask for the bridge: --shared, or $SPARK_LSP_SHARED=1 with stdio."""
     network = any(a in ("--tcp", "--ws") or a.startswith(("--tcp=", "--ws=")) for a in argv)
     if network:
         return False  # `serve` itself refuses --shared with a network transport
-    return "--shared" in argv or os.environ.get(ENV_SHARED, "").strip() in ("1", "true", "yes")
+    return "--shared" in argv or shared_by_env()
 
 
 if __name__ == "__main__":

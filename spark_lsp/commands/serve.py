@@ -116,8 +116,7 @@ def run(args) -> int:
     from spark_lsp import bridge  # standard library only (cli routes `--shared` to it first)
 
     shared = getattr(args, "shared", False) or (
-        os.environ.get(bridge.ENV_SHARED, "").strip() in ("1", "true", "yes")
-        and not (args.tcp or args.ws)
+        bridge.shared_by_env() and not (args.tcp or args.ws)
     )
     if shared:
         if args.tcp or args.ws:
