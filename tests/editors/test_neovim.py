@@ -184,13 +184,28 @@ def test_neovim(scenario, check):
     assert result[check]["ok"], f"[{mode}] {check} failed: {result[check].get('detail')!r}\n{diag}"
 
 
+def _plugin_lua(tmp_path: Path, body: str) -> list:
+    """Run `body` in a headless Neovim (`nvim -l`) with the plugin on its runtimepath; the JSON
+    lines it writes to stdout, decoded."""
+    script = tmp_path / "plugin.lua"
+    plugin = json.dumps(str(HERE.parents[1] / "editors" / "neovim"))
+    script.write_text(f"vim.opt.runtimepath:append({plugin})\n{body}")
+    proc = subprocess.run(
+        [_nvim("nvim"), "--headless", "-l", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("[")]
+
+
 def test_neovim_restarts_a_stopped_server_within_its_budget(tmp_path):
     """The plugin's restart rule (`_on_exit`, in a real Neovim, `attach` stubbed): a clean exit or
     the SIGTERM of `:LspStop!` is left alone; a non-zero status or another signal re-attaches
     the buffers the server served, RESTARTS times in RESTART_WINDOW_MS, then an error instead."""
-    script = tmp_path / "restart.lua"
-    script.write_text(
-        f"vim.opt.runtimepath:append({json.dumps(str(HERE.parents[1] / 'editors' / 'neovim'))})\n"
+    [log] = _plugin_lua(
+        tmp_path,
         "local spark = require('spark')\n"
         "spark.opts = {}\n"
         "local buf = vim.api.nvim_create_buf(true, false)\n"
@@ -204,16 +219,8 @@ def test_neovim_restarts_a_stopped_server_within_its_budget(tmp_path):
         "  vim.wait(50, function() return false end)\n"
         "  table.insert(log, '|')\n"
         "end\n"
-        "io.stdout:write(vim.json.encode(log) .. '\\n')\n"
+        "io.stdout:write(vim.json.encode(log) .. '\\n')\n",
     )
-    proc = subprocess.run(
-        [_nvim("nvim"), "--headless", "-l", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    log = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("[")))
     steps = " ".join(log).split("|")[:-1]
     assert [s.strip() for s in steps[:2]] == ["", ""]  # clean exit, SIGTERM: left alone
     for step, why in zip(steps[2:5], ("status 1", "signal 9", "status 2")):
@@ -225,24 +232,15 @@ def test_neovim_restarts_a_stopped_server_within_its_budget(tmp_path):
 def test_neovim_shared_option_reaches_the_server_command(tmp_path):
     """`shared = true` adds `--shared` to the server command, also beside the `cmd` that
     `spark-lsp editor neovim` prints (the plugin's own config module, in a real Neovim)."""
-    script = tmp_path / "cmd.lua"
-    script.write_text(
-        f"vim.opt.runtimepath:append({json.dumps(str(HERE.parents[1] / 'editors' / 'neovim'))})\n"
+    lines = _plugin_lua(
+        tmp_path,
         "local c = require('spark.config')\n"
         "local printed = { '/x/spark-lsp', 'serve', '--stdio' }\n"
         "for _, o in ipairs({ { cmd = printed, shared = true }, { cmd = printed, shared = false },\n"
         "    { cmd = { '/x/spark-lsp', 'serve', '--stdio', '--shared' }, shared = true } }) do\n"
         "  io.stdout:write(vim.json.encode(c.server_cmd(o)) .. '\\n')\n"
-        "end\n"
+        "end\n",
     )
-    proc = subprocess.run(
-        [_nvim("nvim"), "--headless", "-l", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("[")]
     assert lines == [
         ["/x/spark-lsp", "serve", "--stdio", "--shared"],
         ["/x/spark-lsp", "serve", "--stdio"],
