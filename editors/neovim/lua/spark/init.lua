@@ -149,7 +149,8 @@ end
 --- than the SIGTERM of a deliberate :LspStop!) is started again for the buffers it served,
 --- within the restart budget. A clean exit (after shutdown) or Neovim quitting is left alone.
 function M._on_exit(code, signal)
-  if (code == 0 and (signal or 0) == 0) or signal == 15 then
+  signal = signal or 0
+  if (code == 0 and signal == 0) or signal == 15 then
     return
   end
   vim.schedule(function()
