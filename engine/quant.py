@@ -251,22 +251,9 @@ def unpack_codes(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The float32 ``W[K, N]`` a :class:`QuantizedWeight` represents (reference for tests)."""
     N, nb, _ = qw.packed.shape
-    if qw.bits == 4:
-        codes = np.empty((N, nb, qw.block_size), np.uint8)
-        codes[..., 0::2] = qw.packed & 0x0F
-        codes[..., 1::2] = qw.packed >> 4
-    else:
-        codes = qw.packed
-    if qw.zero_points is None:
-        zp = np.full((N, nb), 1 << (qw.bits - 1), np.float32)
-    elif qw.bits == 4:
-        zp = np.empty((N, qw.zero_points.shape[1] * 2), np.float32)
-        zp[:, 0::2] = qw.zero_points & 0x0F
-        zp[:, 1::2] = qw.zero_points >> 4
-        zp = zp[:, :nb]
-    else:
-        zp = qw.zero_points.astype(np.float32)
-    w = (codes.astype(np.float32) - zp[..., None]) * qw.scales[..., None]
+    codes, zp = unpack_codes(qw)
+    codes = codes.reshape(N, nb, qw.block_size).astype(np.float32)
+    w = (codes - zp.astype(np.float32)[..., None]) * qw.scales[..., None]
     return np.ascontiguousarray(w.reshape(N, nb * qw.block_size).T[: qw.K])
 
 

@@ -729,24 +729,32 @@ static OrtStatus* run_tasks(OrtKernelContext* ctx, void (*fn)(void*, size_t), si
   return NULL;
 }
 
-/* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
-static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv, const float* xdata) {
+/* The activations of a linear op and its output: x's rows (``xdata`` in place of x's own values
+   where the norm prologue made them), M = the rows of every leading dimension, and output 0 of
+   x's shape with out_n columns. */
+static OrtStatus* rows_and_output(const char* op, size_t K, size_t out_n, OrtKernelContext* ctx, const OrtValue* xv,
+                                  const float* xdata, const float** x, size_t* M, float** y) {
   int type = 0;
   size_t rank = 0;
   int64_t dims[8];
-  Job j = {.t = t};
   TRY(shape_of(xv, &type, &rank, dims));
-  if (type != ELEM_FLOAT || rank < 1) return error("MeshLinear: x must be a float tensor of rank >= 1");
-  if ((size_t)dims[rank - 1] != t->K)
-    return error("MeshLinear: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
-  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&j.x));
-  if (xdata) j.x = xdata;
-  j.M = 1;
-  for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
-  dims[rank - 1] = (int64_t)t->out_n;
+  if (type != ELEM_FLOAT || rank < 1) return error("%s: x must be a float tensor of rank >= 1", op);
+  if ((size_t)dims[rank - 1] != K)
+    return error("%s: x has %zu features but the lines' K extents sum to %zu", op, (size_t)dims[rank - 1], K);
+  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)x));
+  if (xdata) *x = xdata;
+  *M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) *M *= (size_t)dims[i];
+  dims[rank - 1] = (int64_t)out_n;
   OrtValue* out = NULL;
   TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
-  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
+  return CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)y);
+}
+
+/* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
+static OrtStatus* run(const Tiles* t, OrtKernelContext* ctx, const OrtValue* xv, const float* xdata) {
+  Job j = {.t = t};
+  TRY(rows_and_output("MeshLinear", t->K, t->out_n, ctx, xv, xdata, &j.x, &j.M, &j.y));
   if (j.M == 0) return NULL;
   float* scratch = NULL; /* glu: the gate|up sums, [M, N] */
   if (t->glu) {
@@ -1861,23 +1869,9 @@ typedef struct {
 /* xdata: the activations to use instead of xv's (the norm prologue's rows; xv gives the shape). */
 static OrtStatus* qrun(const QTiles* t, size_t amx_min, OrtKernelContext* ctx, const OrtValue* xv,
                        const float* xdata) {
-  int type = 0;
-  size_t rank = 0;
-  int64_t dims[8];
   QJob j = {.t = t};
   const float* x = NULL;
-  TRY(shape_of(xv, &type, &rank, dims));
-  if (type != ELEM_FLOAT || rank < 1) return error("MeshLinearQ: x must be a float tensor of rank >= 1");
-  if ((size_t)dims[rank - 1] != t->K)
-    return error("MeshLinearQ: x has %zu features but the lines' K extents sum to %zu", (size_t)dims[rank - 1], t->K);
-  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)xv, (void**)&x));
-  if (xdata) x = xdata;
-  j.M = 1;
-  for (size_t i = 0; i + 1 < rank; i++) j.M *= (size_t)dims[i];
-  dims[rank - 1] = (int64_t)t->out_n;
-  OrtValue* out = NULL;
-  TRY(CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &out));
-  TRY(CALL(GetTensorMutableData, GetTensorMutableDataFn)(out, (void**)&j.y));
+  TRY(rows_and_output("MeshLinearQ", t->K, t->out_n, ctx, xv, xdata, &x, &j.M, &j.y));
   if (j.M == 0) return NULL;
   /* AMX passes of R rows: the activation rows are zero-padded to whole passes */
   size_t rows = j.M;
