@@ -26,11 +26,16 @@ from typing import Any, Protocol
 
 from .cancel import Cancelled, CancelToken
 from .config import ModelError
+from .heap import trim_heap
 from .params import GenerationParams
 from .prefix_cache import Slot
 from .runtime import Interrupt, Runtime
 from .sampling import Healing, Sampler, token_logprob
 from .tokenizer import Tokenizer
+
+#: Prompt tokens a prefill must run for its generation to give the C heap's free memory back
+#: afterwards (:meth:`Generation._release_prefill_memory`).
+TRIM_AFTER_PREFILL = 256
 
 
 class Model(Protocol):
@@ -174,6 +179,7 @@ class Generation:
         self.logprobs: list[float] = []  # per token in `tokens`, when params.logprobs
         self.text = ""
         self.finish_reason: str | None = None
+        self._prefilled = 0  # prompt tokens this generation's prefill ran (the rest were reused)
         self.stats: dict[str, float | int] = {
             "prompt_tokens": len(prompt),
             "reused_tokens": 0,
@@ -278,7 +284,19 @@ class Generation:
                 logits = self._run_model(rt.forward, slot.kv, part, pos)
                 slot.tokens.extend(part)
                 pos += len(part)
+                self._prefilled += len(part)
             return slot, logits[-1]
+
+    def _release_prefill_memory(self) -> None:
+        """After a long prefill, once its first tokens are out: give the C heap's free pages back
+        to the system.  A prefill's chunks allocate and free buffers of many MB; glibc keeps what
+        is freed in the heap of the thread that ran the chunk, so a process's memory grew with
+        its long prompts, and a daemon running its connections' generations on several threads
+        kept such a heap per thread.  Trimming
+        costs a few ms and runs after the first chunk has been yielded, not before it (TTFT)."""
+        if self._prefilled >= TRIM_AFTER_PREFILL:
+            self._prefilled = 0
+            trim_heap()
 
     def _run(self) -> Iterator[Chunk]:
         eng = self._engine
@@ -302,6 +320,7 @@ class Generation:
                     yield chunk
                 if done:
                     return
+                self._release_prefill_memory()
                 with eng.lock:
                     self._check(slot)
                     logits = self._run_model(eng.runtime.decode, slot.kv, token, pos)
@@ -318,6 +337,7 @@ class Generation:
             self.finish_reason = "cancelled"
         if slot is not None and slot.owner is self:
             slot.owner = None
+        self._release_prefill_memory()  # a generation that ended at its first tokens
         self.stats["new_tokens"] = len(self.tokens)
         self.stats["total_ms"] = (time.perf_counter() - self._t0) * 1e3
         if t_first is not None and t_last is not None and len(self.tokens) > 1 and t_last > t_first:

@@ -618,6 +618,7 @@ class SpeculativeGeneration(Generation):
                         yield chunk
                     if done:
                         return
+                self._release_prefill_memory()
                 context.extend(decided)
                 self.drafter.observe(decided, from_draft)
                 if decided:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine.cancel import CancelToken
+from engine.heap import trim_heap
 from engine.service.steering import SteeredGeneration
 
 from . import preparation
@@ -49,10 +50,13 @@ def settle_heap() -> None:
     """Move everything alive now (the server, the model, its tokenizer: tens of thousands of
     long-lived objects) out of the cycle collector's reach, so a full collection, which holds the
     GIL and so every thread, is short and no longer delays a cancel or a token by tens of ms.
-    Objects frozen before are unfrozen first, so a model this load replaced can be collected."""
+    Objects frozen before are unfrozen first, so a model this load replaced can be collected.
+    Then the C heap's free pages, what the load and the collection freed, go back to the system
+    (a session host's sessions each load their model in turn)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    trim_heap()
 
 
 class ModelNotReady(RuntimeError):

@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine.heap import trim_heap
 from engine.service import rundir
 from engine.service.options import SPINNING
 
@@ -201,7 +200,6 @@ class SessionHost:
             writer.close()
             self.last_active = time.monotonic()
             model_host.settle_heap()  # the closed session's objects are collected, not frozen
-            trim_heap()
             log.info("session %d closed (%d open)", n, len(self.sessions))
 
     async def _run_handed_off(
