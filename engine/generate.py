@@ -292,8 +292,8 @@ class Generation:
         to the system.  A prefill's chunks allocate and free buffers of many MB; glibc keeps what
         is freed in the heap of the thread that ran the chunk, so a process's memory grew with
         its long prompts, and a daemon running its connections' generations on several threads
-        kept such a heap per thread.  Trimming
-        costs a few ms and runs after the first chunk has been yielded, not before it (TTFT)."""
+        kept such a heap per thread.  Trimming costs a few ms: it runs after the first chunk has
+        been yielded (or when the generation ends), never before it."""
         if self._prefilled >= TRIM_AFTER_PREFILL:
             self._prefilled = 0
             trim_heap()
