@@ -34,6 +34,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, serve
 
+from ..heap import trim_heap
 from . import protocol as P
 from . import tls
 from .address import is_loopback
@@ -154,6 +155,7 @@ class EngineServer:
             conn.close(drain_s=0.0)
             with self._lock:
                 self.connections.discard(conn)
+            trim_heap()  # what the connection's threads freed goes back, as a session host's does
             log.info("engine: client %s disconnected", peer)
 
     def close(self, drain_s: float = 5.0) -> None:

@@ -104,6 +104,24 @@ async def test_unsupported_version_and_messages_before_hello(server):
         await ws.close()
 
 
+async def test_a_closed_connection_gives_the_heaps_free_pages_back(server, monkeypatch):
+    from engine.service import server as server_module
+
+    trims = []
+    monkeypatch.setattr(server_module, "trim_heap", lambda: trims.append(1))
+    c = await EngineClient.connect(server.url, TOKEN)
+    gen = await c.generate(PROMPT, GenerationParams(max_new_tokens=4, ignore_eos=True), slot="t")
+    async for _ in gen:
+        pass
+    assert trims == []
+    await c.close()
+    for _ in range(300):  # the connection's thread notices the close and ends
+        if trims:
+            break
+        await asyncio.sleep(0.01)
+    assert trims == [1]
+
+
 # -- generation, multiplexing, cancel -----------------------------------------------------------
 async def test_generation_matches_in_process(client, reference):
     gen = await client.generate(
