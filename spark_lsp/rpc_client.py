@@ -232,6 +232,13 @@ class LspClient:
             except Exception:
                 pass
 
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """Wait for the server to exit and for everything it wrote to have been read: a
+        process's exit can come before the reader thread has dispatched its last messages."""
+        status = self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return status
+
     def wait_notification(self, method: str, after: float = 0.0, timeout: float = 30.0) -> Any:
         end = time.perf_counter() + timeout
         with self._cond:

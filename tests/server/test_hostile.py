@@ -89,7 +89,7 @@ def test_lifecycle_violations_get_the_specified_errors(tiny_llama):
         # after shutdown, requests are refused (not left unanswered)
         assert _code(c, "spark/metrics", {}) == -32600
         c.notify("exit", None)
-        assert c.proc.wait(10) == 0
+        assert c.wait_exit(10) == 0
     finally:
         if c.proc.poll() is None:
             c.proc.kill()

@@ -73,6 +73,6 @@ def test_sigterm_cancels_generations_and_exits_cleanly(tiny_llama):
     )
     fut = c.inline(URI, SRC.index("add(1") + 4, trigger=1)
     c.proc.send_signal(signal.SIGTERM)
-    assert c.proc.wait(EXIT_WAIT_S) == 0
+    assert c.wait_exit(EXIT_WAIT_S) == 0
     assert "SIGTERM: stopping" in c.proc.stderr.read().decode(errors="replace")
     assert fut.done()  # answered (cancelled) or failed with the connection: nothing left hanging

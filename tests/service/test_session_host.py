@@ -450,7 +450,7 @@ def test_sessions_are_isolated_and_one_failing_leaves_the_others(tiny_llama, run
         # ... and then a stream that is not LSP at all (an HTTP request): it is closed, alone
         c.proc.stdin.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         c.proc.stdin.flush()
-        assert c.proc.wait(30) == 1  # its bridge saw the host close it, and says so
+        assert c.wait_exit(30) == 1  # its bridge saw the host close it, and says so
         shown = [p for _, m, p in c.notifications if m == "window/showMessage"]
         assert shown and "closed this editor's session" in shown[-1]["message"]
         # the two others go on; the first session's exit frees its documents, not the second's
@@ -545,7 +545,7 @@ def test_a_handed_over_session_ends_with_the_status_lsp_asks(tiny_llama, run_dir
         assert d.proc.wait(30) == 1
         host = e.call("spark/metrics", {})["sessionHost"]["pid"]
         os.kill(host, signal.SIGTERM)
-        assert e.proc.wait(30) == 1
+        assert e.wait_exit(30) == 1
         shown = [p for _, m, p in e.notifications if m == "window/showMessage"]
         assert shown and f"(pid {host}) closed this editor's session" in shown[-1]["message"]
         assert wait_gone(host, 30)
@@ -561,7 +561,7 @@ def test_host_death_is_reported_to_the_editor(tiny_llama, run_dir):
     try:
         host = client.call("spark/metrics", {})["sessionHost"]["pid"]
         os.kill(host, signal.SIGKILL)
-        assert client.proc.wait(30) == 1  # a clean exit the editor reports (and restarts)
+        assert client.wait_exit(30) == 1  # a clean exit the editor reports (and restarts)
         shown = [p for _, m, p in client.notifications if m == "window/showMessage"]
         assert shown and shown[-1]["type"] == 1 and "session host" in shown[-1]["message"]
         assert f"(pid {host}) stopped" in shown[-1]["message"]
