@@ -1,6 +1,7 @@
 """The seam between the server and the engine: `Model` (what the services need from a loaded
 model), `LocalModel` (the in-process engine behind it) and `ModelHost` (loads one in the
-background).
+background); `model_argument` checks a `--model` the way `serve` and the session host take
+it.
 
 Every service reaches the engine through a `Model` and nothing else, so another backend (a remote
 llama.cpp, Ollama or OpenAI server, the engine service over WebSocket) is one more class with
@@ -23,6 +24,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,6 +59,32 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     trim_heap()
+
+
+class BadModel(ValueError):
+    """A --model that is neither a path nor a model name the hub knows."""
+
+
+def model_argument(model: str | None) -> str | None:
+    """`--model` as the server takes it: an existing path made absolute, a catalogue name or
+    hf: spec as given, None for the bundled model; BadModel when it is none of these."""
+    if model and os.path.exists(os.path.expanduser(model)):
+        return os.path.abspath(os.path.expanduser(model))
+    if model:
+        # engine.hub loads onnxruntime; a thin server on the engine service never needs it
+        from engine.config import ModelError
+        from engine.hub import parse_spec
+
+        try:
+            hub = parse_spec(model)
+        except ModelError:
+            hub = None
+        if hub is None:
+            raise BadModel(
+                f"--model {model}: not found (expected a model folder, a .gguf file, a "
+                "catalogue name or hf:ORG/REPO)"
+            )
+    return model or None
 
 
 class ModelNotReady(RuntimeError):

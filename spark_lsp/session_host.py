@@ -284,16 +284,14 @@ class SessionHost:
         if hello.get("protocol") != bridge.PROTOCOL:
             refuse(f"bridge protocol {hello.get('protocol')!r}, this host speaks {bridge.PROTOCOL}")
             return None
-        from .commands.serve import BadModel, model_argument
-
         model, engine = hello.get("model"), hello.get("engine")
         try:
             if not isinstance(model, (str, type(None))) or not isinstance(
                 engine, (str, type(None))
             ):
-                raise BadModel("model and engine must be strings")
-            model = model_argument(model)
-        except BadModel as exc:
+                raise model_host.BadModel("model and engine must be strings")
+            model = model_host.model_argument(model)
+        except model_host.BadModel as exc:
             refuse(str(exc))
             return None
         n = next(self._ids)

@@ -76,6 +76,11 @@ def copy_of_the_tree(tmp_path) -> Path:
         ),
         ("engine/generate.py", "from . import engine", "No import cycle"),
         ("spark_lsp/settings.py", "from . import status", "No import cycle"),
+        (
+            "spark_lsp/inline.py",
+            "from spark_lsp.bench import lsp",
+            "The language server runs none of the benchmarks",
+        ),
     ],
 )
 def test_a_violation_breaks_the_check(copy_of_the_tree, module, line, broken):

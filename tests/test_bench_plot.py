@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from spark_lsp import bench_plot
+from spark_lsp.bench import plot as bench_plot
 from spark_lsp.cli import build_parser
 from spark_lsp.commands import bench
 

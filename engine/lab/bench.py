@@ -907,7 +907,7 @@ def add_arguments(p) -> None:
 def run(args, plot: Callable[[dict, str], Any] | None = None) -> int:
     """Parse, measure, print; with ``--plot FILE`` hand the results to ``plot(results, FILE)``.
 
-    The drawing lives in ``spark_lsp.bench_plot`` (the engine never imports ``spark_lsp``), so the
+    The drawing lives in ``spark_lsp.bench.plot`` (the engine never imports ``spark_lsp``), so the
     ``spark-lsp bench`` dispatcher passes it in; ``plot`` may raise RuntimeError with a message.
     """
 

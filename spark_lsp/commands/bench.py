@@ -3,16 +3,16 @@
 Each benchmark lives in its own module, imported only when run (torch etc. load lazily):
 
     engine -> engine.lab.bench          edits -> engine.lab.bench_edits
-    lsp    -> spark_lsp.bench_lsp       wafer -> engine.lab.bench_wafer
+    lsp    -> spark_lsp.bench.lsp       wafer -> engine.lab.bench_wafer
     profile -> engine.lab.bench_profile (a diagnosis, not part of ``all``)
-    robustness -> spark_lsp.bench_robustness (fuzz, load, lifecycle, faults; not part of ``all``)
-    service -> spark_lsp.bench_service (in-process vs WebSocket vs HTTP+SSE, Ray; not part of ``all``)
+    robustness -> spark_lsp.bench.robustness (fuzz, load, lifecycle, faults; not part of ``all``)
+    service -> spark_lsp.bench.service (in-process vs WebSocket vs HTTP+SSE, Ray; not part of ``all``)
 
 A benchmark module exposes ``main(argv: list[str]) -> int`` and parses its own options
 (``spark-lsp bench wafer --help`` shows them), so building the CLI's parser imports none of them.
 ``all`` runs every benchmark that is installed with its defaults.
 
-``--plot FILE`` (every benchmark): the drawing is ``spark_lsp.bench_plot``; this dispatcher checks
+``--plot FILE`` (every benchmark): the drawing is ``spark_lsp.bench.plot``; this dispatcher checks
 matplotlib before the run and hands the modules a ``plot(results, FILE)`` callable
 (``main(argv, plot=...)``), so the engine-side modules never import ``spark_lsp``.
 """
@@ -29,15 +29,15 @@ import sys
 MODULES = {
     "engine": "engine.lab.bench",
     "edits": "engine.lab.bench_edits",
-    "lsp": "spark_lsp.bench_lsp",
+    "lsp": "spark_lsp.bench.lsp",
     "wafer": "engine.lab.bench_wafer",
 }
 #: Run like the benchmarks, but not by ``all``: a diagnosis, and the two that start servers of
 #: their own (daemons, a Ray cluster, fault scenarios).
 DIAGNOSES = {
     "profile": "engine.lab.bench_profile",
-    "robustness": "spark_lsp.bench_robustness",
-    "service": "spark_lsp.bench_service",
+    "robustness": "spark_lsp.bench.robustness",
+    "service": "spark_lsp.bench.service",
 }
 HELP = {
     "engine": "decode/prefill speed, TTFT cold vs reused prefix, cancel latency; vs transformers and onnxruntime-genai",
@@ -85,7 +85,7 @@ def _plotter(name: str, wanted: bool):
     """(plot callable or None, error exit code or 0): matplotlib is checked before a long run."""
     if not wanted:
         return None, 0
-    from spark_lsp import bench_plot
+    from spark_lsp.bench import plot as bench_plot
 
     try:
         bench_plot.require()
@@ -170,7 +170,7 @@ def _run_all(args: argparse.Namespace) -> int:
             )
             rc = rc or code
     if args.plot:
-        from spark_lsp.bench_plot import draw, panels
+        from spark_lsp.bench.plot import draw, panels
 
         try:
             print(f"plot: {draw(results, args.plot)}", file=sys.stderr)

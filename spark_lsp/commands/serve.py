@@ -87,31 +87,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-class BadModel(ValueError):
-    """A --model that is neither a path nor a model name the hub knows."""
-
-
-def model_argument(model: str | None) -> str | None:
-    """`--model` as the server takes it: an existing path made absolute, a catalogue name or
-    hf: spec as given, None for the bundled model; BadModel when it is none of these."""
-    if model and os.path.exists(os.path.expanduser(model)):
-        return os.path.abspath(os.path.expanduser(model))
-    if model:
-        from engine.config import ModelError
-        from engine.hub import parse_spec
-
-        try:
-            hub = parse_spec(model)
-        except ModelError:
-            hub = None
-        if hub is None:
-            raise BadModel(
-                f"--model {model}: not found (expected a model folder, a .gguf file, a "
-                "catalogue name or hf:ORG/REPO)"
-            )
-    return model or None
-
-
 def run(args) -> int:
     from spark_lsp import bridge  # standard library only (cli routes `--shared` to it first)
 
@@ -130,6 +105,8 @@ def run(args) -> int:
 def serve_here(args, unshared: str | None = None) -> int:
     """The language server in this process. `unshared`: why `--shared` found no session host
     (the bridge then runs this instead), which the editor is told once it has initialised."""
+    from spark_lsp.model_host import BadModel, model_argument
+
     try:
         model = model_argument(args.model)
     except BadModel as exc:

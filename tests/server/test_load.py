@@ -41,7 +41,7 @@ def test_bench_robustness_quick_holds_every_scenario(tiny_llama):
         [
             sys.executable,
             "-m",
-            "spark_lsp.bench_robustness",
+            "spark_lsp.bench.robustness",
             "--model",
             str(tiny_llama),
             "--quick",

@@ -168,7 +168,7 @@ def test_bench_lsp_replays_typing(tiny_llama, shared):
         [
             sys.executable,
             "-m",
-            "spark_lsp.bench_lsp",
+            "spark_lsp.bench.lsp",
             "--model",
             str(tiny_llama),
             "--json",

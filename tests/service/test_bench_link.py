@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from spark_lsp import bench_link
+from spark_lsp.bench import link as bench_link
 
 
 @pytest.fixture()

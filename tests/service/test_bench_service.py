@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from spark_lsp import bench_service
+from spark_lsp.bench import service as bench_service
 
 
 @pytest.mark.slow

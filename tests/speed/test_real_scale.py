@@ -274,7 +274,7 @@ def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
     """`bench lsp --precision` reaches the server's precision setting; the first suggestion (the whole
     prompt prefilled) and the start (`--cold`: with an empty cache, so the graph is built) are
     reported beside the keystroke latencies."""
-    from spark_lsp import bench_lsp
+    from spark_lsp.bench import lsp as bench_lsp
 
     rc = bench_lsp.main(
         [

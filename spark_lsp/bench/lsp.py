@@ -22,6 +22,9 @@ from pathlib import Path
 
 from engine.lab.models import SYNTHETIC, synthetic_model
 
+from .. import bridge
+from ..rpc_client import LspClient, RpcError, server_cmd
+
 DEFAULT_FILE = "functools.py"  # ~1,000 lines of real stdlib Python
 
 
@@ -180,8 +183,6 @@ def cancel_phase(client, uri: str, n: int) -> list[float]:
     editor does when the user moves on; returns the client's cancel round trips (ms)."""
     import random
 
-    from .rpc_client import RpcError
-
     if n <= 0:
         return []
     client.call(
@@ -230,11 +231,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run(args, plot=None) -> int:
-    """``plot(results, FILE)`` draws ``--plot FILE`` (default: ``spark_lsp.bench_plot``)."""
-    from .rpc_client import LspClient, server_cmd
-
+    """``plot(results, FILE)`` draws ``--plot FILE`` (default: ``spark_lsp.bench.plot``)."""
     if args.plot:
-        from . import bench_plot
+        from . import plot as bench_plot
 
         try:
             bench_plot.require()
@@ -304,8 +303,6 @@ def run(args, plot=None) -> int:
 
 def _stop_host(run_dir: str) -> None:
     """Stop the session host of `run_dir` (the bench's own) and wait for it to go."""
-    from . import bridge
-
     rec = bridge.read_record(run_dir)
     if rec is not None:
         bridge.stop_host(rec["pid"])
@@ -314,8 +311,6 @@ def _stop_host(run_dir: str) -> None:
 def _replay(args, plot, client, options: dict, path: Path, source: str, keys: list[str]) -> int:
     """Start the server (already spawned as `client`), open the file, take the first suggestion,
     replay `keys`, then time cancellations; print and return the exit status."""
-    from .rpc_client import RpcError
-
     start, end, fname = pick_function(source, args.function)
     text = source[:start] + source[end:]
     try:

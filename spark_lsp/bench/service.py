@@ -75,9 +75,11 @@ from engine.service import rundir, tls
 from engine.service.client import EngineClient, SyncEngineClient
 from engine.service.options import DEFAULT_SPINNING, SPINNING
 
-from . import bench_link
-from .bench_lsp import DEFAULT_FILE, keystrokes, pick_function
-from .prompt import PromptBuilder
+from .. import bridge
+from ..prompt import PromptBuilder
+from ..rpc_client import LspClient, server_cmd
+from . import link as bench_link
+from .lsp import DEFAULT_FILE, keystrokes, pick_function
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
@@ -115,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="MS",
         help="put ws and sse behind an emulated network link of this round trip, ms (default 0: "
-        "loopback; see spark_lsp/bench_link.py)",
+        "loopback; see spark_lsp/bench/link.py)",
     )
     p.add_argument(
         "--spinning",
@@ -740,8 +742,6 @@ def bridge_cmd(model: str | None) -> list[str]:
 
 
 def _server(model: str | None, options: dict, uri: str, text: str, cmd: list[str] | None = None):
-    from .rpc_client import LspClient, server_cmd
-
     client = LspClient(cmd or server_cmd(model))
     try:
         client.initialize({"tunePrecision": False, "liveEdits": False, **options})
@@ -880,8 +880,6 @@ def _memory_host(
     (the first bridge starts it; the bench checks that every session runs in it and that they
     share one engine); with `daemon`, the sessions use `engine: auto`, so that engine is the
     daemon the first one starts (and its memory is counted)."""
-    from spark_lsp import bridge
-
     if daemon:
         options = {**options, "engine": "auto"}
     with _private_run_dir() as run_dir:

@@ -16,7 +16,7 @@ half round trips after it began).  End of stream is forwarded the same way (``sh
 connection ends when both directions have.  Queues are unbounded: it is a benchmark fixture for
 request/response traffic, not a general proxy.
 
-It runs in its own process (``python -m spark_lsp.bench_link --target HOST:PORT --rtt MS``, which
+It runs in its own process (``python -m spark_lsp.bench.link --target HOST:PORT --rtt MS``, which
 prints the address it listens on), so its threads do not take the GIL from the client being timed.
 """
 
@@ -130,7 +130,7 @@ def start(url: str, rtt_ms: float) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spark_lsp.bench_link", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m spark_lsp.bench.link", description=__doc__)
     p.add_argument("--target", required=True, metavar="HOST:PORT", help="the server to relay to")
     p.add_argument("--rtt", type=float, required=True, metavar="MS", help="round trip to add, ms")
     args = p.parse_args(argv)

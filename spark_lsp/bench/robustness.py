@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .rpc_client import LspClient, RpcError, server_cmd
+from ..rpc_client import LspClient, RpcError, server_cmd
 
 LINE = "    total = compute(values, factor) + offset  # running sum\n"
 FUNC = "def scale(values, factor):\n    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n\n\n"
