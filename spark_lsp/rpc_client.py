@@ -220,10 +220,12 @@ class LspClient:
         raise TimeoutError("model did not load in time")
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """The LSP's orderly end (`shutdown`, then `exit`); the server is killed if it does not
+        answer or go within `timeout`. Its last messages have been read when this returns."""
         try:
             self.call("shutdown", None, timeout)
             self.notify("exit", None)
-            self.proc.wait(timeout)
+            self.wait_exit(timeout)
         except Exception:
             self.proc.kill()
         finally:

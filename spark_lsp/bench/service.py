@@ -55,8 +55,6 @@ import http.client
 import json
 import os
 import random
-import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -75,16 +73,14 @@ from engine.service import rundir, tls
 from engine.service.client import EngineClient, SyncEngineClient
 from engine.service.options import DEFAULT_SPINNING, SPINNING
 
-from .. import bridge
 from ..prompt import PromptBuilder
-from ..rpc_client import LspClient, server_cmd
 from . import link as bench_link
 from .lsp import DEFAULT_FILE, keystrokes, pick_function
+from .service_memory import MEMORY_MODELS, MEMORY_MODES, run_memories
+from .service_ray import run_ray
+from .stats import keystroke_row, percentiles, ratio, summary
 
-ROOT = Path(__file__).resolve().parents[1]
-#: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
-MEMORY_MODELS = "default,synthetic-qwen2.5-coder-0.5b@int4"
-MEMORY_MODES = "daemon,host,host-daemon"
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, for the daemons' PYTHONPATH
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,47 +181,6 @@ def prompts(args, tokenizer) -> tuple[str, list[list[int]]]:
     return uri, out
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def summary(rows: list[dict]) -> dict[str, Any]:
-    def col(k):
-        return [r[k] for r in rows if r.get(k) is not None]
-
-    out: dict[str, Any] = {"keystrokes": len(rows)}
-    for k in ("first_byte_ms", "ttft_ms", "overhead_ms", "suggestion_ms", "engine_ms"):
-        xs = col(k)
-        out[k] = {
-            "p50": pct(xs, 0.5),
-            "p95": pct(xs, 0.95),
-            "mean": statistics.fmean(xs) if xs else None,
-        }
-    sizes = col("request_bytes")
-    out["request_bytes_mean"] = statistics.fmean(sizes) if sizes else None
-    pt = sum(r.get("prompt_tokens", 0) for r in rows)
-    out["prefix_reuse"] = sum(r.get("reused_tokens", 0) for r in rows) / pt if pt else None
-    return out
-
-
-def _row(t0: float, t_first: float | None, t_end: float, stats: dict) -> dict:
-    t_first = t_first if t_first is not None else t_end
-    first = (t_first - t0) * 1e3
-    ttft = float(stats.get("ttft_ms", 0.0))
-    return {
-        "first_byte_ms": first,
-        "ttft_ms": ttft,
-        "overhead_ms": first - ttft if first is not None else None,
-        "suggestion_ms": (t_end - t0) * 1e3,
-        "engine_ms": stats.get("total_ms"),  # the engine's own time, request taken -> its end
-        "prompt_tokens": stats.get("prompt_tokens", 0),
-        "reused_tokens": stats.get("reused_tokens", 0),
-    }
-
-
 # -- the transports ---------------------------------------------------------------------------
 def generate_one(
     source: Engine | SyncEngineClient, uri: str, ids: list[int], params: GenerationParams
@@ -238,7 +193,7 @@ def generate_one(
     for chunk in gen:
         if t_first is None and chunk.text:
             t_first = time.perf_counter()
-    return _row(t0, t_first, time.perf_counter(), gen.stats)
+    return keystroke_row(t0, t_first, time.perf_counter(), gen.stats)
 
 
 def sse_one(
@@ -276,7 +231,7 @@ def sse_one(
         elif not line:
             event = "message"
     conn.close()
-    row = _row(t0, t_first, time.perf_counter(), stats)
+    row = keystroke_row(t0, t_first, time.perf_counter(), stats)
     row["request_bytes"] = len(body)
     return row
 
@@ -487,463 +442,6 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-#: Seconds a suggestion may take in the Ray runs before it counts as hung (and is cancelled).
-HUNG_S = 120.0
-#: Finish reasons of an answered suggestion.
-ANSWERED = ("length", "eos", "stop")
-
-
-async def _ray_editor(
-    url: str,
-    token: str,
-    uri: str,
-    trace: list[list[int]],
-    params: GenerationParams,
-    done: list[dict] | None = None,
-) -> list[dict]:
-    """One editor typing the trace against the Ray deployment over its own socket: a row per
-    keystroke (`_row`) with the suggestion's outcome (finish reason, replica, restarts); one
-    that takes over HUNG_S is cancelled and counted ``hung``.  Every finished row is also
-    appended to `done` (progress)."""
-    client = await EngineClient.connect(url, token, client="bench")
-    rows = []
-    try:
-        for ids in trace:
-            t0 = time.perf_counter()
-            first: list[float] = []
-            gen = await client.generate(ids, params, slot=uri)
-
-            async def read(gen=gen, first=first) -> None:
-                async for piece in gen:
-                    if not first and piece.text:
-                        first.append(time.perf_counter())
-
-            try:
-                await asyncio.wait_for(read(), HUNG_S)
-                t_end = time.perf_counter()
-                row = _row(t0, first[0] if first else t_end, t_end, gen.stats)
-                row["finish"] = gen.finish_reason
-                row["error"] = (gen.error or {}).get("code")
-            except asyncio.TimeoutError:
-                await gen.cancel()
-                row = {"finish": "hung", "suggestion_ms": HUNG_S * 1e3}
-            row["replica"] = gen.stats.get("replica")
-            row["restarts"] = gen.stats.get("restarts", 0)
-            rows.append(row)
-            if done is not None:
-                done.append(row)
-    finally:
-        await client.close()
-    return rows
-
-
-def ray_summary(rows: list[dict], per_editor: int) -> dict[str, Any]:
-    """`summary` plus the outcomes, and the prefix reuse without each document's first (cold)
-    request, whose prompt no replica can have seen."""
-    out = summary([r for r in rows if r.get("finish") != "hung"])
-    warm = [r for i, r in enumerate(rows) if i % per_editor and r.get("finish") != "hung"]
-    pt = sum(r.get("prompt_tokens", 0) for r in warm)
-    out["prefix_reuse_after_first"] = (
-        sum(r.get("reused_tokens", 0) for r in warm) / pt if pt else None
-    )
-    out["suggestion_ms"]["p95_all"] = pct([r["suggestion_ms"] for r in rows], 0.95)
-    finish = [r.get("finish") for r in rows]
-    out["outcomes"] = {
-        "answered": sum(f in ANSWERED for f in finish),
-        "cancelled": finish.count("cancelled"),
-        "error": finish.count("error"),
-        "hung": finish.count("hung"),
-        "restarted": sum(1 for r in rows if r.get("restarts")),
-    }
-    out["replicas_used"] = len({r["replica"] for r in rows if r.get("replica")})
-    return out
-
-
-def run_ray_editors(
-    url: str,
-    token: str,
-    uri: str,
-    trace: list[list[int]],
-    params: GenerationParams,
-    k: int,
-    kill_at: float | None = None,
-) -> tuple[list[dict], dict | None]:
-    """K editors typing at once, each its own document over its own socket.  `kill_at`: when
-    that fraction of all the suggestions is done, SIGKILL the replica that served most of them
-    (returns what was killed)."""
-    done: list[dict] = []
-    killed: dict | None = None
-
-    async def killer() -> None:
-        nonlocal killed
-        while len(done) < kill_at * k * len(trace):
-            await asyncio.sleep(0.005)
-        counts: dict[str, int] = {}
-        for r in done:
-            if r.get("replica"):
-                counts[r["replica"]] = counts.get(r["replica"], 0) + 1
-        victim = max(counts, key=counts.get)
-        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
-        killed = {"replica": victim, "after_suggestions": len(done)}
-
-    async def all_editors() -> list[dict]:
-        kill = asyncio.ensure_future(killer()) if kill_at is not None else None
-        try:
-            parts = await asyncio.gather(
-                *(
-                    _ray_editor(url, token, f"{uri}#editor{i}", trace, params, done)
-                    for i in range(k)
-                )
-            )
-        finally:
-            if kill is not None and not kill.done():
-                kill.cancel()
-        return [r for part in parts for r in part]
-
-    rows = asyncio.run(all_editors())
-    return rows, killed
-
-
-def run_ray(
-    args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
-) -> dict:
-    """K editors against 1 and 2 replicas of a local Ray Serve deployment on this machine's
-    cores (each replica's intra-op threads: the cores shared out, `ray_app.replica_threads`),
-    then 2 replicas with max(K) editors and one replica killed halfway."""
-    # Ray prints its workers' deaths (the replica killed on purpose) on stdout: keep stdout for
-    # the results (--json), send the rest to stderr
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            return _run_ray(args, uri, trace, params, ks)
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _run_ray(
-    args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
-) -> dict:
-    import ray
-    from ray import serve
-
-    from engine.models import default_model_dir
-    from engine.service import ray_app
-
-    cpus = os.cpu_count() or 2
-    slots = max(ks) + 2  # every document a replica may get, and the warm-up ones
-    out: dict[str, Any] = {"cpus": cpus, "slots_per_replica": slots, "threads": {}, "runs": {}}
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        with socket.socket() as s:  # Serve's proxy keeps its first port: one for both runs
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        hi = max(ks)
-        lo = hi // 2 if hi // 2 in ks else None
-        # (replicas, intra-op threads per replica, editors): the cores shared out among the
-        # replicas; then, for scale-out with the cores a replica brings, 1 replica with one
-        # replica's share of 2 (the other core left to the ingress) and half the editors
-        configs = [(1, ray_app.replica_threads(1), ks), (2, ray_app.replica_threads(2), ks)]
-        if lo is not None:
-            configs.append((1, ray_app.replica_threads(2), [lo]))
-        for replicas, threads, editors in configs:
-            token = rundir.new_token()
-            out["threads"].setdefault(replicas, threads)
-            url = ray_app.deploy(
-                str(args.model or default_model_dir()),
-                port=port,
-                replicas=replicas,
-                token=token,
-                num_cpus=0.5,
-                threads=threads,
-                slots=slots,
-            )
-            # warm up every shard's first runs (ONNX Runtime's): one document ranked first on each
-            warm, i = [], 0
-            while len({ray_app.rank_shards(w, replicas)[0] for w in warm}) < replicas:
-                warm.append(f"warm-up-{i}")
-                i += 1
-            for w in warm:
-                run_ray_editors(url, token, w, trace[:2], params, 1)
-            shared = threads == out["threads"][replicas]
-            for k in editors:  # fresh documents for each K: their first request is cold
-                rows, _ = run_ray_editors(
-                    url, token, f"{uri}?r{replicas}t{threads}k{k}", trace, params, k
-                )
-                name = f"replicas={replicas},editors={k}"
-                if not shared:
-                    name = f"replicas={replicas},threads={threads},editors={k}"
-                out["runs"][name] = ray_summary(rows, len(trace))
-            if replicas == 2:
-                k = max(ks)
-                rows, killed = run_ray_editors(
-                    url, token, f"{uri}?kill", trace, params, k, kill_at=0.5
-                )
-                kill = ray_summary(rows, len(trace))
-                o = kill["outcomes"]
-                out["replica_kill"] = {
-                    "editors": k,
-                    "killed": killed,
-                    **kill,
-                    "all_answered_or_cancelled": o["error"] == 0
-                    and o["hung"] == 0
-                    and o["answered"] + o["cancelled"] == len(rows),
-                }
-            serve.delete(ray_app.APP_NAME)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    runs = out["runs"]
-    if lo is not None:  # the issue's comparison: 2 replicas with 2K editors vs 1 replica with K
-        two = runs[f"replicas=2,editors={hi}"]["suggestion_ms"]["p95"]
-        one = runs[f"replicas=1,editors={lo}"]["suggestion_ms"]["p95"]
-        same = runs[f"replicas=1,threads={out['threads'][2]},editors={lo}"]
-        out["scale_out"] = {
-            "editors": [lo, hi],
-            # 1 replica with all the cores vs 2 replicas sharing them
-            "p95_2_replicas_over_1": _ratio(two, one),
-            # 1 replica with one replica's share of the cores (what adding a machine adds)
-            "p95_2_replicas_over_1_same_cores_per_replica": _ratio(
-                two, same["suggestion_ms"]["p95"]
-            ),
-        }
-    return out
-
-
-def memory_mb(pid: int) -> dict[str, float]:
-    """Resident memory of a process, MB: ``rss`` (VmRSS) and ``pss`` (proportional set size,
-    /proc/PID/smaps_rollup: a page shared by n processes counts 1/n in each, so the sum over a
-    group of processes counts shared libraries once)."""
-    out = {"rss": 0.0, "pss": 0.0}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            out["rss"] = int(line.split()[1]) / 1024
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                out["pss"] = int(line.split()[1]) / 1024
-    except OSError:  # no smaps_rollup (an old kernel): PSS unknown
-        out["pss"] = float("nan")
-    return out
-
-
-def maps_onnxruntime(pid: int) -> bool:
-    """Whether ONNX Runtime is loaded in process `pid` (a thin language server must not be)."""
-    return "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
-
-
-def bridge_cmd(model: str | None) -> list[str]:
-    """What an editor runs to share the session host: `spark-lsp serve --stdio --shared`."""
-    cmd = [sys.executable, "-m", "spark_lsp.cli", "serve", "--stdio", "--shared"]
-    return cmd + (["--model", model] if model else [])
-
-
-def _server(model: str | None, options: dict, uri: str, text: str, cmd: list[str] | None = None):
-    client = LspClient(cmd or server_cmd(model))
-    try:
-        client.initialize({"tunePrecision": False, "liveEdits": False, **options})
-        client.wait_ready(timeout=900)
-        client.open(uri, text)
-        client.inline(uri, len(text)).result(300)  # a suggestion: its KV slot and runs are made
-        engine = (client.call("spark/metrics", {}, 30) or {}).get("engine") or {}
-    except BaseException:
-        client.shutdown()
-        raise
-    return client, engine
-
-
-@contextlib.contextmanager
-def _private_run_dir():
-    """A runtime directory of this run only (the daemons' and the session host's records and
-    sockets: `rundir` and `bridge` read the same variable), not the user's; short, for the
-    host's Unix socket path."""
-    with tempfile.TemporaryDirectory(prefix="spark-") as run_dir:
-        old = os.environ.get(rundir.ENV_DIR)
-        os.environ[rundir.ENV_DIR] = run_dir
-        try:
-            yield run_dir
-        finally:
-            if old is None:
-                os.environ.pop(rundir.ENV_DIR, None)
-            else:
-                os.environ[rundir.ENV_DIR] = old
-
-
-def _daemon_records(run_dir: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in Path(run_dir).glob("engine-*.json")]
-
-
-def _on_one_daemon(recs: list[dict], engines: list[dict]) -> bool:
-    """Whether one daemon runs and every server's engine (`spark/metrics`) is a daemon."""
-    return len(recs) == 1 and all(str(e.get("engine", "")).startswith("ws://") for e in engines)
-
-
-def _stop_daemons(recs: list[dict]) -> None:
-    for r in recs:
-        try:
-            os.kill(r["pid"], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-
-
-def _sum(parts: list[dict[str, float]]) -> dict[str, float]:
-    return {k: sum(p[k] for p in parts) for k in ("rss", "pss")}
-
-
-def run_memory(
-    model: str | None,
-    precision: str | None,
-    text: str,
-    sessions: int = 4,
-    modes: tuple[str, ...] = tuple(MEMORY_MODES.split(",")),
-) -> dict:
-    """Resident memory of one in-process language server vs `sessions` language servers with
-    `engine: auto` and the one daemon they share (mode `daemon`), vs `sessions` editors'
-    bridges and the one session host they share (mode `host`), and vs the bridges, the host and
-    the daemon its sessions use with `engine: auto` (mode `host-daemon`), each session with a
-    document open and one suggestion made."""
-    from engine.lab.models import SYNTHETIC, synthetic_model
-
-    if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
-        model = str(synthetic_model(model))
-    options = {"precision": precision} if precision else {}
-    local, _ = _server(model, options, "file:///bench/local.py", text)
-    try:
-        one = memory_mb(local.proc.pid)
-    finally:
-        local.shutdown()
-    out: dict[str, Any] = {
-        "model": Path(model).name if model else "default",
-        "precision": precision or "default",
-        "sessions": sessions,
-        "one_inproc_server_mb": one,
-    }
-    if "daemon" in modes:
-        out.update(_memory_daemon(model, options, text, sessions, one))
-    if "host" in modes:
-        out["host"] = _memory_host(model, options, text, sessions, one)
-    if "host-daemon" in modes:
-        out["host_daemon"] = _memory_host(model, options, text, sessions, one, daemon=True)
-    return out
-
-
-def _memory_daemon(
-    model: str | None, options: dict, text: str, sessions: int, one: dict[str, float]
-) -> dict:
-    """`sessions` language servers with `engine: auto` and their daemon."""
-    with _private_run_dir() as run_dir:
-        clients, recs = [], []
-        try:
-            engines = []
-            for i in range(sessions):
-                client, engine = _server(
-                    model, {**options, "engine": "auto"}, f"file:///bench/s{i}.py", text
-                )
-                clients.append(client)
-                engines.append(engine)
-            recs = _daemon_records(run_dir)
-            if not _on_one_daemon(recs, engines):
-                raise RuntimeError(
-                    f"the {sessions} servers did not share one daemon: {len(recs)} daemon(s), "
-                    f"engines {[e.get('engine') for e in engines]}"
-                )
-            servers = [memory_mb(c.proc.pid) for c in clients]
-            thin = not any(maps_onnxruntime(c.proc.pid) for c in clients)
-            daemon = memory_mb(recs[0]["pid"])
-        finally:
-            for c in clients:
-                c.shutdown()
-            _stop_daemons(recs)
-    total = _sum([*servers, daemon])
-    return {
-        "session_servers_mb": servers,
-        "daemon_mb": daemon,
-        "shared_total_mb": total,
-        "ratio_rss": total["rss"] / one["rss"] if one["rss"] else None,
-        "ratio_pss": total["pss"] / one["pss"] if one["pss"] else None,
-        "thin_servers_without_onnxruntime": thin,
-    }
-
-
-def _memory_host(
-    model: str | None,
-    options: dict,
-    text: str,
-    sessions: int,
-    one: dict[str, float],
-    daemon: bool = False,
-) -> dict:
-    """`sessions` editors' bridges (`serve --stdio --shared`) and the session host they share
-    (the first bridge starts it; the bench checks that every session runs in it and that they
-    share one engine); with `daemon`, the sessions use `engine: auto`, so that engine is the
-    daemon the first one starts (and its memory is counted)."""
-    if daemon:
-        options = {**options, "engine": "auto"}
-    with _private_run_dir() as run_dir:
-        clients, host_pid, recs, parts = [], None, [], []
-        try:
-            hosts, engines = [], []
-            for i in range(sessions):
-                client, engine = _server(
-                    model, options, f"file:///bench/h{i}.py", text, cmd=bridge_cmd(model)
-                )
-                clients.append(client)
-                engines.append(engine)
-                hosts.append((client.call("spark/metrics", {}, 30) or {}).get("sessionHost"))
-            pids = {h.get("pid") if h else None for h in hosts}
-            shared = hosts[-1].get("models") if hosts[-1] else None
-            recs = _daemon_records(run_dir)
-            if daemon:
-                one_engine = _on_one_daemon(recs, engines)
-            else:
-                one_engine = len(shared or []) == 1 and shared[0].get("sessions") == sessions
-            if len(pids) != 1 or None in pids or not one_engine:
-                raise RuntimeError(
-                    f"the {sessions} sessions did not share one host and one engine: {hosts}, "
-                    f"{len(recs)} daemon(s)"
-                )
-            host_pid = pids.pop()
-            bridges = [memory_mb(c.proc.pid) for c in clients]
-            host = memory_mb(host_pid)
-            parts = [memory_mb(recs[0]["pid"])] if daemon else []
-            thin = not any(maps_onnxruntime(c.proc.pid) for c in clients)
-        finally:
-            for c in clients:
-                c.shutdown()
-            if host_pid is not None:
-                bridge.stop_host(host_pid)
-            _stop_daemons(recs)
-    total = _sum([*bridges, host, *parts])
-    return {
-        "bridges_mb": bridges,
-        "host_mb": host,
-        "daemon_mb": parts[0] if parts else None,
-        "shared_models": shared,
-        "total_mb": total,
-        "ratio_rss": total["rss"] / one["rss"] if one["rss"] else None,
-        "ratio_pss": total["pss"] / one["pss"] if one["pss"] else None,
-        "bridges_without_onnxruntime": thin,
-    }
-
-
-def run_memories(args) -> dict:
-    """`run_memory` at each of ``--memory-models`` (``default``: the bench's ``--model``)."""
-    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
-    text = path.read_text(encoding="utf-8")[:4000]
-    out = {}
-    for spec in (m.strip() for m in args.memory_models.split(",")):
-        if not spec:
-            continue
-        name, _, precision = spec.partition("@")
-        model = args.model if name == "default" else name
-        modes = tuple(m.strip() for m in args.memory_modes.split(",") if m.strip())
-        out[spec] = run_memory(model, precision or None, text, modes=modes)
-    return out
-
-
 def throwaway_certificate(folder: str) -> tuple[str, str, str]:
     """A throwaway CA and a certificate it signs for localhost / 127.0.0.1 / ::1, written to
     ``folder``: (certificate, key, CA) PEM files.  Needs ``trustme`` (the test extra)."""
@@ -1022,7 +520,7 @@ def run(args) -> int:
         for name in wanted:
             t[labels[name]] = summary(rows[name])
         if "inproc" in wanted:
-            t["inproc"]["cancel_ms"] = _p(
+            t["inproc"]["cancel_ms"] = percentiles(
                 cancel_from_thread(
                     lambda: engine.generate(trace[-1], long, slot="cancel"), args.cancels
                 )
@@ -1031,7 +529,7 @@ def run(args) -> int:
             client = SyncEngineClient(*ws, client="bench", cafile=cafile, cancel_flags=flags)
             stops: list[float] = []
             try:
-                t[labels["ws"]]["cancel_ms"] = _p(
+                t[labels["ws"]]["cancel_ms"] = percentiles(
                     cancel_from_thread(
                         lambda: client.generate(trace[-1], long, slot="cancel"),
                         args.cancels,
@@ -1041,8 +539,8 @@ def run(args) -> int:
             finally:
                 client.close()
             if stops:  # shared cancel flags: the daemon said when its engine stopped
-                t[labels["ws"]]["cancel_engine_ms"] = _p(stops)
-            t[labels["ws"]]["cancel_socket_ms"] = _p(
+                t[labels["ws"]]["cancel_engine_ms"] = percentiles(stops)
+            t[labels["ws"]]["cancel_socket_ms"] = percentiles(
                 asyncio.run(_ws_cancels(*ws, trace[-1], args.cancels, cafile))
             )
     results["load_average"] = {"before": load_before[0], "after": os.getloadavg()[0]}
@@ -1050,8 +548,8 @@ def run(args) -> int:
         ws, sse = t[labels["ws"]], t[labels["sse"]]
         # the key stays `ws_vs_sse` plain or over TLS (`tls` says which)
         results["ws_vs_sse"] = {
-            "overhead_p50_ratio": _ratio(ws["overhead_ms"]["p50"], sse["overhead_ms"]["p50"]),
-            "first_byte_p50_ratio": _ratio(ws["first_byte_ms"]["p50"], sse["first_byte_ms"]["p50"]),
+            "overhead_p50_ratio": ratio(ws["overhead_ms"]["p50"], sse["overhead_ms"]["p50"]),
+            "first_byte_p50_ratio": ratio(ws["first_byte_ms"]["p50"], sse["first_byte_ms"]["p50"]),
         }
     if "ws" in wanted and "inproc" in wanted:
         results["ws_minus_inproc_suggestion_p50_ms"] = (
@@ -1067,14 +565,6 @@ def run(args) -> int:
     else:
         print_table(results)
     return 0
-
-
-def _p(xs: list[float]) -> dict:
-    return {"p50": pct(xs, 0.5), "p95": pct(xs, 0.95), "n": len(xs)}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def print_table(r: dict) -> None:

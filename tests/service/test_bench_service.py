@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from spark_lsp.bench import service as bench_service
+from spark_lsp.bench import service_memory, service_ray
 
 
 @pytest.mark.slow
@@ -82,7 +83,7 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
     tiny_llama,
 ):
     text = "import os\n\n\ndef total(xs):\n    s = 0\n    for x in xs:\n        s += x\n" * 20
-    m = bench_service.run_memory(str(tiny_llama), None, text, sessions=4)
+    m = service_memory.run_memory(str(tiny_llama), None, text, sessions=4)
     # run_memory itself refuses a run where the servers did not all join the one daemon
     assert m["sessions"] == 4 and len(m["session_servers_mb"]) == 4
     assert m["thin_servers_without_onnxruntime"]
@@ -142,7 +143,7 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
         {"finish": "hung", "suggestion_ms": 120_000.0, "replica": None, "restarts": 0},
         row("error", 102, 0),
     ]
-    s = bench_service.ray_summary(rows, per_editor=3)
+    s = service_ray.ray_summary(rows, per_editor=3)
     assert s["outcomes"] == {"answered": 3, "cancelled": 1, "error": 1, "hung": 1, "restarted": 1}
     assert s["prefix_reuse"] == pytest.approx(199 / 505)  # the hung one has no stats
     assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)

@@ -1,0 +1,246 @@
+"""`spark-lsp bench service --ray`: K simulated editors typing at once against 1 and 2 Ray Serve
+replicas of the engine on this machine, then 2 replicas with one killed halfway: keystroke-to-
+suggestion p50/p95, prefix reuse (the slot-key routing at work) and every suggestion's outcome.
+Ray (the `ray` extra) is imported only when this runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from engine import GenerationParams
+from engine.service import rundir
+from engine.service.client import EngineClient
+
+from .stats import keystroke_row, pct, ratio, summary
+
+#: Seconds a suggestion may take in the Ray runs before it counts as hung (and is cancelled).
+HUNG_S = 120.0
+#: Finish reasons of an answered suggestion.
+ANSWERED = ("length", "eos", "stop")
+
+
+async def _ray_editor(
+    url: str,
+    token: str,
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    done: list[dict] | None = None,
+) -> list[dict]:
+    """One editor typing the trace against the Ray deployment over its own socket: a row per
+    keystroke (`_row`) with the suggestion's outcome (finish reason, replica, restarts); one
+    that takes over HUNG_S is cancelled and counted ``hung``.  Every finished row is also
+    appended to `done` (progress)."""
+    client = await EngineClient.connect(url, token, client="bench")
+    rows = []
+    try:
+        for ids in trace:
+            t0 = time.perf_counter()
+            first: list[float] = []
+            gen = await client.generate(ids, params, slot=uri)
+
+            async def read(gen=gen, first=first) -> None:
+                async for piece in gen:
+                    if not first and piece.text:
+                        first.append(time.perf_counter())
+
+            try:
+                await asyncio.wait_for(read(), HUNG_S)
+                t_end = time.perf_counter()
+                row = keystroke_row(t0, first[0] if first else t_end, t_end, gen.stats)
+                row["finish"] = gen.finish_reason
+                row["error"] = (gen.error or {}).get("code")
+            except asyncio.TimeoutError:
+                await gen.cancel()
+                row = {"finish": "hung", "suggestion_ms": HUNG_S * 1e3}
+            row["replica"] = gen.stats.get("replica")
+            row["restarts"] = gen.stats.get("restarts", 0)
+            rows.append(row)
+            if done is not None:
+                done.append(row)
+    finally:
+        await client.close()
+    return rows
+
+
+def ray_summary(rows: list[dict], per_editor: int) -> dict[str, Any]:
+    """`summary` plus the outcomes, and the prefix reuse without each document's first (cold)
+    request, whose prompt no replica can have seen."""
+    out = summary([r for r in rows if r.get("finish") != "hung"])
+    warm = [r for i, r in enumerate(rows) if i % per_editor and r.get("finish") != "hung"]
+    pt = sum(r.get("prompt_tokens", 0) for r in warm)
+    out["prefix_reuse_after_first"] = (
+        sum(r.get("reused_tokens", 0) for r in warm) / pt if pt else None
+    )
+    out["suggestion_ms"]["p95_all"] = pct([r["suggestion_ms"] for r in rows], 0.95)
+    finish = [r.get("finish") for r in rows]
+    out["outcomes"] = {
+        "answered": sum(f in ANSWERED for f in finish),
+        "cancelled": finish.count("cancelled"),
+        "error": finish.count("error"),
+        "hung": finish.count("hung"),
+        "restarted": sum(1 for r in rows if r.get("restarts")),
+    }
+    out["replicas_used"] = len({r["replica"] for r in rows if r.get("replica")})
+    return out
+
+
+def run_ray_editors(
+    url: str,
+    token: str,
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    k: int,
+    kill_at: float | None = None,
+) -> tuple[list[dict], dict | None]:
+    """K editors typing at once, each its own document over its own socket.  `kill_at`: when
+    that fraction of all the suggestions is done, SIGKILL the replica that served most of them
+    (returns what was killed)."""
+    done: list[dict] = []
+    killed: dict | None = None
+
+    async def killer() -> None:
+        nonlocal killed
+        while len(done) < kill_at * k * len(trace):
+            await asyncio.sleep(0.005)
+        counts: dict[str, int] = {}
+        for r in done:
+            if r.get("replica"):
+                counts[r["replica"]] = counts.get(r["replica"], 0) + 1
+        victim = max(counts, key=counts.get)
+        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+        killed = {"replica": victim, "after_suggestions": len(done)}
+
+    async def all_editors() -> list[dict]:
+        kill = asyncio.ensure_future(killer()) if kill_at is not None else None
+        try:
+            parts = await asyncio.gather(
+                *(
+                    _ray_editor(url, token, f"{uri}#editor{i}", trace, params, done)
+                    for i in range(k)
+                )
+            )
+        finally:
+            if kill is not None and not kill.done():
+                kill.cancel()
+        return [r for part in parts for r in part]
+
+    rows = asyncio.run(all_editors())
+    return rows, killed
+
+
+def run_ray(
+    args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
+) -> dict:
+    """K editors against 1 and 2 replicas of a local Ray Serve deployment on this machine's
+    cores (each replica's intra-op threads: the cores shared out, `ray_app.replica_threads`),
+    then 2 replicas with max(K) editors and one replica killed halfway."""
+    # Ray prints its workers' deaths (the replica killed on purpose) on stdout: keep stdout for
+    # the results (--json), send the rest to stderr
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run_ray(args, uri, trace, params, ks)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run_ray(
+    args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
+) -> dict:
+    import ray
+    from ray import serve
+
+    from engine.models import default_model_dir
+    from engine.service import ray_app
+
+    cpus = os.cpu_count() or 2
+    slots = max(ks) + 2  # every document a replica may get, and the warm-up ones
+    out: dict[str, Any] = {"cpus": cpus, "slots_per_replica": slots, "threads": {}, "runs": {}}
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        with socket.socket() as s:  # Serve's proxy keeps its first port: one for both runs
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        hi = max(ks)
+        lo = hi // 2 if hi // 2 in ks else None
+        # (replicas, intra-op threads per replica, editors): the cores shared out among the
+        # replicas; then, for scale-out with the cores a replica brings, 1 replica with one
+        # replica's share of 2 (the other core left to the ingress) and half the editors
+        configs = [(1, ray_app.replica_threads(1), ks), (2, ray_app.replica_threads(2), ks)]
+        if lo is not None:
+            configs.append((1, ray_app.replica_threads(2), [lo]))
+        for replicas, threads, editors in configs:
+            token = rundir.new_token()
+            out["threads"].setdefault(replicas, threads)
+            url = ray_app.deploy(
+                str(args.model or default_model_dir()),
+                port=port,
+                replicas=replicas,
+                token=token,
+                num_cpus=0.5,
+                threads=threads,
+                slots=slots,
+            )
+            # warm up every shard's first runs (ONNX Runtime's): one document ranked first on each
+            warm, i = [], 0
+            while len({ray_app.rank_shards(w, replicas)[0] for w in warm}) < replicas:
+                warm.append(f"warm-up-{i}")
+                i += 1
+            for w in warm:
+                run_ray_editors(url, token, w, trace[:2], params, 1)
+            shared = threads == out["threads"][replicas]
+            for k in editors:  # fresh documents for each K: their first request is cold
+                rows, _ = run_ray_editors(
+                    url, token, f"{uri}?r{replicas}t{threads}k{k}", trace, params, k
+                )
+                name = f"replicas={replicas},editors={k}"
+                if not shared:
+                    name = f"replicas={replicas},threads={threads},editors={k}"
+                out["runs"][name] = ray_summary(rows, len(trace))
+            if replicas == 2:
+                k = max(ks)
+                rows, killed = run_ray_editors(
+                    url, token, f"{uri}?kill", trace, params, k, kill_at=0.5
+                )
+                kill = ray_summary(rows, len(trace))
+                o = kill["outcomes"]
+                out["replica_kill"] = {
+                    "editors": k,
+                    "killed": killed,
+                    **kill,
+                    "all_answered_or_cancelled": o["error"] == 0
+                    and o["hung"] == 0
+                    and o["answered"] + o["cancelled"] == len(rows),
+                }
+            serve.delete(ray_app.APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    runs = out["runs"]
+    if lo is not None:  # the issue's comparison: 2 replicas with 2K editors vs 1 replica with K
+        two = runs[f"replicas=2,editors={hi}"]["suggestion_ms"]["p95"]
+        one = runs[f"replicas=1,editors={lo}"]["suggestion_ms"]["p95"]
+        same = runs[f"replicas=1,threads={out['threads'][2]},editors={lo}"]
+        out["scale_out"] = {
+            "editors": [lo, hi],
+            # 1 replica with all the cores vs 2 replicas sharing them
+            "p95_2_replicas_over_1": ratio(two, one),
+            # 1 replica with one replica's share of the cores (what adding a machine adds)
+            "p95_2_replicas_over_1_same_cores_per_replica": ratio(
+                two, same["suggestion_ms"]["p95"]
+            ),
+        }
+    return out
