@@ -80,7 +80,7 @@ def test_bench_service_tls_says_how_to_install_trustme(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_process_server(
-    tiny_llama,
+    tiny_llama, capsys
 ):
     text = "import os\n\n\ndef total(xs):\n    s = 0\n    for x in xs:\n        s += x\n" * 20
     m = service_memory.run_memory(str(tiny_llama), None, text, sessions=4)
@@ -118,9 +118,17 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
             sum(p[k] for p in [*hd["bridges_mb"], hd["host_mb"], hd["daemon_mb"]])
         )
     assert hd["ratio_rss"] < m["ratio_rss"]  # 4 thin sessions in one process, not 4 processes
+    # and the table prints each mode's line
+    bench_service.print_table(
+        {"keystrokes": 0, "max_tokens": 0, "transports": {}, "memory": {"m": m}}
+    )
+    out = capsys.readouterr().out
+    assert "4 servers sharing one daemon" in out
+    assert "4 bridges sharing a session host RSS" in out
+    assert "4 bridges sharing a session host + daemon" in out
 
 
-def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request():
+def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request(capsys):
     def row(finish, prompt, reused, ms=10.0, replica="h:1", restarts=0):
         return {
             "finish": finish,
@@ -149,6 +157,29 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
     assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)
     assert s["suggestion_ms"]["p95_all"] == 120_000.0  # the hung one counts in the tail
     assert s["replicas_used"] == 2
+    runs = {"replicas=2,editors=2": s, "replicas=1,editors=1": s}
+    bench_service.print_table(
+        {
+            "keystrokes": 6,
+            "max_tokens": 4,
+            "transports": {},
+            "ray": {
+                "cpus": 2,
+                "threads": {1: 2, 2: 1},
+                "slots_per_replica": 4,
+                "runs": {**runs, "replicas=1,threads=1,editors=1": s},
+                "scale_out": {
+                    "editors": [1, 2],
+                    "p95_2_replicas_over_1": 1.5,
+                    "p95_2_replicas_over_1_same_cores_per_replica": 1.2,
+                },
+                "replica_kill": {"editors": 2, "killed": None, **s},
+            },
+        }
+    )
+    out = capsys.readouterr().out
+    assert "ray replicas=2,editors=2" in out and "x1.50" in out and "x1.20" in out
+    assert "answered 3, cancelled 1, error 1, hung 1, restarted 1" in out
 
 
 def test_a_failed_run_shows_the_daemons_log(tmp_path, capsys):
