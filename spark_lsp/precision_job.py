@@ -35,8 +35,16 @@ def decision_stored(model_dir: str | Path) -> bool:
         return True
 
 
-def _lowest_priority() -> None:
-    os.nice(19)
+def _lowest_priority(pid: int) -> None:
+    """Nice 19 for the child, set from here as it starts (not a ``preexec_fn``, which is unsafe
+    in a process with threads, as the server is): Python takes far longer to start than this
+    call, so its threads, ONNX Runtime's among them, inherit the priority."""
+    if not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+    except OSError:  # already gone: its outcome is reported by the watcher
+        pass
 
 
 class PrecisionJob:
@@ -63,8 +71,8 @@ class PrecisionJob:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                preexec_fn=_lowest_priority if os.name == "posix" else None,
             )
+            _lowest_priority(self.proc.pid)
         self.report(
             f"measuring the weight precision for {name} in the background "
             "(spark-lsp tune); the result applies from the next load",

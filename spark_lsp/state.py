@@ -49,6 +49,7 @@ class ServerState:
         self.neighbours = Neighbours()  # chunks of the other open/edited files for prompts
         self.root: str | None = None  # workspace folder path: files are named relative to it
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loading: asyncio.Future | None = None  # the model load in flight
         # False for a network session: it may not point the server at files (settings.update)
         self.trusted = True
         # in a session host (spark_lsp.session_host): its pid, this session, the shared models
@@ -109,7 +110,8 @@ class ServerState:
         """Load the model in the background, with a progress indicator; requests wait for it."""
         loop = self._loop = asyncio.get_running_loop()
         self.host.expect()  # requests arriving while the progress is being created wait too
-        asyncio.ensure_future(self._load(loop))
+        # held here: the event loop keeps only a weak reference to a task
+        self._loading = asyncio.ensure_future(self._load(loop))
 
     async def _load(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.settings.backend != "local":

@@ -357,6 +357,7 @@ class EngineClient(_Dispatch):
         self._gens: dict[str, RemoteGeneration] = {}
         self._steers: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
+        self._resends: set[asyncio.Future] = set()  # whole prompts re-sent after unknown_base
         self._ids = itertools.count(1)
         self.closed = False
         self.close_reason = ""
@@ -575,7 +576,9 @@ class EngineClient(_Dispatch):
     def _on_message(self, msg: dict[str, Any]) -> None:
         resend = self._apply(msg)
         if resend is not None:  # the server forgot the base
-            asyncio.ensure_future(self._send_quietly(resend))
+            task = asyncio.ensure_future(self._send_quietly(resend))
+            self._resends.add(task)  # the loop holds tasks weakly: kept until sent
+            task.add_done_callback(self._resends.discard)
 
 
 class SyncGeneration(_Received):
