@@ -283,7 +283,7 @@ def _waiter(*, send: bytes | None) -> tuple[int, bytes, bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         close_fds=False,  # the socketpair is not inheritable; fd 3, its dup, is
-        preexec_fn=lambda: os.dup2(ours.fileno(), 3),
+        preexec_fn=lambda: os.dup2(ours.fileno(), 3),  # noqa: PLW1509 (the child only dup2s)
     )
     ours.close()
     time.sleep(0.05)
