@@ -11,7 +11,6 @@ does. Latency is request sent -> response received, measured in the client.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import sys
@@ -24,8 +23,7 @@ from engine.lab.models import SYNTHETIC, synthetic_model
 
 from .. import bridge
 from ..rpc_client import LspClient, RpcError, server_cmd
-
-DEFAULT_FILE = "functools.py"  # ~1,000 lines of real stdlib Python
+from .trace import DEFAULT_FILE, keystrokes, pick_function
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,67 +113,6 @@ def main(argv: list[str] | None = None, plot=None) -> int:
     p = argparse.ArgumentParser(prog="spark-lsp bench lsp", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv), plot=plot)
-
-
-def pick_function(source: str, name: str | None) -> tuple[int, int, str]:
-    """(body start offset, body end offset, function name): the body is what gets typed."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    starts = [0]
-    for ln in lines:
-        starts.append(starts[-1] + len(ln))
-    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if name:
-        funcs = [f for f in funcs if f.name == name]
-        if not funcs:
-            raise SystemExit(
-                f"spark-lsp bench lsp: --function {name}: no such function in the file"
-            )
-    else:
-        funcs = [
-            f for f in funcs if 8 <= (f.end_lineno - f.lineno) <= 40 and f.col_offset == 0
-        ] or [f for f in funcs if 4 <= (f.end_lineno - f.lineno) <= 60]
-        if not funcs:
-            raise SystemExit(
-                "spark-lsp bench lsp: no function of a suitable size in the file; use --function"
-            )
-        funcs.sort(key=lambda f: f.lineno)
-        funcs = [funcs[len(funcs) // 2]]
-    f = funcs[0]
-    first = f.body[0]
-    if (
-        isinstance(first, ast.Expr)
-        and isinstance(getattr(first, "value", None), ast.Constant)
-        and isinstance(first.value.value, str)
-        and len(f.body) > 1
-    ):
-        first = f.body[1]  # keep the docstring: it is context the user already wrote
-    body_start = (
-        starts[first.lineno - 1]
-        + len(lines[first.lineno - 1])
-        - len(lines[first.lineno - 1].lstrip())
-    )
-    body_end = starts[f.end_lineno]
-    return body_start, body_end, f.name
-
-
-def keystrokes(body: str) -> list[str]:
-    """The body as editor changes: one per character, but a newline carries the next line's
-    indentation (auto-indent)."""
-    out: list[str] = []
-    i = 0
-    while i < len(body):
-        ch = body[i]
-        if ch == "\n":
-            j = i + 1
-            while j < len(body) and body[j] in " \t":
-                j += 1
-            out.append(body[i:j])
-            i = j
-        else:
-            out.append(ch)
-            i += 1
-    return out
 
 
 def cancel_phase(client, uri: str, n: int) -> list[float]:

@@ -75,10 +75,10 @@ from engine.service.options import DEFAULT_SPINNING, SPINNING
 
 from ..prompt import PromptBuilder
 from . import link as bench_link
-from .lsp import DEFAULT_FILE, keystrokes, pick_function
 from .service_memory import MEMORY_MODELS, MEMORY_MODES, run_memories
 from .service_ray import run_ray
 from .stats import keystroke_row, percentiles, ratio, summary
+from .trace import DEFAULT_FILE, keystrokes, pick_function
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, for the daemons' PYTHONPATH
 

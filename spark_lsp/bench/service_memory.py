@@ -19,7 +19,7 @@ from engine.service import rundir
 
 from .. import bridge
 from ..rpc_client import LspClient, server_cmd
-from .lsp import DEFAULT_FILE
+from .trace import DEFAULT_FILE
 
 #: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
 MEMORY_MODELS = "default,synthetic-qwen2.5-coder-0.5b@int4"

@@ -120,7 +120,7 @@ def _ms(v) -> str:
 
 
 def run(args) -> int:
-    from spark_lsp.bench.lsp import keystrokes
+    from spark_lsp.bench.trace import keystrokes
     from spark_lsp.rpc_client import LspClient, RpcError, server_cmd
 
     scr = Screen(sys.stdout.isatty() and not args.no_color)
