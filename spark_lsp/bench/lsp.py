@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from engine.lab.models import SYNTHETIC, synthetic_model
 
 from .. import bridge
 from ..rpc_client import LspClient, RpcError, server_cmd
-from .trace import DEFAULT_FILE, keystrokes, pick_function
+from .trace import DEFAULT_FILE, keystrokes, pick_function, source_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,7 +178,7 @@ def run(args, plot=None) -> int:
             return 2
         plot = plot or bench_plot.plotter("lsp")
 
-    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    path = source_file(args.file)
     try:
         source = path.read_text(encoding="utf-8")
     except OSError as exc:

@@ -59,7 +59,6 @@ import ssl
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -78,7 +77,7 @@ from . import link as bench_link
 from .service_memory import MEMORY_MODELS, MEMORY_MODES, run_memories
 from .service_ray import run_ray
 from .stats import keystroke_row, percentiles, ratio, summary
-from .trace import DEFAULT_FILE, keystrokes, pick_function
+from .trace import DEFAULT_FILE, keystrokes, pick_function, source_file
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, for the daemons' PYTHONPATH
 
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None, plot=None) -> int:
 # -- the trace --------------------------------------------------------------------------------
 def prompts(args, tokenizer) -> tuple[str, list[list[int]]]:
     """(the document URI, the prompt ids at every keystroke of the trace)."""
-    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    path = source_file(args.file)
     source = path.read_text(encoding="utf-8")
     start, end, _ = pick_function(source, args.function)
     keys = keystrokes(source[start:end])

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from engine.service import rundir
 
 from .. import bridge
 from ..rpc_client import LspClient, server_cmd
-from .trace import DEFAULT_FILE
+from .trace import source_file
 
 #: The memory comparison's sizes: the bench's model and a real-size one (NAME@PRECISION).
 MEMORY_MODELS = "default,synthetic-qwen2.5-coder-0.5b@int4"
@@ -244,7 +243,7 @@ def _memory_host(
 
 def run_memories(args) -> dict:
     """`run_memory` at each of ``--memory-models`` (``default``: the bench's ``--model``)."""
-    path = Path(args.file) if args.file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
+    path = source_file(args.file)
     text = path.read_text(encoding="utf-8")[:4000]
     out = {}
     for spec in (m.strip() for m in args.memory_models.split(",")):

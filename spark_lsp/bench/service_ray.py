@@ -35,7 +35,7 @@ async def _ray_editor(
     done: list[dict] | None = None,
 ) -> list[dict]:
     """One editor typing the trace against the Ray deployment over its own socket: a row per
-    keystroke (`_row`) with the suggestion's outcome (finish reason, replica, restarts); one
+    keystroke (`stats.keystroke_row`) with the suggestion's outcome (finish reason, replica, restarts); one
     that takes over HUNG_S is cancelled and counted ``hung``.  Every finished row is also
     appended to `done` (progress)."""
     client = await EngineClient.connect(url, token, client="bench")

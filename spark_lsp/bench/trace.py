@@ -5,8 +5,15 @@ auto-indent). Standard library only, so the demo's client imports nothing heavy 
 from __future__ import annotations
 
 import ast
+import sysconfig
+from pathlib import Path
 
 DEFAULT_FILE = "functools.py"  # ~1,000 lines of real stdlib Python
+
+
+def source_file(file: str | None) -> Path:
+    """The file whose function is typed: ``--file``, else the standard library's DEFAULT_FILE."""
+    return Path(file) if file else Path(sysconfig.get_paths()["stdlib"]) / DEFAULT_FILE
 
 
 def pick_function(source: str, name: str | None) -> tuple[int, int, str]:
