@@ -49,6 +49,9 @@ from .direct import DirectClientConnection
 log = logging.getLogger(__name__)
 
 DISCONNECTED = "disconnected"
+#: Seconds a move to a service's direct endpoint may take to connect before the client stays
+#: where it is (a firewalled port drops the connection attempt instead of refusing it).
+DIRECT_OPEN_S = 3.0
 
 
 class EngineUnavailable(ConnectionError):
@@ -94,6 +97,21 @@ def _unreachable(url: str, exc: BaseException) -> EngineUnavailable:
             "wss:// URL)"
         )
     return EngineUnavailable(why or f"cannot reach the engine service at {url}: {exc}")
+
+
+def direct_target(url: str, hello: dict[str, Any]) -> str | None:
+    """The endpoint a service's ``hello`` offers instead of ``url`` (capability ``direct``: a Ray
+    Serve ingress replica's own socket, which skips Serve's proxy), or None: none offered, the
+    same, or not of ``url``'s scheme (a ``wss://`` service is never left for ``ws://``, which
+    would send the token in the clear)."""
+    target = hello.get("capabilities", {}).get("direct")
+    if not isinstance(target, str) or target.rstrip("/") == url.rstrip("/"):
+        return None
+    here, there = urllib.parse.urlsplit(url).scheme, urllib.parse.urlsplit(target).scheme
+    if there != here or there not in ("ws", "wss"):
+        log.warning("engine service at %s offered %s: not followed (scheme)", url, target)
+        return None
+    return target
 
 
 class EngineRequestError(RuntimeError):
@@ -344,9 +362,15 @@ class EngineClient(_Dispatch):
     _generation = RemoteGeneration
 
     def __init__(
-        self, ws: ClientConnection, hello: dict[str, Any], *, prompt_deltas: bool = True
+        self,
+        ws: ClientConnection,
+        hello: dict[str, Any],
+        url: str = "",
+        *,
+        prompt_deltas: bool = True,
     ) -> None:
         self.ws = ws
+        self.url = url  # where it is connected (a direct endpoint it moved to)
         self.hello = hello
         self.models: list[dict[str, Any]] = hello.get("models", [])
         memory = hello.get("capabilities", {}).get("prompt_delta", 0)
@@ -376,10 +400,49 @@ class EngineClient(_Dispatch):
         prompt_deltas: bool = True,
         cafile: str | None = None,
         pinned_cert: str | None = None,
+        direct: bool = True,
     ) -> EngineClient:
         """Connect and shake hands.  A ``wss://`` URL's certificate is verified against the
         system's trust store and ``cafile`` (a PEM CA bundle), hostname included; or, given
-        ``pinned_cert`` (a daemon's own certificate, from the user's record), is that one."""
+        ``pinned_cert`` (a daemon's own certificate, from the user's record), is that one.
+
+        ``direct``: where the service offers an endpoint of its own (``direct_target``), move
+        there (same token and trust); stay if it cannot be reached."""
+        first = await cls._connect(
+            url, token, client, open_timeout, origin, prompt_deltas, cafile, pinned_cert
+        )
+        target = direct_target(url, first.hello) if direct else None
+        if target is None:
+            return first
+        try:
+            moved = await cls._connect(
+                target,
+                token,
+                client,
+                min(open_timeout, DIRECT_OPEN_S),
+                origin,
+                prompt_deltas,
+                cafile,
+                pinned_cert,
+            )
+        except EngineUnavailable as e:
+            log.info("engine service: staying on %s (%s)", url, e)
+            return first
+        await first.close()
+        return moved
+
+    @classmethod
+    async def _connect(
+        cls,
+        url: str,
+        token: str | None,
+        client: str,
+        open_timeout: float,
+        origin: str | None,
+        prompt_deltas: bool,
+        cafile: str | None,
+        pinned_cert: str | None,
+    ) -> EngineClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         ssl_context = _ssl_for(url, cafile, pinned_cert)
         try:
@@ -418,7 +481,7 @@ class EngineClient(_Dispatch):
             raise EngineUnavailable(
                 f"engine service at {url}: {reply.get('code')}: {reply.get('message')}"
             )
-        return cls(ws, reply, prompt_deltas=prompt_deltas)
+        return cls(ws, reply, url, prompt_deltas=prompt_deltas)
 
     def new_id(self) -> str:
         """A generation id unused on this connection (callable from any thread)."""
@@ -767,6 +830,26 @@ class SyncEngineClient(_Dispatch):
             int(memory) if prompt_deltas and isinstance(memory, int) else 0
         )
         self._flags = _open_flags(reply.get("capabilities", {}).get("cancel_flags"))
+
+    @classmethod
+    def open(
+        cls, url: str, token: str | None = None, *, direct: bool = True, **options: Any
+    ) -> SyncEngineClient:
+        """Connect to ``url`` (``options``: the constructor's) and, where the service offers an
+        endpoint of its own (``direct_target``), move there (same token and trust); stay if it
+        cannot be reached."""
+        first = cls(url, token, **options)
+        target = direct_target(url, first.hello) if direct else None
+        if target is None:
+            return first
+        try:
+            wait = min(options.get("open_timeout", 10.0), DIRECT_OPEN_S)
+            moved = cls(target, token, **{**options, "open_timeout": wait})
+        except EngineUnavailable as e:
+            log.info("engine service: staying on %s (%s)", url, e)
+            return first
+        first.close()
+        return moved
 
     def generate(
         self,

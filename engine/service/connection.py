@@ -243,6 +243,9 @@ class Session:
                 log.warning("engine client %s: no shared cancel flags: %s", self.peer, e)
         if self.flags is not None:
             capabilities["cancel_flags"] = {"path": str(self.flags.path), "count": self.flags.count}
+        extra = getattr(self.models, "capabilities", None)  # the backend's own (Ray: ``direct``)
+        if extra is not None:
+            capabilities.update(extra())
         self._reply(
             {
                 "type": "hello",

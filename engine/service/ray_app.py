@@ -45,6 +45,7 @@ and the time to that token from the generation's start; its ``done`` repeats the
 import asyncio
 import hashlib
 import hmac
+import http
 import logging
 import math
 import os
@@ -63,6 +64,8 @@ import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from websockets.asyncio.server import serve as ws_serve
+from websockets.exceptions import ConnectionClosed
 
 from ..config import ModelError
 from ..params import GenerationParams
@@ -192,14 +195,27 @@ class EngineReplica:
 class RayModels:
     """The models backend of a Connection in the ingress: generations run on engine replicas."""
 
-    def __init__(self, shards: "Shards", tokenizer: Tokenizer, info: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        shards: "Shards",
+        tokenizer: Tokenizer,
+        info: dict[str, Any],
+        direct: str | None = None,
+    ) -> None:
         self.shards = shards
         self.tok = tokenizer
         self.info = {k: v for k, v in info.items() if k != "replica"}
         self.name = info["name"]
+        self.direct = direct  # this ingress replica's own endpoint, offered in ``hello``
 
     def describe(self) -> list[dict[str, Any]]:
         return [self.info]
+
+    def capabilities(self) -> dict[str, Any]:
+        """Capabilities ``hello`` adds to the protocol's own: ``direct``, the URL of this
+        ingress replica's own WebSocket endpoint, on a connection that came through Serve's
+        proxy."""
+        return {"direct": self.direct} if self.direct else {}
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -428,39 +444,85 @@ class Shards:
         return next((i for i in ranking if i in up and load[i] < cap), ranking[0])
 
 
+def direct_bind(host: str | None, driver_ip: str | None) -> str | None:
+    """Where an ingress replica's direct endpoint listens, given the address Serve's proxy was
+    asked to bind (``host``; None: no direct endpoint): a loopback address only on the node
+    whose loopback that is (the driver's: elsewhere no client could reach it), any other
+    address as the node's own (the address Ray knows it by, as every node's proxy binds the
+    address it was given)."""
+    if host is None:
+        return None
+    here = ray.util.get_node_ip_address()
+    if is_loopback(host):
+        return host if driver_ip in (None, here) else None
+    return here
+
+
 app = FastAPI()
 
 
 @serve.deployment(max_ongoing_requests=1000)
 @serve.ingress(app)
 class EngineIngress:
-    """The WebSocket endpoint: the engine protocol, generations sent to EngineReplica."""
+    """The WebSocket endpoint: the engine protocol, generations sent to EngineReplica.
+
+    Clients reach it through Serve's proxy (the deployment's URL), which relays every WebSocket
+    message as a Ray call in one process on the head node.  Each ingress replica also serves the
+    same protocol on a socket of its own (``direct_host``, a free port), which it names in the
+    ``hello`` of connections that came through the proxy (capability ``direct``): a client that
+    moves there (``EngineClient.connect``, ``SyncEngineClient.open``) has its tokens written by
+    the ingress itself, and keeps the proxy's routing of its connection (the replica the proxy
+    chose), Serve's placement, health checks and restarts.  Same token, origins and TLS."""
 
     def __init__(
-        self, shards: list[DeploymentHandle], model_dir: str, token: str, origins: list[str]
+        self,
+        shards: list[DeploymentHandle],
+        model_dir: str,
+        token: str,
+        origins: list[str],
+        direct: dict[str, Any] | None = None,
     ) -> None:
         self.shards = Shards(list(shards))
         self.tokenizer = Tokenizer.load(model_dir)
         self.token = token
         self.origins = set(origins)
         self.info: dict[str, Any] | None = None
+        # the direct endpoint: where it listens (None: not on this node), its TLS files
+        direct = direct or {}
+        self.direct_host = direct_bind(direct.get("host"), direct.get("driver_ip"))
+        self.direct_tls = (direct.get("tls_cert"), direct.get("tls_key"))
+        self.direct_url: str | None = None
+        self._direct_lock = asyncio.Lock()
+        self._direct_server: Any = None
 
-    @app.websocket("/")
-    async def connect(self, ws: WebSocket) -> None:
-        auth = ws.headers.get("authorization", "")
+    def _refusal(self, headers: Any) -> tuple[http.HTTPStatus, str] | None:
+        """Why a connection with these HTTP headers (names in any case) is refused, with the
+        HTTP status that says so (None: it is not)."""
+        auth = headers.get("authorization", "")
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             given.strip().encode(), self.token.encode()
         ):
-            return await self._deny(ws, "a valid engine token is required")
-        origin = ws.headers.get("origin")
+            return http.HTTPStatus.UNAUTHORIZED, "a valid engine token is required"
+        origin = headers.get("origin")
         if origin is not None and origin not in self.origins:
-            return await self._deny(ws, f"origin {origin!r} is not allowed")
+            return http.HTTPStatus.FORBIDDEN, f"origin {origin!r} is not allowed"
+        return None
+
+    async def _models(self, direct: str | None) -> RayModels:
         if self.info is None:
             self.info = await self.shards.handles[0].describe.remote()
+        return RayModels(self.shards, self.tokenizer, self.info, direct)
+
+    @app.websocket("/")
+    async def connect(self, ws: WebSocket) -> None:
+        refused = self._refusal(ws.headers)
+        if refused is not None:
+            return await self._deny(ws, refused[1])
+        models = await self._models(await self._open_direct())
         await ws.accept()
         conn = Connection(
-            RayModels(self.shards, self.tokenizer, self.info),
+            models,
             ws.send_text,
             peer=f"{ws.client.host}:{ws.client.port}" if ws.client else "?",
         )
@@ -482,6 +544,60 @@ class EngineIngress:
         log.warning("engine ingress: refused a connection: %s", why)
         await ws.close(code=1008)
 
+    # -- the direct endpoint -----------------------------------------------------------------
+    async def _open_direct(self) -> str | None:
+        """This replica's own endpoint's URL, listening from the first connection on (on the
+        replica's event loop, as the proxy's connections); None where it has none or could
+        not listen (the proxy serves on: logged once)."""
+        if self.direct_host is None:
+            return None
+        async with self._direct_lock:
+            if self.direct_url is None and self.direct_host is not None:
+                try:
+                    ctx = tls.server_context_for(*self.direct_tls)
+                    self._direct_server = await ws_serve(
+                        self._serve_direct,
+                        self.direct_host,
+                        0,
+                        process_request=self._authorise_direct,
+                        ssl=ctx,
+                        max_size=P.MAX_FRAME_BYTES,
+                        compression=None,
+                        ping_interval=20,
+                        ping_timeout=60,
+                        close_timeout=2,
+                    )
+                except (OSError, ValueError) as e:
+                    log.warning("engine ingress: no direct endpoint (%s): the proxy serves", e)
+                    self.direct_host = None
+                    return None
+                port = self._direct_server.sockets[0].getsockname()[1]
+                host = f"[{self.direct_host}]" if ":" in self.direct_host else self.direct_host
+                self.direct_url = f"{'wss' if ctx is not None else 'ws'}://{host}:{port}/"
+                log.info("engine ingress: direct endpoint on %s", self.direct_url)
+        return self.direct_url
+
+    def _authorise_direct(self, conn: Any, request: Any) -> Any:
+        """The proxy path's checks before the upgrade: HTTP 401 / 403 as the daemon answers."""
+        refused = self._refusal(request.headers)
+        if refused is None:
+            return None
+        log.warning("engine ingress: refused a direct connection: %s", refused[1])
+        return conn.respond(refused[0], refused[1] + "\n")
+
+    async def _serve_direct(self, ws: Any) -> None:
+        """One direct connection: the same protocol as through the proxy."""
+        addr = ws.remote_address
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        conn = Connection(await self._models(None), ws.send, peer=f"{peer} (direct)")
+        try:
+            async for raw in ws:
+                await conn.handle(raw)
+        except ConnectionClosed:
+            pass
+        finally:
+            await conn.close(drain_s=1.0)
+
 
 def replica_threads(replicas: int) -> int:
     """Intra-op threads per replica: the cluster's CPUs shared out among the replicas, so that
@@ -502,7 +618,10 @@ def build_app(
     slots: int = SLOTS,
     precision: str = "fp32",
     spinning: bool | None = SPINNING[DEFAULT_SPINNING],
+    direct: dict[str, Any] | None = None,
 ):
+    """The application: ``replicas`` engine shards and their ingress (``direct``: the ingress
+    replicas' own endpoints, ``EngineIngress``; None: through Serve's proxy only)."""
     shards = [
         EngineReplica.options(
             name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
@@ -511,7 +630,7 @@ def build_app(
     ]
     return EngineIngress.options(
         num_replicas=INGRESS_REPLICAS or replicas, ray_actor_options={"num_cpus": 0.1}
-    ).bind(shards, model_dir, token, origins)
+    ).bind(shards, model_dir, token, origins, direct)
 
 
 def deploy(
@@ -529,6 +648,7 @@ def deploy(
     spinning: bool | None = SPINNING[DEFAULT_SPINNING],
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    direct: bool = True,
 ) -> str:
     """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
     ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
@@ -537,13 +657,18 @@ def deploy(
     ``tls_cert`` / ``tls_key`` (PEM files, as the daemon's): Serve's HTTP proxy (uvicorn) serves
     ``wss://`` with them.  Each node's proxy reads them from its own disk, so on a cluster they
     must be at the same path on every node.  A proxy already running keeps its options (Serve
-    cannot change them once started): a DaemonError when its TLS is not the one asked for."""
-    http: dict[str, Any] = {"host": host, "port": port}
+    cannot change them once started): a DaemonError when its TLS is not the one asked for.
+
+    ``direct``: each ingress replica also listens on a port of its own (``EngineIngress``), on
+    ``host`` if that is a loopback address (and the replica on this node), else on its node's
+    address; clients that move there skip Serve's proxy.  False where only the proxy's port
+    can be reached (a firewall): clients then stay on the proxy."""
+    proxy: dict[str, Any] = {"host": host, "port": port}
     if tls_cert and tls_key:
-        http["ssl_certfile"] = str(Path(tls_cert).expanduser().resolve())
-        http["ssl_keyfile"] = str(Path(tls_key).expanduser().resolve())
-    serve.start(http_options=http)
-    _check_proxy_tls(http.get("ssl_certfile"))
+        proxy["ssl_certfile"] = str(Path(tls_cert).expanduser().resolve())
+        proxy["ssl_keyfile"] = str(Path(tls_key).expanduser().resolve())
+    serve.start(http_options=proxy)
+    _check_proxy_tls(proxy.get("ssl_certfile"))
     serve.run(
         build_app(
             model_dir,
@@ -555,12 +680,20 @@ def deploy(
             slots=slots,
             precision=precision,
             spinning=spinning,
+            direct={
+                "host": host,
+                "driver_ip": ray.util.get_node_ip_address(),
+                "tls_cert": proxy.get("ssl_certfile"),
+                "tls_key": proxy.get("ssl_keyfile"),
+            }
+            if direct
+            else None,
         ),
         name=APP_NAME,
         route_prefix="/",
         blocking=False,
     )
-    return f"{'wss' if 'ssl_certfile' in http else 'ws'}://{host}:{port}/"
+    return f"{'wss' if 'ssl_certfile' in proxy else 'ws'}://{host}:{port}/"
 
 
 def _check_proxy_tls(cert: str | None) -> None:
@@ -629,6 +762,7 @@ def main_args(args) -> int:
             spinning=SPINNING[args.spinning],
             tls_cert=args.tls_cert if secure else None,
             tls_key=args.tls_key if secure else None,
+            direct=args.direct,
         )
     except DaemonError as e:  # Serve runs with other options: it and its apps are left alone
         print(f"spark-lsp engine serve --ray: {e}", file=sys.stderr)

@@ -125,7 +125,7 @@ class EngineServiceModel:
         else:
             url, token = self.target, token_for(self.target)
             pinned = None  # a URL given by the user: verified by its host name
-        client = SyncEngineClient(
+        client = SyncEngineClient.open(  # on Ray Serve: the ingress replica's own socket
             url,
             token,
             client="spark-lsp",
@@ -151,7 +151,7 @@ class EngineServiceModel:
             client.close()
             raise
         self.context = int(info["context"])
-        self.url = url
+        self.url = client.url
         self._client = client
         log.info("generating with the engine service at %s (%s)", url, info.get("name"))
         return client

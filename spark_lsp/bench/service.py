@@ -652,6 +652,13 @@ def print_table(r: dict) -> None:
                 f"{f(s['suggestion_ms']['p95'])} reuse {f(s['prefix_reuse'])} (after each "
                 f"document's first {f(s['prefix_reuse_after_first'])}); answered {o['answered']}"
             )
+        if "direct_vs_proxy" in ray:
+            d = ray["direct_vs_proxy"]
+            print(
+                f"ray {d['editors']} editors on the ingress replicas' own sockets vs through "
+                f"Serve's proxy: overhead p50 x{f(d['overhead_p50'])}, suggest p50 "
+                f"x{f(d['suggestion_p50'])}, p95 x{f(d['suggestion_p95'])}"
+            )
         if "scale_out" in ray:
             lo, hi = ray["scale_out"]["editors"]
             print(

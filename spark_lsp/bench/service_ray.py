@@ -33,12 +33,14 @@ async def _ray_editor(
     trace: list[list[int]],
     params: GenerationParams,
     done: list[dict] | None = None,
+    direct: bool = True,
 ) -> list[dict]:
     """One editor typing the trace against the Ray deployment over its own socket: a row per
-    keystroke (`stats.keystroke_row`) with the suggestion's outcome (finish reason, replica, restarts); one
-    that takes over HUNG_S is cancelled and counted ``hung``.  Every finished row is also
-    appended to `done` (progress)."""
-    client = await EngineClient.connect(url, token, client="bench")
+    keystroke (`stats.keystroke_row`) with the suggestion's outcome (finish reason, replica,
+    restarts); one that takes over HUNG_S is cancelled and counted ``hung``.  Every finished
+    row is also appended to `done` (progress).  `direct`: on the ingress replica's own socket
+    (as the language server connects), else through Serve's proxy."""
+    client = await EngineClient.connect(url, token, client="bench", direct=direct)
     rows = []
     try:
         for ids in trace:
@@ -100,10 +102,11 @@ def run_ray_editors(
     params: GenerationParams,
     k: int,
     kill_at: float | None = None,
+    direct: bool = True,
 ) -> tuple[list[dict], dict | None]:
-    """K editors typing at once, each its own document over its own socket.  `kill_at`: when
-    that fraction of all the suggestions is done, SIGKILL the replica that served most of them
-    (returns what was killed)."""
+    """K editors typing at once, each its own document over its own socket (`direct`: see
+    `_ray_editor`).  `kill_at`: when that fraction of all the suggestions is done, SIGKILL the
+    replica that served most of them (returns what was killed)."""
     done: list[dict] = []
     killed: dict | None = None
 
@@ -124,7 +127,7 @@ def run_ray_editors(
         try:
             parts = await asyncio.gather(
                 *(
-                    _ray_editor(url, token, f"{uri}#editor{i}", trace, params, done)
+                    _ray_editor(url, token, f"{uri}#editor{i}", trace, params, done, direct)
                     for i in range(k)
                 )
             )
@@ -142,7 +145,8 @@ def run_ray(
 ) -> dict:
     """K editors against 1 and 2 replicas of a local Ray Serve deployment on this machine's
     cores (each replica's intra-op threads: the cores shared out, `ray_app.replica_threads`),
-    then 2 replicas with max(K) editors and one replica killed halfway."""
+    on the ingress replicas' own sockets; 2 replicas with max(K) editors through Serve's proxy
+    as well; then 2 replicas with max(K) editors and one replica killed halfway."""
     # Ray prints its workers' deaths (the replica killed on purpose) on stdout: keep stdout for
     # the results (--json), send the rest to stderr
     sys.stdout.flush()
@@ -210,7 +214,11 @@ def _run_ray(
                 if not shared:
                     name = f"replicas={replicas},threads={threads},editors={k}"
                 out["runs"][name] = ray_summary(rows, len(trace))
-            if replicas == 2:
+            if replicas == 2:  # the same through Serve's proxy, which the clients skip
+                rows, _ = run_ray_editors(
+                    url, token, f"{uri}?proxy", trace, params, hi, direct=False
+                )
+                out["runs"][f"replicas=2,editors={hi},proxy"] = ray_summary(rows, len(trace))
                 k = max(ks)
                 rows, killed = run_ray_editors(
                     url, token, f"{uri}?kill", trace, params, k, kill_at=0.5
@@ -230,6 +238,13 @@ def _run_ray(
         serve.shutdown()
         ray.shutdown()
     runs = out["runs"]
+    direct, proxy = runs[f"replicas=2,editors={hi}"], runs[f"replicas=2,editors={hi},proxy"]
+    out["direct_vs_proxy"] = {  # clients on the ingress replicas' sockets vs through the proxy
+        "editors": hi,
+        "overhead_p50": ratio(direct["overhead_ms"]["p50"], proxy["overhead_ms"]["p50"]),
+        "suggestion_p50": ratio(direct["suggestion_ms"]["p50"], proxy["suggestion_ms"]["p50"]),
+        "suggestion_p95": ratio(direct["suggestion_ms"]["p95"], proxy["suggestion_ms"]["p95"]),
+    }
     if lo is not None:  # the issue's comparison: 2 replicas with 2K editors vs 1 replica with K
         two = runs[f"replicas=2,editors={hi}"]["suggestion_ms"]["p95"]
         one = runs[f"replicas=1,editors={lo}"]["suggestion_ms"]["p95"]

@@ -30,6 +30,14 @@ def register(subparsers) -> None:
         help="deploy on Ray Serve instead (needs Ray: pip install 'ray[serve]')",
     )
     s.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
+    s.add_argument(
+        "--no-direct",
+        dest="direct",
+        action="store_false",
+        help="with --ray: clients stay on Serve's proxy (by default each ingress replica also "
+        "listens on a port of its own, which clients move to, skipping the proxy; use this "
+        "where only the proxy's port can be reached)",
+    )
     s.set_defaults(func=run)
 
 

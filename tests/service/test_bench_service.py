@@ -173,12 +173,19 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
                     "p95_2_replicas_over_1": 1.5,
                     "p95_2_replicas_over_1_same_cores_per_replica": 1.2,
                 },
+                "direct_vs_proxy": {
+                    "editors": 2,
+                    "overhead_p50": 0.25,
+                    "suggestion_p50": 0.8,
+                    "suggestion_p95": 0.9,
+                },
                 "replica_kill": {"editors": 2, "killed": None, **s},
             },
         }
     )
     out = capsys.readouterr().out
     assert "ray replicas=2,editors=2" in out and "x1.50" in out and "x1.20" in out
+    assert "proxy: overhead p50 x0.25, suggest p50 x0.80, p95 x0.90" in out
     assert "answered 3, cancelled 1, error 1, hung 1, restarted 1" in out
 
 

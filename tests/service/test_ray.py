@@ -20,7 +20,11 @@ from engine import GenerationParams  # noqa: E402
 from engine.models import default_model_dir  # noqa: E402
 from engine.service import protocol as P  # noqa: E402
 from engine.service import ray_app  # noqa: E402
-from engine.service.client import EngineClient, EngineUnavailable  # noqa: E402
+from engine.service.client import (  # noqa: E402
+    EngineClient,
+    EngineUnavailable,
+    SyncEngineClient,
+)
 from engine.service.launch import DaemonError  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -96,6 +100,45 @@ def test_wrong_token_is_refused_and_tls_is_checked(url, connect):
         ray_app.deploy(
             str(default_model_dir()), port=int(url.rsplit(":", 1)[1].strip("/")), token=TOKEN
         )
+
+
+def test_clients_move_to_the_ingress_replicas_own_socket(url, connect, ca):
+    """The hello of a connection through Serve's proxy names the ingress replica's own endpoint;
+    clients move there (same token, origins, TLS) unless told not to, and generate the same."""
+
+    async def scenario():
+        moved = await connect(url, TOKEN)
+        stay = await connect(url, TOKEN, direct=False)
+        try:
+            offered = stay.hello["capabilities"].get("direct")
+            assert moved.url != url and moved.url.startswith("wss://127.0.0.1:"), moved.url
+            assert stay.url == url and offered and offered.startswith("wss://127.0.0.1:")
+            assert "direct" not in moved.hello["capabilities"]  # nothing further to move to
+            params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+            gens = [await (await c.generate(PROMPT, params)).wait() for c in (moved, stay)]
+            assert [g.finish_reason for g in gens] == ["length"] * 2, [g.error for g in gens]
+            assert gens[0].text == gens[1].text and gens[0].tokens
+            with pytest.raises(EngineUnavailable, match="HTTP 401"):
+                await connect(moved.url, "wrong-wrong-wrong-wrong")
+            with pytest.raises(EngineUnavailable, match="HTTP 403"):
+                await connect(moved.url, TOKEN, origin="https://evil.example")
+            with pytest.raises(EngineUnavailable, match="HTTP 403"):
+                await connect(url, TOKEN, origin="https://evil.example")
+            with pytest.raises(EngineUnavailable, match="could not be verified"):
+                await EngineClient.connect(moved.url, TOKEN)  # the same certificate: the CA
+        finally:
+            await moved.close()
+            await stay.close()
+
+    run(scenario())
+    sync = SyncEngineClient.open(url, TOKEN, cafile=ca["ca"])  # the language server's client
+    try:
+        assert sync.url != url
+        params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+        gen = sync.generate(PROMPT, params, slot="sync")
+        assert gen.result() and gen.finish_reason == "length"
+    finally:
+        sync.close()
 
 
 def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):

@@ -24,7 +24,12 @@ from service_support import start_daemon, wait_until_stalled
 
 from engine import Engine, GenerationParams
 from engine.service import launch, rundir, sse, tls
-from engine.service.client import EngineClient, EngineUnavailable, SyncEngineClient
+from engine.service.client import (
+    EngineClient,
+    EngineUnavailable,
+    SyncEngineClient,
+    direct_target,
+)
 from engine.service.connection import ThreadConnection
 from engine.service.local import LocalModels
 from engine.service.server import EngineServer
@@ -570,3 +575,19 @@ def test_allow_remote_without_tls_warns_about_clear_text(run_dir, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_direct_endpoint_is_followed_only_on_the_same_scheme():
+    """A service's ``direct`` capability (a Ray Serve ingress replica's own socket) moves the
+    client, token included, only where the token stays as protected as it was."""
+
+    def offer(url):
+        return {"capabilities": {"direct": url}}
+
+    assert direct_target("wss://a:1/", offer("wss://b:2/")) == "wss://b:2/"
+    assert direct_target("ws://a:1/", offer("ws://b:2/")) == "ws://b:2/"
+    assert direct_target("wss://a:1/", offer("ws://b:2/")) is None  # never to cleartext
+    assert direct_target("ws://a:1/", offer("http://b:2/")) is None
+    assert direct_target("ws://a:1/", offer("ws://a:1")) is None  # already there
+    assert direct_target("ws://a:1/", offer(None)) is None
+    assert direct_target("ws://a:1/", {"capabilities": {}}) is None
