@@ -30,8 +30,9 @@ from typing import Any
 from engine.cancel import CancelToken
 from engine.config import load_config
 from engine.service import launch, rundir, tls
-from engine.service.client import EngineUnavailable, SyncEngineClient
+from engine.service.client_core import EngineUnavailable
 from engine.service.steering import MATCH, Piece, common_chars, judge
+from engine.service.sync_client import SyncEngineClient
 from engine.tokenizer import Tokenizer
 
 from .base import BackendError, Chunk

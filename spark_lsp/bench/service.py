@@ -69,8 +69,9 @@ from typing import Any
 from engine import Engine, GenerationParams
 from engine.service import protocol as P
 from engine.service import rundir, tls
-from engine.service.client import EngineClient, SyncEngineClient
+from engine.service.client import EngineClient
 from engine.service.options import DEFAULT_SPINNING, SPINNING
+from engine.service.sync_client import SyncEngineClient
 
 from ..prompt import PromptBuilder
 from . import link as bench_link

@@ -17,9 +17,9 @@ from websockets.sync.client import connect
 from engine import Engine, GenerationParams
 from engine.service import protocol as P
 from engine.service.cancel_flags import COUNT, CancelFlags, sweep
-from engine.service.client import SyncEngineClient
 from engine.service.local import LocalModels
 from engine.service.server import EngineServer
+from engine.service.sync_client import SyncEngineClient
 
 TOKEN = "f" * 32
 PROMPT = "def fibonacci(n):\n"

@@ -16,7 +16,8 @@ from service_support import start_daemon
 from engine import GenerationParams
 from engine.models import default_model_dir
 from engine.service import launch, rundir
-from engine.service.client import EngineClient, EngineUnavailable
+from engine.service.client import EngineClient
+from engine.service.client_core import EngineUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 

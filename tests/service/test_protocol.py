@@ -21,7 +21,8 @@ from websockets.exceptions import ConnectionClosed
 from engine import Engine, GenerationParams
 from engine.service import protocol as P
 from engine.service import steering
-from engine.service.client import EngineClient, EngineUnavailable
+from engine.service.client import EngineClient
+from engine.service.client_core import EngineUnavailable
 from engine.service.connection import WINDOW, Connection
 from engine.service.local import LocalModels
 from engine.service.server import EngineServer
@@ -176,7 +177,7 @@ async def test_the_first_tokens_bring_the_prompt_stats(server, engine):
     assert early["reused_tokens"] == len(ids) - 1
     await ws.close()
 
-    from engine.service.client import SyncEngineClient
+    from engine.service.sync_client import SyncEngineClient
 
     def streaming_stats():
         c = SyncEngineClient(server.url, TOKEN)
@@ -343,7 +344,7 @@ async def test_bad_prompt_deltas_get_error_codes(server, engine):
 # -- the thread-side client -----------------------------------------------------------------------
 async def test_sync_client_generates_cancels_and_reports_like_in_process(server, engine, reference):
     """SyncEngineClient from a plain thread (the language server's engine thread)."""
-    from engine.service.client import SyncEngineClient
+    from engine.service.sync_client import SyncEngineClient
 
     def body():
         c = SyncEngineClient(server.url, TOKEN)

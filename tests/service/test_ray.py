@@ -20,12 +20,10 @@ from engine import GenerationParams  # noqa: E402
 from engine.models import default_model_dir  # noqa: E402
 from engine.service import protocol as P  # noqa: E402
 from engine.service import ray_app  # noqa: E402
-from engine.service.client import (  # noqa: E402
-    EngineClient,
-    EngineUnavailable,
-    SyncEngineClient,
-)
+from engine.service.client import EngineClient  # noqa: E402
+from engine.service.client_core import EngineUnavailable  # noqa: E402
 from engine.service.launch import DaemonError  # noqa: E402
+from engine.service.sync_client import SyncEngineClient  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "ray-test-token-" + "x" * 20

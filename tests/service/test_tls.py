@@ -24,15 +24,12 @@ from service_support import start_daemon, wait_until_stalled
 
 from engine import Engine, GenerationParams
 from engine.service import launch, rundir, sse, tls
-from engine.service.client import (
-    EngineClient,
-    EngineUnavailable,
-    SyncEngineClient,
-    direct_target,
-)
+from engine.service.client import EngineClient
+from engine.service.client_core import EngineUnavailable, direct_target
 from engine.service.connection import ThreadConnection
 from engine.service.local import LocalModels
 from engine.service.server import EngineServer
+from engine.service.sync_client import SyncEngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s" * 32
