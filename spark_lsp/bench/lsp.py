@@ -22,6 +22,7 @@ from engine.lab.models import SYNTHETIC, synthetic_model
 
 from .. import bridge
 from ..rpc_client import LspClient, RpcError, server_cmd
+from .stats import pct
 from .trace import DEFAULT_FILE, keystrokes, pick_function, source_file
 
 
@@ -155,15 +156,6 @@ def cancel_phase(client, uri: str, n: int) -> list[float]:
 def _insert_text(item: dict) -> str:
     t = item.get("insertText", "")
     return t if isinstance(t, str) else t.get("value", "")
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def run(args, plot=None) -> int:
@@ -356,7 +348,7 @@ def _replay(args, plot, client, options: dict, path: Path, source: str, keys: li
         if any(r[1] for r in results)
         else None,
         "latency_ms_median": round(statistics.median(lat), 2) if lat else None,
-        "latency_ms_p95": round(_pct(lat, 95), 2) if lat else None,
+        "latency_ms_p95": round(pct(lat, 0.95), 2) if lat else None,
         "latency_ms_max": round(max(lat), 2) if lat else None,
         "inline_requests": served["inlineRequests"],
         "typing_through": served["typingThrough"],
@@ -368,7 +360,7 @@ def _replay(args, plot, client, options: dict, path: Path, source: str, keys: li
         "reused_prompt_tokens": served["reusedTokens"],
         # $/cancelRequest (or a superseding didChange) -> the engine stopped, measured in the server
         "cancel_latency_ms_median": round(statistics.median(cancel_ms), 3) if cancel_ms else None,
-        "cancel_latency_ms_p95": round(_pct(cancel_ms, 95), 3) if cancel_ms else None,
+        "cancel_latency_ms_p95": round(pct(cancel_ms, 0.95), 3) if cancel_ms else None,
         "cancels_measured": len(cancel_ms),
         # $/cancelRequest sent -> -32800 received, measured in the client
         "cancel_round_trip_ms_median": round(statistics.median(cancel_rtt), 3)

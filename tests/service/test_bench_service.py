@@ -155,7 +155,8 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
     assert s["outcomes"] == {"answered": 3, "cancelled": 1, "error": 1, "hung": 1, "restarted": 1}
     assert s["prefix_reuse"] == pytest.approx(199 / 505)  # the hung one has no stats
     assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)
-    assert s["suggestion_ms"]["p95_all"] == 120_000.0  # the hung one counts in the tail
+    # the hung one counts in the tail: 95 % of the way from the fifth (10 ms) to it
+    assert s["suggestion_ms"]["p95_all"] == pytest.approx(10.0 + (120_000.0 - 10.0) * 0.75)
     assert s["replicas_used"] == 2
     runs = {"replicas=2,editors=2": s, "replicas=1,editors=1": s}
     bench_service.print_table(
@@ -233,3 +234,14 @@ def test_the_sse_endpoint_refuses_an_unknown_spinning():
 
     with pytest.raises(SystemExit):
         sse.main(["--spinning", "sometimes"])
+
+
+def test_percentiles_interpolate_between_ranks_as_numpy_does():
+    import numpy as np
+
+    from spark_lsp.bench.stats import pct
+
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0, 7.0]
+    for q in (0.0, 0.25, 0.5, 0.9, 0.95, 1.0):
+        assert pct(xs, q) == pytest.approx(float(np.percentile(xs, q * 100)))
+    assert pct([], 0.5) is None and pct([3.0], 0.95) == 3.0
