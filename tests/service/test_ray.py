@@ -5,9 +5,11 @@ change its options once started, so one cluster serves every test here the way `
 
 import asyncio
 import functools
+import importlib.util
 import os
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 import trustme
@@ -26,6 +28,18 @@ from engine.service.launch import DaemonError  # noqa: E402
 from engine.service.sync_client import SyncEngineClient  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+def _server_conftest():
+    """tests/server's editor client (its conftest module, loaded under its own name)."""
+    path = Path(__file__).resolve().parents[1] / "server" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("server_editor_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+start_editor = _server_conftest().start_editor
 TOKEN = "ray-test-token-" + "x" * 20
 PROMPT = "def fibonacci(n):\n"
 
@@ -137,6 +151,36 @@ def test_clients_move_to_the_ingress_replicas_own_socket(url, connect, ca):
         assert gen.result() and gen.finish_reason == "length"
     finally:
         sync.close()
+
+
+async def test_the_language_server_generates_on_an_ingress_replicas_own_socket(
+    url, ca, monkeypatch
+):
+    """A real `spark-lsp serve` with `engine` set to the deployment's URL (its token and CA from
+    the environment, as a user without a record gives them) moves to an ingress replica's own
+    socket and suggests what an in-process engine of the same precision suggests."""
+    monkeypatch.setenv("SPARK_LSP_ENGINE_TOKEN", TOKEN)
+    monkeypatch.setenv("SPARK_LSP_ENGINE_CA", ca["ca"])
+    model = default_model_dir()
+    sample = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    "
+    uri = "file:///work/ray_sample.py"
+
+    async def suggest(settings):
+        client, ed = await start_editor(model, {**settings, "maxTokens": 12})
+        try:
+            ed.open(uri, sample)
+            res = await ed.inline(uri, len(sample))
+            status = await ed.command("spark.status")
+            return [i.insert_text for i in res.items], status
+        finally:
+            await client.shutdown_session()
+            await client.stop()
+
+    local, _ = await suggest({"precision": "fp32"})  # the replicas' precision
+    remote, status = await suggest({"engine": url})
+    assert remote == local and remote, (remote, local)
+    where = status["engine"]["engine"]
+    assert where != url and where.startswith("wss://127.0.0.1:"), status["engine"]
 
 
 def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
