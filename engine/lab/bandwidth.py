@@ -85,3 +85,28 @@ def gguf_bytes_per_token(path: str | Path) -> int:
     tensors = GGUFReader(str(path)).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
+
+
+def memory_bound(samples: list[float], streamed: dict[str, float]) -> tuple[float, str]:
+    """The DRAM read bandwidth decode shares are taken of (bytes/s), and what set it: the
+    reader's best sample, or a runner whose decode streamed its weights faster than the reader
+    read (``streamed``: runner -> tok/s x weight bytes a step reads).  A runner that streams
+    faster proves the memory delivers that much, so a bound below it would be no bound: every
+    share is then at most 100 %."""
+    bound, by = max(samples), "reader"
+    for name, rate in streamed.items():
+        if rate > bound:
+            bound, by = rate, name
+    return bound, by
+
+
+def bandwidth_share(
+    decode_tok_s: float, bytes_per_token: int, bandwidth: float
+) -> dict[str, float]:
+    """Weight MB read per token, the decode bound that sets (bandwidth / bytes), and the share of it."""
+    limit = bandwidth / max(bytes_per_token, 1)
+    return {
+        "weight_mb_per_token": bytes_per_token / 1e6,
+        "bandwidth_limit_tok_s": limit,
+        "bandwidth_pct": 100.0 * decode_tok_s / limit,
+    }

@@ -37,7 +37,7 @@ from ..fim import FimFormat, heal
 from ..generate import GenerationParams
 from ..linears import make_linear
 from ..speculative import generate as spec_generate
-from .bench import plot_results
+from .bench_report import plot_results
 from .models import resolve_model
 from .tune import choose_precision, load_engine
 

@@ -33,7 +33,7 @@ from ..projection.perfmodel import plan, summary
 from ..projection.placement import ModelShape, PlacementError
 from ..quant import QuantLinear
 from ..wafer.partition import DEFAULT_GRID, TiledLinear, parse_grid
-from . import bench
+from . import bench, bench_report
 from .models import resolve_model
 
 
@@ -260,7 +260,7 @@ def format_result(res: dict) -> str:
 def run(args, plot=None) -> int:
     """``plot``: draws the results for ``--plot FILE`` (see ``engine.lab.bench.run``)."""
     if args.plot and plot is None:
-        return bench.plot_results(None, {}, args.plot, "wafer")
+        return bench_report.plot_results(None, {}, args.plot, "wafer")
     log = (
         (lambda s: print(s, file=sys.stderr, flush=True))
         if args.json
@@ -277,7 +277,7 @@ def run(args, plot=None) -> int:
         print(f"spark-lsp bench wafer: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=2) if args.json else format_result(res))
-    return bench.plot_results(plot, res, args.plot, "wafer")
+    return bench_report.plot_results(plot, res, args.plot, "wafer")
 
 
 def main(argv: list[str] | None = None, plot=None) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.config import load_config
-from engine.lab import bench
+from engine.lab import bench_report
 from engine.lab import models as lab_models
 from engine.tokenizer import Tokenizer
 from engine.weights import expected_shapes, load_weights
@@ -215,7 +215,7 @@ def test_engine_bench_with_peers(tiny_llama, capsys):
     fastest = max((p for p in res["peers"].values()), key=lambda p: p["decode_tok_s"])
     assert best["peer_decode_tok_s"] == fastest["decode_tok_s"]
     assert best["ratio"] == pytest.approx(best["ours_decode_tok_s"] / best["peer_decode_tok_s"])
-    assert "best decode at any precision" in bench.format_table(res)
+    assert "best decode at any precision" in bench_report.format_table(res)
 
 
 def test_peer_unavailable_is_reported(tiny_llama, capsys, monkeypatch):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from op_forms import needs_op_default
 
-from engine.lab import bench
+from engine.lab import bench, bench_report
 from spark_lsp.cli import build_parser
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -129,7 +129,7 @@ def test_precision_table_with_a_peer(tiny_llama, capsys, monkeypatch):
     assert r["decode_tok_s_vs_transformers"] == pytest.approx(
         res["precisions"]["int4"]["decode_tok_s"] / res["peers"]["transformers"]["decode_tok_s"]
     )
-    table = bench.format_table(res)
+    table = bench_report.format_table(res)
     assert (
         "our engine per precision" in table
         and "vs transformers" in table

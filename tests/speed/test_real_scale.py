@@ -18,7 +18,7 @@ from engine.engine import Engine
 from engine.fim import FimFormat
 from engine.generate import GenerationParams
 from engine.graph import build_decoder
-from engine.lab import bench, models
+from engine.lab import bandwidth, bench, bench_report, models
 from engine.lab.bandwidth import (
     READERS,
     gguf_bytes_per_token,
@@ -154,8 +154,8 @@ def test_peer_and_gguf_lists():
 
 
 def test_memory_bound_is_the_reader_or_a_faster_runner():
-    assert bench.memory_bound([30e9, 35e9], {"a": 20e9, "b": 34e9}) == (35e9, "reader")
-    assert bench.memory_bound([30e9, 35e9], {"a": 48e9, "b": 40e9}) == (48e9, "a")
+    assert bandwidth.memory_bound([30e9, 35e9], {"a": 20e9, "b": 34e9}) == (35e9, "reader")
+    assert bandwidth.memory_bound([30e9, 35e9], {"a": 48e9, "b": 40e9}) == (48e9, "a")
 
 
 def test_class_table_groups_runners_by_bits():
@@ -186,7 +186,7 @@ def test_class_table_groups_runners_by_bits():
             "transformers": {"skipped": "not installed"},
         },
     }
-    lines = bench.format_classes(res)
+    lines = bench_report.format_classes(res)
     row = next(ln for ln in lines if ln.startswith("8") and "spark-lsp int8" in ln)
     assert row.rstrip().endswith("1.25x") and "100%" in row and " 6.3 " in row
     peer = next(ln for ln in lines if "llama.cpp Q8_0" in ln)
@@ -194,7 +194,7 @@ def test_class_table_groups_runners_by_bits():
     assert not any("transformers" in ln for ln in lines)
     assert "the larger of two samples" in lines[1]
     res |= {"bandwidth_bound_by": "spark-lsp int8", "bandwidth_samples_gb_s": [17.5, 18.25]}
-    head = bench.format_classes(res)[1]
+    head = bench_report.format_classes(res)[1]
     assert "what spark-lsp int8's decode streamed" in head and "(17.5, 18.2)" in head
 
 
@@ -267,7 +267,7 @@ def test_llama_cpp_peer_same_weights(tiny_llama, tmp_path, monkeypatch, capsys):
         assert res["bandwidth_gb_s"] == pytest.approx(max(samples), abs=0.01)
     else:
         assert shares[by] == pytest.approx(100.0)
-    assert any("llama.cpp F32" in ln for ln in bench.format_classes(res))
+    assert any("llama.cpp F32" in ln for ln in bench_report.format_classes(res))
 
 
 def test_bench_lsp_precision_and_first_suggestion(tiny_llama, capsys):
