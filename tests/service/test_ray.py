@@ -314,3 +314,20 @@ def test_replicas_load_engines_that_do_not_spin_like_the_daemon():
             assert not any(t.spinning for t in (rt.wide, rt.busy, rt.calm))
     finally:
         replica.pool.shutdown()
+
+
+def test_direct_endpoints_listen_only_where_clients_can_reach_them():
+    here = ray.util.get_node_ip_address()
+    assert ray_app.direct_bind(None, here) is None  # --no-direct
+    assert ray_app.direct_bind("127.0.0.1", here) == "127.0.0.1"  # the driver's own node
+    assert ray_app.direct_bind("::1", here) == "::1"
+    assert ray_app.direct_bind("127.0.0.1", "198.51.100.7") is None  # another node's loopback
+    assert ray_app.direct_bind("0.0.0.0", "198.51.100.7") == here  # the node's own address
+
+
+def test_no_direct_is_an_engine_serve_option():
+    from spark_lsp.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["engine", "serve", "--ray"]).direct is True
+    assert parse(["engine", "serve", "--ray", "--no-direct"]).direct is False
