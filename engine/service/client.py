@@ -27,6 +27,7 @@ from .client_core import (
     PromptDeltas,
     Received,
     direct_target,
+    refused,
     ssl_for,
     unreachable,
 )
@@ -189,19 +190,12 @@ class EngineClient(Dispatch):
                 ssl=ssl_context,
                 additional_headers=headers,
                 open_timeout=open_timeout,
-                compression=None,
-                max_size=P.MAX_FRAME_BYTES,
+                **P.SOCKET_OPTIONS,
                 origin=origin,
-                ping_interval=20,
-                ping_timeout=60,
                 proxy=None,
             )
         except InvalidStatus as e:
-            code = e.response.status_code
-            why = {401: "wrong or missing token", 403: "origin refused"}.get(code, "refused")
-            raise EngineUnavailable(
-                f"engine service at {url} refused the connection: HTTP {code} ({why})"
-            ) from None
+            raise refused(url, e) from None
         except (OSError, WebSocketException, asyncio.TimeoutError) as e:
             raise unreachable(url, e) from None
         try:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from websockets.exceptions import InvalidMessage
+from websockets.exceptions import InvalidMessage, InvalidStatus
 
 from . import protocol as P
 from . import tls
@@ -80,6 +80,13 @@ def unreachable(url: str, exc: BaseException) -> EngineUnavailable:
             "wss:// URL)"
         )
     return EngineUnavailable(why or f"cannot reach the engine service at {url}: {exc}")
+
+
+def refused(url: str, exc: InvalidStatus) -> EngineUnavailable:
+    """The EngineUnavailable of a connection the service refused with an HTTP status."""
+    code = exc.response.status_code
+    why = {401: "wrong or missing token", 403: "origin refused"}.get(code, "refused")
+    return EngineUnavailable(f"engine service at {url} refused the connection: HTTP {code} ({why})")
 
 
 def direct_target(url: str, hello: dict[str, Any]) -> str | None:

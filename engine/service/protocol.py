@@ -26,6 +26,16 @@ SUPPORTED_VERSIONS = (1,)
 MAX_MESSAGE_BYTES = 1 << 20
 #: Frames larger than this are not even read: the socket is closed with 1009 (message too big).
 MAX_FRAME_BYTES = 16 << 20
+#: The WebSocket options of every endpoint and client of the service: no compression (small JSON
+#: frames: deflate costs latency and buys nothing), frames up to MAX_FRAME_BYTES, a ping every
+#: 20 s that must be answered within 60, 2 s for the closing handshake.
+SOCKET_OPTIONS = {
+    "compression": None,
+    "max_size": MAX_FRAME_BYTES,
+    "ping_interval": 20,
+    "ping_timeout": 60,
+    "close_timeout": 2,
+}
 #: Longest generation id / slot key accepted.
 MAX_ID_CHARS = 256
 #: Longest steer text in one message.

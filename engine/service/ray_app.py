@@ -561,11 +561,7 @@ class EngineIngress:
                         0,
                         process_request=self._authorise_direct,
                         ssl=ctx,
-                        max_size=P.MAX_FRAME_BYTES,
-                        compression=None,
-                        ping_interval=20,
-                        ping_timeout=60,
-                        close_timeout=2,
+                        **P.SOCKET_OPTIONS,
                     )
                 except (OSError, ValueError) as e:
                     log.warning("engine ingress: no direct endpoint (%s): the proxy serves", e)

@@ -96,11 +96,7 @@ class EngineServer:
             port,
             origins=[None, *self.origins],  # no Origin header: not a browser; browsers if allowed
             process_request=self._authorise,
-            max_size=P.MAX_FRAME_BYTES,
-            compression=None,  # small JSON frames: deflate costs latency and buys nothing
-            ping_interval=20,
-            ping_timeout=60,
-            close_timeout=2,
+            **P.SOCKET_OPTIONS,
             create_connection=DirectServerConnection,
             # the TLS handshake runs on the connection's own thread; a failed one is logged
             ssl=self.handshakes.watch(self.ssl_context) if self.ssl_context else None,

@@ -32,6 +32,7 @@ from .client_core import (
     direct_target,
     on_this_machine,
     open_flags,
+    refused,
     ssl_for,
     unreachable,
 )
@@ -185,22 +186,14 @@ class SyncEngineClient(Dispatch):
                 ssl=ssl_context,
                 additional_headers=headers,
                 open_timeout=open_timeout,
-                compression=None,
-                max_size=P.MAX_FRAME_BYTES,
+                **P.SOCKET_OPTIONS,
                 origin=origin,
-                ping_interval=20,
-                ping_timeout=60,
-                close_timeout=2,
                 proxy=None,
                 create_connection=DirectClientConnection,
                 legacy=True,  # the connection itself (this client closes it)
             )
         except InvalidStatus as e:
-            code = e.response.status_code
-            why = {401: "wrong or missing token", 403: "origin refused"}.get(code, "refused")
-            raise EngineUnavailable(
-                f"engine service at {url} refused the connection: HTTP {code} ({why})"
-            ) from None
+            raise refused(url, e) from None
         except (OSError, WebSocketException, TimeoutError) as e:
             raise unreachable(url, e) from None
         self._hello: concurrent.futures.Future = concurrent.futures.Future()
