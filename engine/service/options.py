@@ -33,7 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slots", type=int, default=DEFAULT_SLOTS, help="KV slots per model (documents kept warm)"
     )
-    p.add_argument("--precision", default="fp32", help="weight precision (fp32, int8, int4, auto)")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        help="weight precision: auto (default, as `spark-lsp serve`: the decision `spark-lsp tune` "
+        "stored, else the engine's rule), fp32, int8, int8-rowq, int4",
+    )
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads per model")
     p.add_argument(
         "--spinning",

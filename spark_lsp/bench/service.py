@@ -371,7 +371,9 @@ def start_daemon(
     env = _env()
     env[rundir.ENV_DIR] = run_dir
     cmd = [sys.executable, "-m", "engine.service.daemon", "--log-level", "WARNING"]
-    cmd += ["--spinning", spinning]
+    # the in-process engine's and the SSE endpoint's precision (Engine.load's default): the
+    # transports compare at one precision
+    cmd += ["--spinning", spinning, "--precision", "fp32"]
     if model:
         cmd += ["--model", model]
     if cert:
