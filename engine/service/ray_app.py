@@ -494,6 +494,7 @@ class EngineIngress:
         self.direct_url: str | None = None
         self._direct_lock = asyncio.Lock()
         self._direct_server: Any = None
+        self._direct_conns: set[Connection] = set()
 
     def _refusal(self, headers: Any) -> tuple[http.HTTPStatus, str] | None:
         """Why a connection with these HTTP headers (names in any case) is refused, with the
@@ -586,13 +587,26 @@ class EngineIngress:
         addr = ws.remote_address
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
         conn = Connection(await self._models(None), ws.send, peer=f"{peer} (direct)")
+        self._direct_conns.add(conn)
         try:
             async for raw in ws:
                 await conn.handle(raw)
         except ConnectionClosed:
             pass
         finally:
+            self._direct_conns.discard(conn)
             await conn.close(drain_s=1.0)
+
+    async def __del__(self) -> None:
+        """Serve stops this replica (a redeploy, fewer replicas, shutdown), which it does once the
+        proxy's connections to it have ended: those on its direct endpoint, which Serve does not
+        see, get their generations' last messages (cancelled), then a close (1001, going away),
+        as the daemon's clients do when it stops; they reconnect through the proxy."""
+        for conn in list(self._direct_conns):
+            await conn.close(drain_s=1.0)
+        if self._direct_server is not None:
+            self._direct_server.close()
+            await self._direct_server.wait_closed()
 
 
 def replica_threads(replicas: int) -> int:

@@ -331,3 +331,28 @@ def test_no_direct_is_an_engine_serve_option():
     parse = build_parser().parse_args
     assert parse(["engine", "serve", "--ray"]).direct is True
     assert parse(["engine", "serve", "--ray", "--no-direct"]).direct is False
+
+
+def test_a_stopping_ingress_ends_its_direct_clients_generations_cleanly(url, connect):
+    """Serve stops the application (last in this module: it deletes the deployment): a client
+    on an ingress replica's own socket gets its generation's ``done`` (cancelled) before the
+    socket closes, not a dropped connection."""
+    from ray import serve
+
+    async def scenario():
+        c = await connect(url, TOKEN)
+        assert c.url != url
+        params = GenerationParams(max_new_tokens=2000, ignore_eos=True)
+        gen = await c.generate(PROMPT * 8, params, slot="stopping")
+        n = 0
+        async for _piece in gen:
+            n += 1
+            if n == 3:
+                stopping = asyncio.ensure_future(asyncio.to_thread(serve.delete, ray_app.APP_NAME))
+        await asyncio.wait_for(stopping, 120)
+        await c.close()
+        return gen
+
+    gen = run(scenario())
+    assert gen.finish_reason == "cancelled", (gen.finish_reason, gen.error)
+    assert 3 <= gen.stats["new_tokens"] < 2000
