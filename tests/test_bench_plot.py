@@ -132,6 +132,44 @@ def test_single_benchmark_panels():
     assert detail == ["edits", "edits-tasks", "lsp", "lsp-cancel", "wafer", "wafer-ratios"]
 
 
+def test_service_panels():
+    def timing(p50, p95):
+        return {"p50": p50, "p95": p95}
+
+    transport = {"suggestion_ms": timing(15.0, 21.0), "overhead_ms": timing(0.3, 0.4)}
+    service = {
+        "transports": {"inproc": transport, "ws": dict(transport, overhead_ms=timing(1.4, 2.1))},
+        "ray": {
+            "runs": {
+                "replicas=1,editors=8": {"suggestion_ms": timing(200.0, 290.0)},
+                "replicas=2,editors=16,proxy": {"suggestion_ms": timing(520.0, 750.0)},
+                "replicas=1,threads=1,editors=8": {"suggestion_ms": timing(210.0, 280.0)},
+            }
+        },
+        "memory": {
+            "synthetic-qwen2.5-coder-0.5b@int4": {
+                "ratio_rss": 2.06,
+                "host": {"ratio_rss": 1.07},
+                "host_daemon": {"ratio_rss": 1.24},
+            },
+            "default": {"host": {"ratio_rss": 1.12}},  # a mode not run: no bar
+        },
+    }
+    ps = {
+        n: (labels, values)
+        for n, labels, values, _, _ in bench_plot.panels({"service": service}, True)
+    }
+    assert list(ps) == ["service", "service-overhead", "service-ray", "service-memory"]
+    assert ps["service"] == (["inproc", "ws"], [15.0, 15.0])
+    assert ps["service-overhead"] == (["inproc", "ws"], [0.3, 1.4])
+    assert ps["service-ray"] == (["1r\n8e", "2r\n16e\nproxy", "1r 1t\n8e"], [290.0, 750.0, 280.0])
+    assert ps["service-memory"] == (
+        ["0.5b\ndaemon", "0.5b\nhost", "0.5b\nhost+d", "default\nhost"],
+        [2.06, 1.07, 1.24, 1.12],
+    )
+    assert [p[0] for p in bench_plot.panels({"service": service})] == ["service"]
+
+
 def test_plotter_draws_one_benchmark(tmp_path):
     out = bench_plot.plotter("engine")(ENGINE_PRECISIONS, tmp_path / "engine.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -146,6 +184,7 @@ def test_missing_matplotlib_fails_before_the_run(monkeypatch, tmp_path, capsys):
     for argv in (
         ["wafer", "--plot", str(tmp_path / "w.png")],
         ["lsp", "--plot=" + str(tmp_path / "l.png")],
+        ["service", "--plot", str(tmp_path / "s.png")],
         ["engine", "--model", "/nonexistent", "--plot", str(tmp_path / "e.png")],
     ):
         args = build_parser().parse_args(["bench", *argv])

@@ -423,7 +423,7 @@ def _replay(args, plot, client, options: dict, path: Path, source: str, keys: li
         w = max(len(r[0]) for r in rows)
         for name, val in rows:
             print(f"  {name:<{w}}  {'-' if val is None else val}")
-    from engine.lab.bench import plot_results
+    from engine.lab.bench_report import plot_results
 
     return plot_results(plot, out, args.plot, "lsp")
 

@@ -16,7 +16,17 @@ LSP_TARGETS_MS = {"median": 25.0, "p95": 60.0}
 #: Issue target 2 for quantised weights: decode vs our fp32, and greedy agreement with fp32 (%).
 QUANT_TARGET_SPEEDUP, QUANT_TARGET_AGREEMENT = 2.0, 95.0
 #: Panels whose bars are all our own engine (no peer to grey out).
-_ALL_OURS = {"engine-ttft", "engine-precision", "engine-agreement", "edits-tasks", "wafer-ratios"}
+_ALL_OURS = {
+    "engine-ttft",
+    "engine-precision",
+    "engine-agreement",
+    "edits-tasks",
+    "wafer-ratios",
+    "service-ray",
+    "service-memory",
+}
+#: Issue 20: memory of the sessions sharing one engine, at most this many times one server's.
+SHARED_MEMORY_TARGET = 1.3
 
 
 def _bars(ax, labels: list[str], values: list[float], title: str, ylabel: str, colors=None) -> None:
@@ -137,6 +147,7 @@ def panels(
                     "ms",
                 )
             )
+    out += _service_panels(results.get("service"), detail)
     wafer = results.get("wafer")
     if wafer and wafer.get("dense_decode_tok_s"):
         out.append(
@@ -164,6 +175,67 @@ def panels(
                 )
             )
     return out
+
+
+def _service_panels(svc: dict[str, Any] | None, detail: bool) -> list:
+    """`bench service`: keystroke to suggestion and per-request overhead per transport, then
+    (detail) the Ray runs' p50 and p95 and the shared-memory ratios."""
+    if not svc:
+        return []
+    out = []
+    t = {n: s for n, s in (svc.get("transports") or {}).items() if s.get("suggestion_ms")}
+    if t:
+        out.append(
+            (
+                "service",
+                list(t),
+                [s["suggestion_ms"]["p50"] for s in t.values()],
+                "keystroke -> suggestion p50 (ms)",
+                "ms",
+            )
+        )
+        if detail:
+            out.append(
+                (
+                    "service-overhead",
+                    list(t),
+                    [s["overhead_ms"]["p50"] for s in t.values()],
+                    "request -> first byte - TTFT, p50 (ms)",
+                    "ms",
+                )
+            )
+    runs = (svc.get("ray") or {}).get("runs") or {}
+    if detail and runs:
+        out.append(
+            (
+                "service-ray",
+                [_ray_label(name) for name in runs],
+                [r["suggestion_ms"]["p95"] for r in runs.values()],
+                "Ray Serve: suggestion p95 (ms)",
+                "ms",
+            )
+        )
+    memory = svc.get("memory") or {}
+    if detail and memory:
+        labels, values = [], []
+        for model, m in memory.items():
+            name = model.split("@")[0].rsplit("-", 1)[-1]  # synthetic-qwen2.5-coder-0.5b: 0.5b
+            for key, what in (("ratio_rss", "daemon"), ("host", "host"), ("host_daemon", "host+d")):
+                ratio = m.get(key) if key == "ratio_rss" else (m.get(key) or {}).get("ratio_rss")
+                if ratio is not None:
+                    labels.append(f"{name}\n{what}")
+                    values.append(ratio)
+        if values:
+            out.append(("service-memory", labels, values, "4 sessions / one server, RSS", "ratio"))
+    return out
+
+
+def _ray_label(run: str) -> str:
+    """``replicas=2,threads=1,editors=16,proxy`` -> ``2r 1t`` / ``16e`` / ``proxy``."""
+    parts = run.split(",")
+    kv = dict(p.split("=", 1) for p in parts if "=" in p)
+    head = f"{kv.get('replicas', '?')}r" + (f" {kv['threads']}t" if "threads" in kv else "")
+    return "\n".join([head, f"{kv.get('editors', '?')}e", *(p for p in parts if "=" not in p)])
 
 
 def require() -> None:
@@ -223,6 +295,8 @@ def draw(
                 ax.hlines(
                     LSP_TARGETS_MS[key], i - 0.4, i + 0.4, colors="#1c7ed6", linestyles="dashed"
                 )
+        if name == "service-memory":
+            ax.axhline(SHARED_MEMORY_TARGET, color="#1c7ed6", linestyle="dashed", linewidth=1)
         if name in ("edits", "edits-tasks", "wafer-ratios"):
             ax.axhline(1.0, color="#1c7ed6", linestyle="dashed", linewidth=1)
         if name == "engine-precision" and labels and labels[0] == "fp32":

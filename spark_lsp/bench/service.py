@@ -152,12 +152,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{MEMORY_MODES}",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the figures into a PNG: suggestion and overhead per transport, the Ray "
+        "runs, the memory ratios (needs matplotlib)",
+    )
 
 
 def main(argv: list[str] | None = None, plot=None) -> int:
     p = argparse.ArgumentParser(prog="spark-lsp bench service", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), plot=plot)
 
 
 # -- the trace --------------------------------------------------------------------------------
@@ -468,7 +475,17 @@ def throwaway_certificate(folder: str) -> tuple[str, str, str]:
 LABELS = {False: {"ws": "ws", "sse": "sse"}, True: {"ws": "wss", "sse": "https-sse"}}
 
 
-def run(args) -> int:
+def run(args, plot=None) -> int:
+    """``plot(results, FILE)`` draws ``--plot FILE`` (default: ``spark_lsp.bench.plot``)."""
+    if args.plot:
+        from . import plot as bench_plot
+
+        try:
+            bench_plot.require()  # before a long run, not after it
+        except RuntimeError as exc:
+            print(f"spark-lsp bench service: --plot: {exc}", file=sys.stderr)
+            return 2
+        plot = plot or bench_plot.plotter("service")
     labels = {"inproc": "inproc", **LABELS[bool(args.tls)]}
     names = {**{v: k for k, v in labels.items()}, "inproc": "inproc", "ws": "ws", "sse": "sse"}
     given = [t.strip() for t in args.transports.split(",") if t.strip()]
@@ -566,7 +583,9 @@ def run(args) -> int:
         print(json.dumps(results, indent=1))
     else:
         print_table(results)
-    return 0
+    from engine.lab.bench_report import plot_results
+
+    return plot_results(plot, results, args.plot, "service")
 
 
 def print_table(r: dict) -> None:

@@ -38,9 +38,10 @@ def test_bench_service_reports_every_transport(capsys):
 
 
 @pytest.mark.slow
-def test_bench_service_over_tls_labels_wss_and_https_sse(capsys):
+def test_bench_service_over_tls_labels_wss_and_https_sse(capsys, tmp_path):
     """--tls: the daemon serves wss:// and the endpoint https:// (a throwaway certificate); the
-    table and --json name the transports wss and https-sse and keep the ratio lines."""
+    table and --json name the transports wss and https-sse and keep the ratio lines; --plot
+    draws them."""
     args = ["--max-chars", "4", "--max-tokens", "3", "--cancels", "2", "--tls"]
     assert bench_service.main([*args, "--transports", "ws,sse", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -49,7 +50,11 @@ def test_bench_service_over_tls_labels_wss_and_https_sse(capsys):
         assert s["keystrokes"] == out["keystrokes"] >= 2 and s["first_byte_ms"]["p50"] > 0
     assert out["ws_vs_sse"]["overhead_p50_ratio"] is not None
     assert out["transports"]["wss"]["cancel_socket_ms"]["n"] == 2
-    assert bench_service.main([*args, "--transports", "wss,https-sse", "--cancels", "0"]) == 0
+    png = tmp_path / "service.png"
+    rc = bench_service.main(
+        [*args, "--transports", "wss,https-sse", "--cancels", "0", "--plot", str(png)]
+    )
+    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
     assert "wss / https-sse: per-request overhead p50" in table
     assert "\nwss " in table and "\nhttps-sse " in table
