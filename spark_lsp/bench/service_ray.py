@@ -168,7 +168,7 @@ def _run_ray(
     from ray import serve
 
     from engine.models import default_model_dir
-    from engine.service import ray_app
+    from engine.service import placement, ray_app
 
     cpus = os.cpu_count() or 2
     slots = max(ks) + 2  # every document a replica may get, and the warm-up ones
@@ -200,7 +200,7 @@ def _run_ray(
             )
             # warm up every shard's first runs (ONNX Runtime's): one document ranked first on each
             warm, i = [], 0
-            while len({ray_app.rank_shards(w, replicas)[0] for w in warm}) < replicas:
+            while len({placement.rank_shards(w, replicas)[0] for w in warm}) < replicas:
                 warm.append(f"warm-up-{i}")
                 i += 1
             for w in warm:
