@@ -165,7 +165,7 @@ class EngineClient(Dispatch):
                 pinned_cert,
             )
         except EngineUnavailable as e:
-            log.info("engine service: staying on %s (%s)", url, e)
+            log.warning("engine service: staying on %s, its direct endpoint failed (%s)", url, e)
             return first
         await first.close()
         return moved

@@ -233,7 +233,7 @@ class SyncEngineClient(Dispatch):
             wait = min(options.get("open_timeout", 10.0), DIRECT_OPEN_S)
             moved = cls(target, token, **{**options, "open_timeout": wait})
         except EngineUnavailable as e:
-            log.info("engine service: staying on %s (%s)", url, e)
+            log.warning("engine service: staying on %s, its direct endpoint failed (%s)", url, e)
             return first
         first.close()
         return moved
