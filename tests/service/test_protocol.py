@@ -972,3 +972,52 @@ def test_threaded_close_cancels_and_delivers_done(engine):
     assert done == {"a": "cancelled", "b": "cancelled"}
     server_end.close()
     client_end.close()
+
+
+class _Offering(LocalModels):
+    """LocalModels whose ``hello`` offers a direct endpoint (as a Ray Serve ingress does)."""
+
+    def __init__(self, engines, direct: str) -> None:
+        super().__init__(engines)
+        self.direct = direct
+
+    def capabilities(self) -> dict:
+        return {"direct": self.direct}
+
+
+async def test_clients_move_to_an_offered_endpoint_and_stay_when_it_fails(engine, caplog):
+    """A ``direct`` capability moves both clients (token and all) to the endpoint it names; one
+    that cannot be reached leaves them where they are, with a warning."""
+    import logging
+
+    from engine.service.sync_client import SyncEngineClient
+
+    target = await EngineServer(LocalModels([engine]), token=TOKEN).start()
+    closed = await EngineServer(LocalModels([engine]), token=TOKEN).start()
+    dead = closed.url
+    await closed.stop()  # its port no longer listens
+    front = await EngineServer(_Offering([engine], target.url), token=TOKEN).start()
+    broken = await EngineServer(_Offering([engine], dead), token=TOKEN).start()
+    try:
+        moved = await EngineClient.connect(front.url, TOKEN)
+        assert moved.url == target.url and "direct" not in moved.hello["capabilities"]
+        text = await (await moved.generate(PROMPT, LONG)).result()
+        await moved.close()
+        stay = await EngineClient.connect(front.url, TOKEN, direct=False)
+        assert stay.url == front.url
+        assert await (await stay.generate(PROMPT, LONG)).result() == text
+        await stay.close()
+        with caplog.at_level(logging.WARNING, logger="engine.service"):
+            kept = await EngineClient.connect(broken.url, TOKEN)
+            assert kept.url == broken.url  # the endpoint is gone: still served here
+            await kept.close()
+            sync = await asyncio.to_thread(SyncEngineClient.open, broken.url, TOKEN)
+            assert sync.url == broken.url
+            sync.close()
+        assert sum("its direct endpoint failed" in r.message for r in caplog.records) == 2
+        sync = await asyncio.to_thread(SyncEngineClient.open, front.url, TOKEN)
+        assert sync.url == target.url
+        sync.close()
+    finally:
+        for srv in (front, broken, target):
+            await srv.stop()
