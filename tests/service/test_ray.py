@@ -21,7 +21,7 @@ ray = pytest.importorskip(
 from engine import GenerationParams  # noqa: E402
 from engine.models import default_model_dir  # noqa: E402
 from engine.service import protocol as P  # noqa: E402
-from engine.service import ray_app  # noqa: E402
+from engine.service import ray_app, ray_ingress, ray_replica  # noqa: E402
 from engine.service.client import EngineClient  # noqa: E402
 from engine.service.client_core import EngineUnavailable  # noqa: E402
 from engine.service.launch import DaemonError  # noqa: E402
@@ -263,7 +263,7 @@ def test_replicas_load_engines_that_do_not_spin_like_the_daemon():
     to the socket: its ONNX Runtime threads do not spin between steps (the daemon's default)."""
     from engine.service.daemon import load_engines
 
-    replica = ray_app.EngineReplica.func_or_class(str(default_model_dir()), threads=1, slots=2)
+    replica = ray_replica.EngineReplica.func_or_class(str(default_model_dir()), threads=1, slots=2)
     try:
         (daemon_engine,) = load_engines([default_model_dir()], slots=2, threads=1)
         for eng in (replica.engine, daemon_engine):
@@ -275,11 +275,11 @@ def test_replicas_load_engines_that_do_not_spin_like_the_daemon():
 
 def test_direct_endpoints_listen_only_where_clients_can_reach_them():
     here = ray.util.get_node_ip_address()
-    assert ray_app.direct_bind(None, here) is None  # --no-direct
-    assert ray_app.direct_bind("127.0.0.1", here) == "127.0.0.1"  # the driver's own node
-    assert ray_app.direct_bind("::1", here) == "::1"
-    assert ray_app.direct_bind("127.0.0.1", "198.51.100.7") is None  # another node's loopback
-    assert ray_app.direct_bind("0.0.0.0", "198.51.100.7") == here  # the node's own address
+    assert ray_ingress.direct_bind(None, here) is None  # --no-direct
+    assert ray_ingress.direct_bind("127.0.0.1", here) == "127.0.0.1"  # the driver's own node
+    assert ray_ingress.direct_bind("::1", here) == "::1"
+    assert ray_ingress.direct_bind("127.0.0.1", "198.51.100.7") is None  # another node's loopback
+    assert ray_ingress.direct_bind("0.0.0.0", "198.51.100.7") == here  # the node's own address
 
 
 def test_no_direct_is_an_engine_serve_option():
