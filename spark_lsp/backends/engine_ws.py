@@ -241,7 +241,8 @@ class EngineServiceModel:
         return {
             "name": self.name,
             "context": self.context,
-            "engine": self.url or self.target,
+            "engine": self.url or self.target,  # where it is connected (a direct endpoint)
+            "target": self.target,  # the setting: auto, or the URL it was given
             "connected": client is not None and not client.closed,
             "failures": self._failures,
         }

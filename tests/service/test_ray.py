@@ -181,6 +181,7 @@ async def test_the_language_server_generates_on_an_ingress_replicas_own_socket(
     assert remote == local and remote, (remote, local)
     where = status["engine"]["engine"]
     assert where != url and where.startswith("wss://127.0.0.1:"), status["engine"]
+    assert status["engine"]["target"] == url  # what the setting said
 
 
 def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
