@@ -1021,3 +1021,34 @@ async def test_clients_move_to_an_offered_endpoint_and_stay_when_it_fails(engine
     finally:
         for srv in (front, broken, target):
             await srv.stop()
+
+
+def test_the_server_model_says_once_when_the_service_answers_again(engine, monkeypatch):
+    """A connection lost under a generation is told to the editor (``on_health(False)``); the
+    next request reconnects at once, and the editor is told it answers again, not left with the
+    failure (the daemon restarted by ``auto``, a new Ray ingress replica)."""
+    import socket
+
+    from engine.cancel import CancelToken
+    from spark_lsp.backends import engine_ws
+    from spark_lsp.backends.base import BackendError
+
+    srv = EngineServer(LocalModels([engine]), token=TOKEN).open()
+    monkeypatch.setenv(engine_ws.TOKEN_ENV, TOKEN)
+    model = engine_ws.EngineServiceModel(srv.url, None)
+    health = []
+    model.on_health = lambda up, message: health.append(up)
+    ids = model.tokenizer.encode(PROMPT)
+    try:
+        stream = model.generate(ids, LONG, "doc", cancel=CancelToken())
+        next(stream)
+        model._client.ws.socket.shutdown(socket.SHUT_RDWR)  # the connection drops mid-stream
+        with pytest.raises(BackendError, match="lost"):
+            for _ in stream:
+                pass
+        params = GenerationParams(max_new_tokens=4, ignore_eos=True)
+        text = "".join(c.text for c in model.generate(ids, params, "doc", cancel=CancelToken()))
+        assert text and health == [False, True]
+    finally:
+        model.close()
+        srv.close()

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,54 @@ def test_no_direct_is_an_engine_serve_option():
     parse = build_parser().parse_args
     assert parse(["engine", "serve", "--ray"]).direct is True
     assert parse(["engine", "serve", "--ray", "--no-direct"]).direct is False
+
+
+def test_the_server_reconnects_through_the_proxy_when_its_ingress_replica_dies(
+    url, ca, monkeypatch
+):
+    """Every ingress replica killed: the language server's model (``engine_ws``) fails the
+    request in flight, says so once, and on a later request reaches a new ingress replica through
+    the proxy and moves to its own socket."""
+    from engine.cancel import CancelToken
+    from spark_lsp.backends import engine_ws
+    from spark_lsp.backends.base import BackendError
+
+    monkeypatch.setenv(engine_ws.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(engine_ws.CA_ENV, ca["ca"])
+    model = engine_ws.EngineServiceModel(url, str(default_model_dir()))
+    health = []
+    model.on_health = lambda up, message: health.append(up)
+    ids = model.tokenizer.encode(PROMPT)
+    params = GenerationParams(max_new_tokens=8, ignore_eos=True)
+
+    def suggest() -> str:
+        return "".join(c.text for c in model.generate(ids, params, "doc", cancel=CancelToken()))
+
+    try:
+        first, before = suggest(), model.url
+        assert before != url
+        ingresses = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if "#EngineIngress#" in a["name"]
+        ]
+        assert len(ingresses) == 2
+        for name in ingresses:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        answers = []
+        for _ in range(60):  # Serve starts new ingress replicas; the proxy routes to them
+            try:
+                answers.append(suggest())
+            except BackendError as exc:
+                answers.append(exc)
+            if answers[-1] == first:
+                break
+            time.sleep(1.0)
+        assert answers[-1] == first, answers
+        assert model.url != before and model.url != url  # a new replica's own socket
+        assert health == [False, True]  # told once it was lost, once it answered again
+    finally:
+        model.close()
 
 
 def test_a_stopping_ingress_ends_its_direct_clients_generations_cleanly(url, connect):
