@@ -29,6 +29,7 @@ from . import tls
 from .address import is_loopback
 from .connection import Connection
 from .placement import Shards
+from .server import bearer, peer_name
 
 log = logging.getLogger(__name__)
 
@@ -284,11 +285,8 @@ class EngineIngress:
     def _refusal(self, headers: Any) -> tuple[http.HTTPStatus, str] | None:
         """Why a connection with these HTTP headers (names in any case) is refused, with the
         HTTP status that says so (None: it is not)."""
-        auth = headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self.token.encode()
-        ):
+        given = bearer(headers)
+        if given is None or not hmac.compare_digest(given.encode(), self.token.encode()):
             return http.HTTPStatus.UNAUTHORIZED, "a valid engine token is required"
         origin = headers.get("origin")
         if origin is not None and origin not in self.origins:
@@ -369,9 +367,7 @@ class EngineIngress:
 
     async def _serve_direct(self, ws: Any) -> None:
         """One direct connection: the same protocol as through the proxy."""
-        addr = ws.remote_address
-        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-        conn = Connection(await self._models(None), ws.send, peer=f"{peer} (direct)")
+        conn = Connection(await self._models(None), ws.send, peer=f"{peer_name(ws)} (direct)")
         self._direct_conns.add(conn)
         try:
             async for raw in ws:

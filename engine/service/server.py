@@ -119,14 +119,14 @@ class EngineServer:
             return None
         given = bearer(request.headers)
         if given is None or not hmac.compare_digest(given.encode(), self.token.encode()):
-            log.warning("engine: refused %s: missing or wrong token", _peer(conn))
+            log.warning("engine: refused %s: missing or wrong token", peer_name(conn))
             return conn.respond(http.HTTPStatus.UNAUTHORIZED, "a valid engine token is required\n")
         return None
 
     def _handler(self, ws: DirectServerConnection) -> None:
         """One connection's life (on its own thread, which waits while the reading thread and
         the generations do the work)."""
-        peer = _peer(ws)
+        peer = peer_name(ws)
         log.info(
             "engine: client %s connected (origin %s, %s)",
             peer,
@@ -185,7 +185,9 @@ def _on_this_machine(ws: ServerConnection) -> bool:
     return isinstance(addr, tuple) and bool(addr) and is_loopback(str(addr[0]))
 
 
-def _peer(ws: ServerConnection) -> str:
+def peer_name(ws: Any) -> str:
+    """``host:port`` of a connection's client (a ``websockets`` server connection, either
+    implementation), for the log."""
     addr = ws.remote_address
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"{addr[0]}:{addr[1]}"
