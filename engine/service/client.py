@@ -20,6 +20,7 @@ from . import protocol as P
 from .client_core import (
     DIRECT_OPEN_S,
     DISCONNECTED,
+    OPEN_TIMEOUT_S,
     Dispatch,
     EngineRequestError,
     EngineUnavailable,
@@ -134,7 +135,7 @@ class EngineClient(Dispatch):
         token: str | None = None,
         *,
         client: str = "spark-lsp",
-        open_timeout: float = 10.0,
+        open_timeout: float = OPEN_TIMEOUT_S,
         origin: str | None = None,
         prompt_deltas: bool = True,
         cafile: str | None = None,
@@ -147,23 +148,19 @@ class EngineClient(Dispatch):
 
         ``direct``: where the service offers an endpoint of its own (``direct_target``), move
         there (same token and trust); stay if it cannot be reached."""
-        first = await cls._connect(
-            url, token, client, open_timeout, origin, prompt_deltas, cafile, pinned_cert
-        )
+        options: dict[str, Any] = {
+            "client": client,
+            "origin": origin,
+            "prompt_deltas": prompt_deltas,
+            "cafile": cafile,
+            "pinned_cert": pinned_cert,
+        }
+        first = await cls._connect(url, token, open_timeout, **options)
         target = direct_target(url, first.hello) if direct else None
         if target is None:
             return first
         try:
-            moved = await cls._connect(
-                target,
-                token,
-                client,
-                min(open_timeout, DIRECT_OPEN_S),
-                origin,
-                prompt_deltas,
-                cafile,
-                pinned_cert,
-            )
+            moved = await cls._connect(target, token, min(open_timeout, DIRECT_OPEN_S), **options)
         except EngineUnavailable as e:
             log.warning("engine service: staying on %s, its direct endpoint failed (%s)", url, e)
             return first
@@ -175,13 +172,15 @@ class EngineClient(Dispatch):
         cls,
         url: str,
         token: str | None,
-        client: str,
         open_timeout: float,
+        *,
+        client: str,
         origin: str | None,
         prompt_deltas: bool,
         cafile: str | None,
         pinned_cert: str | None,
     ) -> EngineClient:
+        """One connection to ``url`` and its handshake (``connect``'s options)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         ssl_context = ssl_for(url, cafile, pinned_cert)
         try:

@@ -32,6 +32,8 @@ from .cancel_flags import CancelFlags
 log = logging.getLogger(__name__)
 
 DISCONNECTED = "disconnected"
+#: Seconds a client waits for a connection and its handshake, unless told otherwise.
+OPEN_TIMEOUT_S = 10.0
 #: Seconds a move to a service's direct endpoint may take to connect before the client stays
 #: where it is (a firewalled port drops the connection attempt instead of refusing it).
 DIRECT_OPEN_S = 3.0

@@ -24,6 +24,7 @@ from . import protocol as P
 from .client_core import (
     DIRECT_OPEN_S,
     DISCONNECTED,
+    OPEN_TIMEOUT_S,
     Dispatch,
     EngineRequestError,
     EngineUnavailable,
@@ -158,7 +159,7 @@ class SyncEngineClient(Dispatch):
         token: str | None = None,
         *,
         client: str = "spark-lsp",
-        open_timeout: float = 10.0,
+        open_timeout: float = OPEN_TIMEOUT_S,
         origin: str | None = None,
         prompt_deltas: bool = True,
         cafile: str | None = None,
@@ -230,7 +231,7 @@ class SyncEngineClient(Dispatch):
         if target is None:
             return first
         try:
-            wait = min(options.get("open_timeout", 10.0), DIRECT_OPEN_S)
+            wait = min(options.get("open_timeout", OPEN_TIMEOUT_S), DIRECT_OPEN_S)
             moved = cls(target, token, **{**options, "open_timeout": wait})
         except EngineUnavailable as e:
             log.warning("engine service: staying on %s, its direct endpoint failed (%s)", url, e)
