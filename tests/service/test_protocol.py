@@ -994,10 +994,10 @@ async def test_clients_move_to_an_offered_endpoint_and_stay_when_it_fails(engine
 
     target = await EngineServer(LocalModels([engine]), token=TOKEN).start()
     closed = await EngineServer(LocalModels([engine]), token=TOKEN).start()
-    dead = closed.url
-    await closed.stop()  # its port no longer listens
     front = await EngineServer(_Offering([engine], target.url), token=TOKEN).start()
-    broken = await EngineServer(_Offering([engine], dead), token=TOKEN).start()
+    broken = await EngineServer(_Offering([engine], closed.url), token=TOKEN).start()
+    # its port no longer listens (stopped after the others started, none of which can take it)
+    await closed.stop()
     try:
         moved = await EngineClient.connect(front.url, TOKEN)
         assert moved.url == target.url and "direct" not in moved.hello["capabilities"]
