@@ -181,7 +181,7 @@ class EngineServiceModel:
                     return None
                 self._health(False, f"the engine service is unavailable: {exc}")
                 raise BackendError(f"the engine service is unavailable: {exc}") from None
-            if self._failures or self._down:  # a lost connection told the editor: untell it
+            if self._down:  # failed connections or a lost one told the editor: untell it
                 self._health(True, f"the engine service at {self.url} answers again")
             self._failures = 0
             return client

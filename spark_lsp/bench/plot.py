@@ -179,7 +179,7 @@ def panels(
 
 def _service_panels(svc: dict[str, Any] | None, detail: bool) -> list:
     """`bench service`: keystroke to suggestion and per-request overhead per transport, then
-    (detail) the Ray runs' p50 and p95 and the shared-memory ratios."""
+    (detail) the Ray runs' p95 and the shared-memory ratios."""
     if not svc:
         return []
     out = []
@@ -220,8 +220,12 @@ def _service_panels(svc: dict[str, Any] | None, detail: bool) -> list:
         labels, values = [], []
         for model, m in memory.items():
             name = model.split("@")[0].rsplit("-", 1)[-1]  # synthetic-qwen2.5-coder-0.5b: 0.5b
-            for key, what in (("ratio_rss", "daemon"), ("host", "host"), ("host_daemon", "host+d")):
-                ratio = m.get(key) if key == "ratio_rss" else (m.get(key) or {}).get("ratio_rss")
+            ratios = {
+                "daemon": m.get("ratio_rss"),
+                "host": (m.get("host") or {}).get("ratio_rss"),
+                "host+d": (m.get("host_daemon") or {}).get("ratio_rss"),
+            }
+            for what, ratio in ratios.items():
                 if ratio is not None:
                     labels.append(f"{name}\n{what}")
                     values.append(ratio)
