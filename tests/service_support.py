@@ -1,8 +1,10 @@
 """Helpers the engine-service tests share (tests/service): a daemon started as the user starts
-it, and the wait for a generation that a slow client holds."""
+it, the wait for a generation that a slow client holds, and tests/server's editor client."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import subprocess
 import sys
 import time
@@ -32,3 +34,14 @@ def wait_until_stalled(run, timeout_s: float = 60.0) -> int:
         if len(run.stream.ids) == n:
             return n
     return -1
+
+
+@functools.cache
+def editor_client():
+    """tests/server's editor client (its conftest module, loaded once under its own name):
+    ``start_editor``, ``SAMPLE``, ``OPTIONS`` for tests that drive a real language server."""
+    path = ROOT / "tests" / "server" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("server_editor_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -7,7 +7,6 @@ engine a real daemon (`engine.service.daemon`) in another process.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import subprocess
@@ -17,20 +16,11 @@ from pathlib import Path
 
 import pytest
 from lsprotocol import types as T
+from service_support import editor_client
 
 from engine.service import rundir
 
-
-def _server_conftest():
-    """tests/server's editor client (its conftest module, loaded under its own name)."""
-    path = Path(__file__).resolve().parents[1] / "server" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("server_editor_client", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_editor = _server_conftest()
+_editor = editor_client()
 SAMPLE, start_editor = _editor.SAMPLE, _editor.start_editor
 
 pytestmark = pytest.mark.slow

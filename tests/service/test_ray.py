@@ -5,15 +5,14 @@ change its options once started, so one cluster serves every test here the way `
 
 import asyncio
 import functools
-import importlib.util
 import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import trustme
+from service_support import editor_client
 
 ray = pytest.importorskip(
     "ray", reason="the Ray test needs the 'ray' extra (part of the test extra)"
@@ -31,16 +30,7 @@ from engine.service.sync_client import SyncEngineClient  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _server_conftest():
-    """tests/server's editor client (its conftest module, loaded under its own name)."""
-    path = Path(__file__).resolve().parents[1] / "server" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("server_editor_client", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-start_editor = _server_conftest().start_editor
+start_editor = editor_client().start_editor
 TOKEN = "ray-test-token-" + "x" * 20
 PROMPT = "def fibonacci(n):\n"
 

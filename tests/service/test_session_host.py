@@ -9,7 +9,6 @@ the tiny model is the engine. pytest-lsp editors (tests/server's client) for the
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -22,22 +21,13 @@ from pathlib import Path
 
 import pytest
 from lsprotocol import types as T
+from service_support import editor_client
 
 from engine.service import rundir
 from spark_lsp import bridge
 from spark_lsp.rpc_client import LspClient
 
-
-def _server_conftest():
-    """tests/server's editor client (its conftest module, loaded under its own name)."""
-    path = Path(__file__).resolve().parents[1] / "server" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("server_editor_client", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_editor = _server_conftest()
+_editor = editor_client()
 SAMPLE, OPTIONS, start_editor = _editor.SAMPLE, _editor.OPTIONS, _editor.start_editor
 
 ROOT = Path(__file__).resolve().parents[2]
