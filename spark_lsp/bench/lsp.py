@@ -163,12 +163,9 @@ def run(args, plot=None) -> int:
     if args.plot:
         from . import plot as bench_plot
 
-        try:
-            bench_plot.require()
-        except RuntimeError as exc:
-            print(f"spark-lsp bench lsp: --plot: {exc}", file=sys.stderr)
+        plot = bench_plot.plotter_for_run("lsp", plot)
+        if plot is None:
             return 2
-        plot = plot or bench_plot.plotter("lsp")
 
     path = source_file(args.file)
     try:

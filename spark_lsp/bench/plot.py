@@ -7,6 +7,7 @@ producers; matplotlib (the `plot` extra) is imported only here, and only when a 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,18 @@ def require() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+
+
+def plotter_for_run(name: str, given: Callable | None) -> Callable | None:
+    """The ``plot(results, FILE)`` a ``bench NAME --plot`` run draws with (``given``: the one
+    the dispatcher handed it, else this module's), checked before the run, not after it: None,
+    with the install line on stderr, when matplotlib is missing."""
+    try:
+        require()
+    except RuntimeError as exc:
+        print(f"spark-lsp bench {name}: --plot: {exc}", file=sys.stderr)
+        return None
+    return given or plotter(name)
 
 
 def plotter(name: str) -> Callable[[dict[str, Any], str | Path], Path]:

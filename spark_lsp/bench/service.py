@@ -480,12 +480,9 @@ def run(args, plot=None) -> int:
     if args.plot:
         from . import plot as bench_plot
 
-        try:
-            bench_plot.require()  # before a long run, not after it
-        except RuntimeError as exc:
-            print(f"spark-lsp bench service: --plot: {exc}", file=sys.stderr)
+        plot = bench_plot.plotter_for_run("service", plot)
+        if plot is None:
             return 2
-        plot = plot or bench_plot.plotter("service")
     labels = {"inproc": "inproc", **LABELS[bool(args.tls)]}
     names = {**{v: k for k, v in labels.items()}, "inproc": "inproc", "ws": "ws", "sse": "sse"}
     given = [t.strip() for t in args.transports.split(",") if t.strip()]
