@@ -246,7 +246,7 @@ def _run_ray(
         "suggestion_p95": ratio(direct["suggestion_ms"]["p95"], proxy["suggestion_ms"]["p95"]),
     }
     if lo is not None:  # the comparison: 2 replicas with 2K editors vs 1 replica with K
-        two = runs[f"replicas=2,editors={hi}"]["suggestion_ms"]["p95"]
+        two = direct["suggestion_ms"]["p95"]
         one = runs[f"replicas=1,editors={lo}"]["suggestion_ms"]["p95"]
         same = runs[f"replicas=1,threads={out['threads'][2]},editors={lo}"]
         out["scale_out"] = {
