@@ -56,6 +56,11 @@ WAIT_SLICE_S = 0.005
 COALESCE_S = 0.004
 
 
+def _wake_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class Run:
     """One generation as the connection sees it: ids, what it streamed, the steering state.
 
@@ -87,15 +92,25 @@ class Run:
         self.early_stats: dict[str, Any] | None = None  # sent with its first tokens message
         self.stop_flag: Any = None  # the client's shared cancel flag (a ctypes word), if any
         self._credits = threading.Semaphore(WINDOW)  # undelivered tokens (asyncio Connection)
+        self._credit_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
 
     # -- the Sink interface, called from the generation's thread ---------------------------------
     def credit(self, stop: threading.Event, timeout: float) -> bool:
         return self.conn._credit(self, stop, timeout)
 
     async def acredit(self) -> None:
-        """The asyncio form of ``credit`` for backends that stream on the event loop."""
+        """The asyncio form of ``credit`` for backends that stream on the event loop: wait,
+        without polling, until a sent message (or ``stop``) gives a credit back."""
         while not self._credits.acquire(blocking=False):
-            await asyncio.sleep(0.002)
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            self._credit_waiter = (loop, waiter)
+            try:
+                if self._credits.acquire(blocking=False):  # released before the waiter was set
+                    return
+                await waiter
+            finally:
+                self._credit_waiter = None
 
     def chunk(self, token_id: int, text: str, stats: dict[str, Any] | None = None) -> None:
         if stats is not None:
@@ -109,6 +124,13 @@ class Run:
 
     def release(self) -> None:
         self._credits.release()
+        waiting = self._credit_waiter
+        if waiting is not None:  # an `acredit` waits: wake it on its loop (from any thread)
+            loop, waiter = waiting
+            try:
+                loop.call_soon_threadsafe(_wake_waiter, waiter)
+            except RuntimeError:  # its loop is closed
+                pass
 
     def stop(self) -> None:
         """Stop the generation (within one decode step); a thread waiting for credit wakes."""
@@ -732,7 +754,7 @@ class Connection(Session):
         return run._credits.acquire(timeout=timeout)
 
     def _wake(self, run: Run) -> None:
-        run._credits.release()  # never used: the generation ends
+        run.release()  # never used: the generation ends (an `acredit` wakes)
 
     async def _send_loop(self) -> None:
         box = self.outbox

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from array import array
 
@@ -23,7 +24,7 @@ from engine.service import protocol as P
 from engine.service import steering
 from engine.service.client import EngineClient
 from engine.service.client_core import EngineUnavailable
-from engine.service.connection import WINDOW, Connection
+from engine.service.connection import WINDOW, Connection, Run
 from engine.service.local import LocalModels
 from engine.service.server import EngineServer
 
@@ -582,6 +583,31 @@ async def test_a_client_that_stops_reading_holds_its_generation(engine):
     done = [json.loads(s) for s in sent if '"done"' in s]
     assert done and done[-1]["stats"]["new_tokens"] == 300
     assert sum(len(json.loads(s).get("ids", ())) for s in sent) == 300
+
+
+async def test_acredit_waits_for_a_release_without_polling(engine):
+    """The event-loop form of credit (the Ray ingress's): with no credit left it waits, and a
+    credit given back from another thread, or the generation stopped, wakes it at once."""
+
+    async def send(data: str) -> None:
+        pass
+
+    conn = Connection(LocalModels([engine]), send)
+    run = Run(conn, "g", None, [], None, None)
+    for _ in range(WINDOW):
+        await run.acredit()
+    waiting = asyncio.ensure_future(run.acredit())
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and run._credit_waiter is not None  # a future, not a sleep loop
+    threading.Thread(target=run.release).start()
+    await asyncio.wait_for(waiting, 1.0)
+    waiting = asyncio.ensure_future(run.acredit())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    run.stop()  # a cancel: the generation's wait ends so that it can see it
+    await asyncio.wait_for(waiting, 1.0)
+    assert run._credit_waiter is None
+    await conn.close()
 
 
 _EARLY = {"prompt_tokens": 3, "reused_tokens": 2, "ttft_ms": 1.5}
