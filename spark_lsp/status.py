@@ -105,12 +105,21 @@ def status_payload(model: str, kind: str, stats: dict, wafer: dict | None) -> di
     return out
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The `q` quantile (0..1) of `xs`, interpolated linearly between the two nearest ranks (numpy's
+    default, and `statistics.median` at 0.5): the one percentile of the server's metrics and of
+    every bench, so what `spark/metrics` and a bench report agree; None for none."""
     if not xs:
         return None
     xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
-    return round(xs[k], 3)
+    k = (len(xs) - 1) * min(1.0, max(0.0, q))
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 @dataclass
@@ -164,6 +173,6 @@ class Metrics:
             "liveFlushes": self.live_flushes,
             "ttftMsMedian": round(statistics.median(self.ttft_ms), 3) if self.ttft_ms else None,
             "cancelLatencyMs": list(cancel_latencies_ms),
-            "cancelLatencyMsMedian": _pct(cancel_latencies_ms, 50),
-            "cancelLatencyMsP95": _pct(cancel_latencies_ms, 95),
+            "cancelLatencyMsMedian": _rounded(percentile(cancel_latencies_ms, 0.5)),
+            "cancelLatencyMsP95": _rounded(percentile(cancel_latencies_ms, 0.95)),
         }

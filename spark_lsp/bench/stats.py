@@ -7,18 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-
-def pct(xs: list[float], q: float) -> float | None:
-    """The `q` quantile (0..1) of `xs`, interpolated linearly between the two nearest ranks (numpy's
-    default, and `statistics.median` at 0.5), so every bench reports percentiles alike; None for
-    none."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * min(1.0, max(0.0, q))
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+from ..status import percentile as pct  # the server's metrics' percentile, for every bench
 
 
 def summary(rows: list[dict]) -> dict[str, Any]:

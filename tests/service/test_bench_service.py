@@ -250,3 +250,8 @@ def test_percentiles_interpolate_between_ranks_as_numpy_does():
     for q in (0.0, 0.25, 0.5, 0.9, 0.95, 1.0):
         assert pct(xs, q) == pytest.approx(float(np.percentile(xs, q * 100)))
     assert pct([], 0.5) is None and pct([3.0], 0.95) == 3.0
+    from spark_lsp.status import Metrics  # the server's metrics report the same percentile
+
+    snap = Metrics().snapshot(xs)
+    assert snap["cancelLatencyMsP95"] == round(float(np.percentile(xs, 95)), 3)
+    assert snap["cancelLatencyMsMedian"] == 4.0
