@@ -104,6 +104,19 @@ class _Direct:
                 on_message = self._on_message
         on_message(raw)
 
+    def close_socket(self) -> None:
+        """Shut the socket down before the library closes it.  ``websockets`` (15 and later) only
+        closes it and wakes its reading thread through a second socket the thread polls; but over
+        TLS that thread may already sit in a blocking read (the socket turned readable with a TLS
+        record that holds no data, such as a TLS 1.3 session ticket), which a close does not end.
+        A ``wss://`` handshake that timed out then held ``connect`` for minutes, waiting for that
+        thread.  A shutdown ends the read at once."""
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected, or closed already
+            pass
+        super().close_socket()
+
     def recv_events(self) -> None:
         try:
             super().recv_events()

@@ -588,3 +588,36 @@ def test_a_direct_endpoint_is_followed_only_on_the_same_scheme():
     assert direct_target("ws://a:1/", offer("ws://a:1")) is None  # already there
     assert direct_target("ws://a:1/", offer(None)) is None
     assert direct_target("ws://a:1/", {"capabilities": {}}) is None
+
+
+def test_a_wss_handshake_that_times_out_fails_in_time(certs):
+    """A TLS server that never answers the WebSocket upgrade (a hung daemon, a busy proxy): the
+    language server's client gives up after its open timeout.  Before, the socket's reading
+    thread sat in a blocking TLS read (the server's TLS 1.3 session tickets made the socket
+    readable) that closing the socket did not end, and the connect waited minutes for it."""
+    ctx = tls.server_context(certs["cert"], certs["key"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                raw, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                held.append(ctx.wrap_socket(raw, server_side=True))  # TLS, then silence
+            except (OSError, ssl.SSLError):
+                raw.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"wss://127.0.0.1:{listener.getsockname()[1]}/"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="handshake"):
+            SyncEngineClient(url, TOKEN, open_timeout=1.0, cafile=certs["ca"])
+        assert time.monotonic() - t0 < 10  # the open timeout, not a reading thread's whims
+    finally:
+        listener.close()
+        for s in held:
+            s.close()
