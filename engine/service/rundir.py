@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,19 @@ def write_private(path: Path, text: str) -> None:
 
 
 def write_record(key: str, url: str, token: str, models: list[str], **extra: Any) -> Path:
+    """This process's record: where it serves, its token, and who it is (pid, with the pid's
+    start time, which tells a reused pid from it: ``engine.service.manage``)."""
     path = record_path(key)
-    data = {"url": url, "token": token, "pid": os.getpid(), "models": models, **extra}
+    pid = os.getpid()
+    data = {
+        "url": url,
+        "token": token,
+        "pid": pid,
+        "started": process_start(pid),
+        "since": time.time(),
+        "models": models,
+        **extra,
+    }
     write_private(path, json.dumps(data, indent=1))
     return path
 
@@ -80,6 +92,16 @@ def pid_alive(pid: int) -> bool:
         return stat[stat.rindex(")") + 2] != "Z"
     except (OSError, ValueError, IndexError):
         return True
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc/PID/stat's 22nd field):
+    with the pid, what names one process for as long as the machine runs; None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def read_record(key: str) -> dict[str, Any] | None:

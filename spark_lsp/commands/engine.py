@@ -1,7 +1,9 @@
-"""`spark-lsp engine serve`: run the shared engine daemon (``engine.service``) for editors to join."""
+"""`spark-lsp engine serve|list|stop`: run the shared engine daemon (``engine.service``) for
+editors to join, see which of the user's services run, stop them."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 from engine.service import options
@@ -39,6 +41,72 @@ def register(subparsers) -> None:
         "where only the proxy's port can be reached)",
     )
     s.set_defaults(func=run)
+    ls = sub.add_parser(
+        "list",
+        help="the engine services you run, and whether each answers",
+        description="List your running engine services (daemons, also those `engine: auto` "
+        "started, and `engine serve --ray` deployments) from their records in your runtime "
+        "dir, and ask each for its status as a client would.",
+    )
+    ls.add_argument("--json", action="store_true", help="print JSON (without the tokens)")
+    ls.set_defaults(func=run_list)
+    st = sub.add_parser(
+        "stop",
+        help="stop engine services (SIGTERM: generations cancelled cleanly)",
+        description="Stop one of your engine services, named by model (folder name or path), "
+        "key, pid or URL; with no name, the only one running. A stopped daemon cancels its "
+        "generations, sends their last messages and removes its record; editors on it "
+        "reconnect (`engine: auto` starts a new one).",
+    )
+    st.add_argument("which", nargs="*", metavar="MODEL", help="model, key, pid or URL")
+    st.add_argument("--all", action="store_true", help="stop every engine service you run")
+    st.add_argument(
+        "--timeout", type=float, default=15.0, help="seconds to wait for each to exit (15)"
+    )
+    st.add_argument(
+        "--force", action="store_true", help="SIGKILL a service that did not exit in time"
+    )
+    st.set_defaults(func=run_stop)
+
+
+def run_list(args) -> int:
+    from engine.service import manage
+
+    found = [manage.check(svc) for svc in manage.services()]
+    if args.json:
+        print(json.dumps([svc.as_json() for svc in found], indent=1))
+    elif not found:
+        print("no engine service runs")
+    else:
+        for svc in found:
+            print(manage.describe(svc))
+    return 0 if all(svc.answers for svc in found) else 1
+
+
+def run_stop(args) -> int:
+    from engine.service import manage
+
+    try:
+        chosen = manage.select(manage.services(), args.which, args.all)
+    except manage.ManageError as e:
+        print(f"spark-lsp engine stop: error: {e}", file=sys.stderr)
+        return 2
+    if not chosen:
+        print("no engine service runs")
+        return 0
+    failed = 0
+    for svc in chosen:
+        try:
+            said = manage.stop(svc, timeout=args.timeout, force=args.force)
+        except manage.ManageError as e:
+            print(
+                f"spark-lsp engine stop: {', '.join(svc.names)} (pid {svc.pid}): {e}",
+                file=sys.stderr,
+            )
+            failed += 1
+            continue
+        print(f"{', '.join(svc.names) or svc.key} on {svc.url} (pid {svc.pid}): {said}")
+    return 2 if failed else 0
 
 
 def run(args) -> int:

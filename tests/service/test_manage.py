@@ -1,0 +1,173 @@
+"""`spark-lsp engine list` / `engine stop`: the user's running services, found by their records,
+checked as a client would, stopped by SIGTERM, and never a process that merely reuses a pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from service_support import start_daemon
+
+from engine.service import launch, manage, rundir
+from spark_lsp.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    monkeypatch.setenv(rundir.ENV_DIR, str(d))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_record(key: str, pid: int, models: list[str], **extra) -> None:
+    """A record as a daemon writes it, for a process that is no daemon (its URL: nothing)."""
+    data = {
+        "url": f"ws://127.0.0.1:{free_port()}",
+        "token": "t" * 43,
+        "pid": pid,
+        "started": rundir.process_start(pid),
+        "since": time.time(),
+        "models": models,
+        **extra,
+    }
+    rundir.write_private(rundir.record_path(key), json.dumps(data))
+
+
+def child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+
+
+@pytest.mark.slow
+def test_list_checks_a_real_daemon_and_stop_ends_it_cleanly(run_dir, capsys):
+    proc = start_daemon()
+    try:
+        key = rundir.model_key(launch.resolve_models([None]))
+        for _ in range(2400):
+            rec = rundir.read_record(key)
+            if rec is not None and rec["pid"] == proc.pid:
+                break
+            assert proc.poll() is None
+            time.sleep(0.05)
+        assert rec["started"] == rundir.process_start(proc.pid)
+
+        assert cli(["engine", "list", "--json"]) == 0
+        out = capsys.readouterr().out
+        (listed,) = json.loads(out)
+        assert listed["pid"] == proc.pid and listed["url"] == rec["url"]
+        assert listed["answers"] is True and listed["status"]["models"][0]["name"]
+        assert rec["token"] not in out  # a listing never shows the secret
+
+        assert cli(["engine", "list"]) == 0
+        line = capsys.readouterr().out
+        assert f"pid {proc.pid}" in line and "answers in" in line
+
+        assert cli(["engine", "stop"]) == 0  # the only one: no name needed
+        assert "stopped" in capsys.readouterr().out
+        assert proc.wait(5) == 0  # SIGTERM: a clean exit, its record removed by itself
+        assert not rundir.record_path(key).exists()
+        assert cli(["engine", "list"]) == 0
+        assert "no engine service runs" in capsys.readouterr().out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_silent_service_is_listed_as_not_answering(run_dir, capsys):
+    sleeper = child("import time; time.sleep(60)")
+    try:
+        fake_record("a" * 16, sleeper.pid, ["/models/stuck"])
+        assert cli(["engine", "list"]) == 1  # a health check: one service does not answer
+        out = capsys.readouterr().out
+        assert "stuck" in out and "NOT ANSWERING" in out
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_reused_pid_is_never_signalled(run_dir, capsys):
+    """The record's pid now belongs to another process (here: this test's own): stop removes
+    the stale record and signals nothing."""
+    fake_record("b" * 16, os.getpid(), ["/models/gone"])
+    data = json.loads(rundir.record_path("b" * 16).read_text())
+    data["started"] -= 1  # the process that wrote it started at another time
+    rundir.write_private(rundir.record_path("b" * 16), json.dumps(data))
+    assert cli(["engine", "stop", "gone"]) == 0  # we are still here
+    assert "record was stale" in capsys.readouterr().out
+    assert not rundir.record_path("b" * 16).exists()
+
+
+def test_stop_names_one_of_several_and_refuses_to_guess(run_dir, capsys):
+    a = child("import time; time.sleep(60)")
+    b = child("import time; time.sleep(60)")
+    try:
+        fake_record("c" * 16, a.pid, ["/models/alpha"])
+        fake_record("d" * 16, b.pid, ["/models/beta"])
+        assert cli(["engine", "stop"]) == 2
+        err = capsys.readouterr().err
+        assert "several engine services run" in err and "alpha" in err and "beta" in err
+        assert err.count("\n") == 1  # one line, as every command's errors
+        assert cli(["engine", "stop", "gamma"]) == 2
+        assert "no running engine service matches 'gamma'" in capsys.readouterr().err
+        assert a.poll() is None and b.poll() is None  # nothing signalled
+
+        assert cli(["engine", "stop", "beta"]) == 0
+        assert b.wait(5) == -signal.SIGTERM and a.poll() is None
+        assert cli(["engine", "stop", str(a.pid)]) == 0  # by pid
+        assert a.wait(5) == -signal.SIGTERM
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_service_that_ignores_sigterm_is_killed_only_with_force(run_dir, capsys):
+    stubborn = child(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    try:
+        assert stubborn.stdout.readline() == b"ready\n"
+        fake_record("e" * 16, stubborn.pid, ["/models/stubborn"])
+        assert cli(["engine", "stop", "--timeout", "0.3"]) == 2
+        assert "did not stop within 0.3 s" in capsys.readouterr().err
+        assert stubborn.poll() is None and rundir.record_path("e" * 16).exists()
+        assert cli(["engine", "stop", "--all", "--timeout", "0.3", "--force"]) == 0
+        assert "killed" in capsys.readouterr().out
+        assert stubborn.wait(5) == -signal.SIGKILL
+        assert not rundir.record_path("e" * 16).exists()  # it could not remove its own
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+            stubborn.wait()
+
+
+def test_select_matches_names_paths_keys_and_urls(tmp_path):
+    svc = manage.Service(
+        key="f" * 16, pid=1, url="ws://127.0.0.1:9/", models=[str(tmp_path / "qwen")]
+    )
+    for want in ("qwen", str(tmp_path / "qwen"), "f" * 16, "1", "ws://127.0.0.1:9"):
+        assert manage.select([svc], [want], False) == [svc]
+    assert manage.select([svc], [], False) == [svc]
+    assert manage.select([], [], True) == []
+    with pytest.raises(manage.ManageError):
+        manage.select([svc], ["qwe"], False)
