@@ -35,6 +35,10 @@ class _Direct:
         self._early: list[bytes] = []
         self._parts: list[bytes] = []  # the frames of a fragmented message so far
         self._ended = False
+        # set once this side may read (see DirectClientConnection); the reading thread waits
+        self._may_read = threading.Event()
+        if not isinstance(self, DirectClientConnection):
+            self._may_read.set()
         super().__init__(*args, **kwargs)
 
     def attach(
@@ -77,6 +81,7 @@ class _Direct:
             except OSError:  # the socket is already closed
                 pass
         self._write_joined(pending)
+        self._may_read.set()  # a client's opening request is out: its reading thread may start
 
     def _write_joined(self, chunks: list[bytes]) -> None:
         if not chunks:
@@ -115,9 +120,11 @@ class _Direct:
             self.socket.shutdown(socket.SHUT_RDWR)
         except OSError:  # not connected, or closed already
             pass
+        self._may_read.set()
         super().close_socket()
 
     def recv_events(self) -> None:
+        self._may_read.wait()
         try:
             super().recv_events()
         finally:
@@ -133,4 +140,11 @@ class DirectServerConnection(_Direct, ServerConnection):
 
 
 class DirectClientConnection(_Direct, ClientConnection):
-    """A client-side connection whose messages go to ``attach``'s callback."""
+    """A client-side connection whose messages go to ``attach``'s callback.
+
+    Its reading thread starts reading once the opening request is written.  Over TLS 1.3 a
+    server sends session tickets just after the TLS handshake; a thread reading them while
+    another writes the request uses one OpenSSL connection from two threads at once, which it
+    does not support: about one connect in a few hundred stalled until its timeout (the request
+    never left), and with many tickets the process's heap was corrupted.  Until the response
+    comes, nothing else writes; the tickets are read before it (they come first)."""

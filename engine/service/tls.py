@@ -52,6 +52,10 @@ def server_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:
     key_path = _readable(key, "private key")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # no TLS 1.3 session tickets: every client keeps one connection and never resumes one, and
+    # a ticket arriving while a threaded client writes its first request makes that client use
+    # its TLS connection from two threads at once (engine.service.direct)
+    ctx.num_tickets = 0
     try:
         ctx.load_cert_chain(cert_path, key_path)
     except ssl.SSLError as e:

@@ -621,3 +621,65 @@ def test_a_wss_handshake_that_times_out_fails_in_time(certs):
         listener.close()
         for s in held:
             s.close()
+
+
+def test_our_servers_send_no_session_tickets(certs):
+    """Clients keep one connection and never resume one; a ticket only gives a threaded client
+    something to read while it writes (the next test)."""
+    assert tls.server_context(certs["cert"], certs["key"]).num_tickets == 0
+
+
+@pytest.mark.slow
+def test_the_threaded_client_survives_a_server_that_sends_tickets(certs):
+    """A TLS 1.3 server that sends session tickets (Serve's proxy, nginx in front of a daemon):
+    the language server's client reads them only once its opening request is out, never while
+    writing it from another thread (OpenSSL does not support that: connects stalled until their
+    timeout, about one in a few hundred on a loaded machine, and with 64 tickets the heap was
+    corrupted).  300 connects with both cores busy: none may fail."""
+    import subprocess
+    import sys
+
+    from websockets.asyncio.server import serve
+
+    from engine.service import protocol as P
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(certs["cert"], certs["key"])
+    ctx.num_tickets = 64
+    hello = P.encode({"type": "hello", "protocol": 1, "models": [], "capabilities": {}})
+    ready = threading.Event()
+    port: list[int] = []
+    stop: list[asyncio.Future] = []
+
+    async def answer(ws) -> None:
+        async for _ in ws:
+            await ws.send(hello)
+
+    async def main() -> None:
+        async with serve(answer, "127.0.0.1", 0, ssl=ctx, **P.SOCKET_OPTIONS) as srv:
+            port.append(srv.sockets[0].getsockname()[1])
+            stop.append(asyncio.get_running_loop().create_future())
+            ready.set()
+            await stop[0]
+
+    loop_thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    loop_thread.start()
+    assert ready.wait(10)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    failed = []
+    try:
+        for _ in range(300):
+            try:
+                SyncEngineClient(
+                    f"wss://127.0.0.1:{port[0]}/", TOKEN, open_timeout=5.0, cafile=certs["ca"]
+                ).close()
+            except EngineUnavailable as e:
+                failed.append(str(e))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        fut = stop[0]
+        fut.get_loop().call_soon_threadsafe(fut.set_result, None)
+        loop_thread.join(10)
+    assert not failed, failed
