@@ -951,10 +951,12 @@ def test_direct_connection_joins_what_it_sends_into_one_write():
         protocol=SimpleNamespace(data_to_send=lambda: [b"ab", b"cd", b"", b"ef"]),
         socket=sock,
         close_deadline=None,
+        _may_read=threading.Event(),
     )
     conn._write_joined = lambda chunks: DirectServerConnection._write_joined(conn, chunks)
     DirectServerConnection.send_data(conn)
     assert calls == [("sendall", b"abcd"), ("shutdown", None), ("sendall", b"ef")]
+    assert conn._may_read.is_set()  # what a client wrote first is out: it may read now
 
 
 def test_threaded_close_cancels_and_delivers_done(engine):
