@@ -8,7 +8,6 @@ import signal
 import stat
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from service_support import start_daemon
@@ -18,16 +17,6 @@ from engine.models import default_model_dir
 from engine.service import launch, rundir
 from engine.service.client import EngineClient
 from engine.service.client_core import EngineUnavailable
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def run_dir(tmp_path, monkeypatch):
-    d = tmp_path / "run"
-    monkeypatch.setenv(rundir.ENV_DIR, str(d))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return d
 
 
 def wait_record(key: str, proc: subprocess.Popen, timeout: float = 120.0) -> dict:

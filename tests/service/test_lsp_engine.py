@@ -28,14 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 URI = "file:///work/sample.py"
 
 
-@pytest.fixture
-def run_dir(tmp_path, monkeypatch):
-    d = tmp_path / "run"
-    monkeypatch.setenv(rundir.ENV_DIR, str(d))  # the servers, the daemons and this test share it
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return d
-
-
 def start_daemon(model: Path) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.service.daemon", "--model", str(model)],

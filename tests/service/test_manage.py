@@ -10,23 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from service_support import start_daemon
 
 from engine.service import launch, manage, rundir
 from spark_lsp.cli import main as cli
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def run_dir(tmp_path, monkeypatch):
-    d = tmp_path / "run"
-    monkeypatch.setenv(rundir.ENV_DIR, str(d))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return d
 
 
 def free_port() -> int:

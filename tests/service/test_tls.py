@@ -10,7 +10,6 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import signal
 import socket
 import ssl
@@ -31,7 +30,6 @@ from engine.service.local import LocalModels
 from engine.service.server import EngineServer
 from engine.service.sync_client import SyncEngineClient
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s" * 32
 PROMPT = "def fibonacci(n):\n"
 LONG = GenerationParams(max_new_tokens=400, ignore_eos=True)
@@ -473,14 +471,6 @@ def test_sse_endpoint_over_https(engine, certs, caplog):
 
 
 # -- the daemon's command line --------------------------------------------------------------------
-@pytest.fixture
-def run_dir(tmp_path, monkeypatch):
-    d = tmp_path / "run"
-    monkeypatch.setenv(rundir.ENV_DIR, str(d))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return d
-
-
 @pytest.mark.slow
 def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatch):
     """The daemon announces and records its wss:// URL and its certificate's file; the user's
