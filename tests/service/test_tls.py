@@ -22,7 +22,7 @@ import trustme
 from service_support import start_daemon, wait_until_stalled
 
 from engine import Engine, GenerationParams
-from engine.service import launch, rundir, sse, tls
+from engine.service import launch, manage, rundir, sse, tls
 from engine.service.client import EngineClient
 from engine.service.client_core import EngineUnavailable, direct_target
 from engine.service.connection import ThreadConnection
@@ -507,6 +507,8 @@ def test_daemon_serves_wss_with_a_certificate_and_key(run_dir, certs, monkeypatc
             SyncEngineClient(rec["url"], rec["token"], cafile=certs["ca"])
         with pytest.raises(EngineUnavailable, match="could not be verified"):
             SyncEngineClient(rec["url"], rec["token"], pinned_cert=certs["cert"])  # not its own
+        (listed,) = [manage.check(svc) for svc in manage.services()]  # `engine list` pins it too
+        assert listed.tls and listed.answers, listed.problem
 
         async def scenario():
             c = await EngineClient.connect(rec["url"], rec["token"], pinned_cert=rec["tls_cert"])
