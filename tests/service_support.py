@@ -1,16 +1,33 @@
-"""Helpers the engine-service tests share (tests/service): a daemon started as the user starts
-it, the wait for a generation that a slow client holds, and tests/server's editor client."""
+"""Helpers the engine-service tests share (tests/service): a private runtime dir (the `run_dir`
+fixture: a test module imports it), a daemon started as the user starts it, the wait for a
+generation that a slow client holds, and tests/server's editor client.  (Not a conftest in
+tests/service: tests/server's modules import their own conftest by that module name.)"""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from engine.service import rundir
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch) -> Path:
+    """A private runtime dir for daemon records, shared by the test and the processes it starts
+    (which import this checkout's packages). test_session_host has its own (a short path)."""
+    d = tmp_path / "run"
+    monkeypatch.setenv(rundir.ENV_DIR, str(d))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return d
 
 
 def start_daemon(*args: str) -> subprocess.Popen:

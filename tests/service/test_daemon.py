@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from service_support import start_daemon
+from service_support import run_dir, start_daemon  # noqa: F401 (run_dir: a fixture)
 
 from engine import GenerationParams
 from engine.models import default_model_dir

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from lsprotocol import types as T
-from service_support import editor_client
+from service_support import editor_client, run_dir  # noqa: F401 (run_dir: a fixture)
 
 from engine.service import rundir
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from service_support import start_daemon
+from service_support import run_dir, start_daemon  # noqa: F401 (run_dir: a fixture)
 
 from engine.service import launch, manage, rundir
 from spark_lsp.cli import main as cli

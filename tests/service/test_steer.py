@@ -28,7 +28,7 @@ def _service_module():
 
 
 _svc = _service_module()
-start_daemon, stop = _svc.start_daemon, _svc.stop  # (run_dir: tests/service/conftest.py)
+run_dir, start_daemon, stop = _svc.run_dir, _svc.start_daemon, _svc.stop
 
 pytestmark = pytest.mark.slow
 PROMPT = "def scale(values, factor):\n    out = []\n    for v in values:\n"

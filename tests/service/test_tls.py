@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import trustme
-from service_support import start_daemon, wait_until_stalled
+from service_support import run_dir, start_daemon, wait_until_stalled  # noqa: F401 (run_dir: a fixture)
 
 from engine import Engine, GenerationParams
 from engine.service import launch, manage, rundir, sse, tls
