@@ -87,20 +87,26 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except (OSError, ValueError, IndexError):
-        return True
+    fields = _stat(pid)
+    return not fields or fields[0] != "Z"  # unknown (no /proc): it answered the signal
 
 
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (/proc/PID/stat's 22nd field):
     with the pid, what names one process for as long as the machine runs; None where unknown."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first); None where unreadable."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        return stat[stat.rindex(")") + 2 :].split()
+    except (OSError, ValueError):
         return None
 
 
