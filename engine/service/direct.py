@@ -28,6 +28,9 @@ from websockets.sync.server import ServerConnection
 class _Direct:
     """The part shared by the server and client connections below."""
 
+    #: whether the reading thread waits until the first write (the client's opening request)
+    reads_after_first_write = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._attach_lock = threading.Lock()
         self._on_message: Callable[[bytes], None] | None = None
@@ -35,9 +38,8 @@ class _Direct:
         self._early: list[bytes] = []
         self._parts: list[bytes] = []  # the frames of a fragmented message so far
         self._ended = False
-        # set once this side may read (see DirectClientConnection); the reading thread waits
-        self._may_read = threading.Event()
-        if not isinstance(self, DirectClientConnection):
+        self._may_read = threading.Event()  # the reading thread waits for it
+        if not self.reads_after_first_write:
             self._may_read.set()
         super().__init__(*args, **kwargs)
 
@@ -81,7 +83,8 @@ class _Direct:
             except OSError:  # the socket is already closed
                 pass
         self._write_joined(pending)
-        self._may_read.set()  # a client's opening request is out: its reading thread may start
+        if not self._may_read.is_set():  # a client's opening request is out: it may read now
+            self._may_read.set()
 
     def _write_joined(self, chunks: list[bytes]) -> None:
         if not chunks:
@@ -148,3 +151,5 @@ class DirectClientConnection(_Direct, ClientConnection):
     does not support: about one connect in a few hundred stalled until its timeout (the request
     never left), and with many tickets the process's heap was corrupted.  Until the response
     comes, nothing else writes; the tickets are read before it (they come first)."""
+
+    reads_after_first_write = True
