@@ -42,7 +42,6 @@ class Service:
     url: str
     models: list[str]
     ray: bool = False
-    tls: bool = False
     since: float | None = None  # when it wrote its record (time.time())
     record: dict[str, Any] = field(default_factory=dict, repr=False)
     # from check(): whether it answered, in how long, what it said
@@ -54,6 +53,15 @@ class Service:
     @property
     def names(self) -> list[str]:
         return [Path(m).name for m in self.models]
+
+    @property
+    def label(self) -> str:
+        """Its models' names, or its key when its record names none: what messages call it."""
+        return ", ".join(self.names) or self.key
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("wss://")
 
     def as_json(self) -> dict[str, Any]:
         """Everything but the token (a listing is safe to paste into a bug report)."""
@@ -88,7 +96,6 @@ def services() -> list[Service]:
                 url=rec["url"],
                 models=[str(m) for m in models] if isinstance(models, list) else [],
                 ray=bool(rec.get("ray")),
-                tls=rec["url"].startswith("wss://"),
                 since=rec.get("since") if isinstance(rec.get("since"), (int, float)) else None,
                 record=rec,
             )
@@ -136,7 +143,7 @@ def select(found: Sequence[Service], wanted: Sequence[str], every: bool) -> list
         return list(found)
     if not wanted:
         if len(found) > 1:
-            running = "; ".join(f"{', '.join(s.names) or s.key} (pid {s.pid})" for s in found)
+            running = "; ".join(f"{s.label} (pid {s.pid})" for s in found)
             raise ManageError(
                 f"several engine services run ({running}): name one (model, key, pid or URL) "
                 "or pass --all"

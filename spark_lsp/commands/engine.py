@@ -100,12 +100,11 @@ def run_stop(args) -> int:
             said = manage.stop(svc, timeout=args.timeout, force=args.force)
         except manage.ManageError as e:
             print(
-                f"spark-lsp engine stop: {', '.join(svc.names)} (pid {svc.pid}): {e}",
-                file=sys.stderr,
+                f"spark-lsp engine stop: error: {svc.label} (pid {svc.pid}): {e}", file=sys.stderr
             )
             failed += 1
             continue
-        print(f"{', '.join(svc.names) or svc.key} on {svc.url} (pid {svc.pid}): {said}")
+        print(f"{svc.label} on {svc.url} (pid {svc.pid}): {said}")
     return 2 if failed else 0
 
 
