@@ -104,6 +104,38 @@ class RayModels:
         pass
 
 
+class ReplicaBoard:
+    """The placement board (``placement.Shards``) over the engine replicas themselves: each
+    counts the documents it served recently (``EngineReplica.load``) and takes a new one only
+    while it is under the share the ingress computed (``EngineReplica.claim``), so the ingress
+    replicas balance on the same counts.  A replica that does not answer in ``TIMEOUT_S`` is
+    left out of the placement; its generations' own failures mark it down."""
+
+    TIMEOUT_S = 2.0
+
+    def __init__(self, handles: list[DeploymentHandle]) -> None:
+        self.handles = handles
+
+    async def _ask(self, response: Any) -> Any:
+        try:
+            return await asyncio.wait_for(response, self.TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a dead or stuck replica: its generations' failures mark it down
+            log.info("engine ingress: a replica did not answer a placement (%s)", e)
+            return None
+
+    async def loads(self, up: list[int]) -> dict[int, int]:
+        got = await asyncio.gather(*(self._ask(self.handles[i].load.remote()) for i in up))
+        return {i: n for i, n in zip(up, got) if isinstance(n, int)}
+
+    async def claim(self, i: int, key: str, cap: int) -> bool:
+        return bool(await self._ask(self.handles[i].claim.remote(key, cap)))
+
+    def used(self, i: int, key: str) -> None:
+        """Nothing to do: the replica counts the document when its generation starts."""
+
+
 class RayRun:
     """One generation on the replicas, restarted on another replica if its replica dies."""
 
@@ -176,7 +208,11 @@ class RayRun:
                 "params": P.params_to_json(params),
                 "slot": self.slot,
             }
-            shard = self.shards.pick(self.slot)
+            try:
+                shard = await self.shards.pick(self.slot)
+            except asyncio.CancelledError:
+                self.sink.finish("cancelled", so_far(), None)
+                return
             try:
                 self.response = self.shards.handles[shard].options(stream=True).generate.remote(req)
                 async for item in self.response:
@@ -268,7 +304,7 @@ class EngineIngress:
         origins: list[str],
         direct: dict[str, Any] | None = None,
     ) -> None:
-        self.shards = Shards(list(shards))
+        self.shards = Shards(list(shards), ReplicaBoard(list(shards)))
         self.tokenizer = Tokenizer.load(model_dir)
         self.token = token
         self.origins = set(origins)

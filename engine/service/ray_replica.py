@@ -15,6 +15,7 @@ from . import protocol as P
 from .daemon import INTERACTIVE_PREFILL_CHUNK
 from .local import describe
 from .options import DEFAULT_SPINNING, SPINNING
+from .placement import Documents
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,24 @@ class EngineReplica:
         self.engine.tokenizer.byte_index()  # token-healed prompts need it: built now
         self.where = f"{os.uname().nodename}:{os.getpid()}"
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="spark-replica-gen")
+        self.documents = Documents()  # this replica's load, as every ingress places by it
+
+    async def load(self) -> int:
+        """Documents this replica served recently (``placement.Documents``)."""
+        return self.documents.load()
+
+    async def claim(self, key: str, cap: int) -> bool:
+        """Take document ``key`` if this replica has fewer than ``cap`` documents (the share the
+        ingress computed): ``placement.Documents.claim``."""
+        return self.documents.claim(key, cap)
 
     def describe(self) -> dict[str, Any]:
         return {**describe(self.engine), "replica": self.where}
 
     async def generate(self, request: dict[str, Any]):
         params = P.params_from_json(request.get("params"))
+        if request.get("slot"):
+            self.documents.use(request["slot"])
         try:
             gen = self.engine.generate(request["prompt"], params, slot=request.get("slot"))
         except (ValueError, ModelError) as e:

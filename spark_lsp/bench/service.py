@@ -670,6 +670,12 @@ def print_table(r: dict) -> None:
                 f"ray {name:24} suggest p50 {f(s['suggestion_ms']['p50'])} p95 "
                 f"{f(s['suggestion_ms']['p95'])} reuse {f(s['prefix_reuse'])} (after each "
                 f"document's first {f(s['prefix_reuse_after_first'])}); answered {o['answered']}"
+                + (
+                    "; documents per replica "
+                    + "/".join(str(x["documents"]) for x in s["per_replica"])
+                    if len(s.get("per_replica", [])) > 1
+                    else ""
+                )
             )
         if "direct_vs_proxy" in ray:
             d = ray["direct_vs_proxy"]

@@ -63,6 +63,7 @@ async def _ray_editor(
                 await gen.cancel()
                 row = {"finish": "hung", "suggestion_ms": HUNG_S * 1e3}
             row["replica"] = gen.stats.get("replica")
+            row["document"] = uri
             row["restarts"] = gen.stats.get("restarts", 0)
             rows.append(row)
             if done is not None:
@@ -91,6 +92,34 @@ def ray_summary(rows: list[dict], per_editor: int) -> dict[str, Any]:
         "restarted": sum(1 for r in rows if r.get("restarts")),
     }
     out["replicas_used"] = len({r["replica"] for r in rows if r.get("replica")})
+    out["per_replica"] = per_replica(rows)
+    return out
+
+
+def per_replica(rows: list[dict]) -> list[dict[str, Any]]:
+    """How the documents spread over the replicas (each document counted on the replica that
+    answered most of its suggestions) and each replica's suggestion p50/p95: a replica with
+    more documents than its share queues them, and its p95 is every editor's."""
+    served: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r.get("replica") and r.get("document"):
+            counts = served.setdefault(r["document"], {})
+            counts[r["replica"]] = counts.get(r["replica"], 0) + 1
+    home = {doc: max(c, key=c.get) for doc, c in served.items()}
+    out = []
+    for replica in sorted(set(home.values())):
+        times = [
+            r["suggestion_ms"]
+            for r in rows
+            if r.get("replica") == replica and r.get("finish") != "hung"
+        ]
+        out.append(
+            {
+                "replica": replica,
+                "documents": sum(1 for h in home.values() if h == replica),
+                "suggestion_ms": {"p50": pct(times, 0.5), "p95": pct(times, 0.95)},
+            }
+        )
     return out
 
 

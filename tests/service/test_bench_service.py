@@ -134,8 +134,9 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
 
 
 def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request(capsys):
-    def row(finish, prompt, reused, ms=10.0, replica="h:1", restarts=0):
+    def row(finish, prompt, reused, ms=10.0, replica="h:1", restarts=0, document="a"):
         return {
+            "document": document,
             "finish": finish,
             "prompt_tokens": prompt,
             "reused_tokens": reused,
@@ -152,17 +153,22 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
         row("length", 100, 0),
         row("length", 101, 99),
         row("cancelled", 102, 100, replica="h:2", restarts=1),
-        row("length", 100, 0),
+        row("length", 100, 0, ms=30.0, replica="h:2", document="b"),
         {"finish": "hung", "suggestion_ms": 120_000.0, "replica": None, "restarts": 0},
-        row("error", 102, 0),
+        row("error", 102, 0, ms=50.0, replica="h:2", document="b"),
     ]
     s = service_ray.ray_summary(rows, per_editor=3)
     assert s["outcomes"] == {"answered": 3, "cancelled": 1, "error": 1, "hung": 1, "restarted": 1}
     assert s["prefix_reuse"] == pytest.approx(199 / 505)  # the hung one has no stats
     assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)
-    # the hung one counts in the tail: 95 % of the way from the fifth (10 ms) to it
-    assert s["suggestion_ms"]["p95_all"] == pytest.approx(10.0 + (120_000.0 - 10.0) * 0.75)
+    # the hung one counts in the tail: 75 % of the way from the fifth (50 ms) to it
+    assert s["suggestion_ms"]["p95_all"] == pytest.approx(50.0 + (120_000.0 - 50.0) * 0.75)
     assert s["replicas_used"] == 2
+    # document "a" lives on h:1 (two of its three suggestions), "b" on h:2
+    assert s["per_replica"] == [
+        {"replica": "h:1", "documents": 1, "suggestion_ms": {"p50": 10.0, "p95": 10.0}},
+        {"replica": "h:2", "documents": 1, "suggestion_ms": {"p50": 30.0, "p95": 48.0}},
+    ]
     runs = {"replicas=2,editors=2": s, "replicas=1,editors=1": s}
     bench_service.print_table(
         {

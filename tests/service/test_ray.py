@@ -206,6 +206,51 @@ def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
     assert min(reused) > 0.5  # the KV prefix of the earlier round was there
 
 
+def test_two_ingress_replicas_placing_at_once_split_documents_evenly(url, connect):
+    """Clients on both ingress replicas open documents at once, all hashing to the same shard:
+    the placement reads and claims the replicas' own counts, so the documents split evenly (each
+    ingress counting only its own would put 4 of these 6 on one replica)."""
+    from engine.service import placement
+
+    keys = (f"even-{os.getpid()}-{i}" for i in range(10_000))
+    docs = [k for k in keys if placement.rank_shards(k, 2)[0] == 0][:6]
+
+    async def scenario():
+        clients: dict[str, EngineClient] = {}
+        for _ in range(40):  # Serve's proxy spreads connections over the ingress replicas
+            c = await connect(url, TOKEN)
+            if c.url in clients or len(clients) == 2:
+                await c.close()
+            else:
+                clients[c.url] = c
+            if len(clients) == 2:
+                break
+        try:
+            assert len(clients) == 2, "Serve's proxy sent every connection to one ingress replica"
+            a, b = clients.values()
+            params = GenerationParams(max_new_tokens=2)
+            gens = await asyncio.gather(
+                *(c.generate(PROMPT, params, slot=d) for c, d in zip([a, b] * 3, docs))
+            )
+            for g in gens:
+                await g.wait()
+                assert g.finish_reason in ("length", "eos"), g.error
+            return [g.stats["replica"] for g in gens]
+        finally:
+            for c in clients.values():
+                await c.close()
+
+    replicas = run(scenario())
+    from ray import serve
+
+    loads = [
+        serve.get_deployment_handle(f"EngineShard{i}", ray_app.APP_NAME).load.remote().result()
+        for i in (0, 1)
+    ]
+    assert abs(loads[0] - loads[1]) <= 1, loads  # every document of the module's tests too
+    assert sorted(replicas.count(r) for r in set(replicas)) == [3, 3], replicas
+
+
 def test_a_killed_replica_loses_nothing_but_the_cache(url, connect):
     """Its generation continues on the other replica; the first tokens of a generation carry
     its early stats (as the daemon's do), and a restarted one's ``done`` repeats those."""
