@@ -143,15 +143,14 @@ class Shards:
             shard = await asyncio.shield(self._placing[key])
         else:
             self._placing[key] = future = asyncio.get_running_loop().create_future()
+            placed_at: int | None = None
             try:
-                shard = await self._place(key, n, down)
-                future.set_result(shard)
-            except BaseException as e:
-                future.set_exception(e)
-                future.exception()  # retrieved: nobody else may be waiting
-                raise
+                shard = placed_at = await self._place(key, n, down)
             finally:
+                # a placement cancelled with its generation leaves whoever waits for it the
+                # document's own first shard rather than the cancellation
                 del self._placing[key]
+                future.set_result(rank_shards(key, n, down)[0] if placed_at is None else placed_at)
         self._placed[key] = (shard, self._clock())
         self.board.used(shard, key)
         return shard

@@ -109,6 +109,19 @@ async def test_a_document_placed_twice_at_once_lands_on_one_shard():
     assert len(set(got)) == 1 and board.claims == 1
 
 
+async def test_a_placement_cancelled_with_its_generation_leaves_the_others_a_shard():
+    clock = Clock()
+    board = Replicas(clock)
+    shards = placement.Shards([None, None], board, clock=clock)
+    first = asyncio.ensure_future(shards.pick("doc"))
+    await asyncio.sleep(0)  # reading the loads
+    second = asyncio.ensure_future(shards.pick("doc"))
+    await asyncio.sleep(0)
+    first.cancel()
+    assert await second == placement.rank_shards("doc", 2)[0]
+    assert first.cancelled() and not shards._placing
+
+
 async def test_a_replica_that_does_not_answer_is_left_out_of_placements():
     clock = Clock()
     board = Replicas(clock)
