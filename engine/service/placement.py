@@ -162,6 +162,8 @@ class Shards:
                 del self._placed[k]
         up = [i for i in range(n) if i not in down] or list(range(n))
         ranking = [i for i in rank_shards(key, n, down) if i in up]
+        if len(ranking) == 1:  # one shard up: nothing to balance, no round trips to ask
+            return ranking[0]
         load: dict[int, int] = {}
         for _ in range(CLAIM_TRIES):
             load = await self.board.loads(up)  # shards that did not answer are left out

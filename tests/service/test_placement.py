@@ -132,6 +132,22 @@ async def test_a_replica_that_does_not_answer_is_left_out_of_placements():
     assert await shards.pick(alike(1, prefix="x")[0]) == 0
 
 
+async def test_with_one_shard_up_nothing_is_asked():
+    class Unasked:
+        async def loads(self, up):
+            raise AssertionError("asked the replicas' loads with one shard up")
+
+        claim = loads
+
+        def used(self, i, key):
+            pass
+
+    assert await placement.Shards([None], Unasked()).pick("doc") == 0
+    two = placement.Shards([None, None], Unasked())
+    two.mark_down(0)
+    assert await two.pick("doc") == 1
+
+
 def test_a_replica_takes_a_document_only_under_the_share_it_is_given():
     clock = Clock()
     docs = placement.Documents(clock)
