@@ -125,10 +125,14 @@ def deploy(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     direct: bool = True,
+    name: str = APP_NAME,
+    route_prefix: str = "/",
 ) -> str:
     """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
     ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
-    per replica, enough for the documents each serves (about documents / replicas).
+    per replica, enough for the documents each serves (about documents / replicas); ``name`` /
+    ``route_prefix``: the Serve application's, so that several can run side by side (the
+    bench's scale-out comparison).
 
     ``tls_cert`` / ``tls_key`` (PEM files, as the daemon's): Serve's HTTP proxy (uvicorn) serves
     ``wss://`` with them.  Each node's proxy reads them from its own disk, so on a cluster they
@@ -165,11 +169,14 @@ def deploy(
             if direct
             else None,
         ),
-        name=APP_NAME,
-        route_prefix="/",
+        name=name,
+        route_prefix=route_prefix,
         blocking=False,
     )
-    return f"{'wss' if 'ssl_certfile' in proxy else 'ws'}://{host}:{port}/"
+    # the ingress's route is "/" under the prefix: "/one/" (Serve hands "/one" to the app as "")
+    return (
+        f"{'wss' if 'ssl_certfile' in proxy else 'ws'}://{host}:{port}{route_prefix.rstrip('/')}/"
+    )
 
 
 def _check_proxy_tls(cert: str | None) -> None:

@@ -128,6 +128,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--editors", default="1,4,8,16", help="K values for --ray (default 1,4,8,16)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of --ray's scale-out comparison, its deployments taking turns (default 3)",
+    )
+    p.add_argument(
         "--cancels", type=int, default=30, help="cancels timed per transport (default 30)"
     )
     p.add_argument(
@@ -685,13 +691,21 @@ def print_table(r: dict) -> None:
                 f"x{f(d['suggestion_p50'])}, p95 x{f(d['suggestion_p95'])}"
             )
         if "scale_out" in ray:
-            lo, hi = ray["scale_out"]["editors"]
+            so = ray["scale_out"]
+            lo, hi = so["editors"]
+            rounds = ", ".join(f(r["p95_2_replicas_over_1"]) for r in so["per_round"])
             print(
-                f"ray p95, 2 replicas/{hi} editors over 1 replica/{lo} editors: "
-                f"x{f(ray['scale_out']['p95_2_replicas_over_1'])} (1 replica with all "
-                f"{ray['cpus']} cores), x{f(ray['scale_out']['p95_2_replicas_over_1_same_cores_per_replica'])} "
+                f"ray p95, 2 replicas/{hi} editors over 1 replica/{lo} editors, median of "
+                f"{so['rounds']} rounds taking turns: x{f(so['p95_2_replicas_over_1'])} "
+                f"(1 replica with all {ray['cpus']} cores; rounds {rounds}), "
+                f"x{f(so['p95_2_replicas_over_1_same_cores_per_replica'])} "
                 "(1 replica with one replica's share)"
             )
+            for name, s in so["runs"].items():
+                print(
+                    f"ray scale-out {name:10} suggest p50 {f(s['suggestion_ms']['p50'])} p95 "
+                    f"{f(s['suggestion_ms']['p95'])} over its rounds"
+                )
         if "replica_kill" in ray:
             k, o = ray["replica_kill"], ray["replica_kill"]["outcomes"]
             print(

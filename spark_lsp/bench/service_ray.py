@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import socket
+import statistics
 import sys
 import time
 from typing import Any
@@ -175,7 +176,8 @@ def run_ray(
     """K editors against 1 and 2 replicas of a local Ray Serve deployment on this machine's
     cores (each replica's intra-op threads: the cores shared out, `ray_app.replica_threads`),
     on the ingress replicas' own sockets; 2 replicas with max(K) editors through Serve's proxy
-    as well; then 2 replicas with max(K) editors and one replica killed halfway."""
+    as well; then 2 replicas with max(K) editors and one replica killed halfway; then the
+    scale-out comparison, its deployments taking turns (`_scale_out`)."""
     # Ray prints its workers' deaths (the replica killed on purpose) on stdout: keep stdout for
     # the results (--json), send the rest to stderr
     sys.stdout.flush()
@@ -190,72 +192,70 @@ def run_ray(
         os.close(saved)
 
 
+def _deploy(args, port: int, replicas: int, threads: int, slots: int, trace, params, app=None):
+    """Deploy `replicas` engine shards (as application `app`, None: the default one, at "/")
+    and warm up each shard's first runs (ONNX Runtime's): one document ranked first on each.
+    Returns the URL and the token."""
+    from engine.models import default_model_dir
+    from engine.service import placement, ray_app
+
+    token = rundir.new_token()
+    where = {"name": f"{ray_app.APP_NAME}-{app}", "route_prefix": f"/{app}"} if app else {}
+    url = ray_app.deploy(
+        str(args.model or default_model_dir()),
+        port=port,
+        replicas=replicas,
+        token=token,
+        num_cpus=0.25,  # room for the scale-out comparison's three applications on 2 cores
+        threads=threads,
+        slots=slots,
+        **where,
+    )
+    warm, i = [], 0
+    while len({placement.rank_shards(w, replicas)[0] for w in warm}) < replicas:
+        warm.append(f"warm-up-{app}-{i}")
+        i += 1
+    for w in warm:
+        run_ray_editors(url, token, w, trace[:2], params, 1)
+    return url, token
+
+
 def _run_ray(
     args, uri: str, trace: list[list[int]], params: GenerationParams, ks: list[int]
 ) -> dict:
     import ray
     from ray import serve
 
-    from engine.models import default_model_dir
-    from engine.service import placement, ray_app
+    from engine.service import ray_app
 
     cpus = os.cpu_count() or 2
     slots = max(ks) + 2  # every document a replica may get, and the warm-up ones
     out: dict[str, Any] = {"cpus": cpus, "slots_per_replica": slots, "threads": {}, "runs": {}}
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
-        with socket.socket() as s:  # Serve's proxy keeps its first port: one for both runs
+        with socket.socket() as s:  # Serve's proxy keeps its first port: one for every run
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         hi = max(ks)
         lo = hi // 2 if hi // 2 in ks else None
-        # (replicas, intra-op threads per replica, editors): the cores shared out among the
-        # replicas; then, for scale-out with the cores a replica brings, 1 replica with one
-        # replica's share of 2 (the other core left to the ingress) and half the editors
-        configs = [(1, ray_app.replica_threads(1), ks), (2, ray_app.replica_threads(2), ks)]
-        if lo is not None:
-            configs.append((1, ray_app.replica_threads(2), [lo]))
-        for replicas, threads, editors in configs:
-            token = rundir.new_token()
-            out["threads"].setdefault(replicas, threads)
-            url = ray_app.deploy(
-                str(args.model or default_model_dir()),
-                port=port,
-                replicas=replicas,
-                token=token,
-                num_cpus=0.5,
-                threads=threads,
-                slots=slots,
-            )
-            # warm up every shard's first runs (ONNX Runtime's): one document ranked first on each
-            warm, i = [], 0
-            while len({placement.rank_shards(w, replicas)[0] for w in warm}) < replicas:
-                warm.append(f"warm-up-{i}")
-                i += 1
-            for w in warm:
-                run_ray_editors(url, token, w, trace[:2], params, 1)
-            shared = threads == out["threads"][replicas]
-            for k in editors:  # fresh documents for each K: their first request is cold
-                rows, _ = run_ray_editors(
-                    url, token, f"{uri}?r{replicas}t{threads}k{k}", trace, params, k
-                )
-                name = f"replicas={replicas},editors={k}"
-                if not shared:
-                    name = f"replicas={replicas},threads={threads},editors={k}"
-                out["runs"][name] = ray_summary(rows, len(trace))
+        for replicas in (1, 2):
+            threads = out["threads"][replicas] = ray_app.replica_threads(replicas)
+            url, token = _deploy(args, port, replicas, threads, slots, trace, params)
+            for k in ks:  # fresh documents for each K: their first request is cold
+                rows, _ = run_ray_editors(url, token, f"{uri}?r{replicas}k{k}", trace, params, k)
+                out["runs"][f"replicas={replicas},editors={k}"] = ray_summary(rows, len(trace))
             if replicas == 2:  # the same through Serve's proxy, which the clients skip
                 rows, _ = run_ray_editors(
                     url, token, f"{uri}?proxy", trace, params, hi, direct=False
                 )
                 out["runs"][f"replicas=2,editors={hi},proxy"] = ray_summary(rows, len(trace))
-                k = max(ks)
                 rows, killed = run_ray_editors(
-                    url, token, f"{uri}?kill", trace, params, k, kill_at=0.5
+                    url, token, f"{uri}?kill", trace, params, hi, kill_at=0.5
                 )
                 kill = ray_summary(rows, len(trace))
                 o = kill["outcomes"]
                 out["replica_kill"] = {
-                    "editors": k,
+                    "editors": hi,
                     "killed": killed,
                     **kill,
                     "all_answered_or_cancelled": o["error"] == 0
@@ -263,6 +263,10 @@ def _run_ray(
                     and o["answered"] + o["cancelled"] == len(rows),
                 }
             serve.delete(ray_app.APP_NAME)
+        if lo is not None:
+            out["scale_out"] = _scale_out(
+                args, port, uri, trace, params, lo, hi, slots, out["threads"], args.rounds
+            )
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -274,17 +278,55 @@ def _run_ray(
         "suggestion_p50": ratio(direct["suggestion_ms"]["p50"], proxy["suggestion_ms"]["p50"]),
         "suggestion_p95": ratio(direct["suggestion_ms"]["p95"], proxy["suggestion_ms"]["p95"]),
     }
-    if lo is not None:  # the issue's comparison: 2 replicas with 2K editors vs 1 replica with K
-        two = direct["suggestion_ms"]["p95"]
-        one = runs[f"replicas=1,editors={lo}"]["suggestion_ms"]["p95"]
-        same = runs[f"replicas=1,threads={out['threads'][2]},editors={lo}"]
-        out["scale_out"] = {
-            "editors": [lo, hi],
-            # 1 replica with all the cores vs 2 replicas sharing them
-            "p95_2_replicas_over_1": ratio(two, one),
-            # 1 replica with one replica's share of the cores (what adding a machine adds)
-            "p95_2_replicas_over_1_same_cores_per_replica": ratio(
-                two, same["suggestion_ms"]["p95"]
-            ),
-        }
+    return out
+
+
+def _scale_out(
+    args, port, uri, trace, params, lo: int, hi: int, slots: int, threads: dict, rounds: int
+) -> dict[str, Any]:
+    """The issue's comparison, 2 replicas with 2K editors vs 1 replica with K, with the three
+    deployments it needs running side by side and taking turns, round after round (in the order
+    ABC, CBA, ...), each round with fresh documents: a stretch where the machine is slower
+    (other work on a shared host) then falls on all of them alike instead of on whichever ran
+    then.  The three: 2 replicas (`two`), 1 replica with all the cores (`one`), and 1 replica
+    with one replica's share of them (`one_share`: what adding a machine adds).  Reports each
+    round's p95 ratios and their medians, and each deployment's summary over its rounds."""
+    from ray import serve
+
+    from engine.service import ray_app
+
+    arms = {  # name: (replicas, threads, editors)
+        "one": (1, threads[1], lo),
+        "two": (2, threads[2], hi),
+        "one_share": (1, threads[2], lo),
+    }
+    urls = {
+        a: _deploy(args, port, r, t, slots, trace, params, app=a) for a, (r, t, _) in arms.items()
+    }
+    rows: dict[str, list[dict]] = {a: [] for a in arms}
+    per_round: list[dict[str, float | None]] = []
+    try:
+        for n in range(rounds):
+            p95 = {}
+            for a in list(arms) if n % 2 == 0 else list(arms)[::-1]:
+                url, token = urls[a]
+                got, _ = run_ray_editors(url, token, f"{uri}?{a}{n}", trace, params, arms[a][2])
+                rows[a] += got
+                p95[a] = ray_summary(got, len(trace))["suggestion_ms"]["p95"]
+            per_round.append(
+                {
+                    "p95_2_replicas_over_1": ratio(p95["two"], p95["one"]),
+                    "p95_2_replicas_over_1_same_cores_per_replica": ratio(
+                        p95["two"], p95["one_share"]
+                    ),
+                }
+            )
+    finally:
+        for a in arms:
+            serve.delete(f"{ray_app.APP_NAME}-{a}")
+    out: dict[str, Any] = {"editors": [lo, hi], "rounds": rounds, "per_round": per_round}
+    for key in per_round[0]:
+        known = [r[key] for r in per_round if r[key] is not None]
+        out[key] = statistics.median(known) if known else None
+    out["runs"] = {a: ray_summary(rows[a], len(trace)) for a in arms}
     return out

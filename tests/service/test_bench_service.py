@@ -133,6 +133,47 @@ def test_memory_compares_four_thin_servers_sharing_one_daemon_with_one_in_proces
     assert "4 bridges sharing a session host + daemon" in out
 
 
+@pytest.mark.slow
+def test_bench_service_ray_runs_every_part_on_a_local_cluster():
+    """--ray end to end on a short trace (in its own process: the bench starts and stops its own
+    Ray cluster): 1 and 2 replicas for each K, the proxy run, a replica killed with nothing lost,
+    and the scale-out comparison's three deployments taking turns for every round."""
+    pytest.importorskip(
+        "ray", reason="the Ray bench needs the 'ray' extra (part of the test extra)"
+    )
+    import subprocess
+
+    args = ["--transports", "inproc", "--cancels", "0", "--max-chars", "4", "--max-tokens", "3"]
+    run = subprocess.run(
+        [sys.executable, "-m", "spark_lsp.cli", "bench", "service", *args, "--ray"]
+        + ["--editors", "1,2", "--rounds", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ray = json.loads(run.stdout)["ray"]
+    assert set(ray["runs"]) == {
+        "replicas=1,editors=1",
+        "replicas=1,editors=2",
+        "replicas=2,editors=1",
+        "replicas=2,editors=2",
+        "replicas=2,editors=2,proxy",
+    }
+    assert ray["runs"]["replicas=2,editors=2"]["replicas_used"] == 2
+    assert [x["documents"] for x in ray["runs"]["replicas=2,editors=2"]["per_replica"]] == [1, 1]
+    assert ray["replica_kill"]["all_answered_or_cancelled"] is True
+    so = ray["scale_out"]
+    assert so["editors"] == [1, 2] and so["rounds"] == 2 and len(so["per_round"]) == 2
+    assert so["p95_2_replicas_over_1"] > 0
+    n = json.loads(run.stdout)["keystrokes"]
+    assert {a: s["keystrokes"] for a, s in so["runs"].items()} == {
+        "one": 2 * n,  # one editor, two rounds
+        "two": 2 * 2 * n,
+        "one_share": 2 * n,
+    }
+
+
 def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request(capsys):
     def row(finish, prompt, reused, ms=10.0, replica="h:1", restarts=0, document="a"):
         return {
@@ -179,11 +220,23 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
                 "cpus": 2,
                 "threads": {1: 2, 2: 1},
                 "slots_per_replica": 4,
-                "runs": {**runs, "replicas=1,threads=1,editors=1": s},
+                "runs": runs,
                 "scale_out": {
                     "editors": [1, 2],
+                    "rounds": 2,
+                    "per_round": [
+                        {
+                            "p95_2_replicas_over_1": 1.4,
+                            "p95_2_replicas_over_1_same_cores_per_replica": 1.1,
+                        },
+                        {
+                            "p95_2_replicas_over_1": 1.6,
+                            "p95_2_replicas_over_1_same_cores_per_replica": 1.3,
+                        },
+                    ],
                     "p95_2_replicas_over_1": 1.5,
                     "p95_2_replicas_over_1_same_cores_per_replica": 1.2,
+                    "runs": {"one": s, "two": s, "one_share": s},
                 },
                 "direct_vs_proxy": {
                     "editors": 2,
@@ -197,6 +250,8 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
     )
     out = capsys.readouterr().out
     assert "ray replicas=2,editors=2" in out and "x1.50" in out and "x1.20" in out
+    assert "median of 2 rounds taking turns" in out and "rounds 1.40, 1.60" in out
+    assert "ray scale-out one_share" in out
     assert "proxy: overhead p50 x0.25, suggest p50 x0.80, p95 x0.90" in out
     assert "answered 3, cancelled 1, error 1, hung 1, restarted 1" in out
 
