@@ -61,9 +61,13 @@ class Documents:
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
         self._used: dict[str, float] = {}
+        self._prune_at = 64  # documents held before the long-unused ones are dropped
 
     def use(self, key: str) -> None:
         self._used[key] = self._clock()
+        if len(self._used) > self._prune_at:  # also where no placement reads the load
+            self.load()
+            self._prune_at = max(64, 2 * len(self._used))
 
     def load(self) -> int:
         now = self._clock()

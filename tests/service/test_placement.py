@@ -157,3 +157,12 @@ def test_a_replica_takes_a_document_only_under_the_share_it_is_given():
     assert docs.claim("b", 2) and docs.load() == 2
     clock.t += placement.ACTIVE_S + 1
     assert docs.load() == 0
+
+
+def test_a_replica_that_nobody_asks_forgets_long_unused_documents():
+    clock = Clock()
+    docs = placement.Documents(clock)
+    for i in range(1000):
+        docs.use(f"doc{i}")
+        clock.t += 1.0
+    assert len(docs._used) <= 65  # about the last 30 s of them, pruned each time it passes 64
