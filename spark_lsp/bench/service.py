@@ -38,7 +38,8 @@ costs its handshakes as it would between machines (one round trip for TCP, one m
 `--ray`: then K simulated editors (K = 1, 4, 8, 16), each typing its own copy of the trace at
 once, against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse
 rate (reused prompt tokens / prompt tokens, each document's first, cold request included), then
-2 replicas with one killed halfway (every suggestion answered, cancelled, failed or hung).
+2 replicas with one killed halfway (every suggestion answered, cancelled, failed or hung), then
+the scale-out comparison, its three deployments taking turns for `--rounds` rounds.
 `--memory`: resident memory (RSS, PSS) of 4 language servers sharing one daemon, and of 4
 editors' bridges (`serve --stdio --shared`) with the one session host they share, vs one
 in-process server, at the bundled model and a real-size one.

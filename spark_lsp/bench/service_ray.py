@@ -1,7 +1,8 @@
 """`spark-lsp bench service --ray`: K simulated editors typing at once against 1 and 2 Ray Serve
 replicas of the engine on this machine, then 2 replicas with one killed halfway: keystroke-to-
-suggestion p50/p95, prefix reuse (the slot-key routing at work) and every suggestion's outcome.
-Ray (the `ray` extra) is imported only when this runs."""
+suggestion p50/p95, prefix reuse (the slot-key routing at work), documents per replica and every
+suggestion's outcome; then the scale-out comparison (2 replicas with 2K editors vs 1 with K) with
+its deployments taking turns.  Ray (the `ray` extra) is imported only when this runs."""
 
 from __future__ import annotations
 
