@@ -193,7 +193,16 @@ def run_ray(
         os.close(saved)
 
 
-def _deploy(args, port: int, replicas: int, threads: int, slots: int, trace, params, app=None):
+def _deploy(
+    args,
+    port: int,
+    replicas: int,
+    threads: int,
+    slots: int,
+    trace: list[list[int]],
+    params: GenerationParams,
+    app: str | None = None,
+) -> tuple[str, str]:
     """Deploy `replicas` engine shards (as application `app`, None: the default one, at "/")
     and warm up each shard's first runs (ONNX Runtime's): one document ranked first on each.
     Returns the URL and the token."""
@@ -283,7 +292,16 @@ def _run_ray(
 
 
 def _scale_out(
-    args, port, uri, trace, params, lo: int, hi: int, slots: int, threads: dict, rounds: int
+    args,
+    port: int,
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    lo: int,
+    hi: int,
+    slots: int,
+    threads: dict[int, int],
+    rounds: int,
 ) -> dict[str, Any]:
     """The issue's comparison, 2 replicas with 2K editors vs 1 replica with K, with the three
     deployments it needs running side by side and taking turns, round after round (in the order
