@@ -693,6 +693,7 @@ class Connection(Session):
         self.loop = asyncio.get_running_loop()
         self.outbox = _Outbox()
         self._held: dict[str, _Held] = {}
+        self._progress = asyncio.Event()  # a generation ended or a message went out (``close``)
         self._sender = asyncio.ensure_future(self._send_loop())
 
     async def handle(self, raw: str | bytes) -> None:
@@ -743,6 +744,7 @@ class Connection(Session):
         held = self._held.pop(run.id, None)
         if held is not None and held.timer is not None:
             held.timer.cancel()
+        self._progress.set()
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -768,6 +770,7 @@ class Connection(Session):
             finally:
                 for release in releases:
                     release()
+                self._progress.set()
 
     async def close(self, drain_s: float = 5.0) -> None:
         """Cancel every generation, deliver their ``done`` messages (up to ``drain_s``), stop."""
@@ -778,12 +781,15 @@ class Connection(Session):
             if held.timer is not None:
                 held.timer.cancel()
         deadline = self.loop.time() + drain_s
-        while (
-            (self.runs or self.outbox.items)
-            and self.loop.time() < deadline
-            and not self._sender.done()
-        ):
-            await asyncio.sleep(0.01)
+        while (self.runs or self.outbox.items) and not self._sender.done():
+            left = deadline - self.loop.time()
+            if left <= 0:
+                break
+            self._progress.clear()  # woken by the next ended generation or message sent
+            try:
+                await asyncio.wait_for(self._progress.wait(), left)
+            except asyncio.TimeoutError:
+                break
         self._sender.cancel()
         try:
             await self._sender

@@ -208,8 +208,8 @@ def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
 
 def test_two_ingress_replicas_placing_at_once_split_documents_evenly(url, connect):
     """Clients on both ingress replicas open documents at once, all hashing to the same shard:
-    the placement reads and claims the replicas' own counts, so the documents split evenly (each
-    ingress counting only its own would put 4 of these 6 on one replica)."""
+    the placement reads and claims the replicas' own counts, so the replicas' loads stay within
+    one of each other (each ingress counting only its own left them 2 apart)."""
     from engine.service import placement
 
     keys = (f"even-{os.getpid()}-{i}" for i in range(10_000))
@@ -248,7 +248,9 @@ def test_two_ingress_replicas_placing_at_once_split_documents_evenly(url, connec
         for i in (0, 1)
     ]
     assert abs(loads[0] - loads[1]) <= 1, loads  # every document of the module's tests too
-    assert sorted(replicas.count(r) for r in set(replicas)) == [3, 3], replicas
+    # these six spread with the module's earlier documents: 3 and 3, or 2 and 4 where the
+    # earlier ones left one replica a document ahead
+    assert min(replicas.count(r) for r in set(replicas)) >= 2 and len(set(replicas)) == 2
 
 
 def test_a_killed_replica_loses_nothing_but_the_cache(url, connect):
