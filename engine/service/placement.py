@@ -66,15 +66,19 @@ class Documents:
     def use(self, key: str) -> None:
         self._used[key] = self._clock()
         if len(self._used) > self._prune_at:  # also where no placement reads the load
-            self.load()
+            self._prune()
             self._prune_at = max(64, 2 * len(self._used))
 
     def load(self) -> int:
+        self._prune()
+        return len(self._used)
+
+    def _prune(self) -> None:
+        """Drop the documents not used within ``ACTIVE_S``."""
         now = self._clock()
         for k, t in list(self._used.items()):
             if now - t > ACTIVE_S:
                 del self._used[k]
-        return len(self._used)
 
     def claim(self, key: str, cap: int) -> bool:
         """Take document ``key`` if this shard has fewer than ``cap`` documents (the share the

@@ -210,7 +210,7 @@ def _deploy(
     from engine.service import placement, ray_app
 
     token = rundir.new_token()
-    where = {"name": f"{ray_app.APP_NAME}-{app}", "route_prefix": f"/{app}"} if app else {}
+    where = {"name": _app_name(app), "route_prefix": f"/{app}"} if app else {}
     url = ray_app.deploy(
         str(args.model or default_model_dir()),
         port=port,
@@ -228,6 +228,13 @@ def _deploy(
     for w in warm:
         run_ray_editors(url, token, w, trace[:2], params, 1)
     return url, token
+
+
+def _app_name(app: str) -> str:
+    """The Serve application of one of the scale-out comparison's deployments."""
+    from engine.service import ray_app
+
+    return f"{ray_app.APP_NAME}-{app}"
 
 
 def _run_ray(
@@ -312,8 +319,6 @@ def _scale_out(
     round's p95 ratios and their medians, and each deployment's summary over its rounds."""
     from ray import serve
 
-    from engine.service import ray_app
-
     arms = {  # name: (replicas, threads, editors)
         "one": (1, threads[1], lo),
         "two": (2, threads[2], hi),
@@ -342,7 +347,7 @@ def _scale_out(
             )
     finally:
         for a in arms:
-            serve.delete(f"{ray_app.APP_NAME}-{a}")
+            serve.delete(_app_name(a))
     out: dict[str, Any] = {"editors": [lo, hi], "rounds": rounds, "per_round": per_round}
     for key in per_round[0]:
         known = [r[key] for r in per_round if r[key] is not None]
