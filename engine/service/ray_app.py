@@ -9,8 +9,10 @@ deploys them (``deploy``) and runs ``spark-lsp engine serve --ray`` (``main_args
   health-checks and restarts them.
 - ``EngineIngress`` (``ray_ingress``, FastAPI ingress): the same WebSocket protocol as the
   daemon (``engine.service.connection``), with token and origin checks, through Serve's proxy
-  and on each ingress replica's own socket; each ``generate`` is sent to a shard through its
-  ``DeploymentHandle``.
+  and on each ingress replica's own socket; each ``generate`` is sent to a shard on the
+  shard replica's own socket (the engine protocol, one persistent connection per ingress
+  replica, served as the daemon serves it), or through its ``DeploymentHandle`` where there is
+  none (``direct`` off) or it cannot be reached.
 
 With ``--tls-cert`` / ``--tls-key`` Serve's HTTP proxy serves ``wss://`` (``deploy``).
 
@@ -101,7 +103,7 @@ def build_app(
     shards = [
         EngineReplica.options(
             name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
-        ).bind(model_dir, threads, slots, precision, spinning)
+        ).bind(model_dir, threads, slots, precision, spinning, token, direct)
         for i in range(replicas)
     ]
     return EngineIngress.options(

@@ -1,21 +1,23 @@
 """The Ray Serve application's WebSocket ingress (``engine.service.ray_app``): the engine
 protocol over Serve's proxy and over each ingress replica's own socket (``direct``), every
 generation sent to the engine shard that holds its document's KV prefix
-(``engine.service.placement``) and restarted on another if that replica dies.
+(``engine.service.placement``), on that replica's own socket (``ReplicaSockets``; else through
+Serve's handle), and restarted on another if that replica dies.
 
 (No ``from __future__ import annotations`` here: FastAPI must see the real ``WebSocket`` class in
 the ingress signature to recognise its parameter.)
 """
 
 import asyncio
+import contextlib
 import hmac
 import http
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -26,9 +28,11 @@ from ..params import GenerationParams
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from . import tls
-from .address import is_loopback
+from .client import EngineClient
+from .client_core import DISCONNECTED, EngineUnavailable
 from .connection import Connection
 from .placement import Shards
+from .ray_replica import direct_bind
 from .server import bearer, peer_name
 
 log = logging.getLogger(__name__)
@@ -46,8 +50,10 @@ class RayModels:
         tokenizer: Tokenizer,
         info: dict[str, Any],
         direct: str | None = None,
+        sockets: "ReplicaSockets | None" = None,
     ) -> None:
         self.shards = shards
+        self.sockets = sockets
         self.tok = tokenizer
         self.info = {k: v for k, v in info.items() if k != "replica"}
         self.name = info["name"]
@@ -64,7 +70,12 @@ class RayModels:
 
     def status(self) -> list[dict[str, Any]]:
         return [
-            {**self.info, "shards": len(self.shards.handles), "down": sorted(self.shards.down())}
+            {
+                **self.info,
+                "shards": len(self.shards.handles),
+                "down": sorted(self.shards.down()),
+                "sockets": self.sockets.connected() if self.sockets is not None else 0,
+            }
         ]
 
     def tokenizer(self, name: str | None) -> Tokenizer:
@@ -96,7 +107,7 @@ class RayModels:
     def start(
         self, name: str | None, ids: list[int], params: GenerationParams, slot: str | None, sink
     ) -> "RayRun":
-        run = RayRun(self.shards, ids, params, slot, sink)
+        run = RayRun(self.shards, ids, params, slot, sink, self.sockets)
         run.task = asyncio.ensure_future(run.work())
         return run
 
@@ -136,13 +147,85 @@ class ReplicaBoard:
         """Nothing to do: the replica counts the document when its generation starts."""
 
 
+class ReplicaSockets:
+    """The ingress's connections to the engine replicas' own sockets (``EngineReplica``): one
+    persistent engine-protocol connection per replica, opened on its first generation (the
+    replica names its socket in ``describe``) and again after it closed (a replica that died
+    and was started again listens on a new port).  A replica that offers none, or cannot be
+    reached, is asked again after ``RETRY_S``; meanwhile its generations go through Serve."""
+
+    OPEN_S = 2.0
+    RETRY_S = 5.0
+
+    def __init__(
+        self, handles: list[DeploymentHandle], token: str, cert: str | None = None
+    ) -> None:
+        self.handles = handles
+        self.token = token
+        self.cert = cert  # the app's TLS certificate, which the replicas serve (pinned)
+        self._open: dict[int, tuple[EngineClient, str]] = {}
+        self._opening: dict[int, asyncio.Future] = {}
+        self._none_until: dict[int, float] = {}
+
+    async def get(self, i: int) -> tuple[EngineClient, str] | None:
+        """Replica ``i``'s connection and its name (host:pid); None: go through Serve."""
+        got = self._open.get(i)
+        if got is not None and not got[0].closed:
+            return got
+        if time.monotonic() < self._none_until.get(i, 0.0):
+            return None
+        opening = self._opening.get(i)
+        if opening is None:
+            opening = self._opening[i] = asyncio.ensure_future(self._connect(i))
+            opening.add_done_callback(lambda _: self._opening.pop(i, None))
+        return await asyncio.shield(opening)
+
+    async def _connect(self, i: int) -> tuple[EngineClient, str] | None:
+        try:
+            info = await asyncio.wait_for(self.handles[i].describe.remote(), self.OPEN_S)
+            url = info.get("socket")
+            if url:
+                client = await EngineClient.connect(
+                    url,
+                    self.token,
+                    client="spark-ray-ingress",
+                    open_timeout=self.OPEN_S,
+                    pinned_cert=self.cert if url.startswith("wss:") else None,
+                    direct=False,
+                )
+                self._open[i] = (client, str(info.get("replica", "")))
+                return self._open[i]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # through Serve for a while; a dead replica fails there too
+            log.info("engine ingress: replica %d's socket not used (%s)", i, e)
+        self._none_until[i] = time.monotonic() + self.RETRY_S
+        return None
+
+    def connected(self) -> int:
+        """Replicas this ingress replica has an open connection to."""
+        return sum(1 for client, _ in self._open.values() if not client.closed)
+
+    async def close(self) -> None:
+        for client, _ in list(self._open.values()):
+            await client.close()
+        self._open.clear()
+
+
 class RayRun:
     """One generation on the replicas, restarted on another replica if its replica dies."""
 
     def __init__(
-        self, shards: Shards, ids: list[int], params: GenerationParams, slot: str | None, sink
+        self,
+        shards: Shards,
+        ids: list[int],
+        params: GenerationParams,
+        slot: str | None,
+        sink,
+        sockets: "ReplicaSockets | None" = None,
     ) -> None:
         self.shards = shards
+        self.sockets = sockets
         self.ids = ids
         self.params = params
         self.slot = slot
@@ -171,6 +254,57 @@ class RayRun:
         if failures:
             early["ttft_ms"] = first_ms
         return early
+
+    async def _stream(
+        self, shard: int, prompt: list[int], params: GenerationParams
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The generation on ``shard``, as ``EngineReplica.generate``'s items (batches of
+        ``tokens``, the first with the early stats, then ``done``): on the replica's socket
+        where the ingress has a connection to it, else through Serve's handle."""
+        self.response = None
+        sock = await self.sockets.get(shard) if self.sockets is not None else None
+        if sock is None:
+            return self._through_serve(shard, prompt, params)
+        return self._through_socket(*sock, prompt, params)
+
+    async def _through_serve(
+        self, shard: int, prompt: list[int], params: GenerationParams
+    ) -> AsyncIterator[dict[str, Any]]:
+        req = {"prompt": prompt, "params": P.params_to_json(params), "slot": self.slot}
+        self.response = self.shards.handles[shard].options(stream=True).generate.remote(req)
+        async for item in self.response:
+            yield item
+
+    async def _through_socket(
+        self, client: EngineClient, where: str, prompt: list[int], params: GenerationParams
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A lost connection (the replica died) raises, as a failed Serve call does; anything
+        else the replica says (an error included) ends the items with ``done``."""
+        gen = await client.generate(prompt, params, slot=self.slot)
+        try:
+            stats = True
+            async for piece in gen:
+                if piece.ids:
+                    item: dict[str, Any] = {
+                        "tokens": [
+                            [t, piece.text if k == 0 else ""] for k, t in enumerate(piece.ids)
+                        ]
+                    }
+                    if stats:
+                        item["stats"], stats = dict(gen.stats), False
+                    yield item
+            if gen.error is not None and gen.error.get("code") == DISCONNECTED:
+                raise EngineUnavailable(gen.error.get("message", "the replica's socket closed"))
+            yield {
+                "done": gen.finish_reason or "error",
+                "stats": dict(gen.stats),
+                "replica": where,
+                "error": gen.error,
+            }
+        finally:
+            if not gen.done:  # cancelled (or the ingress stops): the replica stops it too
+                with contextlib.suppress(EngineUnavailable):
+                    await gen.cancel()
 
     async def work(self) -> None:
         delivered: list[int] = []
@@ -203,42 +337,39 @@ class RayRun:
                 params = replace(
                     params, max_new_tokens=params.max_new_tokens - len(delivered), healed_prefix=""
                 )
-            req = {
-                "prompt": [*self.ids, *delivered],
-                "params": P.params_to_json(params),
-                "slot": self.slot,
-            }
+            prompt = [*self.ids, *delivered]
             try:
                 shard = await self.shards.pick(self.slot)
             except asyncio.CancelledError:
                 self.sink.finish("cancelled", so_far(), None)
                 return
             try:
-                self.response = self.shards.handles[shard].options(stream=True).generate.remote(req)
-                async for item in self.response:
-                    if "done" in item:
-                        stats = dict(item.get("stats", {}))
-                        if failures:  # restarted: the whole generation as the client saw it
-                            stats["prompt_tokens"] = len(self.ids)
-                            stats["new_tokens"] = len(delivered)
-                            stats["ttft_ms"] = first_ms or stats.get("ttft_ms", 0.0)
-                            stats.update(early or {})  # as its first tokens message said
-                            stats["total_ms"] = (time.perf_counter() - t0) * 1e3
-                            stats["restarts"] = failures
-                        stats["replica"] = item.get("replica", "")
-                        err = item.get("error")
-                        self.sink.finish(
-                            item["done"], stats, (err["code"], err["message"]) if err else None
-                        )
-                        return
-                    for token_id, text in item["tokens"]:
-                        await self.sink.acredit()
-                        first = None
-                        if first_ms is None:
-                            first_ms = (time.perf_counter() - t0) * 1e3
-                            early = first = self._early(item.get("stats"), failures, first_ms)
-                        delivered.append(token_id)
-                        self.sink.chunk(token_id, text, first)
+                stream = await self._stream(shard, prompt, params)
+                async with contextlib.aclosing(stream):
+                    async for item in stream:
+                        if "done" in item:
+                            stats = dict(item.get("stats", {}))
+                            if failures:  # restarted: the whole generation as the client saw it
+                                stats["prompt_tokens"] = len(self.ids)
+                                stats["new_tokens"] = len(delivered)
+                                stats["ttft_ms"] = first_ms or stats.get("ttft_ms", 0.0)
+                                stats.update(early or {})  # as its first tokens message said
+                                stats["total_ms"] = (time.perf_counter() - t0) * 1e3
+                                stats["restarts"] = failures
+                            stats["replica"] = item.get("replica", "")
+                            err = item.get("error")
+                            self.sink.finish(
+                                item["done"], stats, (err["code"], err["message"]) if err else None
+                            )
+                            return
+                        for token_id, text in item["tokens"]:
+                            await self.sink.acredit()
+                            first = None
+                            if first_ms is None:
+                                first_ms = (time.perf_counter() - t0) * 1e3
+                                early = first = self._early(item.get("stats"), failures, first_ms)
+                            delivered.append(token_id)
+                            self.sink.chunk(token_id, text, first)
                 raise RuntimeError("the replica's stream ended without a result")
             except asyncio.CancelledError:
                 self.sink.finish("cancelled", so_far(), None)
@@ -266,20 +397,6 @@ class RayRun:
                 await asyncio.sleep(0.2 * failures)
 
 
-def direct_bind(host: str | None, driver_ip: str | None) -> str | None:
-    """Where an ingress replica's direct endpoint listens, given the address Serve's proxy was
-    asked to bind (``host``; None: no direct endpoint): a loopback address only on the node
-    whose loopback that is (the driver's: elsewhere no client could reach it), any other
-    address as the node's own (the address Ray knows it by, as every node's proxy binds the
-    address it was given)."""
-    if host is None:
-        return None
-    here = ray.util.get_node_ip_address()
-    if is_loopback(host):
-        return host if driver_ip in (None, here) else None
-    return here
-
-
 app = FastAPI()
 
 
@@ -305,6 +422,10 @@ class EngineIngress:
         direct: dict[str, Any] | None = None,
     ) -> None:
         self.shards = Shards(list(shards), ReplicaBoard(list(shards)))
+        # the engine replicas' own sockets, where they listen: beside the direct endpoints
+        self.sockets = (
+            ReplicaSockets(list(shards), token, direct.get("tls_cert")) if direct else None
+        )
         self.tokenizer = Tokenizer.load(model_dir)
         self.token = token
         self.origins = set(origins)
@@ -332,7 +453,7 @@ class EngineIngress:
     async def _models(self, direct: str | None) -> RayModels:
         if self.info is None:
             self.info = await self.shards.handles[0].describe.remote()
-        return RayModels(self.shards, self.tokenizer, self.info, direct)
+        return RayModels(self.shards, self.tokenizer, self.info, direct, self.sockets)
 
     @app.websocket("/")
     async def connect(self, ws: WebSocket) -> None:
@@ -424,3 +545,5 @@ class EngineIngress:
         if self._direct_server is not None:
             self._direct_server.close()
             await self._direct_server.wait_closed()
+        if self.sockets is not None:
+            await self.sockets.close()

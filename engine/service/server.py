@@ -154,6 +154,12 @@ class EngineServer:
             trim_heap()  # what the connection's threads freed goes back, as a session host's does
             log.info("engine: client %s disconnected", peer)
 
+    def generations(self) -> int:
+        """Generations in flight on all connections."""
+        with self._lock:
+            conns = list(self.connections)
+        return sum(len(c.runs) for c in conns)
+
     def close(self, drain_s: float = 5.0) -> None:
         """Cancel all generations, deliver their last messages, close every socket."""
         if self._server is None:

@@ -703,9 +703,16 @@ def print_table(r: dict) -> None:
                 "(1 replica with one replica's share)"
             )
             for name, s in so["runs"].items():
+                lag = s.get("client_lag_ms")
                 print(
                     f"ray scale-out {name:10} suggest p50 {f(s['suggestion_ms']['p50'])} p95 "
-                    f"{f(s['suggestion_ms']['p95'])} over its rounds"
+                    f"{f(s['suggestion_ms']['p95'])} over its rounds; overhead p50 "
+                    f"{f(s['overhead_ms']['p50'])}"
+                    + (
+                        f", the editors' event loop late p50 {f(lag['p50'])} p95 {f(lag['p95'])}"
+                        if lag
+                        else ""
+                    )
                 )
         if "replica_kill" in ray:
             k, o = ray["replica_kill"], ray["replica_kill"]["outcomes"]

@@ -14,7 +14,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine import GenerationParams
 from engine.service import rundir
@@ -75,9 +75,12 @@ async def _ray_editor(
     return rows
 
 
-def ray_summary(rows: list[dict], per_editor: int) -> dict[str, Any]:
-    """`summary` plus the outcomes, and the prefix reuse without each document's first (cold)
-    request, whose prompt no replica can have seen."""
+def ray_summary(
+    rows: list[dict], per_editor: int, lag_ms: list[float] | None = None
+) -> dict[str, Any]:
+    """`summary` plus the outcomes, the prefix reuse without each document's first (cold)
+    request, whose prompt no replica can have seen, and how late the editors' own event loops
+    ran (`lag_ms`, `EditorsRun`): time in the overhead that is the bench's, not the service's."""
     out = summary([r for r in rows if r.get("finish") != "hung"])
     warm = [r for i, r in enumerate(rows) if i % per_editor and r.get("finish") != "hung"]
     pt = sum(r.get("prompt_tokens", 0) for r in warm)
@@ -95,6 +98,8 @@ def ray_summary(rows: list[dict], per_editor: int) -> dict[str, Any]:
     }
     out["replicas_used"] = len({r["replica"] for r in rows if r.get("replica")})
     out["per_replica"] = per_replica(rows)
+    if lag_ms:
+        out["client_lag_ms"] = {"p50": pct(lag_ms, 0.5), "p95": pct(lag_ms, 0.95)}
     return out
 
 
@@ -125,6 +130,21 @@ def per_replica(rows: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+class EditorsRun(NamedTuple):
+    """One run of K editors: a row per keystroke (each editor's in order, editor by editor),
+    the replica killed (`kill_at`) and how late the editors' event loops were
+    (`LAG_PROBE_S`)."""
+
+    rows: list[dict]
+    killed: dict | None
+    lag_ms: list[float]
+
+
+#: The editors' event loops are probed this often: how late each wake-up comes is the time a
+#: message waited for the client itself (many editors in one process), not for the service.
+LAG_PROBE_S = 0.002
+
+
 def run_ray_editors(
     url: str,
     token: str,
@@ -134,12 +154,14 @@ def run_ray_editors(
     k: int,
     kill_at: float | None = None,
     direct: bool = True,
-) -> tuple[list[dict], dict | None]:
-    """K editors typing at once, each its own document over its own socket (`direct`: see
-    `_ray_editor`).  `kill_at`: when that fraction of all the suggestions is done, SIGKILL the
-    replica that served most of them (returns what was killed)."""
+) -> EditorsRun:
+    """K editors typing at once on one event loop, each its own document over its own socket
+    (`direct`: see `_ray_editor`), the loop probed for how late it runs meanwhile.  `kill_at`:
+    when that fraction of all the suggestions is done, SIGKILL the replica that served most of
+    them (returns what was killed)."""
     done: list[dict] = []
     killed: dict | None = None
+    lag: list[float] = []
 
     async def killer() -> None:
         nonlocal killed
@@ -153,8 +175,16 @@ def run_ray_editors(
         os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
         killed = {"replica": victim, "after_suggestions": len(done)}
 
+    async def probe() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag.append((time.perf_counter() - t - LAG_PROBE_S) * 1e3)
+
     async def all_editors() -> list[dict]:
-        kill = asyncio.ensure_future(killer()) if kill_at is not None else None
+        watch = [asyncio.ensure_future(probe())]
+        if kill_at is not None:
+            watch.append(asyncio.ensure_future(killer()))
         try:
             parts = await asyncio.gather(
                 *(
@@ -163,12 +193,12 @@ def run_ray_editors(
                 )
             )
         finally:
-            if kill is not None and not kill.done():
-                kill.cancel()
+            for w in watch:
+                w.cancel()
         return [r for part in parts for r in part]
 
     rows = asyncio.run(all_editors())
-    return rows, killed
+    return EditorsRun(rows, killed, lag)
 
 
 def run_ray(
@@ -259,25 +289,25 @@ def _run_ray(
             threads = out["threads"][replicas] = ray_app.replica_threads(replicas)
             url, token = _deploy(args, port, replicas, threads, slots, trace, params)
             for k in ks:  # fresh documents for each K: their first request is cold
-                rows, _ = run_ray_editors(url, token, f"{uri}?r{replicas}k{k}", trace, params, k)
-                out["runs"][f"replicas={replicas},editors={k}"] = ray_summary(rows, len(trace))
+                run = run_ray_editors(url, token, f"{uri}?r{replicas}k{k}", trace, params, k)
+                out["runs"][f"replicas={replicas},editors={k}"] = ray_summary(
+                    run.rows, len(trace), run.lag_ms
+                )
             if replicas == 2:  # the same through Serve's proxy, which the clients skip
-                rows, _ = run_ray_editors(
-                    url, token, f"{uri}?proxy", trace, params, hi, direct=False
+                run = run_ray_editors(url, token, f"{uri}?proxy", trace, params, hi, direct=False)
+                out["runs"][f"replicas=2,editors={hi},proxy"] = ray_summary(
+                    run.rows, len(trace), run.lag_ms
                 )
-                out["runs"][f"replicas=2,editors={hi},proxy"] = ray_summary(rows, len(trace))
-                rows, killed = run_ray_editors(
-                    url, token, f"{uri}?kill", trace, params, hi, kill_at=0.5
-                )
-                kill = ray_summary(rows, len(trace))
+                run = run_ray_editors(url, token, f"{uri}?kill", trace, params, hi, kill_at=0.5)
+                kill = ray_summary(run.rows, len(trace), run.lag_ms)
                 o = kill["outcomes"]
                 out["replica_kill"] = {
                     "editors": hi,
-                    "killed": killed,
+                    "killed": run.killed,
                     **kill,
                     "all_answered_or_cancelled": o["error"] == 0
                     and o["hung"] == 0
-                    and o["answered"] + o["cancelled"] == len(rows),
+                    and o["answered"] + o["cancelled"] == len(run.rows),
                 }
             serve.delete(ray_app.APP_NAME)
         if lo is not None:
@@ -328,15 +358,17 @@ def _scale_out(
         a: _deploy(args, port, r, t, slots, trace, params, app=a) for a, (r, t, _) in arms.items()
     }
     rows: dict[str, list[dict]] = {a: [] for a in arms}
+    lags: dict[str, list[float]] = {a: [] for a in arms}
     per_round: list[dict[str, float | None]] = []
     try:
         for n in range(rounds):
             p95 = {}
             for a in list(arms) if n % 2 == 0 else list(arms)[::-1]:
                 url, token = urls[a]
-                got, _ = run_ray_editors(url, token, f"{uri}?{a}{n}", trace, params, arms[a][2])
-                rows[a] += got
-                p95[a] = ray_summary(got, len(trace))["suggestion_ms"]["p95"]
+                run = run_ray_editors(url, token, f"{uri}?{a}{n}", trace, params, arms[a][2])
+                rows[a] += run.rows
+                lags[a] += run.lag_ms
+                p95[a] = ray_summary(run.rows, len(trace))["suggestion_ms"]["p95"]
             per_round.append(
                 {
                     "p95_2_replicas_over_1": ratio(p95["two"], p95["one"]),
@@ -352,5 +384,5 @@ def _scale_out(
     for key in per_round[0]:
         known = [r[key] for r in per_round if r[key] is not None]
         out[key] = statistics.median(known) if known else None
-    out["runs"] = {a: ray_summary(rows[a], len(trace)) for a in arms}
+    out["runs"] = {a: ray_summary(rows[a], len(trace), lags[a]) for a in arms}
     return out

@@ -200,7 +200,9 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
         {"finish": "hung", "suggestion_ms": 120_000.0, "replica": None, "restarts": 0},
         row("error", 102, 0, ms=50.0, replica="h:2", document="b"),
     ]
-    s = service_ray.ray_summary(rows, per_editor=3)
+    s = service_ray.ray_summary(rows, per_editor=3, lag_ms=[0.1, 0.2, 0.3, 0.4, 2.0])
+    assert s["client_lag_ms"]["p50"] == pytest.approx(0.3)
+    assert "client_lag_ms" not in service_ray.ray_summary(rows, per_editor=3)
     assert s["outcomes"] == {"answered": 3, "cancelled": 1, "error": 1, "hung": 1, "restarted": 1}
     assert s["prefix_reuse"] == pytest.approx(199 / 505)  # the hung one has no stats
     assert s["prefix_reuse_after_first"] == pytest.approx(199 / 305)
@@ -253,7 +255,7 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
     out = capsys.readouterr().out
     assert "ray replicas=2,editors=2" in out and "x1.50" in out and "x1.20" in out
     assert "median of 2 rounds taking turns" in out and "rounds 1.40, 1.60" in out
-    assert "ray scale-out one_share" in out
+    assert "ray scale-out one_share" in out and "the editors' event loop late p50 0.30" in out
     assert "proxy: overhead p50 x0.25, suggest p50 x0.80, p95 x0.90" in out
     assert "answered 3, cancelled 1, error 1, hung 1, restarted 1" in out
 

@@ -21,7 +21,7 @@ ray = pytest.importorskip(
 from engine import GenerationParams  # noqa: E402
 from engine.models import default_model_dir  # noqa: E402
 from engine.service import protocol as P  # noqa: E402
-from engine.service import ray_app, ray_ingress, ray_replica  # noqa: E402
+from engine.service import ray_app, ray_replica  # noqa: E402
 from engine.service.client import EngineClient  # noqa: E402
 from engine.service.client_core import EngineUnavailable  # noqa: E402
 from engine.service.launch import DaemonError  # noqa: E402
@@ -196,11 +196,13 @@ def test_slot_affinity_keeps_each_document_on_one_replica(url, connect):
                     seen.setdefault(f"doc{d}", set()).add(g.stats["replica"])
                     if round_:
                         reused.append(g.stats["reused_tokens"] / g.stats["prompt_tokens"])
-            return seen, reused
+            return seen, reused, await c.status()
         finally:
             await c.close()
 
-    seen, reused = run(scenario())
+    seen, reused, status = run(scenario())
+    # the generations went over this ingress replica's connections to both replicas' sockets
+    assert status["models"][0]["sockets"] == 2, status
     assert all(len(replicas) == 1 for replicas in seen.values()), seen  # each document stays put
     assert len(set().union(*seen.values())) == 2  # and both replicas get documents
     assert min(reused) > 0.5  # the KV prefix of the earlier round was there
@@ -312,13 +314,54 @@ def test_replicas_load_engines_that_do_not_spin_like_the_daemon():
         replica.pool.shutdown()
 
 
+def test_a_replica_serves_its_socket_and_serve_alike():
+    """A replica opens its socket only with a token and ``direct``; the generations on it count
+    in the replica's load as ``generate``'s do (the ingress's other way in, where there is no
+    socket), and both give the same tokens for the same prompt and document."""
+    model = str(default_model_dir())
+    bare = ray_replica.EngineReplica.func_or_class(model, threads=1, slots=2)
+    assert bare.server is None and bare.describe()["socket"] is None
+    bare.pool.shutdown()
+    replica = ray_replica.EngineReplica.func_or_class(
+        model, threads=1, slots=4, token=TOKEN, direct={"host": "127.0.0.1", "driver_ip": None}
+    )
+    params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+
+    async def scenario():
+        items = [
+            item
+            async for item in replica.generate(
+                {"prompt": list(range(1, 9)), "params": P.params_to_json(params), "slot": "a"}
+            )
+        ]
+        url = replica.describe()["socket"]
+        c = await EngineClient.connect(url, TOKEN, direct=False)
+        try:
+            gen = await (await c.generate(list(range(1, 9)), params, slot="b")).wait()
+        finally:
+            await c.close()
+        return items, url, gen, await replica.load()
+
+    try:
+        items, url, gen, load = run(scenario())
+    finally:
+        replica.__del__()
+        replica.pool.shutdown()
+    assert url.startswith("ws://127.0.0.1:")
+    served = [t for item in items if "tokens" in item for t, _ in item["tokens"]]
+    assert items[0]["stats"]["prompt_tokens"] == 8 and items[-1]["done"] == "length"
+    assert gen.finish_reason == "length" and gen.tokens == served
+    assert load == 2  # documents "a" (through generate) and "b" (through the socket)
+    assert replica.server is None  # closed when Serve stops the replica
+
+
 def test_direct_endpoints_listen_only_where_clients_can_reach_them():
     here = ray.util.get_node_ip_address()
-    assert ray_ingress.direct_bind(None, here) is None  # --no-direct
-    assert ray_ingress.direct_bind("127.0.0.1", here) == "127.0.0.1"  # the driver's own node
-    assert ray_ingress.direct_bind("::1", here) == "::1"
-    assert ray_ingress.direct_bind("127.0.0.1", "198.51.100.7") is None  # another node's loopback
-    assert ray_ingress.direct_bind("0.0.0.0", "198.51.100.7") == here  # the node's own address
+    assert ray_replica.direct_bind(None, here) is None  # --no-direct
+    assert ray_replica.direct_bind("127.0.0.1", here) == "127.0.0.1"  # the driver's own node
+    assert ray_replica.direct_bind("::1", here) == "::1"
+    assert ray_replica.direct_bind("127.0.0.1", "198.51.100.7") is None  # another node's loopback
+    assert ray_replica.direct_bind("0.0.0.0", "198.51.100.7") == here  # the node's own address
 
 
 def test_no_direct_is_an_engine_serve_option():
@@ -386,8 +429,12 @@ def test_a_stopping_ingress_ends_its_direct_clients_generations_cleanly(url, con
     async def scenario():
         c = await connect(url, TOKEN)
         assert c.url != url
-        params = GenerationParams(max_new_tokens=2000, ignore_eos=True)
+        params = GenerationParams(max_new_tokens=1900, ignore_eos=True)
         gen = await c.generate(PROMPT * 8, params, slot="stopping")
+        # more of them at once on the replicas, so that this one lasts until Serve stops it
+        # (alone, the bundled model may write its 1,900 tokens before)
+        for i in range(7):
+            await c.generate(PROMPT * 8, params, slot=f"stopping-{i}")
         n = 0
         async for _piece in gen:
             n += 1
@@ -399,4 +446,4 @@ def test_a_stopping_ingress_ends_its_direct_clients_generations_cleanly(url, con
 
     gen = run(scenario())
     assert gen.finish_reason == "cancelled", (gen.finish_reason, gen.error)
-    assert 3 <= gen.stats["new_tokens"] < 2000
+    assert 3 <= gen.stats["new_tokens"] < 1900
