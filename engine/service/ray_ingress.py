@@ -279,7 +279,10 @@ class RayRun:
         self, client: EngineClient, where: str, prompt: list[int], params: GenerationParams
     ) -> AsyncIterator[dict[str, Any]]:
         """A lost connection (the replica died) raises, as a failed Serve call does; anything
-        else the replica says (an error included) ends the items with ``done``."""
+        else the replica says (an error included) ends the items with ``done``.  A piece of
+        several tokens (the replica batches them while its socket is behind) carries its text
+        on its first token: a steer then keeps the tokens of the pieces it spells whole, never
+        a token whose text it does not spell (``steering.successor_prompt``)."""
         gen = await client.generate(prompt, params, slot=self.slot)
         try:
             stats = True
