@@ -97,13 +97,23 @@ def build_app(
     precision: str = "fp32",
     spinning: bool | None = SPINNING[DEFAULT_SPINNING],
     direct: dict[str, Any] | None = None,
+    replica_sockets: bool = True,
 ):
     """The application: ``replicas`` engine shards and their ingress (``direct``: the ingress
-    replicas' own endpoints, ``EngineIngress``; None: through Serve's proxy only)."""
+    replicas' own endpoints, ``EngineIngress``, and the engine replicas' sockets unless
+    ``replica_sockets`` is False; None: through Serve's proxy and handles only)."""
     shards = [
         EngineReplica.options(
             name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
-        ).bind(model_dir, threads, slots, precision, spinning, token, direct)
+        ).bind(
+            model_dir,
+            threads,
+            slots,
+            precision,
+            spinning,
+            token if replica_sockets else None,
+            direct,
+        )
         for i in range(replicas)
     ]
     return EngineIngress.options(
@@ -129,6 +139,7 @@ def deploy(
     direct: bool = True,
     name: str = APP_NAME,
     route_prefix: str = "/",
+    replica_sockets: bool = True,
 ) -> str:
     """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
     ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
@@ -144,7 +155,9 @@ def deploy(
     ``direct``: each ingress replica also listens on a port of its own (``EngineIngress``), on
     ``host`` if that is a loopback address (and the replica on this node), else on its node's
     address; clients that move there skip Serve's proxy.  False where only the proxy's port
-    can be reached (a firewall): clients then stay on the proxy."""
+    can be reached (a firewall): clients then stay on the proxy, and the ingress sends
+    generations through Serve's handles.  ``replica_sockets``: False keeps the ingress on
+    Serve's handles with ``direct`` on (what the bench compares the sockets with)."""
     proxy: dict[str, Any] = {"host": host, "port": port}
     if tls_cert and tls_key:
         proxy["ssl_certfile"] = str(Path(tls_cert).expanduser().resolve())
@@ -170,6 +183,7 @@ def deploy(
             }
             if direct
             else None,
+            replica_sockets=replica_sockets,
         ),
         name=name,
         route_prefix=route_prefix,

@@ -38,8 +38,10 @@ costs its handshakes as it would between machines (one round trip for TCP, one m
 `--ray`: then K simulated editors (K = 1, 4, 8, 16), each typing its own copy of the trace at
 once, against 1 and 2 Ray Serve replicas: keystroke-to-suggestion p50/p95 and the prefix-reuse
 rate (reused prompt tokens / prompt tokens, each document's first, cold request included), then
-2 replicas with one killed halfway (every suggestion answered, cancelled, failed or hung), then
-the scale-out comparison, its three deployments taking turns for `--rounds` rounds.
+2 replicas with the clients through Serve's proxy, and with the ingress going through Serve's
+handles instead of the replicas' own sockets (taking turns), then 2 replicas with one killed
+halfway (every suggestion answered, cancelled, failed or hung), then the scale-out comparison,
+its three deployments taking turns for `--rounds` rounds.
 `--memory`: resident memory (RSS, PSS) of 4 language servers sharing one daemon, and of 4
 editors' bridges (`serve --stdio --shared`) with the one session host they share, vs one
 in-process server, at the bundled model and a real-size one.
@@ -690,6 +692,14 @@ def print_table(r: dict) -> None:
                 f"ray {d['editors']} editors on the ingress replicas' own sockets vs through "
                 f"Serve's proxy: overhead p50 x{f(d['overhead_p50'])}, suggest p50 "
                 f"x{f(d['suggestion_p50'])}, p95 x{f(d['suggestion_p95'])}"
+            )
+        if "sockets_vs_handles" in ray:
+            d = ray["sockets_vs_handles"]
+            print(
+                f"ray {d['editors']} editors on 2 replicas, generations on the replicas' own "
+                f"sockets vs through Serve's handles, median of {d['rounds']} rounds taking turns: "
+                f"overhead p50 x{f(d['overhead_p50'])}, suggest p50 x{f(d['suggestion_p50'])}, "
+                f"p95 x{f(d['suggestion_p95'])}"
             )
         if "scale_out" in ray:
             so = ray["scale_out"]

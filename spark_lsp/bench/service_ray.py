@@ -1,7 +1,8 @@
 """`spark-lsp bench service --ray`: K simulated editors typing at once against 1 and 2 Ray Serve
-replicas of the engine on this machine, then 2 replicas with one killed halfway: keystroke-to-
-suggestion p50/p95, prefix reuse (the slot-key routing at work), documents per replica and every
-suggestion's outcome; then the scale-out comparison (2 replicas with 2K editors vs 1 with K) with
+replicas of the engine on this machine, then 2 replicas through Serve's proxy, through Serve's
+handles (`_sockets_vs_handles`) and with one killed halfway: keystroke-to-suggestion p50/p95,
+prefix reuse (the slot-key routing at work), documents per replica and every suggestion's
+outcome; then the scale-out comparison (2 replicas with 2K editors vs 1 with K) with
 its deployments taking turns.  Ray (the `ray` extra) is imported only when this runs."""
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def _deploy(
     trace: list[list[int]],
     params: GenerationParams,
     app: str | None = None,
+    replica_sockets: bool = True,
 ) -> tuple[str, str]:
     """Deploy `replicas` engine shards (as application `app`, None: the default one, at "/")
     and warm up each shard's first runs (ONNX Runtime's): one document ranked first on each.
@@ -249,6 +251,7 @@ def _deploy(
         num_cpus=0.25,  # room for the scale-out comparison's three applications on 2 cores
         threads=threads,
         slots=slots,
+        replica_sockets=replica_sockets,
         **where,
     )
     warm, i = [], 0
@@ -298,6 +301,9 @@ def _run_ray(
                 out["runs"][f"replicas=2,editors={hi},proxy"] = ray_summary(
                     run.rows, len(trace), run.lag_ms
                 )
+                out["sockets_vs_handles"] = _sockets_vs_handles(
+                    args, port, (url, token), uri, trace, params, hi, slots, threads
+                )
                 run = run_ray_editors(url, token, f"{uri}?kill", trace, params, hi, kill_at=0.5)
                 kill = ray_summary(run.rows, len(trace), run.lag_ms)
                 o = kill["outcomes"]
@@ -325,6 +331,63 @@ def _run_ray(
         "suggestion_p50": ratio(direct["suggestion_ms"]["p50"], proxy["suggestion_ms"]["p50"]),
         "suggestion_p95": ratio(direct["suggestion_ms"]["p95"], proxy["suggestion_ms"]["p95"]),
     }
+    return out
+
+
+def _sockets_vs_handles(
+    args,
+    port: int,
+    sockets: tuple[str, str],
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    k: int,
+    slots: int,
+    threads: int,
+    rounds: int = 2,
+) -> dict[str, Any]:
+    """K editors on the 2-replica deployment (`sockets`: the ingress sends generations on the
+    engine replicas' own sockets) and on a second one beside it whose ingress goes through
+    Serve's handles (the replicas' `generate`: how it went before the sockets), taking turns for
+    `rounds` rounds: each round's ratios, sockets over handles, of the per-request overhead p50
+    and the suggestion p50 / p95, their medians, and each deployment's summary."""
+    from ray import serve
+
+    urls = {
+        "sockets": sockets,
+        "handles": _deploy(
+            args, port, 2, threads, slots, trace, params, app="handles", replica_sockets=False
+        ),
+    }
+    rows: dict[str, list[dict]] = {a: [] for a in urls}
+    per_round: list[dict[str, float | None]] = []
+    try:
+        for n in range(rounds):
+            got = {}
+            for a in list(urls) if n % 2 == 0 else list(urls)[::-1]:
+                run = run_ray_editors(*urls[a], f"{uri}?{a}{n}", trace, params, k)
+                rows[a] += run.rows
+                got[a] = ray_summary(run.rows, len(trace), run.lag_ms)
+            per_round.append(
+                {
+                    "overhead_p50": ratio(
+                        got["sockets"]["overhead_ms"]["p50"], got["handles"]["overhead_ms"]["p50"]
+                    ),
+                    **{
+                        f"suggestion_{q}": ratio(
+                            got["sockets"]["suggestion_ms"][q], got["handles"]["suggestion_ms"][q]
+                        )
+                        for q in ("p50", "p95")
+                    },
+                }
+            )
+    finally:
+        serve.delete(_app_name("handles"))
+    out: dict[str, Any] = {"editors": k, "rounds": rounds, "per_round": per_round}
+    for key in per_round[0]:
+        known = [r[key] for r in per_round if r[key] is not None]
+        out[key] = statistics.median(known) if known else None
+    out["runs"] = {a: ray_summary(rows[a], len(trace)) for a in urls}
     return out
 
 

@@ -153,6 +153,7 @@ def test_bench_service_ray_runs_every_part_on_a_local_cluster():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     ray = json.loads(run.stdout)["ray"]
+    n = json.loads(run.stdout)["keystrokes"]
     assert set(ray["runs"]) == {
         "replicas=1,editors=1",
         "replicas=1,editors=2",
@@ -165,10 +166,14 @@ def test_bench_service_ray_runs_every_part_on_a_local_cluster():
     two = ray["runs"]["replicas=2,editors=2"]
     assert sum(x["documents"] for x in two["per_replica"]) == 2 and two["replicas_used"] >= 1
     assert ray["replica_kill"]["all_answered_or_cancelled"] is True
+    # the ingress through Serve's handles (no replica sockets) beside the sockets, in turns
+    svh = ray["sockets_vs_handles"]
+    assert svh["editors"] == 2 and len(svh["per_round"]) == 2 and svh["overhead_p50"] > 0
+    for arm in svh["runs"].values():
+        assert arm["outcomes"]["answered"] == arm["keystrokes"] == 2 * 2 * n
     so = ray["scale_out"]
     assert so["editors"] == [1, 2] and so["rounds"] == 2 and len(so["per_round"]) == 2
     assert so["p95_2_replicas_over_1"] > 0
-    n = json.loads(run.stdout)["keystrokes"]
     assert {a: s["keystrokes"] for a, s in so["runs"].items()} == {
         "one": 2 * n,  # one editor, two rounds
         "two": 2 * 2 * n,
@@ -242,6 +247,13 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
                     "p95_2_replicas_over_1_same_cores_per_replica": 1.2,
                     "runs": {"one": s, "two": s, "one_share": s},
                 },
+                "sockets_vs_handles": {
+                    "editors": 2,
+                    "rounds": 2,
+                    "overhead_p50": 0.3,
+                    "suggestion_p50": 0.7,
+                    "suggestion_p95": 0.6,
+                },
                 "direct_vs_proxy": {
                     "editors": 2,
                     "overhead_p50": 0.25,
@@ -257,6 +269,10 @@ def test_ray_summary_counts_every_outcome_and_the_reuse_after_each_first_request
     assert "median of 2 rounds taking turns" in out and "rounds 1.40, 1.60" in out
     assert "ray scale-out one_share" in out and "the editors' event loop late p50 0.30" in out
     assert "proxy: overhead p50 x0.25, suggest p50 x0.80, p95 x0.90" in out
+    assert (
+        "sockets vs through Serve's handles, median of 2 rounds taking turns: overhead p50 x0.30"
+        in out
+    )
     assert "answered 3, cancelled 1, error 1, hung 1, restarted 1" in out
 
 
