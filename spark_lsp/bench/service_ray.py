@@ -15,6 +15,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from engine import GenerationParams
@@ -334,6 +335,39 @@ def _run_ray(
     return out
 
 
+def _take_turns(
+    urls: dict[str, tuple[str, str]],
+    editors: dict[str, int],
+    uri: str,
+    trace: list[list[int]],
+    params: GenerationParams,
+    rounds: int,
+    ratios: Callable[[dict[str, dict]], dict[str, float | None]],
+) -> dict[str, Any]:
+    """Deployments running side by side (`urls`, by name, each with its number of `editors`)
+    taking turns, round after round in the order ABC, CBA, ..., each round with fresh
+    documents: a stretch where the machine is slower (other work on a shared host) then falls on
+    all of them alike instead of on whichever ran then.  Returns each round's `ratios` (of that
+    round's summaries by name), their medians, and each deployment's summary over its rounds."""
+    rows: dict[str, list[dict]] = {a: [] for a in urls}
+    lags: dict[str, list[float]] = {a: [] for a in urls}
+    per_round = []
+    for n in range(rounds):
+        got = {}
+        for a in list(urls) if n % 2 == 0 else list(urls)[::-1]:
+            run = run_ray_editors(*urls[a], f"{uri}?{a}{n}", trace, params, editors[a])
+            rows[a] += run.rows
+            lags[a] += run.lag_ms
+            got[a] = ray_summary(run.rows, len(trace))
+        per_round.append(ratios(got))
+    out: dict[str, Any] = {"rounds": rounds, "per_round": per_round}
+    for key in per_round[0]:
+        known = [r[key] for r in per_round if r[key] is not None]
+        out[key] = statistics.median(known) if known else None
+    out["runs"] = {a: ray_summary(rows[a], len(trace), lags[a]) for a in urls}
+    return out
+
+
 def _sockets_vs_handles(
     args,
     port: int,
@@ -349,46 +383,27 @@ def _sockets_vs_handles(
     """K editors on the 2-replica deployment (`sockets`: the ingress sends generations on the
     engine replicas' own sockets) and on a second one beside it whose ingress goes through
     Serve's handles (the replicas' `generate`: how it went before the sockets), taking turns for
-    `rounds` rounds: each round's ratios, sockets over handles, of the per-request overhead p50
-    and the suggestion p50 / p95, their medians, and each deployment's summary."""
+    `rounds` rounds (`_take_turns`): the ratios, sockets over handles, of the per-request
+    overhead p50 and the suggestion p50 / p95."""
     from ray import serve
 
-    urls = {
-        "sockets": sockets,
-        "handles": _deploy(
-            args, port, 2, threads, slots, trace, params, app="handles", replica_sockets=False
-        ),
-    }
-    rows: dict[str, list[dict]] = {a: [] for a in urls}
-    per_round: list[dict[str, float | None]] = []
+    def ratios(got: dict[str, dict]) -> dict[str, float | None]:
+        on, off = got["sockets"], got["handles"]
+        return {
+            "overhead_p50": ratio(on["overhead_ms"]["p50"], off["overhead_ms"]["p50"]),
+            "suggestion_p50": ratio(on["suggestion_ms"]["p50"], off["suggestion_ms"]["p50"]),
+            "suggestion_p95": ratio(on["suggestion_ms"]["p95"], off["suggestion_ms"]["p95"]),
+        }
+
     try:
-        for n in range(rounds):
-            got = {}
-            for a in list(urls) if n % 2 == 0 else list(urls)[::-1]:
-                run = run_ray_editors(*urls[a], f"{uri}?{a}{n}", trace, params, k)
-                rows[a] += run.rows
-                got[a] = ray_summary(run.rows, len(trace), run.lag_ms)
-            per_round.append(
-                {
-                    "overhead_p50": ratio(
-                        got["sockets"]["overhead_ms"]["p50"], got["handles"]["overhead_ms"]["p50"]
-                    ),
-                    **{
-                        f"suggestion_{q}": ratio(
-                            got["sockets"]["suggestion_ms"][q], got["handles"]["suggestion_ms"][q]
-                        )
-                        for q in ("p50", "p95")
-                    },
-                }
-            )
+        handles = _deploy(
+            args, port, 2, threads, slots, trace, params, app="handles", replica_sockets=False
+        )
+        urls = {"sockets": sockets, "handles": handles}
+        out = _take_turns(urls, dict.fromkeys(urls, k), uri, trace, params, rounds, ratios)
     finally:
         serve.delete(_app_name("handles"))
-    out: dict[str, Any] = {"editors": k, "rounds": rounds, "per_round": per_round}
-    for key in per_round[0]:
-        known = [r[key] for r in per_round if r[key] is not None]
-        out[key] = statistics.median(known) if known else None
-    out["runs"] = {a: ray_summary(rows[a], len(trace)) for a in urls}
-    return out
+    return {"editors": k, **out}
 
 
 def _scale_out(
@@ -404,12 +419,10 @@ def _scale_out(
     rounds: int,
 ) -> dict[str, Any]:
     """The issue's comparison, 2 replicas with 2K editors vs 1 replica with K, with the three
-    deployments it needs running side by side and taking turns, round after round (in the order
-    ABC, CBA, ...), each round with fresh documents: a stretch where the machine is slower
-    (other work on a shared host) then falls on all of them alike instead of on whichever ran
-    then.  The three: 2 replicas (`two`), 1 replica with all the cores (`one`), and 1 replica
-    with one replica's share of them (`one_share`: what adding a machine adds).  Reports each
-    round's p95 ratios and their medians, and each deployment's summary over its rounds."""
+    deployments it needs running side by side and taking turns (`_take_turns`).  The three:
+    2 replicas (`two`), 1 replica with all the cores (`one`), and 1 replica with one replica's
+    share of them (`one_share`: what adding a machine adds); the ratios: p95 of `two` over
+    each of the others."""
     from ray import serve
 
     arms = {  # name: (replicas, threads, editors)
@@ -417,35 +430,22 @@ def _scale_out(
         "two": (2, threads[2], hi),
         "one_share": (1, threads[2], lo),
     }
-    urls = {
-        a: _deploy(args, port, r, t, slots, trace, params, app=a) for a, (r, t, _) in arms.items()
-    }
-    rows: dict[str, list[dict]] = {a: [] for a in arms}
-    lags: dict[str, list[float]] = {a: [] for a in arms}
-    per_round: list[dict[str, float | None]] = []
+
+    def ratios(got: dict[str, dict]) -> dict[str, float | None]:
+        p95 = {a: s["suggestion_ms"]["p95"] for a, s in got.items()}
+        return {
+            "p95_2_replicas_over_1": ratio(p95["two"], p95["one"]),
+            "p95_2_replicas_over_1_same_cores_per_replica": ratio(p95["two"], p95["one_share"]),
+        }
+
     try:
-        for n in range(rounds):
-            p95 = {}
-            for a in list(arms) if n % 2 == 0 else list(arms)[::-1]:
-                url, token = urls[a]
-                run = run_ray_editors(url, token, f"{uri}?{a}{n}", trace, params, arms[a][2])
-                rows[a] += run.rows
-                lags[a] += run.lag_ms
-                p95[a] = ray_summary(run.rows, len(trace))["suggestion_ms"]["p95"]
-            per_round.append(
-                {
-                    "p95_2_replicas_over_1": ratio(p95["two"], p95["one"]),
-                    "p95_2_replicas_over_1_same_cores_per_replica": ratio(
-                        p95["two"], p95["one_share"]
-                    ),
-                }
-            )
+        urls = {
+            a: _deploy(args, port, r, t, slots, trace, params, app=a)
+            for a, (r, t, _) in arms.items()
+        }
+        editors = {a: k for a, (_, _, k) in arms.items()}
+        out = _take_turns(urls, editors, uri, trace, params, rounds, ratios)
     finally:
         for a in arms:
             serve.delete(_app_name(a))
-    out: dict[str, Any] = {"editors": [lo, hi], "rounds": rounds, "per_round": per_round}
-    for key in per_round[0]:
-        known = [r[key] for r in per_round if r[key] is not None]
-        out[key] = statistics.median(known) if known else None
-    out["runs"] = {a: ray_summary(rows[a], len(trace), lags[a]) for a in arms}
-    return out
+    return {"editors": [lo, hi], **out}

@@ -36,9 +36,11 @@ def register(subparsers) -> None:
         "--no-direct",
         dest="direct",
         action="store_false",
-        help="with --ray: clients stay on Serve's proxy (by default each ingress replica also "
-        "listens on a port of its own, which clients move to, skipping the proxy; use this "
-        "where only the proxy's port can be reached)",
+        help="with --ray: clients stay on Serve's proxy and the ingress reaches the engine "
+        "replicas through Serve's handles (by default each ingress replica also listens on a "
+        "port of its own, which clients move to, skipping the proxy, and each engine replica "
+        "on one the ingress sends generations to; use this where only Serve's ports can be "
+        "reached)",
     )
     s.set_defaults(func=run)
     ls = sub.add_parser(
