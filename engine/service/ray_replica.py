@@ -96,8 +96,8 @@ class EngineReplica:
     ) -> None:
         from ..engine import Engine  # ONNX Runtime loads in the replica process only
 
-        # spinning: the daemon's default (off), for the same reason: a replica hands every
-        # token to its event loop (Serve's streaming), which needs a core between steps
+        # spinning: the daemon's default (off), for the same reason: the threads that read the
+        # replica's socket and write its tokens need a core between steps
         self.engine = Engine.load(
             model_dir, slots=slots, threads=threads, precision=precision, spinning=spinning
         )

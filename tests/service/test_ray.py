@@ -300,8 +300,8 @@ def test_a_killed_replica_loses_nothing_but_the_cache(url, connect):
 
 
 def test_replicas_load_engines_that_do_not_spin_like_the_daemon():
-    """A replica hands every token to its event loop as the daemon's generations hand theirs
-    to the socket: its ONNX Runtime threads do not spin between steps (the daemon's default)."""
+    """A replica serves its socket as the daemon does: its ONNX Runtime threads do not spin
+    between steps (the daemon's default)."""
     from engine.service.daemon import load_engines
 
     replica = ray_replica.EngineReplica.func_or_class(str(default_model_dir()), threads=1, slots=2)
