@@ -141,19 +141,27 @@ class EngineClient(Dispatch):
         cafile: str | None = None,
         pinned_cert: str | None = None,
         direct: bool = True,
+        keepalive_s: float | None = None,
     ) -> EngineClient:
         """Connect and shake hands.  A ``wss://`` URL's certificate is verified against the
         system's trust store and ``cafile`` (a PEM CA bundle), hostname included; or, given
         ``pinned_cert`` (a daemon's own certificate, from the user's record), is that one.
 
         ``direct``: where the service offers an endpoint of its own (``direct_target``), move
-        there (same token and trust); stay if it cannot be reached."""
+        there (same token and trust); stay if it cannot be reached.
+
+        ``keepalive_s``: ping the service this often and give the connection up when a pong
+        takes longer (None: the protocol's 20 s and 60 s, for editors on any network): a
+        service that stops answering without closing its socket (a machine gone from the
+        network, a stopped process) then ends every generation on it (``disconnected``)
+        within two of these instead of 80 s."""
         options: dict[str, Any] = {
             "client": client,
             "origin": origin,
             "prompt_deltas": prompt_deltas,
             "cafile": cafile,
             "pinned_cert": pinned_cert,
+            "keepalive_s": keepalive_s,
         }
         first = await cls._connect(url, token, open_timeout, **options)
         target = direct_target(url, first.hello) if direct else None
@@ -179,17 +187,21 @@ class EngineClient(Dispatch):
         prompt_deltas: bool,
         cafile: str | None,
         pinned_cert: str | None,
+        keepalive_s: float | None,
     ) -> EngineClient:
         """One connection to ``url`` and its handshake (``connect``'s options)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         ssl_context = ssl_for(url, cafile, pinned_cert)
+        socket_options = dict(P.SOCKET_OPTIONS)
+        if keepalive_s is not None:
+            socket_options.update(ping_interval=keepalive_s, ping_timeout=keepalive_s)
         try:
             ws = await connect(
                 url,
                 ssl=ssl_context,
                 additional_headers=headers,
                 open_timeout=open_timeout,
-                **P.SOCKET_OPTIONS,
+                **socket_options,
                 origin=origin,
                 proxy=None,
             )

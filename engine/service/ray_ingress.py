@@ -156,6 +156,10 @@ class ReplicaSockets:
 
     OPEN_S = 2.0
     RETRY_S = 5.0
+    #: Pings on each connection this often, and the longest wait for a pong: a replica whose
+    #: node leaves the network without closing the socket has its generations restarted
+    #: elsewhere within two of these (the protocol's own pings allow 80 s).
+    KEEPALIVE_S = 5.0
 
     def __init__(
         self, handles: list[DeploymentHandle], token: str, cert: str | None = None
@@ -192,6 +196,7 @@ class ReplicaSockets:
                     open_timeout=self.OPEN_S,
                     pinned_cert=self.cert if url.startswith("wss:") else None,
                     direct=False,
+                    keepalive_s=self.KEEPALIVE_S,
                 )
                 self._open[i] = (client, str(info.get("replica", "")))
                 return self._open[i]

@@ -69,6 +69,39 @@ def test_daemon_record_token_and_clean_sigterm(run_dir):
             proc.wait()
 
 
+@pytest.mark.slow
+def test_a_client_with_a_keepalive_gives_up_a_service_that_stops_answering(run_dir):
+    """A service that stops answering without closing its socket (here a stopped process; a
+    machine gone from the network alike): a client with ``keepalive_s`` ends the generations on
+    it (``disconnected``) within two of those; the protocol's default pings would wait 80 s."""
+    from engine.service.client_core import DISCONNECTED
+
+    proc = start_daemon()
+    try:
+        rec = wait_record(rundir.model_key(launch.resolve_models([None])), proc)
+
+        async def scenario():
+            c = await EngineClient.connect(rec["url"], rec["token"], keepalive_s=0.5)
+            params = GenerationParams(max_new_tokens=1900, ignore_eos=True)
+            gen = await c.generate("def main():\n", params, slot="k")
+            async for _ in gen:
+                break
+            proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            await asyncio.wait_for(gen.wait(), 30)
+            waited = time.monotonic() - t0
+            await c.close()
+            return gen, waited
+
+        gen, waited = asyncio.run(scenario())
+        assert gen.finish_reason == "error" and gen.error["code"] == DISCONNECTED, gen.error
+        assert waited < 5.0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
 def test_non_loopback_bind_needs_allow_remote(run_dir):
     proc = start_daemon("--ws", "0.0.0.0:0")
     _, err = proc.communicate(timeout=120)
