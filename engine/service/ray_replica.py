@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -63,7 +64,7 @@ class ReplicaModels(LocalModels):
     """The replica's engine as its socket serves it, each generation's document counted in the
     replica's load (``placement.Documents``) as ``EngineReplica.generate`` counts it."""
 
-    def __init__(self, engine: Any, use: Any) -> None:
+    def __init__(self, engine: Any, use: Callable[[str], None]) -> None:
         super().__init__([engine])
         self.use = use
 
@@ -82,7 +83,8 @@ class ReplicaModels(LocalModels):
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=2, health_check_timeout_s=10)
 class EngineReplica:
-    """One copy of the engine; every generation it runs streams from a worker thread."""
+    """One copy of the engine, serving the ingress on its own socket (``_open_socket``) and
+    through Serve (``generate``); its load (``load``, ``claim``) places the documents."""
 
     def __init__(
         self,
