@@ -402,8 +402,17 @@ def test_the_server_reconnects_through_the_proxy_when_its_ingress_replica_dies(
             if "#EngineIngress#" in a["name"]
         ]
         assert len(ingresses) == 2
+        # a long generation in flight when they die (ray.kill returns at once; a short one
+        # could still be answered, and one started after the connection closed reconnects
+        # without a word)
+        long = GenerationParams(max_new_tokens=1900, ignore_eos=True)
+        in_flight = iter(model.generate(ids, long, "doc", cancel=CancelToken()))
+        next(in_flight)
         for name in ingresses:
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        with pytest.raises(BackendError):
+            for _ in in_flight:
+                pass
         answers = []
         for _ in range(60):  # Serve starts new ingress replicas; the proxy routes to them
             try:
@@ -416,12 +425,17 @@ def test_the_server_reconnects_through_the_proxy_when_its_ingress_replica_dies(
         assert answers[-1] == first, answers
         # on a new ingress replica's own socket (which may have drawn the old one's port)
         assert model.url != url and model.url.startswith("wss://127.0.0.1:")
-        now = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if "#EngineIngress#" in a["name"]
-        ]
-        assert now and not set(now) & set(ingresses)
+        # Serve brings both ingress replicas back (new ones), which the next test connects to
+        for _ in range(240):
+            now = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#EngineIngress#" in a["name"]
+            ]
+            if len(now) == 2:
+                break
+            time.sleep(0.5)
+        assert len(now) == 2 and not set(now) & set(ingresses), (now, ingresses)
         assert health == [False, True]  # told once it was lost, once it answered again
     finally:
         model.close()
