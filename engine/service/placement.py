@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import math
 import random
+import threading
 import time
 from typing import Any
 
@@ -56,22 +57,26 @@ CLAIM_TRIES = 8
 class Documents:
     """The documents one shard serves, each with when it was last used: the shard's load is how
     many were used within ``ACTIVE_S``.  An engine replica holds one (``use`` on each
-    generation) and answers the ingresses' ``load`` and ``claim`` from it."""
+    generation) and answers the ingresses' ``load`` and ``claim`` from it.  Thread-safe: a
+    replica counts its socket's generations from their threads and answers on its event loop."""
 
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
         self._used: dict[str, float] = {}
         self._prune_at = 64  # documents held before the long-unused ones are dropped
+        self._lock = threading.RLock()  # claim = load + use, as one step
 
     def use(self, key: str) -> None:
-        self._used[key] = self._clock()
-        if len(self._used) > self._prune_at:  # also where no placement reads the load
-            self._prune()
-            self._prune_at = max(64, 2 * len(self._used))
+        with self._lock:
+            self._used[key] = self._clock()
+            if len(self._used) > self._prune_at:  # also where no placement reads the load
+                self._prune()
+                self._prune_at = max(64, 2 * len(self._used))
 
     def load(self) -> int:
-        self._prune()
-        return len(self._used)
+        with self._lock:
+            self._prune()
+            return len(self._used)
 
     def _prune(self) -> None:
         """Drop the documents not used within ``ACTIVE_S``."""
@@ -84,10 +89,11 @@ class Documents:
         """Take document ``key`` if this shard has fewer than ``cap`` documents (the share the
         caller computed from the loads it read) or has it already; False: other placements
         filled the shard since."""
-        if key not in self._used and self.load() >= cap:
-            return False
-        self.use(key)
-        return True
+        with self._lock:
+            if key not in self._used and self.load() >= cap:
+                return False
+            self.use(key)
+            return True
 
 
 class LocalBoard:

@@ -14,7 +14,6 @@ that ran the decode step writes the token, and the ingress's event loop reads it
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +107,6 @@ class EngineReplica:
         self.where = f"{os.uname().nodename}:{os.getpid()}"
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="spark-replica-gen")
         self.documents = Documents()  # this replica's load, as every ingress places by it
-        self._documents_lock = threading.Lock()  # the socket's generations count from threads
         self.server = self._open_socket(token, direct or {})
 
     def _open_socket(self, token: str | None, direct: dict[str, Any]) -> EngineServer | None:
@@ -120,7 +118,7 @@ class EngineReplica:
             return None
         try:
             ctx = tls.server_context_for(direct.get("tls_cert"), direct.get("tls_key"))
-            models = ReplicaModels(self.engine, self._use)
+            models = ReplicaModels(self.engine, self.documents.use)
             server = EngineServer(
                 models, token=token, ssl_context=ctx, max_generations=SOCKET_GENERATIONS
             )
@@ -129,20 +127,14 @@ class EngineReplica:
             log.warning("engine replica: no socket (%s): generations come through Serve", e)
             return None
 
-    def _use(self, key: str) -> None:
-        with self._documents_lock:
-            self.documents.use(key)
-
     async def load(self) -> int:
         """Documents this replica served recently (``placement.Documents``)."""
-        with self._documents_lock:
-            return self.documents.load()
+        return self.documents.load()
 
     async def claim(self, key: str, cap: int) -> bool:
         """Take document ``key`` if this replica has fewer than ``cap`` documents (the share the
         ingress computed): ``placement.Documents.claim``."""
-        with self._documents_lock:
-            return self.documents.claim(key, cap)
+        return self.documents.claim(key, cap)
 
     def describe(self) -> dict[str, Any]:
         """The model, this replica (host:pid) and its socket's URL (None: none)."""
@@ -169,7 +161,7 @@ class EngineReplica:
     async def generate(self, request: dict[str, Any]):
         params = P.params_from_json(request.get("params"))
         if request.get("slot"):
-            self._use(request["slot"])
+            self.documents.use(request["slot"])
         try:
             slot = ("service", request["slot"]) if request.get("slot") else None  # as the socket's
             gen = self.engine.generate(request["prompt"], params, slot=slot)
