@@ -156,6 +156,12 @@ class LocalRun:
         self.sink.finish(reason, stats, error)
 
 
+def slot_key(slot: str | None) -> tuple[str, str] | None:
+    """The engine's KV slot of a client's slot key, in the service's own namespace of slots
+    (apart from other callers of the same engine: the SSE endpoint keeps ``("sse", key)``)."""
+    return ("service", slot) if slot is not None else None
+
+
 class LocalModels:
     """The models of a daemon (or a test): ``Engine`` objects by name; the first is the default."""
 
@@ -195,7 +201,7 @@ class LocalModels:
         sink: Sink,
     ) -> LocalRun:
         eng = self.get(name)
-        key = ("service", slot) if slot is not None else None
+        key = slot_key(slot)
         run = LocalRun(
             lambda token, flag: eng.generate(ids, params, slot=key, cancel=token, stop_flag=flag),
             sink,

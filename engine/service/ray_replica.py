@@ -28,7 +28,7 @@ from . import protocol as P
 from . import tls
 from .address import is_loopback
 from .daemon import INTERACTIVE_PREFILL_CHUNK
-from .local import LocalModels, LocalRun, Sink, describe
+from .local import LocalModels, LocalRun, Sink, describe, slot_key
 from .options import DEFAULT_SPINNING, SPINNING
 from .placement import Documents
 from .server import EngineServer
@@ -163,7 +163,7 @@ class EngineReplica:
         if request.get("slot"):
             self.documents.use(request["slot"])
         try:
-            slot = ("service", request["slot"]) if request.get("slot") else None  # as the socket's
+            slot = slot_key(request.get("slot") or None)  # as its socket's generations
             gen = self.engine.generate(request["prompt"], params, slot=slot)
         except (ValueError, ModelError) as e:
             yield {"done": "error", "stats": {}, "error": {"code": P.BAD_PROMPT, "message": str(e)}}
