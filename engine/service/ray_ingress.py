@@ -290,7 +290,7 @@ class RayRun:
         a token whose text it does not spell (``steering.successor_prompt``)."""
         gen = await client.generate(prompt, params, slot=self.slot)
         try:
-            stats = True
+            first = True  # the first item carries the early stats
             async for piece in gen:
                 if piece.ids:
                     item: dict[str, Any] = {
@@ -298,8 +298,8 @@ class RayRun:
                             [t, piece.text if k == 0 else ""] for k, t in enumerate(piece.ids)
                         ]
                     }
-                    if stats:
-                        item["stats"], stats = dict(gen.stats), False
+                    if first:
+                        item["stats"], first = dict(gen.stats), False
                     yield item
             if gen.error is not None and gen.error.get("code") == DISCONNECTED:
                 raise EngineUnavailable(gen.error.get("message", "the replica's socket closed"))

@@ -326,13 +326,19 @@ def _run_ray(
         ray.shutdown()
     runs = out["runs"]
     direct, proxy = runs[f"replicas=2,editors={hi}"], runs[f"replicas=2,editors={hi},proxy"]
-    out["direct_vs_proxy"] = {  # clients on the ingress replicas' sockets vs through the proxy
-        "editors": hi,
-        "overhead_p50": ratio(direct["overhead_ms"]["p50"], proxy["overhead_ms"]["p50"]),
-        "suggestion_p50": ratio(direct["suggestion_ms"]["p50"], proxy["suggestion_ms"]["p50"]),
-        "suggestion_p95": ratio(direct["suggestion_ms"]["p95"], proxy["suggestion_ms"]["p95"]),
-    }
+    # clients on the ingress replicas' sockets vs through the proxy
+    out["direct_vs_proxy"] = {"editors": hi, **_over(direct, proxy)}
     return out
+
+
+def _over(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    """Two runs' summaries compared, `a` over `b`: per-request overhead p50, suggestion p50
+    and p95."""
+    return {
+        "overhead_p50": ratio(a["overhead_ms"]["p50"], b["overhead_ms"]["p50"]),
+        "suggestion_p50": ratio(a["suggestion_ms"]["p50"], b["suggestion_ms"]["p50"]),
+        "suggestion_p95": ratio(a["suggestion_ms"]["p95"], b["suggestion_ms"]["p95"]),
+    }
 
 
 def _take_turns(
@@ -388,12 +394,7 @@ def _sockets_vs_handles(
     from ray import serve
 
     def ratios(got: dict[str, dict]) -> dict[str, float | None]:
-        on, off = got["sockets"], got["handles"]
-        return {
-            "overhead_p50": ratio(on["overhead_ms"]["p50"], off["overhead_ms"]["p50"]),
-            "suggestion_p50": ratio(on["suggestion_ms"]["p50"], off["suggestion_ms"]["p50"]),
-            "suggestion_p95": ratio(on["suggestion_ms"]["p95"], off["suggestion_ms"]["p95"]),
-        }
+        return _over(got["sockets"], got["handles"])
 
     try:
         handles = _deploy(
