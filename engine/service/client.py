@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -121,7 +121,7 @@ class EngineClient(Dispatch):
         self._gens: dict[str, RemoteGeneration] = {}
         self._steers: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
-        self._resends: set[asyncio.Future] = set()  # whole prompts re-sent after unknown_base
+        self._sending: set[asyncio.Future] = set()  # messages sent with nobody waiting
         self._ids = itertools.count(1)
         self.closed = False
         self.close_reason = ""
@@ -246,12 +246,21 @@ class EngineClient(Dispatch):
         model: str | None = None,
         id: str | None = None,
     ) -> RemoteGeneration:
+        """Start a generation on the service and return it once its ``generate`` is written.
+
+        Cancelled while sending (a caller's own cancel, or its task stopping), the frame has
+        already gone to the socket (websockets writes it before waiting for the buffer to
+        drain), so the generation is cancelled on the service too: otherwise it would run to its
+        end there with nobody reading it.  Its ``done`` then ends it here."""
         gen = self.start(prompt, params, slot=slot, model=model, id=id)
         try:
             await self._send(self._wire(gen.id))
         except EngineUnavailable:
             self._gens.pop(gen.id, None)
             self._deltas.accepted(gen.id)
+            raise
+        except asyncio.CancelledError:
+            self._in_background(self._send_quietly({"type": "cancel", "id": gen.id}))
             raise
         return gen
 
@@ -382,6 +391,10 @@ class EngineClient(Dispatch):
     def _on_message(self, msg: dict[str, Any]) -> None:
         resend = self._apply(msg)
         if resend is not None:  # the server forgot the base
-            task = asyncio.ensure_future(self._send_quietly(resend))
-            self._resends.add(task)  # the loop holds tasks weakly: kept until sent
-            task.add_done_callback(self._resends.discard)
+            self._in_background(self._send_quietly(resend))
+
+    def _in_background(self, send: Awaitable[None]) -> None:
+        """Send without a caller waiting (held here until sent: the loop holds tasks weakly)."""
+        task = asyncio.ensure_future(send)
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)

@@ -229,6 +229,37 @@ async def test_cancel_stops_the_generation(client):
     assert after.finish_reason in ("length", "eos")
 
 
+async def test_a_generate_cancelled_while_it_is_sent_stops_on_the_service(client):
+    """websockets writes a frame, then waits for the socket's buffer to drain: a task cancelled
+    in that wait has sent its ``generate``, so the service must stop it too, not run it to its
+    end with nobody reading (the Ray ingress cancels such tasks when an editor types)."""
+    started = []
+    start = client.start
+
+    def spy(*args, **kw):
+        started.append(start(*args, **kw))
+        return started[-1]
+
+    sent = asyncio.Event()
+    drain = client.ws.drain
+
+    async def stuck() -> None:  # this one write's drain never ends (a full socket buffer)
+        client.ws.drain = drain
+        sent.set()
+        await asyncio.Event().wait()
+
+    client.start, client.ws.drain = spy, stuck
+    task = asyncio.ensure_future(client.generate(PROMPT, LONG, slot="cancel-in-send"))
+    await asyncio.wait_for(sent.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gen = await asyncio.wait_for(started[0].wait(), 30)
+    assert gen.finish_reason == "cancelled"
+    assert gen.stats["new_tokens"] < LONG.max_new_tokens
+    assert (await client.status())["generations"] == 0
+
+
 async def test_cancel_of_unknown_or_finished_id_is_harmless(client):
     g = await (await client.generate(PROMPT, GenerationParams(max_new_tokens=2), slot="x")).wait()
     await g.client._send({"type": "cancel", "id": g.id})
