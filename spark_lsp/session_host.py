@@ -131,6 +131,9 @@ class SessionHost:
             ),
         )
         log.info("session host %d serving on %s", os.getpid(), self.socket_path)
+        # the idle clock starts now, not at construction: the bridge that started this host
+        # connects once it sees the record, which on a busy machine can take a while
+        self.last_active = time.monotonic()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
