@@ -169,6 +169,20 @@ def model_path(model_dir: str | Path) -> Path:
     return p
 
 
+def model_name(path: str | Path) -> str:
+    """The name a model is shown and chosen by (``spark/status``, an engine service's models): a
+    GGUF file's stem, a folder's name, and for a folder in the Hugging Face cache
+    (``models--ORG--REPO/snapshots/COMMIT``, where ``hf:`` and catalogue names resolve to) the
+    repository's name, as a clone of it would be named, not the commit hash."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return p.stem
+    repo = p.parent.parent.name
+    if p.parent.name == "snapshots" and repo.startswith("models--") and repo.count("--") >= 2:
+        return repo.rsplit("--", 1)[1]  # Hub names never hold "--"
+    return p.name
+
+
 def _int_ids(value: Any, where: str) -> list[int]:
     """An eos/bos id field: int, list of ints or null."""
     if value is None:

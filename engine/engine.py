@@ -24,7 +24,7 @@ import numpy as np
 from . import graph_cache, models
 from . import precision as precision_rule
 from .cancel import CancelToken
-from .config import ModelConfig, ModelError, load_config, model_path
+from .config import ModelConfig, ModelError, load_config, model_name, model_path
 from .generate import Generation, GenerationParams
 from .gguf import GGUFModel, default_precision, gguf_linear, is_gguf
 from .graph import KV_DTYPES, build_decoder
@@ -106,7 +106,7 @@ class Engine:
         load_s: float = 0.0,
     ) -> None:
         self.model_dir = model_dir
-        self.name = model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
+        self.name = model_name(model_dir)
         self.config = config
         self.tokenizer = tokenizer
         self.runtime = runtime

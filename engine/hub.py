@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, ModelError, load_config, parse_config
-from .gguf import GGUFModel, HeaderIncomplete, default_precision, is_gguf, parse_header
-from .graph import padded_head_dim
-from .weights import expected_shapes
+
+# What sizes a model (.gguf, .graph, .weights) is imported where it is used: those modules bring
+# ONNX and ONNX Runtime, and resolving a name to a folder must not (a language server whose
+# engine is a daemon resolves the model it names, and never loads the engine's runtime).
 
 #: Files of a model folder the engine reads (everything else in a repository is skipped).
 FOLDER_FILES = (
@@ -452,6 +453,8 @@ def list_models() -> list[LocalModel]:
 
 
 def _describe(m: LocalModel) -> None:
+    from .gguf import GGUFModel, default_precision
+
     try:
         ggufs = sorted(m.path.glob("*.gguf"))
         if ggufs:
@@ -518,6 +521,9 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
     head included, is stored at the precision; norms and biases are float32. A tied LM head reads
     the embedding table in place at fp32 (on a wafer grid, the default) and is its own quantised
     initializer at the other precisions."""
+    from .graph import padded_head_dim
+    from .weights import expected_shapes
+
     shapes = expected_shapes(config)
     embed = config.vocab_size * config.hidden_size
     linear = small = 0
@@ -547,6 +553,8 @@ def estimate(config: ModelConfig) -> tuple[int, dict[str, int], int]:
 
 def model_info(spec: str, *, progress: Progress | None = None) -> ModelInfo:
     """A model's size and memory needs, reading only its config.json or its GGUF header."""
+    from .gguf import GGUFModel, default_precision, is_gguf
+
     hub = parse_spec(spec)
     if hub is None:
         path = Path(spec).expanduser()
@@ -600,6 +608,8 @@ def _remote_gguf_info(hub: HubSpec, file: str) -> ModelInfo:
     """Read a remote GGUF's header with HTTP range requests (doubling until it parses)."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session
+
+    from .gguf import GGUFModel, HeaderIncomplete, default_precision, parse_header
 
     kw = _hub_kw()
     url = hf_hub_url(hub.repo, file, revision=hub.revision, endpoint=kw.get("endpoint"))

@@ -21,7 +21,7 @@ from typing import Any, SupportsIndex, overload
 
 import numpy as np
 
-from .config import ModelError, model_path
+from .config import ModelError, model_name, model_path
 from .fim import FimFormat
 from .heap import trim_heap
 
@@ -316,7 +316,7 @@ class Tokenizer:
             eos_ids=eos,
             bos_id=special("bos_token"),
             pad_id=special("pad_token"),
-            name=folder.name,
+            name=model_name(folder),
         )
 
     # -- vocabulary ----------------------------------------------------------------------------

@@ -71,7 +71,6 @@ def model_argument(model: str | None) -> str | None:
     if model and os.path.exists(os.path.expanduser(model)):
         return os.path.abspath(os.path.expanduser(model))
     if model:
-        # engine.hub loads onnxruntime; a thin server on the engine service never needs it
         from engine.config import ModelError
         from engine.hub import parse_spec
 
@@ -493,6 +492,7 @@ class ModelHost:
                             model_dir,
                             lambda: load_local(model_dir, precision, progress),
                             precision,
+                            progress,
                         )
                 fim = (
                     FimFormat.detect(model.tokenizer, fim_format) if fim_format != "auto" else None

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..hub import Progress, resolve_model
 from ..models import default_model_dir
 from . import rundir
 
@@ -26,13 +27,15 @@ class DaemonError(RuntimeError):
     """The daemon cannot start as asked (a refused option, or a start that did not come up)."""
 
 
-def resolve_models(models: Sequence[str | None]) -> list[Path]:
-    """Model folders as absolute paths (None or an empty list: the default model)."""
-    out = [
-        Path(m).expanduser().resolve() if m else default_model_dir().resolve()
+def resolve_models(models: Sequence[str | None], progress: Progress | None = None) -> list[Path]:
+    """The models a daemon serves, as absolute paths (None or an empty list: the default model):
+    a folder or a .gguf file as itself, a catalogue name or ``hf:ORG/REPO`` as its folder in the
+    Hugging Face cache, downloaded first when it is not there (``progress`` hears the bytes;
+    None: a progress bar on stderr), as ``spark-lsp serve --model`` takes them."""
+    return [
+        (resolve_model(m, progress=progress) or default_model_dir()).expanduser().resolve()
         for m in (models or [None])
     ]
-    return out
 
 
 def daemon_command(

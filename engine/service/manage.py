@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import model_name
 from . import rundir
 from .client_core import EngineUnavailable
 
@@ -52,7 +53,7 @@ class Service:
 
     @property
     def names(self) -> list[str]:
-        return [Path(m).name for m in self.models]
+        return [model_name(m) for m in self.models]
 
     @property
     def label(self) -> str:

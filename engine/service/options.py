@@ -25,10 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model",
-        metavar="DIR",
+        metavar="MODEL",
         action="append",
         default=[],
-        help="a model folder to serve (repeat for several; default: the bundled model)",
+        help="a model to serve: a folder, a .gguf file, a catalogue name or hf:ORG/REPO "
+        "(downloaded on first use, as `serve --model`); repeat for several (default: the "
+        "bundled model)",
     )
     p.add_argument(
         "--slots", type=int, default=DEFAULT_SLOTS, help="KV slots per model (documents kept warm)"

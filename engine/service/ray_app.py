@@ -57,6 +57,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from ..config import ModelError
 from . import rundir, tls
 from .address import is_loopback
 from .daemon import read_token_file, warn_cleartext
@@ -234,7 +235,7 @@ def main_args(args) -> int:
             warn_cleartext(host, port, to_stderr=logging.getLogger().level > logging.WARNING)
         token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
         folders = resolve_models(args.model)
-    except (DaemonError, OSError, ValueError) as e:
+    except (DaemonError, ModelError, OSError, ValueError) as e:
         print(f"spark-lsp engine serve --ray: {e}", file=sys.stderr)
         return 2
     try:

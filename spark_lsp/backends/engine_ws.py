@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cancel import CancelToken
-from engine.config import load_config
+from engine.config import load_config, model_name
 from engine.service import launch, rundir, tls
 from engine.service.client_core import EngineUnavailable
 from engine.service.steering import MATCH, Piece, common_chars, judge
@@ -99,7 +99,7 @@ class EngineServiceModel:
         self.precision = precision  # of a daemon `auto` starts (one already running is joined)
         folder = launch.resolve_models([model_dir])[0]
         self.model_dir = folder
-        self.name = folder.name
+        self.name = model_name(folder)
         self.tokenizer = shared_tokenizer(folder)
         self.config = load_config(folder)
         self.context: int | None = None
@@ -434,14 +434,21 @@ def _errored(gen: Any) -> bool:
 
 
 def load(
-    target: str, model_dir: str | None, fallback: Callable[[], Any], precision: str | None = None
+    target: str,
+    model_dir: str | None,
+    fallback: Callable[[], Any],
+    precision: str | None = None,
+    progress: Any = None,
 ) -> Any:
     """The model for `engine` = `target`: the engine service (a daemon that `auto` starts loads
     the model at `precision`), or (after MAX_FAILURES failed connections, a second apart) the
-    in-process engine that `fallback` loads."""
+    in-process engine that `fallback` loads.  A catalogue name or hf: spec is resolved (and
+    downloaded, `progress` hearing the bytes) here first: this server builds the prompts with the
+    model's tokenizer, and a daemon it starts loads the same folder."""
+    folder = str(launch.resolve_models([model_dir], progress)[0])
     for attempt in range(1, MAX_FAILURES + 1):
         try:
-            return EngineServiceModel(target, model_dir, fallback=fallback, precision=precision)
+            return EngineServiceModel(target, folder, fallback=fallback, precision=precision)
         except EngineUnavailable as exc:
             log.warning(
                 "engine service %s: %s (attempt %d of %d)", target, exc, attempt, MAX_FAILURES

@@ -19,7 +19,7 @@ from gguf_files import write_gguf
 
 from engine import Engine, ModelError
 from engine import hub as H
-from engine.config import load_config
+from engine.config import load_config, model_name
 
 REPO, GGUF_REPO = "test-org/tiny-qwen2", "test-org/tiny-qwen2-GGUF"
 JUNK = {
@@ -96,6 +96,17 @@ def test_pull_fetches_only_the_engine_files_and_loads(hub, tiny_qwen2, tmp_path_
     )
     ids = random_ids(a, 24, seed=1)
     np.testing.assert_array_equal(a.forward_logits(ids), b.forward_logits(ids))
+    # shown and chosen by the repository's name, not by the snapshot's commit hash
+    assert folder.parent.name == "snapshots"
+    assert a.name == a.tokenizer.name == "tiny-qwen2"
+
+
+def test_model_names():
+    snap = Path("/c/hub/models--Qwen--Qwen2.5-Coder-0.5B/snapshots/1d3f0e2c9b")
+    assert model_name(snap) == "Qwen2.5-Coder-0.5B"
+    assert model_name(snap / "qwen2.5-coder-0.5b-q4_k_m.gguf") == "qwen2.5-coder-0.5b-q4_k_m"
+    assert model_name("/models/my-model") == "my-model"
+    assert model_name("/models/snapshots/abc") == "abc"  # not in a Hub cache's layout
 
 
 def test_interrupted_download_resumes(hub, tiny_qwen2, monkeypatch):

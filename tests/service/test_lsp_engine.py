@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub
 from lsprotocol import types as T
 from service_support import editor_client, run_dir  # noqa: F401 (run_dir: a fixture)
 
-from engine.service import rundir
+from engine.service import manage, rundir
 
 _editor = editor_client()
 SAMPLE, start_editor = _editor.SAMPLE, _editor.start_editor
@@ -152,6 +153,83 @@ async def test_auto_starts_one_daemon_that_two_servers_share_and_survives_its_de
             await client.stop()
         for pid in pids:
             stop(pid)
+
+
+async def test_auto_with_a_hub_model_downloads_it_here_and_its_daemon_serves_it(
+    tiny_llama, run_dir, tmp_path, monkeypatch
+):
+    """`--model hf:ORG/REPO` (or a catalogue name) with `engine: auto`: the server resolves the
+    name (downloading into the Hub cache, with the editor's progress reports), stays thin, and
+    the daemon it starts serves that folder, which both name by its repository."""
+    with FakeHub() as hub:
+        hub.add_folder("test-org/tiny-llama", tiny_llama)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        client, ed = await start_editor("hf:test-org/tiny-llama", {"engine": "auto"})
+        pids = []
+        try:
+            downloads = [
+                r
+                for rs in client.progress_reports.values()
+                for r in rs
+                if isinstance(r, T.WorkDoneProgressReport)
+                and (r.message or "").startswith("downloading")
+            ]
+            assert downloads and downloads[-1].percentage == 100
+            snapshots = list((tmp_path / "hub").glob("models--test-org--tiny-llama/snapshots/*"))
+            assert len(snapshots) == 1
+            rec = rundir.read_record(rundir.model_key([snapshots[0].resolve()]))
+            assert rec is not None  # the daemon serves the downloaded folder
+            pids.append(rec["pid"])
+            ed.open(URI, SAMPLE)
+            assert isinstance(await ed.inline(URI, OFFSETS[0]), T.InlineCompletionList)
+            metrics = await ed.metrics()
+            assert metrics["model"] == "tiny-llama"
+            assert metrics["engine"]["connected"] and metrics["engine"]["engine"] == rec["url"]
+            assert engine_libraries(client._server.pid) == []  # resolving loaded no runtime
+        finally:
+            await client.shutdown_session()
+            await client.stop()
+            for pid in pids:
+                stop(pid)
+
+
+def test_engine_serve_takes_a_hub_model(tiny_llama, run_dir, tmp_path, monkeypatch):
+    """`spark-lsp engine serve --model hf:ORG/REPO` downloads and serves it, named by its
+    repository; a name the Hub does not have is one line on stderr."""
+    with FakeHub() as hub:
+        hub.add_folder("test-org/tiny-llama", tiny_llama)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.service.daemon", "--model", "hf:test-org/tiny-llama"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+        try:
+            rec = None
+            for _ in range(2400):
+                snaps = list((tmp_path / "hub").glob("models--test-org--tiny-llama/snapshots/*"))
+                rec = rundir.read_record(rundir.model_key(snaps)) if snaps else None
+                if rec is not None and rec["pid"] == proc.pid:
+                    break
+                assert proc.poll() is None
+                time.sleep(0.05)
+            assert rec is not None
+            [svc] = [s for s in manage.services() if s.pid == proc.pid]
+            assert svc.names == ["tiny-llama"] and svc.models == [str(snaps[0].resolve())]
+        finally:
+            stop(proc.pid)
+        bad = subprocess.run(
+            [sys.executable, "-m", "engine.service.daemon", "--model", "hf:test-org/missing"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert bad.returncode != 0
+        assert "test-org/missing" in bad.stderr and "Traceback" not in bad.stderr
 
 
 async def test_unreachable_engine_falls_back_to_the_local_engine(tiny_llama, run_dir):
