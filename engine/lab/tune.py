@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import precision as store
 from .. import runtime
-from ..config import load_config, model_path
+from ..config import load_config, model_name, model_path
 from ..engine import Engine
 from ..generate import GenerationParams
 from ..linears import PRECISIONS, make_linear
@@ -215,7 +215,7 @@ def choose_precision(
     A decision measured while the CPU was contended is used, but measured again at the first call
     that finds the CPU calm: under load fp32 falls out of cache and every speed ratio skews.
     """
-    folder = model_path(resolve_model(None) if model_dir is None else model_dir)
+    folder = model_path(resolve_model(model_dir))  # a name or hf: spec downloaded first
     bad = [c for c in candidates if c not in PRECISIONS or c == "fp32"]
     if bad:
         raise ValueError(
@@ -235,7 +235,9 @@ def choose_precision(
     if stored is not None:
         if not (stored.contended and not runtime.cpu_contended()):
             return stored
-        log_fn(f"precision decision for {folder.name} was measured under load; measuring again")
+        log_fn(
+            f"precision decision for {model_name(folder)} was measured under load; measuring again"
+        )
     choice = _measure(
         folder,
         candidates,
@@ -250,7 +252,7 @@ def choose_precision(
         log_fn=log_fn,
     )
     try:
-        store.store_decision(key, choice, cache_dir, model=folder.name)
+        store.store_decision(key, choice, cache_dir, model=model_name(folder))
     except OSError as e:  # a read-only cache only costs a re-measurement next time
         log_fn(f"could not store the precision decision: {e}")
     return choice

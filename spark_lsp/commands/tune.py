@@ -24,9 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        metavar="DIR",
+        metavar="MODEL",
         default=None,
-        help="Hugging Face model folder (default: the bundled model)",
+        help="a model folder, a catalogue name or hf:ORG/REPO, as serve takes (default: the "
+        "bundled model)",
     )
     p.add_argument(
         "--grid",

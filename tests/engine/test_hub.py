@@ -101,6 +101,16 @@ def test_pull_fetches_only_the_engine_files_and_loads(hub, tiny_qwen2, tmp_path_
     assert a.name == a.tokenizer.name == "tiny-qwen2"
 
 
+def test_tune_takes_a_hub_model(hub, tmp_path):
+    """`spark-lsp tune --model hf:ORG/REPO` (or a catalogue name): the downloaded folder's
+    decision, as the server looks it up for that model."""
+    from engine.lab.tune import choose_precision
+
+    choice = choose_precision(f"hf:{REPO}", measure=False, log_fn=lambda s: None)
+    assert choice.precision in ("fp32", "int8", "int4", "int8-rowq")
+    assert "no stored decision" in choice.reason
+
+
 def test_model_names():
     snap = Path("/c/hub/models--Qwen--Qwen2.5-Coder-0.5B/snapshots/1d3f0e2c9b")
     assert model_name(snap) == "Qwen2.5-Coder-0.5B"
