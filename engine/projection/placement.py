@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelError, load_config
+from ..config import ModelError, load_config, model_name
+from ..hub import model_info, parse_spec
 from .chips import Chip
 
 #: Fraction of each PE's SRAM the layout may fill: WaferLLM hit "out of PE memory" at link time
@@ -103,10 +104,17 @@ class ModelShape:
 
 
 def load_shape(path: str | Path) -> ModelShape:
-    """A :class:`ModelShape` from a model folder or a ``config.json``-style file (any name)."""
-    p = Path(path)
+    """A :class:`ModelShape` from a model folder, a ``config.json``-style file (any name), a GGUF
+    file, or a model name as ``serve --model`` takes it (a catalogue name, ``hf:ORG/REPO``): of
+    those only the config.json or the GGUF header is read, from the Hub or its cache, never the
+    weights."""
+    p = Path(path).expanduser()
     if p.is_dir():
-        return ModelShape.from_config(load_config(p), name=p.name)
+        return ModelShape.from_config(load_config(p), name=model_name(p))
+    if p.suffix == ".gguf" or (not p.exists() and parse_spec(str(path)) is not None):
+        info = model_info(str(path))  # "ORG/REPO", "ORG/REPO:FILE.gguf" or "FILE.gguf"
+        name = info.name.rsplit(":", 1)[-1].rsplit("/", 1)[-1]
+        return ModelShape.from_config(info.config, name=name.removesuffix(".gguf"))
     if not p.is_file():
         raise ModelError(f"{p}: config file not found")
     if p.name == "config.json":

@@ -55,7 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="DIR", help="Hugging Face model folder")
+    src.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a model folder, a .gguf file, a catalogue name or hf:ORG/REPO (only its config.json "
+        "or GGUF header is read)",
+    )
     src.add_argument(
         "--config", metavar="FILE", help="a config.json (any file name; no weights needed)"
     )

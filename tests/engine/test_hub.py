@@ -111,6 +111,24 @@ def test_tune_takes_a_hub_model(hub, tmp_path):
     assert "no stored decision" in choice.reason
 
 
+def test_wafer_plans_a_hub_model_or_a_gguf_from_its_config_alone(
+    hub, tiny_qwen2, gguf_files, tmp_path
+):
+    """`spark-lsp wafer --model NAME`: the config.json alone is fetched (no weights); a GGUF
+    file's header gives the same shape."""
+    from dataclasses import replace
+
+    from engine.projection.placement import load_shape
+
+    want = replace(load_shape(tiny_qwen2), name="tiny-qwen2")
+    assert load_shape(f"hf:{REPO}") == want
+    fetched = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+    assert fetched and all(p.endswith("/config.json") for p in fetched)
+    gguf = tmp_path / "tiny-qwen2.gguf"
+    gguf.write_bytes(gguf_files["tiny-qwen2-q8_0.gguf"])
+    assert load_shape(gguf) == want
+
+
 def test_model_names():
     snap = Path("/c/hub/models--Qwen--Qwen2.5-Coder-0.5B/snapshots/1d3f0e2c9b")
     assert model_name(snap) == "Qwen2.5-Coder-0.5B"
