@@ -15,7 +15,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +24,16 @@ import numpy as np
 from . import graph_cache, models
 from . import precision as precision_rule
 from .cancel import CancelToken
-from .config import ModelConfig, ModelError, load_config, model_name, model_path
+from .config import ModelConfig, ModelError, model_name
 from .generate import Generation, GenerationParams
-from .gguf import GGUFModel, default_precision, gguf_linear, is_gguf
+from .gguf import default_precision
+from .gguf_quant import gguf_linear
 from .graph import KV_DTYPES, build_decoder
 from .linears import PRECISIONS, float_linear, make_linear
 from .prefix_cache import PrefixCache, Slot
 from .runtime import Runtime
+from .source import open_model
 from .tokenizer import Tokenizer
-from .weights import file_digest, open_weights, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +43,6 @@ DEFAULT_MAX_CONTEXT = 8192
 #: Prompt tokens per prefill run: bounds the attention scratch memory and lets a cancel keep the
 #: chunks already written.
 PREFILL_CHUNK = 1024
-
-
-@dataclass
-class _ModelSource:
-    """What Engine.load reads from a model, whether a Hugging Face folder or a GGUF file."""
-
-    path: Path
-    config: ModelConfig
-    tokenizer: Tokenizer
-    gguf: GGUFModel | None = None
-
-    def digest(self) -> str:
-        return file_digest(self.path) if self.gguf is not None else weights_digest(self.path)
-
-    def open_weights(self):
-        """The decoder's tensors, read on access (a context manager)."""
-        if self.gguf is not None:
-            return self.gguf.open_weights(self.config)
-        return open_weights(self.path, self.config)
 
 
 def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -75,18 +57,6 @@ def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
 
     threading.Thread(target=run, name="spark-digest", daemon=True).start()
     return future
-
-
-def _open_model(model_dir: str | Path) -> _ModelSource:
-    """A model folder or a ``.gguf`` file, its config and tokenizer read and validated."""
-    path = Path(model_dir).expanduser()
-    if is_gguf(path):
-        gg = GGUFModel(path)
-        return _ModelSource(path, gg.config(), gg.tokenizer(), gg)
-    if path.is_file():
-        raise ModelError(f"{path}: neither a model folder nor a GGUF file")
-    folder = model_path(path)
-    return _ModelSource(folder, load_config(folder), Tokenizer.load(folder))
 
 
 class Engine:
@@ -171,7 +141,7 @@ class Engine:
         t0 = time.perf_counter()
         if model_dir is None:
             model_dir = models.default_model_dir()
-        source = _open_model(model_dir)
+        source = open_model(model_dir)
         folder, config, tokenizer = source.path, source.config, source.tokenizer
         # Hashing the weights (a graph-cache key: seconds the first time a model is seen) reads
         # the files while the emitter below may be compiling the op library (a first run).

@@ -29,10 +29,12 @@ from typing import Any
 
 from engine.cancel import CancelToken
 from engine.config import load_config, model_name
+from engine.gguf import GGUFModel, is_gguf
 from engine.service import launch, rundir, tls
 from engine.service.client_core import EngineUnavailable
 from engine.service.steering import MATCH, Piece, common_chars, judge
 from engine.service.sync_client import SyncEngineClient
+from engine.source import open_model
 from engine.tokenizer import Tokenizer
 
 from .base import BackendError, Chunk
@@ -55,17 +57,22 @@ _TOKENIZERS_LOCK = threading.Lock()
 
 
 def shared_tokenizer(folder: Path) -> Tokenizer:
-    """The tokenizer of `folder`, loaded once per process while any session uses it: a session
-    host's sessions on one daemon model then hold one copy (~40 MB at a 150k-token vocabulary)
-    where each would load its own. It is read-only once loaded, as the in-process engine's, which
-    its sessions share the same way."""
+    """The tokenizer of `folder` (a model folder or a GGUF file), loaded once per process while
+    any session uses it: a session host's sessions on one daemon model then hold one copy (~40 MB
+    at a 150k-token vocabulary) where each would load its own. It is read-only once loaded, as the
+    in-process engine's, which its sessions share the same way."""
     key = str(Path(folder).resolve())
     with _TOKENIZERS_LOCK:
         tok = _TOKENIZERS.get(key)
         if tok is None:
-            tok = Tokenizer.load(folder)
+            tok = open_model(folder).tokenizer
             _TOKENIZERS[key] = tok
         return tok
+
+
+def model_config(folder: Path) -> Any:
+    """The configuration of a model folder or a GGUF file (its header's)."""
+    return GGUFModel(folder).config() if is_gguf(folder) else load_config(folder)
 
 
 def token_for(url: str) -> str | None:
@@ -101,7 +108,7 @@ class EngineServiceModel:
         self.model_dir = folder
         self.name = model_name(folder)
         self.tokenizer = shared_tokenizer(folder)
-        self.config = load_config(folder)
+        self.config = model_config(folder)
         self.context: int | None = None
         self.needs_tuning = False
         self.on_health: Callable[[bool, str], None] | None = None

@@ -178,7 +178,7 @@ def test_q4_0_blocks_become_matmulnbits_codes_exactly(tiny_qwen2, gguf_dir, tmp_
 
 
 def test_q4_0_grid_recovery_refuses_other_weights():
-    from engine.gguf import q4_0_codes
+    from engine.gguf_quant import q4_0_codes
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 8)).astype(np.float32)

@@ -194,6 +194,40 @@ async def test_auto_with_a_hub_model_downloads_it_here_and_its_daemon_serves_it(
                 stop(pid)
 
 
+async def test_auto_with_a_gguf_model_suggests_what_it_does_in_process(
+    tiny_llama, run_dir, tmp_path
+):
+    """`--model FILE.gguf` with `engine: auto`: the server reads the file's tokenizer and
+    configuration (no runtime: it stays thin) and its daemon suggests what the in-process engine
+    does with that file."""
+    from gguf_files import write_gguf
+
+    gguf = write_gguf(tiny_llama, tmp_path / "tiny-llama-q8_0.gguf", qtype="Q8_0")
+    local, led = await start_editor(gguf)
+    try:
+        led.open(URI, SAMPLE)
+        expected = await suggestions(led, OFFSETS)
+    finally:
+        await local.shutdown_session()
+        await local.stop()
+    client, ed = await start_editor(gguf, {"engine": "auto"})
+    pids = []
+    try:
+        rec = rundir.read_record(rundir.model_key([gguf.resolve()]))
+        assert rec is not None
+        pids.append(rec["pid"])
+        ed.open(URI, SAMPLE)
+        assert await suggestions(ed, OFFSETS) == expected
+        assert engine_libraries(client._server.pid) == []
+        metrics = await ed.metrics()
+        assert metrics["model"] == "tiny-llama-q8_0" and metrics["engine"]["connected"]
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+        for pid in pids:
+            stop(pid)
+
+
 def test_engine_serve_takes_a_hub_model(tiny_llama, run_dir, tmp_path, monkeypatch):
     """`spark-lsp engine serve --model hf:ORG/REPO` downloads and serves it, named by its
     repository; a name the Hub does not have is one line on stderr."""
