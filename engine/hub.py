@@ -50,6 +50,8 @@ FOLDER_FILES = (
     "model.safetensors.index.json",
     "model-*-of-*.safetensors",
 )
+#: Those of them a tokenizer and a configuration are read from (``resolve_model(weights=False)``).
+NO_WEIGHTS = tuple(f for f in FOLDER_FILES if ".safetensors" not in f)
 #: Preferred quantisation when a GGUF repository is named without a file (llama.cpp's default).
 GGUF_PREFERENCE = ("Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "F16", "BF16", "F32")
 #: GGUF metadata is read from the first bytes of a remote file, growing to at most this much.
@@ -296,12 +298,14 @@ def _hub_error(spec: HubSpec, e: Exception) -> ModelError:
 
 
 def resolve_model(
-    spec: str | os.PathLike | None, *, progress: Progress | None = None
+    spec: str | os.PathLike | None, *, progress: Progress | None = None, weights: bool = True
 ) -> Path | None:
     """The local path of a model spec (see the module docstring); None stays None (bundled model).
 
     A Hub model already in the cache is used without any network request; otherwise it is
-    downloaded (``progress`` gets byte counts; None shows a progress bar on stderr)."""
+    downloaded (``progress`` gets byte counts; None shows a progress bar on stderr).
+    ``weights=False``: a folder model's configuration and tokenizer files only, for a client whose
+    engine runs elsewhere (a GGUF file, which holds its tokenizer, is fetched whole)."""
     if spec is None or (isinstance(spec, str) and not spec.strip()):
         return None
     if isinstance(spec, os.PathLike):
@@ -310,11 +314,11 @@ def resolve_model(
     if hub is None:
         return Path(spec).expanduser()
     try:
-        return _fetch(hub, progress, local_only=True)
+        return _fetch(hub, progress, local_only=True, weights=weights)
     except ModelError:
         if offline():
             raise
-    return _fetch(hub, progress, local_only=False)
+    return _fetch(hub, progress, local_only=False, weights=weights)
 
 
 def pull(spec: str, *, progress: Progress | None = None) -> Path:
@@ -327,7 +331,9 @@ def pull(spec: str, *, progress: Progress | None = None) -> Path:
     return _fetch(hub, progress, local_only=offline())
 
 
-def _fetch(hub: HubSpec, progress: Progress | None, *, local_only: bool) -> Path:
+def _fetch(
+    hub: HubSpec, progress: Progress | None, *, local_only: bool, weights: bool = True
+) -> Path:
     from huggingface_hub import hf_hub_download, snapshot_download
 
     kw = _hub_kw()
@@ -353,13 +359,13 @@ def _fetch(hub: HubSpec, progress: Progress | None, *, local_only: bool) -> Path
         path = snapshot_download(
             hub.repo,
             revision=hub.revision,
-            allow_patterns=list(FOLDER_FILES),
+            allow_patterns=list(FOLDER_FILES if weights else NO_WEIGHTS),
             local_files_only=local_only,
             tqdm_class=_progress_class(progress, hub.repo),
             **kw,
         )
         folder = Path(path)
-        _check_complete(hub, folder)
+        _check_complete(hub, folder, weights)
         return folder
     except ModelError:
         raise
@@ -367,11 +373,14 @@ def _fetch(hub: HubSpec, progress: Progress | None, *, local_only: bool) -> Path
         raise _hub_error(hub, e) from None
 
 
-def _check_complete(hub: HubSpec, folder: Path) -> None:
-    """ModelError unless a snapshot holds a loadable folder (config, tokenizer and every shard)."""
+def _check_complete(hub: HubSpec, folder: Path, weights: bool = True) -> None:
+    """ModelError unless a snapshot holds a loadable folder (config, tokenizer and, with
+    ``weights``, every shard)."""
     for name in ("config.json", "tokenizer.json"):
         if not (folder / name).is_file():
             raise ModelError(f"{hub}: {name} is missing from the downloaded snapshot")
+    if not weights:
+        return
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
@@ -426,6 +435,8 @@ class LocalModel:
     architecture: str = "?"
     precision: str = "?"
     files: list[str] = field(default_factory=list)
+    #: False for a configuration and tokenizer alone (what a client of a remote engine fetches)
+    weights: bool = True
 
 
 def list_models() -> list[LocalModel]:
@@ -464,6 +475,7 @@ def _describe(m: LocalModel) -> None:
             raw = json.loads((m.path / "config.json").read_text(encoding="utf-8"))
             m.architecture = (raw.get("architectures") or ["?"])[0]
             m.precision = raw.get("dtype") or raw.get("torch_dtype") or "?"
+            m.weights = any(m.path.glob("*.safetensors"))
     except (ModelError, OSError, ValueError):
         pass
 

@@ -27,13 +27,18 @@ class DaemonError(RuntimeError):
     """The daemon cannot start as asked (a refused option, or a start that did not come up)."""
 
 
-def resolve_models(models: Sequence[str | None], progress: Progress | None = None) -> list[Path]:
+def resolve_models(
+    models: Sequence[str | None], progress: Progress | None = None, weights: bool = True
+) -> list[Path]:
     """The models a daemon serves, as absolute paths (None or an empty list: the default model):
     a folder or a .gguf file as itself, a catalogue name or ``hf:ORG/REPO`` as its folder in the
     Hugging Face cache, downloaded first when it is not there (``progress`` hears the bytes;
-    None: a progress bar on stderr), as ``spark-lsp serve --model`` takes them."""
+    None: a progress bar on stderr), as ``spark-lsp serve --model`` takes them.  ``weights=False``:
+    what a client of a daemon elsewhere reads (configuration and tokenizer), not the weights."""
     return [
-        (resolve_model(m, progress=progress) or default_model_dir()).expanduser().resolve()
+        (resolve_model(m, progress=progress, weights=weights) or default_model_dir())
+        .expanduser()
+        .resolve()
         for m in (models or [None])
     ]
 

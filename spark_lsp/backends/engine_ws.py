@@ -451,8 +451,9 @@ def load(
     the model at `precision`), or (after MAX_FAILURES failed connections, a second apart) the
     in-process engine that `fallback` loads.  A catalogue name or hf: spec is resolved (and
     downloaded, `progress` hearing the bytes) here first: this server builds the prompts with the
-    model's tokenizer, and a daemon it starts loads the same folder."""
-    folder = str(launch.resolve_models([model_dir], progress)[0])
+    model's tokenizer, and a daemon `auto` starts loads the same folder; for a daemon at a given
+    URL, which holds the weights itself, only the configuration and tokenizer are fetched."""
+    folder = str(launch.resolve_models([model_dir], progress, weights=target == "auto")[0])
     for attempt in range(1, MAX_FAILURES + 1):
         try:
             return EngineServiceModel(target, folder, fallback=fallback, precision=precision)

@@ -92,6 +92,7 @@ def run_list(args) -> int:
                             "architecture": m.architecture,
                             "precision": m.precision,
                             "files": m.files,
+                            "weights": m.weights,
                         }
                         for m in local
                     ],
@@ -106,7 +107,16 @@ def run_list(args) -> int:
         print(
             _table(
                 [["REPOSITORY", "SIZE", "ARCHITECTURE", "PRECISION", "PATH"]]
-                + [[m.repo, _size(m.size), m.architecture, m.precision, str(m.path)] for m in local]
+                + [
+                    [
+                        m.repo,
+                        _size(m.size),
+                        m.architecture,
+                        m.precision if m.weights else "no weights (tokenizer only)",
+                        str(m.path),
+                    ]
+                    for m in local
+                ]
             )
         )
     else:

@@ -101,6 +101,23 @@ def test_pull_fetches_only_the_engine_files_and_loads(hub, tiny_qwen2, tmp_path_
     assert a.name == a.tokenizer.name == "tiny-qwen2"
 
 
+def test_a_remote_engines_client_fetches_no_weights_until_asked(hub):
+    """`weights=False` (a language server whose engine is a daemon elsewhere): the configuration
+    and tokenizer alone, listed as such; a later full resolve fetches the weights into the same
+    snapshot."""
+    folder = H.resolve_model(f"hf:{REPO}", progress=lambda *a: None, weights=False)
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "tokenizer.json"} <= names and not any(
+        ".safetensors" in n for n in names
+    )
+    fetched = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+    assert fetched and not any(".safetensors" in p for p in fetched)
+    [m] = H.list_models()
+    assert not m.weights
+    assert H.resolve_model(f"hf:{REPO}", progress=lambda *a: None) == folder
+    assert (folder / "model.safetensors").is_file() and H.list_models()[0].weights
+
+
 def test_tune_takes_a_hub_model(hub, tmp_path):
     """`spark-lsp tune --model hf:ORG/REPO` (or a catalogue name): the downloaded folder's
     decision, as the server looks it up for that model."""

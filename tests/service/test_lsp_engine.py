@@ -194,6 +194,33 @@ async def test_auto_with_a_hub_model_downloads_it_here_and_its_daemon_serves_it(
                 stop(pid)
 
 
+async def test_a_given_daemon_with_a_hub_model_fetches_only_its_tokenizer(
+    tiny_llama, run_dir, tmp_path, monkeypatch
+):
+    """`engine: ws://…` and `--model hf:ORG/REPO`: the daemon holds the weights, so this server
+    fetches the configuration and tokenizer only (a 7B model's 15 GB stay on the Hub)."""
+    proc, rec = start_daemon(tiny_llama)
+    try:
+        with FakeHub() as hub:
+            hub.add_folder("test-org/tiny-llama", tiny_llama)
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+            client, ed = await start_editor("hf:test-org/tiny-llama", {"engine": rec["url"]})
+            try:
+                ed.open(URI, SAMPLE)
+                assert isinstance(await ed.inline(URI, OFFSETS[0]), T.InlineCompletionList)
+                metrics = await ed.metrics()
+                assert metrics["model"] == "tiny-llama" and metrics["engine"]["connected"]
+                fetched = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+                assert any(p.endswith("/tokenizer.json") for p in fetched)
+                assert not any(".safetensors" in p for p in fetched)
+            finally:
+                await client.shutdown_session()
+                await client.stop()
+    finally:
+        stop(proc.pid)
+
+
 async def test_auto_with_a_gguf_model_suggests_what_it_does_in_process(
     tiny_llama, run_dir, tmp_path
 ):
