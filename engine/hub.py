@@ -387,7 +387,10 @@ def _check_complete(hub: HubSpec, folder: Path, weights: bool = True) -> None:
         if not all((folder / s).is_file() for s in shards):
             raise ModelError(f"{hub}: some weight shards are missing from the downloaded snapshot")
     elif not (folder / "model.safetensors").is_file():
-        raise ModelError(f"{hub}: no safetensors weights in the downloaded snapshot")
+        raise ModelError(
+            f"{hub}: no safetensors weights in the downloaded snapshot (a client of a remote "
+            f"engine fetches the tokenizer only; `spark-lsp models pull {hub}` fetches them)"
+        )
 
 
 def _repo_files(hub: HubSpec) -> list[str]:

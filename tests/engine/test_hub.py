@@ -101,7 +101,7 @@ def test_pull_fetches_only_the_engine_files_and_loads(hub, tiny_qwen2, tmp_path_
     assert a.name == a.tokenizer.name == "tiny-qwen2"
 
 
-def test_a_remote_engines_client_fetches_no_weights_until_asked(hub):
+def test_a_remote_engines_client_fetches_no_weights_until_asked(hub, monkeypatch):
     """`weights=False` (a language server whose engine is a daemon elsewhere): the configuration
     and tokenizer alone, listed as such; a later full resolve fetches the weights into the same
     snapshot."""
@@ -114,6 +114,10 @@ def test_a_remote_engines_client_fetches_no_weights_until_asked(hub):
     assert fetched and not any(".safetensors" in p for p in fetched)
     [m] = H.list_models()
     assert not m.weights
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="models pull"):
+        H.resolve_model(f"hf:{REPO}")  # offline, the weights cannot come: says how to get them
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     assert H.resolve_model(f"hf:{REPO}", progress=lambda *a: None) == folder
     assert (folder / "model.safetensors").is_file() and H.list_models()[0].weights
 
