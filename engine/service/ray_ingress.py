@@ -25,6 +25,7 @@ from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed
 
 from ..params import GenerationParams
+from ..source import open_model
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from . import tls
@@ -434,7 +435,7 @@ class EngineIngress:
         self.sockets = (
             ReplicaSockets(list(shards), token, direct.get("tls_cert")) if direct else None
         )
-        self.tokenizer = Tokenizer.load(model_dir)
+        self.tokenizer = open_model(model_dir).tokenizer  # a folder's, or a GGUF file's
         self.token = token
         self.origins = set(origins)
         self.info: dict[str, Any] | None = None

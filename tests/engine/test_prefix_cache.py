@@ -7,6 +7,7 @@ import pytest
 from engine_helpers import greedy, hf_greedy, load_engine, random_ids
 
 import engine.engine as engine_mod
+import engine.source as source_mod
 from engine import Engine, graph_cache
 from engine.prefix_cache import common_prefix
 from engine.sampling import Sampler
@@ -61,7 +62,7 @@ def test_graph_cache_hit_on_second_load(tiny_qwen2, tmp_path, monkeypatch):
         raise AssertionError("the graph was rebuilt although it is cached")
 
     monkeypatch.setattr(engine_mod, "build_decoder", no_build)
-    monkeypatch.setattr(engine_mod, "open_weights", no_build)
+    monkeypatch.setattr(source_mod, "open_weights", no_build)  # where a load reads weights
     second = Engine.load(tiny_qwen2, cache_dir=tmp_path, wafer=False)
     assert not second.graph_built and graph_cache.builds == before + 1
     assert second.graph_path == first.graph_path

@@ -355,6 +355,52 @@ def test_a_replica_serves_its_socket_and_serve_alike():
     assert replica.server is None  # closed when Serve stops the replica
 
 
+def test_a_gguf_model_deploys_and_generates_what_it_does_in_process(url, connect, ca, tmp_path):
+    """`engine serve --ray --model FILE.gguf`: the ingress reads the file's tokenizer, the
+    replica loads the file, and the tokens are the in-process engine's for that file."""
+    from urllib.parse import urlsplit
+
+    from gguf_files import write_gguf
+
+    from engine import Engine
+
+    gguf = write_gguf(default_model_dir(), tmp_path / "mini-q8_0.gguf", qtype="Q8_0")
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    local = Engine.load(gguf)
+    gen = local.generate(PROMPT, params)
+    for _ in gen:  # generates while it is read
+        pass
+    want = list(gen.tokens)
+    gurl = ray_app.deploy(
+        str(gguf),
+        port=urlsplit(url).port,
+        replicas=1,
+        token=TOKEN,
+        num_cpus=0.25,
+        tls_cert=ca["cert"],
+        tls_key=ca["key"],
+        name="gguf",
+        route_prefix="/gguf",
+    )
+
+    async def scenario():
+        c = await connect(gurl, TOKEN)
+        try:
+            gen = await (await c.generate(PROMPT, params, slot="gguf")).wait()
+            return c.hello["models"], gen.tokens
+        finally:
+            await c.close()
+
+    try:
+        models, got = run(scenario())
+    finally:
+        from ray import serve
+
+        serve.delete("gguf")
+    assert [m["name"] for m in models] == ["mini-q8_0"]
+    assert got == want
+
+
 def test_direct_endpoints_listen_only_where_clients_can_reach_them():
     here = ray.util.get_node_ip_address()
     assert ray_replica.direct_bind(None, here) is None  # --no-direct
