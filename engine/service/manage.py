@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import model_name
+from ..config import ModelError, model_name
+from ..hub import parse_spec
 from . import rundir
 from .client_core import EngineUnavailable
 
@@ -163,7 +164,21 @@ def _matches(svc: Service, want: str) -> bool:
     if want in (svc.key, str(svc.pid), svc.url, svc.url.rstrip("/")):
         return True
     path = str(Path(want).expanduser().resolve()) if os.sep in want or want == "." else None
-    return want in svc.names or (path is not None and path in svc.models)
+    return (
+        want in svc.names
+        or (path is not None and path in svc.models)
+        or _repository_name(want) in svc.names
+    )
+
+
+def _repository_name(want: str) -> str | None:
+    """The name a daemon gives the Hub folder model that a catalogue name or ``hf:ORG/REPO``
+    (what it was started with) resolves to: the repository's; None for anything else."""
+    try:
+        hub = parse_spec(want)
+    except ModelError:
+        return None
+    return hub.repo.rsplit("/", 1)[-1] if hub is not None and hub.file is None else None
 
 
 def stop(

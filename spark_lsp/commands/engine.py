@@ -60,7 +60,13 @@ def register(subparsers) -> None:
         "generations, sends their last messages and removes its record; editors on it "
         "reconnect (`engine: auto` starts a new one).",
     )
-    st.add_argument("which", nargs="*", metavar="MODEL", help="model, key, pid or URL")
+    st.add_argument(
+        "which",
+        nargs="*",
+        metavar="MODEL",
+        help="a model (its name, folder, or the catalogue name or hf: spec it was served as), "
+        "key, pid or URL",
+    )
     st.add_argument("--all", action="store_true", help="stop every engine service you run")
     st.add_argument(
         "--timeout", type=float, default=15.0, help="seconds to wait for each to exit (15)"

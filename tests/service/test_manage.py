@@ -160,3 +160,14 @@ def test_select_matches_names_paths_keys_and_urls(tmp_path):
     assert manage.select([], [], True) == []
     with pytest.raises(manage.ManageError):
         manage.select([svc], ["qwe"], False)
+    # a Hub model: by its name (the repository's), or as it was served, by catalogue name or hf:
+    hub = manage.Service(
+        key="e" * 16,
+        pid=2,
+        url="ws://127.0.0.1:8/",
+        models=["/c/hub/models--Qwen--Qwen2.5-Coder-0.5B/snapshots/0123abc"],
+    )
+    for want in ("Qwen2.5-Coder-0.5B", "qwen2.5-coder-0.5b", "hf:Qwen/Qwen2.5-Coder-0.5B"):
+        assert manage.select([svc, hub], [want], False) == [hub]
+    with pytest.raises(manage.ManageError):
+        manage.select([svc, hub], ["qwen2.5-coder-1.5b"], False)
