@@ -104,7 +104,7 @@ class EngineServiceModel:
             )
         self.target = target
         self.precision = precision  # of a daemon `auto` starts (one already running is joined)
-        folder = launch.resolve_models([model_dir])[0]
+        folder = launch.resolve_models([model_dir], weights=target == "auto")[0]
         self.model_dir = folder
         self.name = model_name(folder)
         self.tokenizer = shared_tokenizer(folder)
