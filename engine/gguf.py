@@ -17,7 +17,9 @@ engine never knows where a model came from:
 
 Quantised files keep their precision through the engine's own quantiser
 (:func:`default_precision`): Q8_0 blocks (32 weights, one scale) requantise exactly to
-MatMulNBits' symmetric 8-bit blocks of 32; 4-bit and K-quant files are requantised to 4 bits.
+MatMulNBits' symmetric 8-bit blocks of 32; 4-bit and K-quant files are requantised to 4 bits
+(the emitter that keeps Q8_0 and Q4_0 blocks as they are is :mod:`engine.gguf_quant`'s, apart so
+that reading a file imports no graph builder).
 """
 
 from __future__ import annotations
