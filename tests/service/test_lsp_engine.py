@@ -75,6 +75,15 @@ async def suggestions(ed, offsets: list[int]) -> list[list[str]]:
     return out
 
 
+async def close(clients, pids=()) -> None:
+    """Shut the editors' servers down, then stop the daemons they used."""
+    for client in clients:
+        await client.shutdown_session()
+        await client.stop()
+    for pid in pids:
+        stop(pid)
+
+
 OFFSETS = [SAMPLE.index(s) + len(s) for s in ("total = add(", "out.append(", "def scale(")]
 
 
@@ -148,11 +157,7 @@ async def test_auto_starts_one_daemon_that_two_servers_share_and_survives_its_de
         assert new is not None and new["pid"] != rec["pid"]
         pids.append(new["pid"])
     finally:
-        for client in (a, b):
-            await client.shutdown_session()
-            await client.stop()
-        for pid in pids:
-            stop(pid)
+        await close((a, b), pids)
 
 
 async def test_auto_with_a_hub_model_downloads_it_here_and_its_daemon_serves_it(
@@ -188,10 +193,7 @@ async def test_auto_with_a_hub_model_downloads_it_here_and_its_daemon_serves_it(
             assert metrics["engine"]["connected"] and metrics["engine"]["engine"] == rec["url"]
             assert engine_libraries(client._server.pid) == []  # resolving loaded no runtime
         finally:
-            await client.shutdown_session()
-            await client.stop()
-            for pid in pids:
-                stop(pid)
+            await close([client], pids)
 
 
 async def test_a_given_daemon_with_a_hub_model_fetches_only_its_tokenizer(
@@ -215,8 +217,7 @@ async def test_a_given_daemon_with_a_hub_model_fetches_only_its_tokenizer(
                 assert any(p.endswith("/tokenizer.json") for p in fetched)
                 assert not any(".safetensors" in p for p in fetched)
             finally:
-                await client.shutdown_session()
-                await client.stop()
+                await close([client])
     finally:
         stop(proc.pid)
 
@@ -249,10 +250,7 @@ async def test_auto_with_a_gguf_model_suggests_what_it_does_in_process(
         metrics = await ed.metrics()
         assert metrics["model"] == "tiny-llama-q8_0" and metrics["engine"]["connected"]
     finally:
-        await client.shutdown_session()
-        await client.stop()
-        for pid in pids:
-            stop(pid)
+        await close([client], pids)
 
 
 def test_engine_serve_takes_a_hub_model(tiny_llama, run_dir, tmp_path, monkeypatch):
