@@ -87,7 +87,12 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout, for the daemons' PYT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="model folder (default: the bundled model)")
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a model folder, .gguf file, catalogue name, hf:ORG/REPO or synthetic-* model "
+        "(default: the bundled model)",
+    )
     p.add_argument(
         "--file", metavar="PY", help=f"Python file to type into (default: stdlib {DEFAULT_FILE})"
     )
@@ -492,6 +497,10 @@ def run(args, plot=None) -> int:
         plot = bench_plot.plotter_for_run("service", plot)
         if plot is None:
             return 2
+    if args.model:  # a name: resolved once (downloaded, or written: synthetic-*) for every runner
+        from engine.lab.models import resolve_model
+
+        args.model = str(resolve_model(args.model))
     labels = {"inproc": "inproc", **LABELS[bool(args.tls)]}
     names = {**{v: k for k, v in labels.items()}, "inproc": "inproc", "ws": "ws", "sse": "sse"}
     given = [t.strip() for t in args.transports.split(",") if t.strip()]
@@ -504,6 +513,7 @@ def run(args, plot=None) -> int:
     uri, trace = prompts(args, engine.tokenizer)
     params = GenerationParams(max_new_tokens=args.max_tokens, ignore_eos=True)
     results: dict[str, Any] = {
+        "model": str(engine.model_dir),
         "keystrokes": len(trace),
         "max_tokens": args.max_tokens,
         "tls": bool(args.tls),

@@ -38,6 +38,23 @@ def test_bench_service_reports_every_transport(capsys):
 
 
 @pytest.mark.slow
+def test_bench_service_takes_a_hub_model(capsys, tiny_llama, tmp_path, monkeypatch):
+    """`--model hf:ORG/REPO` (or a catalogue name) is resolved once, as `serve` resolves it, and
+    every runner (here the daemon) uses that folder."""
+    from fake_hub import FakeHub
+
+    with FakeHub() as hub:
+        hub.add_folder("test-org/tiny-llama", tiny_llama)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        args = ["--model", "hf:test-org/tiny-llama", "--max-chars", "6", "--max-tokens", "4"]
+        assert bench_service.main([*args, "--cancels", "0", "--transports", "ws", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "/models--test-org--tiny-llama/snapshots/" in out["model"]
+    assert out["transports"]["ws"]["keystrokes"] == out["keystrokes"] >= 3
+
+
+@pytest.mark.slow
 def test_bench_service_over_tls_labels_wss_and_https_sse(capsys, tmp_path):
     """--tls: the daemon serves wss:// and the endpoint https:// (a throwaway certificate); the
     table and --json name the transports wss and https-sse and keep the ratio lines; --plot
