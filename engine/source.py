@@ -36,6 +36,13 @@ class ModelSource:
         return open_weights(self.path, self.config)
 
 
+def model_config(model_dir: str | Path) -> ModelConfig:
+    """A model folder's or a ``.gguf`` file's configuration alone (a GGUF's from its header):
+    :func:`open_model`'s without the tokenizer, for a caller that holds that already."""
+    path = Path(model_dir).expanduser()
+    return GGUFModel(path).config() if is_gguf(path) else load_config(path)
+
+
 def open_model(model_dir: str | Path) -> ModelSource:
     """A model folder or a ``.gguf`` file, its config and tokenizer read and validated."""
     path = Path(model_dir).expanduser()

@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.cancel import CancelToken
-from engine.config import load_config, model_name
-from engine.gguf import GGUFModel, is_gguf
+from engine.config import model_name
 from engine.service import launch, rundir, tls
 from engine.service.client_core import EngineUnavailable
 from engine.service.steering import MATCH, Piece, common_chars, judge
 from engine.service.sync_client import SyncEngineClient
-from engine.source import open_model
+from engine.source import model_config, open_model
 from engine.tokenizer import Tokenizer
 
 from .base import BackendError, Chunk
@@ -68,11 +67,6 @@ def shared_tokenizer(folder: Path) -> Tokenizer:
             tok = open_model(folder).tokenizer
             _TOKENIZERS[key] = tok
         return tok
-
-
-def model_config(folder: Path) -> Any:
-    """The configuration of a model folder or a GGUF file (its header's)."""
-    return GGUFModel(folder).config() if is_gguf(folder) else load_config(folder)
 
 
 def token_for(url: str) -> str | None:
