@@ -184,6 +184,16 @@ def parse_spec(spec: str) -> HubSpec | None:
     return HubSpec(repo, rev or None, file or None)
 
 
+def served_name(spec: str) -> str | None:
+    """The name an engine service gives the model a catalogue name or ``hf:`` spec resolves to
+    (``config.model_name`` of its folder or file: the repository's name, or the GGUF file's
+    stem), known without resolving it; None for a local path."""
+    hub = parse_spec(spec)
+    if hub is None:
+        return None
+    return Path(hub.file).stem if hub.file else hub.repo.rsplit("/", 1)[-1]
+
+
 # -- environment (read per call: huggingface_hub reads it once, at import) ------------------------
 
 

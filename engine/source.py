@@ -8,6 +8,7 @@ or ONNX Runtime.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,3 +54,50 @@ def open_model(model_dir: str | Path) -> ModelSource:
         raise ModelError(f"{path}: neither a model folder nor a GGUF file")
     folder = model_path(path)
     return ModelSource(folder, load_config(folder), Tokenizer.load(folder))
+
+
+#: The files of a model folder a tokenizer, a configuration and a chat template are read from
+#: (``Tokenizer.load``, ``load_config``, ``spark_lsp.chat``): all that a client of an engine
+#: service elsewhere needs of its model (``prompt_files``).
+PROMPT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+def prompt_files(model_dir: str | Path, tokenizer: Tokenizer | None = None) -> dict[str, str]:
+    """The ``PROMPT_FILES`` of a model folder, or of a GGUF file as a folder would hold them (its
+    header's configuration, its tokenizer in ``tokenizers`` JSON, its special tokens and chat
+    template in ``tokenizer_config.json``): a folder of these files loads the same tokenizer and
+    configuration as the model itself (``open_model``, ``model_config``).  Text by file name.
+    ``tokenizer``: a GGUF's, when loaded already (made from the file's vocabulary otherwise)."""
+    path = Path(model_dir).expanduser()
+    if is_gguf(path):
+        gg = GGUFModel(path)
+        tok = tokenizer if tokenizer is not None else gg.tokenizer()
+        special = {
+            key: tok.id_to_token(i)
+            for key, i in (("bos_token", tok.bos_id), ("pad_token", tok.pad_id))
+            if i is not None and tok.id_to_token(i) is not None
+        }
+        template = gg.value("tokenizer.chat_template", None)
+        if isinstance(template, str) and template.strip():
+            special["chat_template"] = template
+        return {
+            "config.json": json.dumps(gg.hf_config(), indent=1),
+            "tokenizer.json": tok.serialized(),
+            "tokenizer_config.json": json.dumps(special, indent=1, ensure_ascii=False),
+        }
+    folder = model_path(path)
+    out = {}
+    for name in PROMPT_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                out[name] = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ModelError(f"{f}: cannot read: {e}") from None
+    return out

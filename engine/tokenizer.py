@@ -328,6 +328,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def serialized(self) -> str:
+        """The vocabulary and its rules as a ``tokenizer.json`` (the ``tokenizers`` format)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

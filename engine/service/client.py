@@ -32,6 +32,7 @@ from .client_core import (
     ssl_for,
     unreachable,
 )
+from .model_files import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class EngineClient(Dispatch):
         self._gens: dict[str, RemoteGeneration] = {}
         self._steers: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
+        self._receiving: dict[str, Receiver] = {}
         self._sending: set[asyncio.Future] = set()  # messages sent with nobody waiting
         self._ids = itertools.count(1)
         self.closed = False
@@ -324,6 +326,19 @@ class EngineClient(Dispatch):
         await self._send({"type": "status", "id": rid})
         return await fut
 
+    async def model_files(self, model: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+        """A served model's prompt files (``engine.service.model_files``): (the closing
+        ``model_files`` message, the files by name), as SyncEngineClient.model_files."""
+        rid = f"f{next(self._ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[rid] = fut
+        self._receiving[rid] = Receiver()
+        msg: dict[str, Any] = {"type": "model_files", "id": rid}
+        if model is not None:
+            msg["model"] = model
+        await self._send(msg)
+        return await fut
+
     async def send_raw(self, data: str | bytes) -> None:
         """Send a frame as is (protocol tests)."""
         await self.ws.send(data)
@@ -387,6 +402,7 @@ class EngineClient(Dispatch):
                 fut.set_exception(EngineUnavailable(reason))
         self._steers.clear()
         self._replies.clear()
+        self._receiving.clear()
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         resend = self._apply(msg)

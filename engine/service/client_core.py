@@ -28,6 +28,7 @@ from . import protocol as P
 from . import tls
 from .address import is_loopback
 from .cancel_flags import CancelFlags
+from .model_files import ModelFilesError, Receiver
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class Dispatch:
     _gens: dict[str, Any]
     _steers: dict[str, Any]
     _replies: dict[str, Any]
+    _receiving: dict[str, Receiver]  # model_files requests: their chunks so far
     _deltas: PromptDeltas
     last_error: Exception | None
     _flags: CancelFlags | None = None
@@ -271,6 +273,8 @@ class Dispatch:
             fut = self._replies.pop(msg.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif kind in ("model_file", "model_files"):
+            self._model_files(kind, gid, msg)
         elif kind == "error":
             whole = self._deltas.accepted(gid) if gid else None
             if msg.get("code") == P.UNKNOWN_BASE and whole is not None and gid in self._gens:
@@ -281,8 +285,31 @@ class Dispatch:
                 self._ended_flag(gen)
                 gen._finish("error", {}, {"code": err.code, "message": err.message})
             fut = self._replies.pop(gid, None) if gid else None
+            self._receiving.pop(gid, None)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
             if gen is None and fut is None:
                 self.last_error = err
         return None
+
+    def _model_files(self, kind: str, gid: Any, msg: dict[str, Any]) -> None:
+        """A chunk (``model_file``) or the end (``model_files``) of the answer to a
+        ``model_files`` request: the request's future gets (the closing message, the files), or
+        the ModelFilesError of files that cannot be taken."""
+        receiver = self._receiving.get(gid)
+        if receiver is None:
+            return
+        try:
+            if kind == "model_file":
+                receiver.add(msg)
+                return
+            result: Any = (msg, receiver.finish(msg))
+        except ModelFilesError as e:
+            result = e
+        del self._receiving[gid]
+        fut = self._replies.pop(gid, None)
+        if fut is not None and not fut.done():
+            if isinstance(result, ModelFilesError):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)

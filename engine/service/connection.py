@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelError
+from . import model_files, steering
 from . import protocol as P
-from . import steering
 from .cancel_flags import CancelFlags
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,24 @@ class Session:
             if msg.id is not None:
                 reply["id"] = msg.id
             return self._reply(reply)
+        if isinstance(msg, P.ModelFiles):
+            return self._model_files(msg)
         raise AssertionError(msg)
+
+    def _model_files(self, msg: P.ModelFiles) -> None:
+        """Send a model's prompt files (``engine.service.model_files``), in chunks."""
+        try:
+            name, files, digest = self.models.prompt_files(msg.model)
+        except KeyError:
+            raise P.ProtocolError(P.UNKNOWN_MODEL, self._no_model(msg.model), msg.id) from None
+        except ModelError as e:
+            raise P.ProtocolError(P.UNAVAILABLE, str(e), msg.id) from None
+        log.info("engine client %s: sending the prompt files of %s", self.peer, name)
+        for part in model_files.chunks(msg.id, name, files, digest):
+            self._reply(part)
+
+    def _no_model(self, name: str | None) -> str:
+        return f"no model {name!r}; this server has {[m['name'] for m in self.models.describe()]}"
 
     def _hello(self, msg: P.Hello) -> None:
         common = sorted(set(msg.versions) & set(P.SUPPORTED_VERSIONS))
@@ -315,12 +332,7 @@ class Session:
         try:
             ids = self.models.encode(msg.model, prompt)
         except KeyError:
-            raise P.ProtocolError(
-                P.UNKNOWN_MODEL,
-                f"no model {msg.model!r}; this server has "
-                f"{[m['name'] for m in self.models.describe()]}",
-                msg.id,
-            ) from None
+            raise P.ProtocolError(P.UNKNOWN_MODEL, self._no_model(msg.model), msg.id) from None
         except (ValueError, ModelError) as e:
             raise P.ProtocolError(P.BAD_PROMPT, str(e), msg.id) from None
         self._remember(msg.id, prompt if isinstance(prompt, array) else ids)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..cancel import CancelToken
 from ..config import ModelError
+from .model_files import ServedFiles
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -175,9 +176,24 @@ class LocalModels:
             self.engines[eng.name] = eng
         self.default = next(iter(self.engines))
         self.workers = Workers()
+        self.files = ServedFiles()
+        self._digests = {
+            name: self.files.offer(e.model_dir, e.tokenizer) for name, e in self.engines.items()
+        }
 
     def describe(self) -> list[dict[str, Any]]:
-        return [describe(e) for e in self.engines.values()]
+        out = []
+        for name, eng in self.engines.items():
+            info = describe(eng)
+            if self._digests[name] is not None:
+                info["files"] = self._digests[name]
+            out.append(info)
+        return out
+
+    def prompt_files(self, name: str | None) -> tuple[str, dict[str, str], str]:
+        """(name, prompt files, digest) of a model (``engine.service.model_files``)."""
+        eng = self.get(name)
+        return (eng.name, *self.files.read(eng.model_dir, eng.tokenizer))
 
     def get(self, name: str | None) -> Engine:
         eng = self.engines.get(name or self.default)

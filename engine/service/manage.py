@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelError, model_name
-from ..hub import parse_spec
+from ..hub import served_name
 from . import rundir
 from .client_core import EngineUnavailable
 
@@ -172,13 +172,12 @@ def _matches(svc: Service, want: str) -> bool:
 
 
 def _repository_name(want: str) -> str | None:
-    """The name a daemon gives the Hub folder model that a catalogue name or ``hf:ORG/REPO``
-    (what it was started with) resolves to: the repository's; None for anything else."""
+    """The name a daemon gives the Hub model a catalogue name or ``hf:ORG/REPO[:FILE]`` (what it
+    was started with) resolves to; None for anything else."""
     try:
-        hub = parse_spec(want)
+        return served_name(want)
     except ModelError:
         return None
-    return hub.repo.rsplit("/", 1)[-1] if hub is not None and hub.file is None else None
 
 
 def stop(

@@ -4,8 +4,8 @@ This module only parses and builds messages (no I/O), so the daemon, the Ray Ser
 the client share one definition of the protocol.  docs/engine-protocol.md is its reference.
 
 Every message is a JSON object with a ``type``.  Client → server: ``hello``, ``generate``,
-``cancel``, ``steer``, ``status``.  Server → client: ``hello``, ``tokens``, ``done``, ``steer``,
-``status``, ``error``.  A bad message is answered with an ``error`` carrying a code; the socket
+``cancel``, ``steer``, ``status``, ``model_files``.  Server → client: ``hello``, ``tokens``,
+``done``, ``steer``, ``status``, ``model_file``, ``model_files``, ``error``.  A bad message is answered with an ``error`` carrying a code; the socket
 stays open.
 """
 
@@ -183,6 +183,14 @@ class Status:
     id: str | None
 
 
+@dataclass(frozen=True)
+class ModelFiles:
+    """A request for a model's prompt files (``engine.service.model_files``)."""
+
+    id: str
+    model: str | None
+
+
 def encode(msg: dict[str, Any]) -> str:
     return json.dumps(msg, separators=(",", ":"), ensure_ascii=False)
 
@@ -216,7 +224,7 @@ def _req_id(msg: dict[str, Any]) -> str:
     return v
 
 
-def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status:
+def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status | ModelFiles:
     """A decoded client message as its typed form; ProtocolError when it is malformed."""
     kind = msg["type"]
     if kind == "hello":
@@ -261,6 +269,13 @@ def parse(msg: dict[str, Any]) -> Hello | Generate | Cancel | Steer | Status:
         return Steer(gid, text, sid)
     if kind == "status":
         return Status(_id_of(msg))
+    if kind == "model_files":
+        gid = _req_id(msg)
+        try:
+            return ModelFiles(gid, _opt_str(msg, "model"))
+        except ProtocolError as e:
+            e.id = gid
+            raise
     raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}", _id_of(msg))
 
 

@@ -14,7 +14,7 @@ import hmac
 import http
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed
 
+from ..config import ModelError
 from ..params import GenerationParams
 from ..source import open_model
 from ..tokenizer import Tokenizer
@@ -32,6 +33,7 @@ from . import tls
 from .client import EngineClient
 from .client_core import DISCONNECTED, EngineUnavailable
 from .connection import Connection
+from .model_files import ServedFiles
 from .placement import Shards
 from .ray_replica import direct_bind
 from .server import bearer, peer_name
@@ -52,6 +54,7 @@ class RayModels:
         info: dict[str, Any],
         direct: str | None = None,
         sockets: "ReplicaSockets | None" = None,
+        files: Callable[[], tuple[dict[str, str], str]] | None = None,
     ) -> None:
         self.shards = shards
         self.sockets = sockets
@@ -59,6 +62,7 @@ class RayModels:
         self.info = {k: v for k, v in info.items() if k != "replica"}
         self.name = info["name"]
         self.direct = direct  # this ingress replica's own endpoint, offered in ``hello``
+        self._files = files  # the model's prompt files, when the ingress offers them
 
     def describe(self) -> list[dict[str, Any]]:
         return [self.info]
@@ -82,6 +86,13 @@ class RayModels:
     def tokenizer(self, name: str | None) -> Tokenizer:
         self._check(name)
         return self.tok
+
+    def prompt_files(self, name: str | None) -> tuple[str, dict[str, str], str]:
+        """(name, prompt files, digest) of the model, read where this ingress runs."""
+        self._check(name)
+        if self._files is None:
+            raise ModelError(f"{self.name}: this service does not offer its model files")
+        return (self.name, *self._files())
 
     def _check(self, name: str | None) -> None:
         if name not in (None, self.name):
@@ -436,6 +447,9 @@ class EngineIngress:
             ReplicaSockets(list(shards), token, direct.get("tls_cert")) if direct else None
         )
         self.tokenizer = open_model(model_dir).tokenizer  # a folder's, or a GGUF file's
+        self.model_dir = model_dir
+        self.served = ServedFiles()  # its prompt files, offered to clients (``hello``'s files)
+        self.files_digest = self.served.offer(model_dir, self.tokenizer)
         self.token = token
         self.origins = set(origins)
         self.info: dict[str, Any] | None = None
@@ -461,8 +475,18 @@ class EngineIngress:
 
     async def _models(self, direct: str | None) -> RayModels:
         if self.info is None:
-            self.info = await self.shards.handles[0].describe.remote()
-        return RayModels(self.shards, self.tokenizer, self.info, direct, self.sockets)
+            info = await self.shards.handles[0].describe.remote()
+            if self.files_digest is not None:
+                info = {**info, "files": self.files_digest}
+            self.info = info
+        return RayModels(
+            self.shards,
+            self.tokenizer,
+            self.info,
+            direct,
+            self.sockets,
+            lambda: self.served.read(self.model_dir, self.tokenizer),
+        )
 
     @app.websocket("/")
     async def connect(self, ws: WebSocket) -> None:

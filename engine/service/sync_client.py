@@ -38,6 +38,7 @@ from .client_core import (
     unreachable,
 )
 from .direct import DirectClientConnection
+from .model_files import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class SyncEngineClient(Dispatch):
         self._gens: dict[str, SyncGeneration] = {}
         self._steers: dict[str, concurrent.futures.Future] = {}
         self._replies: dict[str, concurrent.futures.Future] = {}
+        self._receiving: dict[str, Receiver] = {}
         self._ids = itertools.count(1)
         self._deltas = PromptDeltas(0)
         self.closed = False
@@ -283,6 +285,23 @@ class SyncEngineClient(Dispatch):
         self._send_quietly({"type": "status", "id": rid})
         return fut.result(timeout)
 
+    def model_files(
+        self, model: str | None = None, timeout: float = 120.0
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """A served model's prompt files (``engine.service.model_files``): (the closing
+        ``model_files`` message, the files by name).  EngineRequestError when the service
+        refuses, ModelFilesError when what it sent cannot be taken."""
+        rid = f"f{next(self._ids)}"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._replies[rid] = fut
+            self._receiving[rid] = Receiver()
+        msg: dict[str, Any] = {"type": "model_files", "id": rid}
+        if model is not None:
+            msg["model"] = model
+        self._send_quietly(msg)
+        return fut.result(timeout)
+
     def close(self) -> None:
         with self._lock:
             if not self.closed:
@@ -354,6 +373,7 @@ class SyncEngineClient(Dispatch):
             self._gens.clear()
             self._steers.clear()
             self._replies.clear()
+            self._receiving.clear()
             self._deltas.clear()
         for gen in gens:
             gen._finish("error", {}, err)

@@ -4,15 +4,18 @@ Setting / flag `engine`: `local` (the in-process engine), `auto` (join the user'
 model, starting a detached one when none runs: N editor windows then share one model and one KV
 cache pool) or `ws://HOST:PORT` / `wss://HOST:PORT` (a given daemon or Ray Serve deployment; a
 `wss://` server's certificate is verified against the system's trust store and the CA bundle
-named by $SPARK_LSP_ENGINE_CA).  The server keeps the model folder's tokenizer and builds
-prompts itself, as with the in-process engine; the daemon receives token ids, so
-typing-through, prefix reuse (the slot is the document), supersede and cancel behave as
-in-process.
+named by $SPARK_LSP_ENGINE_CA).  The server keeps the model's tokenizer and builds prompts
+itself, as with the in-process engine; the daemon receives token ids, so typing-through, prefix
+reuse (the slot is the document), supersede and cancel behave as in-process.  A given daemon
+sends its model's configuration and tokenizer (`engine.service.model_files`, cached by digest):
+this machine needs neither the model nor the Hub, and `model` (unset: the daemon's first)
+chooses among the daemon's models.
 
 When the daemon goes away: the stream in flight ends with a `BackendError` (the editor is told
 once, through `on_health`), the next request reconnects (`auto` starts a new daemon), and after
 `MAX_FAILURES` failed connections in a row the server loads the engine in-process and goes on
-with it.
+with it (not when `model` is unset and the daemon serves another model than the bundled one:
+this machine has nothing to run).
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.cancel import CancelToken
-from engine.config import model_name
-from engine.service import launch, rundir, tls
-from engine.service.client_core import EngineUnavailable
+from engine.config import ModelError, model_name
+from engine.hub import served_name
+from engine.models import default_model_dir
+from engine.service import launch, model_files, rundir, tls
+from engine.service.client_core import EngineRequestError, EngineUnavailable
+from engine.service.model_files import ModelFilesError
 from engine.service.steering import MATCH, Piece, common_chars, judge
 from engine.service.sync_client import SyncEngineClient
 from engine.source import model_config, open_model
@@ -78,6 +84,14 @@ def token_for(url: str) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def wanted_name(spec: str | None) -> str | None:
+    """The name of the model setting `model` names, as a daemon names what it serves (None: not
+    set, the daemon's first model)."""
+    if not spec:
+        return None
+    return served_name(spec) or model_name(Path(spec).expanduser().resolve())
+
+
 class EngineServiceModel:
     """A `model_host.Model` whose generations run in the engine service."""
 
@@ -98,11 +112,15 @@ class EngineServiceModel:
             )
         self.target = target
         self.precision = precision  # of a daemon `auto` starts (one already running is joined)
-        folder = launch.resolve_models([model_dir], weights=target == "auto")[0]
-        self.model_dir = folder
-        self.name = model_name(folder)
-        self.tokenizer = shared_tokenizer(folder)
-        self.config = model_config(folder)
+        self.spec = model_dir
+        self.files_digest: str | None = None  # of the prompt files the daemon sent, if it did
+        if target == "auto":  # the daemon this server starts loads the folder resolved here
+            self._use(launch.resolve_models([model_dir])[0])
+        else:  # a daemon elsewhere: its model's files come from it, on connecting
+            self.model_dir: Path | None = None
+            self.name = wanted_name(model_dir)
+            self.tokenizer: Tokenizer | None = None
+            self.config: Any = None
         self.context: int | None = None
         self.needs_tuning = False
         self.on_health: Callable[[bool, str], None] | None = None
@@ -114,6 +132,16 @@ class EngineServiceModel:
         self._lock = threading.Lock()
         self.url = ""
         self._connect()
+        if model_dir is None and self.name != model_name(default_model_dir()):
+            # the daemon's model, not on this machine: an in-process engine would be another
+            # model, whose vocabulary this server's prompts are not in
+            self._fallback = None
+
+    def _use(self, folder: Path, name: str | None = None) -> None:
+        self.model_dir = folder
+        self.name = name or model_name(folder)
+        self.tokenizer = shared_tokenizer(folder)
+        self.config = model_config(folder)
 
     # -- connection ----------------------------------------------------------------------------
     def _connect(self) -> SyncEngineClient:
@@ -135,14 +163,27 @@ class EngineServiceModel:
             pinned_cert=pinned,
         )
         try:
-            info = next((m for m in client.hello["models"] if m.get("name") == self.name), None)
+            models = client.hello["models"]
+            info = next((m for m in models if m.get("name") == self.name), None)
             if info is None:
-                info = client.hello["models"][0]
-                log.warning(
-                    "engine service at %s has no model %s; using %s",
-                    url,
-                    self.name,
-                    info.get("name"),
+                info = models[0]
+                if self.name is not None:
+                    log.warning(
+                        "engine service at %s has no model %s; using %s",
+                        url,
+                        self.name,
+                        info.get("name"),
+                    )
+            if self.tokenizer is None:
+                self._take_model(client, info)
+            elif self.files_digest is not None and info.get("files") not in (
+                None,
+                self.files_digest,
+            ):
+                raise EngineUnavailable(
+                    f"the engine service at {url} now serves other files for "
+                    f"{info.get('name')} than when this server started (restart the server "
+                    "to use them)"
                 )
             if int(info.get("vocab_size", -1)) != int(self.config.vocab_size):
                 raise EngineUnavailable(
@@ -157,6 +198,23 @@ class EngineServiceModel:
         self._client = client
         log.info("generating with the engine service at %s (%s)", url, info.get("name"))
         return client
+
+    def _take_model(self, client: SyncEngineClient, info: dict[str, Any]) -> None:
+        """Read the model's configuration and tokenizer from the daemon (its prompt files,
+        cached here by their digest), or where it does not send them (an older service), from
+        the Hub or disk as `model` names it."""
+        digest = info.get("files")
+        if digest is None:
+            self._use(launch.resolve_models([self.spec], weights=False)[0])
+            return
+        try:
+            folder = model_files.fetch(digest, lambda: client.model_files(info.get("name"))[1])
+            self._use(folder, info.get("name"))
+        except (EngineRequestError, ModelFilesError, ModelError, TimeoutError) as exc:
+            raise EngineUnavailable(
+                f"cannot read {info.get('name')}'s tokenizer from the engine service: {exc}"
+            ) from None
+        self.files_digest = digest
 
     def _ensure(self) -> SyncEngineClient | None:
         """A live client (reconnecting if needed); None once the server fell back to local."""
@@ -443,14 +501,15 @@ def load(
 ) -> Any:
     """The model for `engine` = `target`: the engine service (a daemon that `auto` starts loads
     the model at `precision`), or (after MAX_FAILURES failed connections, a second apart) the
-    in-process engine that `fallback` loads.  A catalogue name or hf: spec is resolved (and
-    downloaded, `progress` hearing the bytes) here first: this server builds the prompts with the
-    model's tokenizer, and a daemon `auto` starts loads the same folder; for a daemon at a given
-    URL, which holds the weights itself, only the configuration and tokenizer are fetched."""
-    folder = str(launch.resolve_models([model_dir], progress, weights=target == "auto")[0])
+    in-process engine that `fallback` loads.  For `auto`, a catalogue name or hf: spec is
+    resolved (and downloaded, `progress` hearing the bytes) here first: this server builds the
+    prompts with the model's tokenizer, and the daemon it starts loads the same folder.  A daemon
+    at a given URL holds the model: its configuration and tokenizer come from it (`model` only
+    chooses among its models), so this machine needs neither the model nor the Hub."""
+    spec = str(launch.resolve_models([model_dir], progress)[0]) if target == "auto" else model_dir
     for attempt in range(1, MAX_FAILURES + 1):
         try:
-            return EngineServiceModel(target, folder, fallback=fallback, precision=precision)
+            return EngineServiceModel(target, spec, fallback=fallback, precision=precision)
         except EngineUnavailable as exc:
             log.warning(
                 "engine service %s: %s (attempt %d of %d)", target, exc, attempt, MAX_FAILURES

@@ -189,7 +189,8 @@ async def start_editor(model_dir, options=None, transport=None, capabilities=Non
         ed.status.append(plain(params))
 
     if transport is None:
-        await client.start_io(*SERVER, "--model", str(model_dir))
+        model = ("--model", str(model_dir)) if model_dir is not None else ()
+        await client.start_io(*SERVER, *model)
     else:
         await transport(client)
     await client.initialize_session(

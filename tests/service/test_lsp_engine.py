@@ -196,28 +196,67 @@ async def test_auto_with_a_hub_model_downloads_it_here_and_its_daemon_serves_it(
             await close([client], pids)
 
 
-async def test_a_given_daemon_with_a_hub_model_fetches_only_its_tokenizer(
+def start_hub_daemon(spec: str, hub_cache: Path) -> tuple[subprocess.Popen, dict]:
+    """A daemon started with a Hub model (`--model hf:…`, downloaded into `hub_cache`), once
+    its record is written."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.service.daemon", "--model", spec],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_CACHE": str(hub_cache)},
+    )
+    repo = "models--" + spec.removeprefix("hf:").replace("/", "--")
+    for _ in range(2400):
+        snaps = list(hub_cache.glob(f"{repo}/snapshots/*"))
+        rec = rundir.read_record(rundir.model_key(snaps)) if snaps else None
+        if rec is not None and rec["pid"] == proc.pid:
+            return proc, rec
+        assert proc.poll() is None
+        time.sleep(0.05)
+    raise AssertionError("no daemon record")
+
+
+async def test_a_given_daemon_sends_its_models_tokenizer_so_this_machine_needs_no_model(
     tiny_llama, run_dir, tmp_path, monkeypatch
 ):
-    """`engine: ws://…` and `--model hf:ORG/REPO`: the daemon holds the weights, so this server
-    fetches the configuration and tokenizer only (a 7B model's 15 GB stay on the Hub)."""
-    proc, rec = start_daemon(tiny_llama)
+    """`engine: ws://…` to a daemon serving a Hub model: the language server has neither the
+    model nor the Hub (offline, an empty Hub cache), and gets the model's configuration and
+    tokenizer from the daemon, cached by their digest; `model` names it as the daemon does, or
+    is left unset (the daemon's model).  Suggestions are the in-process engine's."""
+    local, led = await start_editor(tiny_llama)
     try:
-        with FakeHub() as hub:
-            hub.add_folder("test-org/tiny-llama", tiny_llama)
-            monkeypatch.setenv("HF_ENDPOINT", hub.url)
-            monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-            client, ed = await start_editor("hf:test-org/tiny-llama", {"engine": rec["url"]})
+        led.open(URI, SAMPLE)
+        expected = await suggestions(led, OFFSETS)
+    finally:
+        await local.shutdown_session()
+        await local.stop()
+    with FakeHub() as hub:
+        hub.add_folder("test-org/tiny-llama", tiny_llama)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        proc, rec = start_hub_daemon("hf:test-org/tiny-llama", tmp_path / "daemon-hub")
+    try:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "editor-hub"))
+        monkeypatch.setenv("SPARK_LSP_CACHE", str(tmp_path / "editor-cache"))
+        for model in ("hf:test-org/tiny-llama", None):
+            client, ed = await start_editor(model, {"engine": rec["url"]})
             try:
                 ed.open(URI, SAMPLE)
-                assert isinstance(await ed.inline(URI, OFFSETS[0]), T.InlineCompletionList)
+                assert await suggestions(ed, OFFSETS) == expected
                 metrics = await ed.metrics()
                 assert metrics["model"] == "tiny-llama" and metrics["engine"]["connected"]
-                fetched = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
-                assert any(p.endswith("/tokenizer.json") for p in fetched)
-                assert not any(".safetensors" in p for p in fetched)
+                assert engine_libraries(client._server.pid) == []
             finally:
                 await close([client])
+        assert not (tmp_path / "editor-hub").exists() or not any(
+            (tmp_path / "editor-hub").iterdir()
+        )
+        [folder] = (tmp_path / "editor-cache" / "served").iterdir()
+        assert (folder / "tokenizer.json").read_bytes() == (
+            tiny_llama / "tokenizer.json"
+        ).read_bytes()
     finally:
         stop(proc.pid)
 
@@ -249,6 +288,15 @@ async def test_auto_with_a_gguf_model_suggests_what_it_does_in_process(
         assert engine_libraries(client._server.pid) == []
         metrics = await ed.metrics()
         assert metrics["model"] == "tiny-llama-q8_0" and metrics["engine"]["connected"]
+        # the same daemon as a given one, with no model here: it sends the tokenizer it made
+        # from the file's header, which suggests the same
+        remote, red = await start_editor(None, {"engine": rec["url"]})
+        try:
+            red.open(URI, SAMPLE)
+            assert await suggestions(red, OFFSETS) == expected
+            assert (await red.metrics())["model"] == "tiny-llama-q8_0"
+        finally:
+            await close([remote])
     finally:
         await close([client], pids)
 
@@ -260,22 +308,9 @@ def test_engine_serve_takes_a_hub_model(tiny_llama, run_dir, tmp_path, monkeypat
         hub.add_folder("test-org/tiny-llama", tiny_llama)
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.service.daemon", "--model", "hf:test-org/tiny-llama"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=ROOT,
-        )
+        proc, rec = start_hub_daemon("hf:test-org/tiny-llama", tmp_path / "hub")
         try:
-            rec = None
-            for _ in range(2400):
-                snaps = list((tmp_path / "hub").glob("models--test-org--tiny-llama/snapshots/*"))
-                rec = rundir.read_record(rundir.model_key(snaps)) if snaps else None
-                if rec is not None and rec["pid"] == proc.pid:
-                    break
-                assert proc.poll() is None
-                time.sleep(0.05)
-            assert rec is not None
+            snaps = list((tmp_path / "hub").glob("models--test-org--tiny-llama/snapshots/*"))
             [svc] = [s for s in manage.services() if s.pid == proc.pid]
             assert svc.names == ["tiny-llama"] and svc.models == [str(snaps[0].resolve())]
         finally:

@@ -25,7 +25,9 @@ from engine.service import ray_app, ray_replica  # noqa: E402
 from engine.service.client import EngineClient  # noqa: E402
 from engine.service.client_core import EngineUnavailable  # noqa: E402
 from engine.service.launch import DaemonError  # noqa: E402
+from engine.service.model_files import files_digest  # noqa: E402
 from engine.service.sync_client import SyncEngineClient  # noqa: E402
+from engine.source import open_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -145,18 +147,19 @@ def test_clients_move_to_the_ingress_replicas_own_socket(url, connect, ca):
 
 
 async def test_the_language_server_generates_on_an_ingress_replicas_own_socket(
-    url, ca, monkeypatch
+    url, ca, monkeypatch, tmp_path
 ):
     """A real `spark-lsp serve` with `engine` set to the deployment's URL (its token and CA from
-    the environment, as a user without a record gives them) moves to an ingress replica's own
-    socket and suggests what an in-process engine of the same precision suggests."""
+    the environment, as a user without a record gives them) and no model of its own moves to an
+    ingress replica's own socket, takes the model's tokenizer from the ingress, and suggests what
+    an in-process engine of the same precision suggests."""
     monkeypatch.setenv("SPARK_LSP_ENGINE_TOKEN", TOKEN)
     monkeypatch.setenv("SPARK_LSP_ENGINE_CA", ca["ca"])
     model = default_model_dir()
     sample = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    "
     uri = "file:///work/ray_sample.py"
 
-    async def suggest(settings):
+    async def suggest(settings, model=model):
         client, ed = await start_editor(model, {**settings, "maxTokens": 12})
         try:
             ed.open(uri, sample)
@@ -168,7 +171,10 @@ async def test_the_language_server_generates_on_an_ingress_replicas_own_socket(
             await client.stop()
 
     local, _ = await suggest({"precision": "fp32"})  # the replicas' precision
-    remote, status = await suggest({"engine": url})
+    monkeypatch.setenv("SPARK_LSP_CACHE", str(tmp_path / "cache"))
+    remote, status = await suggest({"engine": url}, model=None)
+    [served] = (tmp_path / "cache" / "served").iterdir()
+    assert (served / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
     assert remote == local and remote, (remote, local)
     where = status["engine"]["engine"]
     assert where != url and where.startswith("wss://127.0.0.1:"), status["engine"]
@@ -387,18 +393,25 @@ def test_a_gguf_model_deploys_and_generates_what_it_does_in_process(url, connect
         c = await connect(gurl, TOKEN)
         try:
             gen = await (await c.generate(PROMPT, params, slot="gguf")).wait()
-            return c.hello["models"], gen.tokens
+            return c.hello["models"], gen.tokens, await c.model_files()
         finally:
             await c.close()
 
     try:
-        models, got = run(scenario())
+        models, got, (closing, files) = run(scenario())
     finally:
         from ray import serve
 
         serve.delete("gguf")
     assert [m["name"] for m in models] == ["mini-q8_0"]
     assert got == want
+    # the ingress sends the tokenizer it made from the file's header, named as hello named it
+    assert closing["digest"] == models[0]["files"] == files_digest(files)
+    folder = tmp_path / "served"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    assert open_model(folder).tokenizer.encode(PROMPT) == local.tokenizer.encode(PROMPT)
 
 
 def test_direct_endpoints_listen_only_where_clients_can_reach_them():

@@ -1,0 +1,179 @@
+"""A served model's prompt files (configuration, tokenizer, chat template) sent to a client:
+``model_files`` over a real socket, the client's checks and its cache (engine.service.model_files).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import Engine
+from engine.config import ModelError
+from engine.service import model_files as MF
+from engine.service import protocol as P
+from engine.service.client_core import EngineRequestError
+from engine.service.local import LocalModels
+from engine.service.server import EngineServer
+from engine.service.sync_client import SyncEngineClient
+from engine.source import PROMPT_FILES, model_config, open_model, prompt_files
+
+TOKEN = "t" * 32
+TEXT = 'def greet(name):\n    return f"hello {name}!"  # ünïcode ✓\n'
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPARK_LSP_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "served"
+
+
+def serve(*engines):
+    return EngineServer(LocalModels(list(engines)), token=TOKEN).open()
+
+
+def test_a_client_gets_a_folder_models_files_in_chunks_and_caches_them(
+    tiny_llama, cache, monkeypatch
+):
+    """The files arrive in chunks (a 1,000-character chunk here, so the tokenizer takes many),
+    are exactly the folder's, are named by the digest ``hello`` announced, and load the same
+    tokenizer and configuration; a second client finds them cached and asks for nothing."""
+    monkeypatch.setattr(MF, "CHUNK_CHARS", 1000)
+    eng = Engine.load(model_dir=tiny_llama)
+    srv = serve(eng)
+    try:
+        client = SyncEngineClient.open(srv.url, TOKEN)
+        try:
+            info = client.hello["models"][0]
+            sent = []
+            real = client._apply
+            monkeypatch.setattr(client, "_apply", lambda m: sent.append(m["type"]) or real(m))
+            closing, files = client.model_files()
+            assert closing["model"] == info["name"] == "tiny_llama"
+            assert closing["digest"] == info["files"] == MF.files_digest(files)
+            assert sent.count("model_file") > len(files) > 1  # chunked
+            for name, text in files.items():
+                assert text == (tiny_llama / name).read_text(encoding="utf-8")
+            folder = MF.fetch(info["files"], lambda: files)
+            assert folder == cache / info["files"]
+            here, there = open_model(folder).tokenizer, eng.tokenizer
+            assert here.encode(TEXT) == there.encode(TEXT)
+            assert (here.eos_ids, here.bos_id, here.pad_id) == (
+                there.eos_ids,
+                there.bos_id,
+                there.pad_id,
+            )
+            assert model_config(folder) == eng.config
+            # cached: nothing is downloaded again
+            assert MF.fetch(info["files"], lambda: pytest.fail("downloaded again")) == folder
+        finally:
+            client.close()
+    finally:
+        srv.close()
+
+
+def test_a_gguf_models_files_load_the_tokenizer_and_configuration_of_the_file(
+    tiny_llama, tmp_path, cache
+):
+    """A GGUF file holds no tokenizer.json: the service makes the files a folder would hold from
+    its header, and they load what the file itself loads (vocabulary, special tokens, config,
+    chat template)."""
+    from gguf_files import write_gguf
+
+    gguf = write_gguf(tiny_llama, tmp_path / "tiny.gguf", qtype="Q8_0")
+    src = open_model(gguf)
+    files = prompt_files(gguf, src.tokenizer)
+    assert set(files) <= set(PROMPT_FILES) and "tokenizer.json" in files
+    folder = MF.fetch(MF.files_digest(files), lambda: files)
+    got = open_model(folder)
+    assert got.tokenizer.encode(TEXT) == src.tokenizer.encode(TEXT)
+    assert got.tokenizer.decode(src.tokenizer.encode(TEXT)) == TEXT
+    assert got.tokenizer.eos_ids == src.tokenizer.eos_ids
+    assert (got.tokenizer.bos_id, got.tokenizer.pad_id) == (
+        src.tokenizer.bos_id,
+        src.tokenizer.pad_id,
+    )
+    assert got.tokenizer.vocab_size == src.tokenizer.vocab_size
+    assert got.config == src.config
+    assert prompt_files(gguf) == files  # made the same way without a loaded tokenizer
+
+
+def test_requests_the_service_cannot_answer_get_error_codes(tiny_llama, cache):
+    eng = Engine.load(model_dir=tiny_llama)
+    srv = serve(eng)
+    try:
+        client = SyncEngineClient.open(srv.url, TOKEN)
+        try:
+            with pytest.raises(EngineRequestError, match="unknown_model.*no model 'nope'"):
+                client.model_files("nope")
+            # the model's files changed on disk since the service loaded it: not sent
+            srv.models.files._digests[str(eng.model_dir)] = "0" * 64
+            with pytest.raises(EngineRequestError, match="unavailable.*changed on disk"):
+                client.model_files()
+            # the connection goes on serving
+            assert client.status()["generations"] == 0
+        finally:
+            client.close()
+    finally:
+        srv.close()
+
+
+def test_a_malformed_request_is_refused():
+    for msg, code in (
+        ({"type": "model_files"}, P.BAD_MESSAGE),
+        ({"type": "model_files", "id": "f1", "model": 7}, P.BAD_MESSAGE),
+    ):
+        with pytest.raises(P.ProtocolError) as e:
+            P.parse(msg)
+        assert e.value.code == code
+    assert P.parse({"type": "model_files", "id": "f1"}) == P.ModelFiles("f1", None)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"name": "../../.bashrc", "data": "x"},  # a path outside the cache
+        {"name": "model.safetensors", "data": "x"},  # not a prompt file
+        {"name": "tokenizer.json", "data": 7},
+    ],
+)
+def test_a_client_refuses_files_that_are_not_a_models_prompt_files(chunk):
+    with pytest.raises(MF.ModelFilesError):
+        MF.Receiver().add({"type": "model_file", "id": "f1", **chunk})
+
+
+def test_a_client_refuses_too_much_and_files_that_do_not_match_their_digest(monkeypatch, cache):
+    monkeypatch.setattr(MF, "MAX_TOTAL_CHARS", 10)
+    r = MF.Receiver()
+    r.add({"name": "config.json", "data": "{}"})
+    with pytest.raises(MF.ModelFilesError, match="more than 10"):
+        r.add({"name": "tokenizer.json", "data": "x" * 9})
+    r = MF.Receiver()
+    r.add({"name": "config.json", "data": "{}"})
+    good = MF.files_digest({"config.json": "{}"})
+    assert r.finish({"files": ["config.json"], "digest": good}) == {"config.json": "{}"}
+    with pytest.raises(MF.ModelFilesError, match="digest"):
+        r.finish({"files": ["config.json"], "digest": "0" * 64})
+    with pytest.raises(MF.ModelFilesError, match="digest"):
+        r.finish({"files": ["config.json", "tokenizer.json"], "digest": good})
+    # the cache takes nothing that is not what was named, and leaves nothing behind
+    with pytest.raises(MF.ModelFilesError):
+        MF.fetch("1" * 64, lambda: {"config.json": "{}"})
+    with pytest.raises(MF.ModelFilesError):
+        MF.fetch("../x", lambda: {"config.json": "{}"})
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_a_download_that_fails_leaves_no_folder(cache):
+    files = {"config.json": json.dumps({"a": 1})}
+    digest = MF.files_digest(files)
+
+    def broken():
+        raise ModelError("lost")
+
+    with pytest.raises(ModelError):
+        MF.fetch(digest, broken)
+    assert MF.cached(digest) is None
+    assert MF.fetch(digest, lambda: files) == cache / digest
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary left
