@@ -194,6 +194,22 @@ def served_name(spec: str) -> str | None:
     return Path(hub.file).stem if hub.file else hub.repo.rsplit("/", 1)[-1]
 
 
+def pinned_spec(spec: str, path: Path) -> str | None:
+    """``hf:ORG/REPO@COMMIT[:FILE]``: a Hub spec pinned to the snapshot ``path`` (what it resolved
+    to here) is of, naming the file a GGUF repository resolved to, so that another machine
+    resolving it gets the same files; None for a local path (or a path outside a Hub cache)."""
+    hub = parse_spec(spec)
+    if hub is None:
+        return None
+    for snapshot in (path, *path.parents):
+        if snapshot.parent.name == "snapshots":
+            break
+    else:
+        return None
+    file = path.relative_to(snapshot).as_posix()
+    return f"hf:{hub.repo}@{snapshot.name}" + (f":{file}" if file != "." else "")
+
+
 # -- environment (read per call: huggingface_hub reads it once, at import) ------------------------
 
 

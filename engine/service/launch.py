@@ -35,10 +35,15 @@ def resolve_models(
     Hugging Face cache, downloaded first when it is not there (``progress`` hears the bytes;
     None: a progress bar on stderr), as ``spark-lsp serve --model`` takes them.  ``weights=False``:
     what a client of a daemon elsewhere reads (configuration and tokenizer), not the weights."""
+    # absolute, not resolved: a Hub GGUF is a link into the cache's blobs, named by its hash
     return [
-        (resolve_model(m, progress=progress, weights=weights) or default_model_dir())
-        .expanduser()
-        .resolve()
+        Path(
+            os.path.abspath(
+                (
+                    resolve_model(m, progress=progress, weights=weights) or default_model_dir()
+                ).expanduser()
+            )
+        )
         for m in (models or [None])
     ]
 

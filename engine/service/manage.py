@@ -166,7 +166,7 @@ def _matches(svc: Service, want: str) -> bool:
     path = str(Path(want).expanduser().resolve()) if os.sep in want or want == "." else None
     return (
         want in svc.names
-        or (path is not None and path in svc.models)
+        or (path is not None and path in {str(Path(m).resolve()) for m in svc.models})
         or _repository_name(want) in svc.names
     )
 

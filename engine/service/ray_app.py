@@ -58,6 +58,7 @@ import ray
 from ray import serve
 
 from ..config import ModelError
+from ..hub import pinned_spec
 from . import rundir, tls
 from .address import is_loopback
 from .daemon import read_token_file, warn_cleartext
@@ -69,6 +70,10 @@ from .ray_replica import SLOTS, EngineReplica
 log = logging.getLogger(__name__)
 
 APP_NAME = "spark-lsp-engine"
+#: The Hub settings of ``engine serve --ray`` that its replicas download a Hub model with (a
+#: mirror, offline mode, the cache's place); not HF_TOKEN, which Ray would show with the
+#: replicas' environment: a node that fetches a gated model needs its own.
+HUB_ENV = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE")
 #: Replicas of the WebSocket ingress (None: one per engine shard).  Serve's proxy spreads the
 #: editors' connections over them, so relaying tokens is not one process's work.
 INGRESS_REPLICAS: int | None = None
@@ -87,7 +92,7 @@ def replica_threads(replicas: int) -> int:
 
 
 def build_app(
-    model_dir: str,
+    model: str,
     *,
     replicas: int,
     token: str,
@@ -99,15 +104,20 @@ def build_app(
     spinning: bool | None = SPINNING[DEFAULT_SPINNING],
     direct: dict[str, Any] | None = None,
     replica_sockets: bool = True,
+    env: dict[str, str] | None = None,
 ):
     """The application: ``replicas`` engine shards and their ingress (``direct``: the ingress
     replicas' own endpoints, ``EngineIngress``, and the engine replicas' sockets unless
-    ``replica_sockets`` is False; None: through Serve's proxy and handles only)."""
+    ``replica_sockets`` is False; None: through Serve's proxy and handles only).  ``env``:
+    environment variables of every replica's process."""
+    runtime = {"runtime_env": {"env_vars": dict(env)}} if env else {}
     shards = [
         EngineReplica.options(
-            name=f"EngineShard{i}", num_replicas=1, ray_actor_options={"num_cpus": num_cpus}
+            name=f"EngineShard{i}",
+            num_replicas=1,
+            ray_actor_options={"num_cpus": num_cpus, **runtime},
         ).bind(
-            model_dir,
+            model,
             threads,
             slots,
             precision,
@@ -118,12 +128,12 @@ def build_app(
         for i in range(replicas)
     ]
     return EngineIngress.options(
-        num_replicas=INGRESS_REPLICAS or replicas, ray_actor_options={"num_cpus": 0.1}
-    ).bind(shards, model_dir, token, origins, direct)
+        num_replicas=INGRESS_REPLICAS or replicas, ray_actor_options={"num_cpus": 0.1, **runtime}
+    ).bind(shards, model, token, origins, direct)
 
 
 def deploy(
-    model_dir: str,
+    model: str,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -143,6 +153,9 @@ def deploy(
     replica_sockets: bool = True,
 ) -> str:
     """Deploy on the current Ray cluster (``ray.init`` first); returns the WebSocket URL.
+    ``model``: a folder or ``.gguf`` file, which every node must have at that path, or a Hub
+    model (best pinned: ``hub.pinned_spec``), which each replica resolves on its own node (the
+    ingress fetching no weights), with the Hub settings of this process (``HUB_ENV``).
     ``threads``: intra-op threads per replica (None: ``replica_threads``); ``slots``: KV slots
     per replica, enough for the documents each serves (about documents / replicas); ``name`` /
     ``route_prefix``: the Serve application's, so that several can run side by side (the
@@ -167,7 +180,7 @@ def deploy(
     _check_proxy_tls(proxy.get("ssl_certfile"))
     serve.run(
         build_app(
-            model_dir,
+            model,
             replicas=replicas,
             token=token,
             origins=list(origins),
@@ -185,6 +198,7 @@ def deploy(
             if direct
             else None,
             replica_sockets=replica_sockets,
+            env={k: os.environ[k] for k in HUB_ENV if os.environ.get(k)} or None,
         ),
         name=name,
         route_prefix=route_prefix,
@@ -217,6 +231,16 @@ def _check_proxy_tls(cert: str | None) -> None:
         )
 
 
+def model_source(models: list[str]) -> tuple[list[Path], str]:
+    """(the folders of the deployment's record, the model its replicas load) for ``--model``: a
+    path as itself; a Hub model resolved here without its weights (the record's folder, by which
+    an `auto` client on this machine finds the deployment) and given to the replicas pinned to
+    that commit, so each downloads the same files on its own node."""
+    folders = resolve_models(models, weights=False)
+    pinned = pinned_spec(models[0], folders[0]) if models else None
+    return folders, pinned or str(folders[0])
+
+
 def main_args(args) -> int:
     """``spark-lsp engine serve --ray``: deploy, write the record, wait for SIGTERM, shut down."""
     logging.basicConfig(
@@ -234,7 +258,7 @@ def main_args(args) -> int:
         if not secure and not is_loopback(host):
             warn_cleartext(host, port, to_stderr=logging.getLogger().level > logging.WARNING)
         token = read_token_file(args.token_file) if args.token_file else rundir.new_token()
-        folders = resolve_models(args.model)
+        folders, model = model_source(args.model)
     except (DaemonError, ModelError, OSError, ValueError) as e:
         print(f"spark-lsp engine serve --ray: {e}", file=sys.stderr)
         return 2
@@ -250,7 +274,7 @@ def main_args(args) -> int:
             port = sock.getsockname()[1]
     try:
         url = deploy(
-            str(folders[0]),
+            model,
             host=host,
             port=port,
             replicas=args.replicas,

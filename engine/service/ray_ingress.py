@@ -25,6 +25,7 @@ from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed
 
 from ..config import ModelError
+from ..hub import resolve_model
 from ..params import GenerationParams
 from ..source import open_model
 from ..tokenizer import Tokenizer
@@ -436,7 +437,7 @@ class EngineIngress:
     def __init__(
         self,
         shards: list[DeploymentHandle],
-        model_dir: str,
+        model: str,
         token: str,
         origins: list[str],
         direct: dict[str, Any] | None = None,
@@ -446,10 +447,11 @@ class EngineIngress:
         self.sockets = (
             ReplicaSockets(list(shards), token, direct.get("tls_cert")) if direct else None
         )
-        self.tokenizer = open_model(model_dir).tokenizer  # a folder's, or a GGUF file's
-        self.model_dir = model_dir
+        # a folder's, or a GGUF file's (of a Hub model, fetched on this node without weights)
+        self.model_dir = resolve_model(model, weights=False)
+        self.tokenizer = open_model(self.model_dir).tokenizer
         self.served = ServedFiles()  # its prompt files, offered to clients (``hello``'s files)
-        self.files_digest = self.served.offer(model_dir, self.tokenizer)
+        self.files_digest = self.served.offer(self.model_dir, self.tokenizer)
         self.token = token
         self.origins = set(origins)
         self.info: dict[str, Any] | None = None

@@ -23,6 +23,7 @@ import ray
 from ray import serve
 
 from ..config import ModelError
+from ..hub import resolve_model
 from ..params import GenerationParams
 from . import protocol as P
 from . import tls
@@ -87,7 +88,7 @@ class EngineReplica:
 
     def __init__(
         self,
-        model_dir: str,
+        model: str,
         threads: int | None = None,
         slots: int = SLOTS,
         precision: str = "fp32",
@@ -99,8 +100,13 @@ class EngineReplica:
 
         # spinning: the daemon's default (off), for the same reason: the threads that read the
         # replica's socket and write its tokens need a core between steps
+        # `model`: a path, or a Hub model (pinned: ray_app.deploy) downloaded on this node
         self.engine = Engine.load(
-            model_dir, slots=slots, threads=threads, precision=precision, spinning=spinning
+            resolve_model(model),
+            slots=slots,
+            threads=threads,
+            precision=precision,
+            spinning=spinning,
         )
         self.engine.prefill_chunk = min(self.engine.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         self.engine.tokenizer.byte_index()  # token-healed prompts need it: built now

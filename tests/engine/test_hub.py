@@ -322,3 +322,29 @@ def test_unreachable_hub_is_named(tmp_path):
     )
     assert out.returncode == 2
     assert len(_error_lines(out)) == 1 and "cannot reach the Hub at http://127.0.0.1" in out.stderr
+
+
+def test_a_hub_spec_pinned_to_the_snapshot_it_resolved_to(tmp_path):
+    snap = tmp_path / "models--test-org--tiny-qwen2" / "snapshots" / ("c" * 40)
+    assert H.pinned_spec("hf:test-org/tiny-qwen2", snap) == f"hf:test-org/tiny-qwen2@{'c' * 40}"
+    assert (
+        H.pinned_spec("hf:test-org/tiny-qwen2-GGUF:Q8_0", snap / "q" / "m-q8_0.gguf")
+        == f"hf:test-org/tiny-qwen2-GGUF@{'c' * 40}:q/m-q8_0.gguf"
+    )
+    entry = H.CATALOGUE["qwen2.5-coder-0.5b"]
+    assert H.pinned_spec("qwen2.5-coder-0.5b", snap).startswith(f"hf:{entry.repo}@")
+    assert H.pinned_spec(str(tmp_path), tmp_path) is None  # a local folder
+    assert H.pinned_spec("hf:test-org/x", tmp_path / "elsewhere") is None
+    pinned = H.parse_spec(H.pinned_spec("hf:o/r:Q8_0", snap / "m.gguf"))
+    assert pinned == H.HubSpec("o/r", "c" * 40, "m.gguf")
+
+
+def test_a_daemon_names_a_hub_gguf_by_its_file_not_its_blob(hub):
+    """The Hub cache links a snapshot's file to a blob named by its hash: what a daemon is given
+    (``launch.resolve_models``) keeps the file's name, which names the model."""
+    from engine.service.launch import resolve_models
+
+    [path] = resolve_models([f"hf:{GGUF_REPO}:Q8_0"])
+    assert path.is_absolute() and path.name == "tiny-qwen2-q8_0.gguf"
+    assert model_name(path) == "tiny-qwen2-q8_0"
+    assert H.served_name(f"hf:{GGUF_REPO}:tiny-qwen2-q8_0.gguf") == model_name(path)

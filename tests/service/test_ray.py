@@ -361,48 +361,58 @@ def test_a_replica_serves_its_socket_and_serve_alike():
     assert replica.server is None  # closed when Serve stops the replica
 
 
-def test_a_gguf_model_deploys_and_generates_what_it_does_in_process(url, connect, ca, tmp_path):
-    """`engine serve --ray --model FILE.gguf`: the ingress reads the file's tokenizer, the
-    replica loads the file, and the tokens are the in-process engine's for that file."""
-    from urllib.parse import urlsplit
-
-    from gguf_files import write_gguf
-
+def in_process_tokens(model, params) -> list[int]:
+    """The tokens the in-process engine generates for PROMPT."""
     from engine import Engine
 
-    gguf = write_gguf(default_model_dir(), tmp_path / "mini-q8_0.gguf", qtype="Q8_0")
-    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
-    local = Engine.load(gguf)
-    gen = local.generate(PROMPT, params)
+    gen = Engine.load(model).generate(PROMPT, params)
     for _ in gen:  # generates while it is read
         pass
-    want = list(gen.tokens)
-    gurl = ray_app.deploy(
-        str(gguf),
+    return list(gen.tokens)
+
+
+def one_generation(model: str, name: str, url, connect, ca, params):
+    """Deploy ``model`` as a one-replica application ``name`` beside the module's, generate
+    PROMPT on it once, delete it: (hello's models, the tokens, the model_files answer)."""
+    from urllib.parse import urlsplit
+
+    from ray import serve
+
+    app_url = ray_app.deploy(
+        model,
         port=urlsplit(url).port,
         replicas=1,
         token=TOKEN,
         num_cpus=0.25,
         tls_cert=ca["cert"],
         tls_key=ca["key"],
-        name="gguf",
-        route_prefix="/gguf",
+        name=name,
+        route_prefix=f"/{name}",
     )
 
     async def scenario():
-        c = await connect(gurl, TOKEN)
+        c = await connect(app_url, TOKEN)
         try:
-            gen = await (await c.generate(PROMPT, params, slot="gguf")).wait()
+            gen = await (await c.generate(PROMPT, params, slot=name)).wait()
             return c.hello["models"], gen.tokens, await c.model_files()
         finally:
             await c.close()
 
     try:
-        models, got, (closing, files) = run(scenario())
+        return run(scenario())
     finally:
-        from ray import serve
+        serve.delete(name)
 
-        serve.delete("gguf")
+
+def test_a_gguf_model_deploys_and_generates_what_it_does_in_process(url, connect, ca, tmp_path):
+    """`engine serve --ray --model FILE.gguf`: the ingress reads the file's tokenizer, the
+    replica loads the file, and the tokens are the in-process engine's for that file."""
+    from gguf_files import write_gguf
+
+    gguf = write_gguf(default_model_dir(), tmp_path / "mini-q8_0.gguf", qtype="Q8_0")
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    want = in_process_tokens(gguf, params)
+    models, got, (closing, files) = one_generation(str(gguf), "gguf", url, connect, ca, params)
     assert [m["name"] for m in models] == ["mini-q8_0"]
     assert got == want
     # the ingress sends the tokenizer it made from the file's header, named as hello named it
@@ -411,7 +421,33 @@ def test_a_gguf_model_deploys_and_generates_what_it_does_in_process(url, connect
     folder.mkdir()
     for name, text in files.items():
         (folder / name).write_text(text, encoding="utf-8")
-    assert open_model(folder).tokenizer.encode(PROMPT) == local.tokenizer.encode(PROMPT)
+    assert open_model(folder).tokenizer.encode(PROMPT) == open_model(gguf).tokenizer.encode(PROMPT)
+
+
+def test_a_hub_model_is_downloaded_by_each_replica_on_its_node(
+    url, connect, ca, tmp_path, monkeypatch
+):
+    """`engine serve --ray --model hf:ORG/REPO`: the command resolves the model without its
+    weights (the record's folder) and deploys it pinned to that commit; the replicas download
+    the weights where they run (on a cluster: each node into its own cache, with the command's
+    Hub settings), and generate what the in-process engine does."""
+    from fake_hub import FakeHub
+
+    model = default_model_dir()
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    want = in_process_tokens(model, params)
+    with FakeHub() as hub:
+        commit = hub.add_folder("test-org/mini", model)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        folders, spec = ray_app.model_source(["hf:test-org/mini"])
+        assert spec == f"hf:test-org/mini@{commit}"
+        assert not list(folders[0].glob("*.safetensors"))  # the command fetched no weights
+        models, got, _ = one_generation(spec, "hub", url, connect, ca, params)
+        weights = [p for m, p, _ in hub.requests if m == "GET" and p.endswith(".safetensors")]
+    assert [m["name"] for m in models] == ["mini"] and got == want
+    assert weights and all(f"/resolve/{commit}/" in p for p in weights), weights
+    assert list(folders[0].glob("*.safetensors"))  # where the replica ran: this machine
 
 
 def test_direct_endpoints_listen_only_where_clients_can_reach_them():
