@@ -14,8 +14,8 @@ chooses among the daemon's models.
 When the daemon goes away: the stream in flight ends with a `BackendError` (the editor is told
 once, through `on_health`), the next request reconnects (`auto` starts a new daemon), and after
 `MAX_FAILURES` failed connections in a row the server loads the engine in-process and goes on
-with it (not when `model` is unset and the daemon serves another model than the bundled one:
-this machine has nothing to run).
+with it (only where this machine can run that model: the bundled one, a Hub model, or a
+folder or file that is here).
 """
 
 from __future__ import annotations
@@ -132,10 +132,17 @@ class EngineServiceModel:
         self._lock = threading.Lock()
         self.url = ""
         self._connect()
-        if model_dir is None and self.name != model_name(default_model_dir()):
-            # the daemon's model, not on this machine: an in-process engine would be another
-            # model, whose vocabulary this server's prompts are not in
+        if not self._runs_here():
+            # an in-process engine would be another model (or none), whose vocabulary this
+            # server's prompts are not in
             self._fallback = None
+
+    def _runs_here(self) -> bool:
+        """Whether this machine can run the daemon's model itself (the fallback): the bundled
+        model, a Hub model (downloaded then), or a folder or file that is here."""
+        if self.spec is None:
+            return self.name == model_name(default_model_dir())
+        return served_name(self.spec) is not None or Path(self.spec).expanduser().exists()
 
     def _use(self, folder: Path, name: str | None = None) -> None:
         self.model_dir = folder

@@ -177,3 +177,55 @@ def test_a_download_that_fails_leaves_no_folder(cache):
     assert MF.cached(digest) is None
     assert MF.fetch(digest, lambda: files) == cache / digest
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_each_model_of_a_service_has_its_own_files(tiny_llama, tiny_qwen2, cache):
+    """A daemon with two models: ``model`` chooses whose files come (unset: the first's), each
+    named by the digest ``hello`` gave it."""
+    srv = serve(Engine.load(model_dir=tiny_llama), Engine.load(model_dir=tiny_qwen2))
+    try:
+        client = SyncEngineClient.open(srv.url, TOKEN)
+        try:
+            digests = {m["name"]: m["files"] for m in client.hello["models"]}
+            assert len(set(digests.values())) == 2
+            for name, folder in (("tiny_llama", tiny_llama), ("tiny_qwen2", tiny_qwen2)):
+                closing, files = client.model_files(name)
+                assert closing["model"] == name and closing["digest"] == digests[name]
+                assert files["tokenizer.json"] == (folder / "tokenizer.json").read_text()
+            assert client.model_files()[0]["model"] == "tiny_llama"
+        finally:
+            client.close()
+    finally:
+        srv.close()
+
+
+def test_the_server_model_takes_the_daemons_model_by_its_name(
+    tiny_llama, tiny_qwen2, cache, monkeypatch
+):
+    """`engine: ws://…`: `model` chooses among the daemon's models by the name the daemon gives
+    them (its tokenizer then comes from the daemon); unset, the daemon's first. No in-process
+    fallback then: this machine does not have that model."""
+    from engine import GenerationParams
+    from engine.cancel import CancelToken
+    from spark_lsp.backends import engine_ws
+
+    srv = serve(Engine.load(model_dir=tiny_llama), Engine.load(model_dir=tiny_qwen2))
+    monkeypatch.setenv(engine_ws.TOKEN_ENV, TOKEN)
+    local = open_model(tiny_qwen2).tokenizer
+    try:
+        for spec, name in (("/elsewhere/tiny_qwen2", "tiny_qwen2"), (None, "tiny_llama")):
+            model = engine_ws.EngineServiceModel(srv.url, spec, fallback=lambda: pytest.fail())
+            try:
+                assert model.name == name and model.model_dir.parent == cache
+                assert model._fallback is None
+                if name == "tiny_qwen2":
+                    assert model.tokenizer.encode(TEXT) == local.encode(TEXT)
+                    assert model.config == model_config(tiny_qwen2)
+                ids = model.tokenizer.encode("def f(x):\n")
+                params = GenerationParams(max_new_tokens=3, ignore_eos=True)
+                pieces = list(model.generate(ids, params, "doc", cancel=CancelToken()))
+                assert pieces
+            finally:
+                model.close()
+    finally:
+        srv.close()
