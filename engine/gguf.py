@@ -437,12 +437,20 @@ class GGUFModel:
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
             if k in self.fields
         ]
+        bos = self.value("tokenizer.ggml.bos_token_id", None)
+        template = self.value("tokenizer.chat_template", None)
+        chat = {
+            "chat_template": template if isinstance(template, str) and template.strip() else None,
+            "bos_token": tok.id_to_token(bos) if bos is not None else None,
+            "eos_token": tok.id_to_token(eos[0]) if eos else None,
+        }
         return Tokenizer(
             tok,
             eos_ids=eos,
-            bos_id=self.value("tokenizer.ggml.bos_token_id", None),
+            bos_id=bos,
             pad_id=self.value("tokenizer.ggml.padding_token_id", None),
             name=self.path.stem,
+            chat={k: v for k, v in chat.items() if v is not None},
         )
 
 

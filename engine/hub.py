@@ -46,6 +46,7 @@ FOLDER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
     "model.safetensors",
     "model.safetensors.index.json",
     "model-*-of-*.safetensors",

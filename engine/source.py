@@ -57,7 +57,7 @@ def open_model(model_dir: str | Path) -> ModelSource:
 
 
 #: The files of a model folder a tokenizer, a configuration and a chat template are read from
-#: (``Tokenizer.load``, ``load_config``, ``spark_lsp.chat``): all that a client of an engine
+#: (``Tokenizer.load``, ``load_config``): all that a client of an engine
 #: service elsewhere needs of its model (``prompt_files``).
 PROMPT_FILES = (
     "config.json",
@@ -65,6 +65,7 @@ PROMPT_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",
 )
 
 
@@ -83,9 +84,7 @@ def prompt_files(model_dir: str | Path, tokenizer: Tokenizer | None = None) -> d
             for key, i in (("bos_token", tok.bos_id), ("pad_token", tok.pad_id))
             if i is not None and tok.id_to_token(i) is not None
         }
-        template = gg.value("tokenizer.chat_template", None)
-        if isinstance(template, str) and template.strip():
-            special["chat_template"] = template
+        special.update(tok.chat)  # its chat template, and the tokens it is rendered with
         return {
             "config.json": json.dumps(gg.hf_config(), indent=1),
             "tokenizer.json": tok.serialized(),

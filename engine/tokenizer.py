@@ -2,7 +2,8 @@
 
 Reads ``tokenizer.json`` for the vocabulary and ``tokenizer_config.json`` /
 ``special_tokens_map.json`` / ``generation_config.json`` / ``config.json`` for the special tokens,
-so eos is the union of everything the folder declares. ``Tokenizer.fim`` is the folder's
+so eos is the union of everything the folder declares, and keeps the chat template
+(``tokenizer_config.json``, else ``chat_template.jinja``) as ``Tokenizer.chat``. ``Tokenizer.fim`` is the folder's
 fill-in-the-middle format (``engine.fim``), and ``stream()`` decodes incrementally for streaming.
 ``Tokenizer.byte_index()`` spells every token as raw bytes (built once per tokenizer) so
 generation can be constrained to text that must come next (token healing, ``engine.sampling``).
@@ -26,6 +27,23 @@ from .fim import FimFormat
 from .heap import trim_heap
 
 _EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<EOT>")
+
+
+#: The keys of ``tokenizer_config.json`` a chat template is rendered with (``Tokenizer.chat``).
+CHAT_KEYS = ("chat_template", "bos_token", "eos_token")
+
+
+def _chat_settings(folder: Path, tcfg: dict[str, Any]) -> dict[str, Any]:
+    """``Tokenizer.chat`` of a folder: ``tokenizer_config.json``'s, its template from
+    ``chat_template.jinja`` when it has none (where recent Hugging Face tooling writes it)."""
+    chat = {k: tcfg[k] for k in CHAT_KEYS if tcfg.get(k) is not None}
+    jinja = folder / "chat_template.jinja"
+    if "chat_template" not in chat and jinja.is_file():
+        try:
+            chat["chat_template"] = jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelError(f"{jinja}: cannot read: {e}") from None
+    return chat
 
 
 def _token_content(v: Any) -> str | None:
@@ -244,9 +262,13 @@ class Tokenizer:
         bos_id: int | None = None,
         pad_id: int | None = None,
         name: str = "tokenizer",
+        chat: dict[str, Any] | None = None,
     ) -> None:
         self._tok = tok
         self.name = name
+        #: What a chat template needs of the model (``chat_template``, ``bos_token``,
+        #: ``eos_token``, as ``tokenizer_config.json`` holds them); empty for a model without one.
+        self.chat: dict[str, Any] = dict(chat or {})
         self.special_tokens: dict[str, int] = {
             t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items()) if t.special
         }
@@ -317,6 +339,7 @@ class Tokenizer:
             bos_id=special("bos_token"),
             pad_id=special("pad_token"),
             name=model_name(folder),
+            chat=_chat_settings(folder, tcfg),
         )
 
     # -- vocabulary ----------------------------------------------------------------------------

@@ -8,10 +8,8 @@ it, instruction edits use the FIM path.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -47,19 +45,15 @@ def _token(v: Any) -> str | None:
 
 
 def load_chat_template(
-    model_dir: str | Path | None, name: str, has_fim: bool
+    chat: dict[str, Any] | None, name: str, has_fim: bool
 ) -> ChatTemplate | None:
     """The model's chat template if it is a chat model: it has a template and either no FIM tokens
     or 'instruct' / 'chat' in its name (base code models often ship a template they were not
-    trained on). None otherwise, or when Jinja2 is not installed."""
-    if model_dir is None:
-        return None
-    path = Path(model_dir) / "tokenizer_config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    tpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    trained on). None otherwise, or when Jinja2 is not installed.  ``chat``: the tokenizer's
+    chat settings (``engine.tokenizer.Tokenizer.chat``: a folder's ``tokenizer_config.json``, a
+    GGUF file's header)."""
+    cfg = chat or {}
+    tpl = cfg.get("chat_template")
     if isinstance(tpl, list):  # [{"name": "default", "template": "..."}, ...]
         tpl = next(
             (t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"),
@@ -77,7 +71,7 @@ def load_chat_template(
             "%s has a chat template but Jinja2 is not installed; instruction edits use FIM", name
         )
     except Exception as exc:
-        log.warning("%s: cannot parse the chat template: %s", path, exc)
+        log.warning("%s: cannot parse the chat template: %s", name, exc)
     return None
 
 

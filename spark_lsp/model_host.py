@@ -499,9 +499,7 @@ class ModelHost:
                 )
                 builder = PromptBuilder(model.tokenizer, fim=fim)
                 chat = load_chat_template(
-                    getattr(model, "model_dir", None) or model_dir,
-                    model.name,
-                    builder.fim is not None,
+                    getattr(model.tokenizer, "chat", None), model.name, builder.fim is not None
                 )
                 ok, msg = True, ""
             except BaseException as exc:  # report, never crash the server

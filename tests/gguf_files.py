@@ -109,6 +109,10 @@ def write_gguf(folder: Path, path: Path, qtype: str = "F32", pre: str = "gpt-2")
     w.add_token_merges(tok["merges"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_pad_token_id(cfg.get("pad_token_id") or 0)
+    tcfg_path = folder / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    if isinstance(tcfg.get("chat_template"), str):  # as convert_hf_to_gguf.py copies it
+        w.add_chat_template(tcfg["chat_template"])
 
     tied = cfg.get("tie_word_embeddings", False)
     kind = gguf.GGMLQuantizationType[qtype]

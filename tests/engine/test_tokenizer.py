@@ -201,3 +201,20 @@ def test_the_byte_index_built_in_the_background_is_built_once(tiny_llama, monkey
     thread.join(5)
     assert calls == [1] and t.byte_index() is index
     assert index.token_bytes[t.encode("hello")[0]] is not None
+
+
+def test_the_chat_template_from_the_tokenizer_config_or_its_own_file(tiny_llama, tmp_path):
+    """``Tokenizer.chat``: tokenizer_config.json's template and the tokens it is rendered with;
+    a folder whose template is in chat_template.jinja (as recent Hugging Face tooling saves it)
+    has it from there."""
+    folder = copy_model(tiny_llama, tmp_path / "m")
+    assert "chat_template" not in Tokenizer.load(folder).chat
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert Tokenizer.load(folder).chat["chat_template"] == "{{ messages[0]['content'] }}"
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ bos_token }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    chat = Tokenizer.load(folder).chat
+    assert chat["chat_template"] == "{{ bos_token }}"
+    assert chat == {k: cfg[k] for k in ("chat_template", "bos_token", "eos_token") if cfg.get(k)}
+    assert "eos_token" in chat

@@ -544,18 +544,14 @@ CHATML = (
 )
 
 
-def test_chat_prompt_and_code_extraction(tmp_path):
-    import json
-
+def test_chat_prompt_and_code_extraction():
     pytest.importorskip("jinja2")
 
     from spark_lsp import chat
 
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"})
-    )
-    assert chat.load_chat_template(tmp_path, "coder-base", has_fim=True) is None  # base FIM model
-    tpl = chat.load_chat_template(tmp_path, "coder-instruct", has_fim=True)
+    settings = {"chat_template": CHATML, "eos_token": "<|im_end|>"}
+    assert chat.load_chat_template(settings, "coder-base", has_fim=True) is None  # base FIM model
+    tpl = chat.load_chat_template(settings, "coder-instruct", has_fim=True)
     assert tpl is not None
     p = actions.plan(
         actions.INSTRUCT,

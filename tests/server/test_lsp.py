@@ -400,6 +400,30 @@ async def test_instruction_edit_uses_the_chat_template_of_a_chat_model(tiny_llam
         await client.stop()
 
 
+async def test_a_gguf_chat_model_edits_with_the_template_in_its_header(tiny_llama, tmp_path):
+    """A GGUF file carries its chat template in its header (tokenizer.chat_template), where
+    llama.cpp's converter puts it: instruction edits use it as they use a folder's."""
+    import json
+
+    pytest.importorskip("jinja2")
+
+    import tiny_models
+    from conftest import start_editor
+    from gguf_files import write_gguf
+
+    model = tiny_models.copy_model(tiny_llama, tmp_path / "tiny-chat")
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    cfg_path.write_text(json.dumps(cfg))
+    client, ed = await start_editor(write_gguf(model, tmp_path / "tiny-chat-q8_0.gguf", "Q8_0"))
+    try:
+        assert (await ed.metrics())["chatModel"] is True
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+
+
 async def test_selected_completion_info_items_extend_the_selected_text(editor, sample):
     editor.open(URI, sample)
     off = sample.index("    print(total)") + len("    print(to")

@@ -79,9 +79,14 @@ def test_a_gguf_models_files_load_the_tokenizer_and_configuration_of_the_file(
     """A GGUF file holds no tokenizer.json: the service makes the files a folder would hold from
     its header, and they load what the file itself loads (vocabulary, special tokens, config,
     chat template)."""
+    import tiny_models
     from gguf_files import write_gguf
 
-    gguf = write_gguf(tiny_llama, tmp_path / "tiny.gguf", qtype="Q8_0")
+    chat_model = tiny_models.copy_model(tiny_llama, tmp_path / "tiny-chat")
+    cfg = json.loads((chat_model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (chat_model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    gguf = write_gguf(chat_model, tmp_path / "tiny.gguf", qtype="Q8_0")
     src = open_model(gguf)
     files = prompt_files(gguf, src.tokenizer)
     assert set(files) <= set(PROMPT_FILES) and "tokenizer.json" in files
@@ -96,6 +101,11 @@ def test_a_gguf_models_files_load_the_tokenizer_and_configuration_of_the_file(
     )
     assert got.tokenizer.vocab_size == src.tokenizer.vocab_size
     assert got.config == src.config
+    assert src.tokenizer.chat["chat_template"] == cfg["chat_template"]
+    assert src.tokenizer.chat["eos_token"] == src.tokenizer.id_to_token(
+        sorted(src.tokenizer.eos_ids)[0]
+    )
+    assert got.tokenizer.chat == src.tokenizer.chat
     assert prompt_files(gguf) == files  # made the same way without a loaded tokenizer
 
 
