@@ -8,16 +8,19 @@ tokenizer's size) and a closing ``model_files`` that repeats the digest.  The cl
 names (a fixed set: a server cannot write anywhere else), the total size and the digest before
 the folder is put in place, in one rename: a cached folder is always whole.
 
-Cache: ``$SPARK_LSP_CACHE/served``, else ``~/.cache/spark-lsp/served``; one folder per digest.
+Cache: ``$SPARK_LSP_CACHE/served``, else ``~/.cache/spark-lsp/served``; one folder per digest,
+removed after UNUSED_DAYS without use (``prune``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Characters of a file in one ``model_file`` message (a frame of at most ~6x that as JSON).
 CHUNK_CHARS = 1 << 18
+#: A cached folder not used for this many days is removed (by a client's next download).
+UNUSED_DAYS = 30
 #: Largest set of prompt files a client accepts (the largest tokenizer.json of a real model is
 #: ~35 MB: Gemma's 256k vocabulary).
 MAX_TOTAL_CHARS = 128 << 20
@@ -160,6 +165,8 @@ def fetch(digest: Any, download: Callable[[], dict[str, str]]) -> Path:
         raise ModelFilesError(f"the service named its model files by {digest!r}, not a digest")
     folder = cached(digest)
     if folder is not None:
+        with contextlib.suppress(OSError):
+            os.utime(folder)  # used: kept by ``prune``
         return folder
     files = download()
     if files_digest(files) != digest or not set(files) <= set(PROMPT_FILES):
@@ -177,4 +184,29 @@ def fetch(digest: Any, download: Callable[[], dict[str, str]]) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune(root, keep=root / digest)
     return root / digest
+
+
+def prune(root: Path, keep: Path | None = None, now: float | None = None) -> int:
+    """Remove the cached folders not used for UNUSED_DAYS (a service that has since changed its
+    model's files) and temporary ones a day old (a download that never finished), never
+    ``keep``; returns how many."""
+    now = time.time() if now is None else now
+    removed = 0
+    for entry in root.iterdir() if root.is_dir() else ():
+        try:
+            idle_days = (now - entry.stat().st_mtime) / 86400
+        except OSError:
+            continue
+        temporary = entry.name.startswith(".")
+        if entry == keep or not (temporary or _valid(entry.name)) or not entry.is_dir():
+            continue
+        if idle_days > (1 if temporary else UNUSED_DAYS):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += not entry.exists()
+    if removed:
+        log.info(
+            "served model files: removed %d folder(s) unused for %d days", removed, UNUSED_DAYS
+        )
+    return removed

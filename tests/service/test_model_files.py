@@ -239,3 +239,26 @@ def test_the_server_model_takes_the_daemons_model_by_its_name(
                 model.close()
     finally:
         srv.close()
+
+
+def test_folders_unused_for_a_month_are_removed_by_the_next_download(cache):
+    import os
+    import time
+
+    old_files, new_files = {"config.json": "{}"}, {"config.json": '{"a": 1}'}
+    old = MF.fetch(MF.files_digest(old_files), lambda: old_files)
+    month_ago = time.time() - (MF.UNUSED_DAYS + 1) * 86400
+    os.utime(old, (month_ago, month_ago))
+    stale_tmp = cache / ".abc-123"
+    stale_tmp.mkdir()
+    os.utime(stale_tmp, (month_ago, month_ago))
+    mine = cache / "not-a-digest"
+    mine.mkdir()
+    os.utime(mine, (month_ago, month_ago))
+    # used since: kept
+    used = MF.fetch(MF.files_digest(old_files), lambda: pytest.fail("cached"))
+    assert used == old and old.stat().st_mtime > month_ago
+    os.utime(old, (month_ago, month_ago))
+    new = MF.fetch(MF.files_digest(new_files), lambda: new_files)
+    assert new.is_dir() and not old.exists() and not stale_tmp.exists()
+    assert mine.exists()  # not the cache's
