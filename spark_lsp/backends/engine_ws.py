@@ -39,7 +39,7 @@ from engine.service.client_core import EngineRequestError, EngineUnavailable
 from engine.service.model_files import ModelFilesError
 from engine.service.steering import MATCH, Piece, common_chars, judge
 from engine.service.sync_client import SyncEngineClient
-from engine.source import model_config, open_model
+from engine.source import open_model
 from engine.tokenizer import Tokenizer
 
 from .base import BackendError, Chunk
@@ -58,21 +58,24 @@ CA_ENV = tls.CA_ENV
 
 
 _TOKENIZERS: weakref.WeakValueDictionary[str, Tokenizer] = weakref.WeakValueDictionary()
+_CONFIGS: dict[str, Any] = {}  # a model's configuration by path (a few hundred bytes each)
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def shared_tokenizer(folder: Path) -> Tokenizer:
-    """The tokenizer of `folder` (a model folder or a GGUF file), loaded once per process while
-    any session uses it: a session host's sessions on one daemon model then hold one copy (~40 MB
-    at a 150k-token vocabulary) where each would load its own. It is read-only once loaded, as the
-    in-process engine's, which its sessions share the same way."""
+def shared_model(folder: Path) -> tuple[Tokenizer, Any]:
+    """The tokenizer and configuration of `folder` (a model folder or a GGUF file), read once
+    (a GGUF's header parsed once for both) and the tokenizer kept while any session uses it: a
+    session host's sessions on one daemon model then hold one copy (~40 MB at a 150k-token
+    vocabulary) where each would load its own. It is read-only once loaded, as the in-process
+    engine's, which its sessions share the same way."""
     key = str(Path(folder).resolve())
     with _TOKENIZERS_LOCK:
         tok = _TOKENIZERS.get(key)
-        if tok is None:
-            tok = open_model(folder).tokenizer
+        if tok is None or key not in _CONFIGS:
+            src = open_model(folder)
+            tok, _CONFIGS[key] = src.tokenizer, src.config
             _TOKENIZERS[key] = tok
-        return tok
+        return tok, _CONFIGS[key]
 
 
 def token_for(url: str) -> str | None:
@@ -147,8 +150,7 @@ class EngineServiceModel:
     def _use(self, folder: Path, name: str | None = None) -> None:
         self.model_dir = folder
         self.name = name or model_name(folder)
-        self.tokenizer = shared_tokenizer(folder)
-        self.config = model_config(folder)
+        self.tokenizer, self.config = shared_model(folder)
 
     # -- connection ----------------------------------------------------------------------------
     def _connect(self) -> SyncEngineClient:

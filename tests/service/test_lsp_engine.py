@@ -345,10 +345,16 @@ def test_servers_of_one_process_on_one_daemon_model_share_its_tokenizer(tiny_lla
     import gc
     import weakref
 
-    from spark_lsp.backends.engine_ws import shared_tokenizer
+    from spark_lsp.backends.engine_ws import shared_model
+
+    def shared_tokenizer(folder):
+        return shared_model(folder)[0]
+
+    from engine.config import load_config
 
     a = shared_tokenizer(tiny_llama)
     assert shared_tokenizer(tiny_llama.parent / "." / tiny_llama.name) is a
+    assert shared_model(tiny_llama)[1] == load_config(tiny_llama)
     assert a.encode("def f(x):\n") == shared_tokenizer(tiny_llama).encode("def f(x):\n")
     gone = weakref.ref(a)
     del a
