@@ -12,12 +12,16 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from editor_helpers import PrivateSessionHost, editor_model, server_cmd
+
+from engine.service import rundir
 
 pytestmark = [pytest.mark.editor, pytest.mark.slow]
 
@@ -60,6 +64,9 @@ RUNS = {
     # `shared = true`: the server is a bridge (`serve --stdio --shared`) that hands Neovim's
     # stdio (libuv's socket pairs) to a session host of this run
     "shared": ("native", "native", COMMON + ["stdio_handed_over"]),
+    # `engine = "auto"`: the server starts an engine daemon for the model (a run dir of this
+    # run's own) and generates there: every feature over the engine service, in a real editor
+    "engine": ("native", "native", COMMON + ["engine_daemon"]),
 }
 NVIM_011 = (
     Path(os.environ.get("SPARK_TOOLS_DIR", Path.home() / ".cache" / "spark-lsp" / "tools"))
@@ -121,6 +128,11 @@ def scenario(request, tiny_llama, tmp_path_factory):
     host = PrivateSessionHost() if mode == "shared" else None
     if host is not None:
         env.update({"SPARK_TEST_SHARED": "1", **host.env})
+    run_dir = tmp / "run"
+    if mode == "engine":
+        env.update(
+            {"SPARK_TEST_SETTINGS": json.dumps({"engine": "auto"}), rundir.ENV_DIR: str(run_dir)}
+        )
     env.update(
         {
             "SPARK_SETUP_SNIPPET": str(snippet),
@@ -134,7 +146,10 @@ def scenario(request, tiny_llama, tmp_path_factory):
         }
     )
     with host or contextlib.nullcontext():
-        proc = _run_nvim(nvim, env, tmp)
+        try:
+            proc = _run_nvim(nvim, env, tmp)
+        finally:
+            daemons = _stop_daemons(run_dir)
     if host is not None:  # the session host's log (the bridge leaves --log-file to it)
         server_log = host.log or "(none)"
     else:
@@ -149,7 +164,31 @@ def scenario(request, tiny_llama, tmp_path_factory):
     result = json.loads(out.read_bytes().decode("utf-8", errors="replace"))
     if host is not None:
         result["stdio_handed_over"] = {"ok": host.handed_over, "detail": "see the host's log"}
+    if mode == "engine":
+        used = "generating with the engine service at" in server_log
+        result["engine_daemon"] = {
+            "ok": len(daemons) == 1 and used,
+            "detail": f"daemons started: {daemons}; the server used one: {used}",
+        }
     return mode, result, diag
+
+
+def _stop_daemons(run_dir: Path) -> list[int]:
+    """Stop the engine daemons whose records are in ``run_dir`` (started by the run's server,
+    detached: they outlive it); their pids."""
+    pids = []
+    for path in run_dir.glob("engine-*.json"):
+        pid = json.loads(path.read_text()).get("pid")
+        if isinstance(pid, int):
+            pids.append(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    for pid in pids:
+        for _ in range(200):
+            if not rundir.pid_alive(pid):
+                break
+            time.sleep(0.05)
+    return pids
 
 
 def _run_nvim(nvim: str, env: dict, tmp: Path) -> subprocess.CompletedProcess:
@@ -172,7 +211,9 @@ def _run_nvim(nvim: str, env: dict, tmp: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("check", sorted(set(COMMON + ["typing_through", "stdio_handed_over"])))
+@pytest.mark.parametrize(
+    "check", sorted(set(COMMON + ["typing_through", "stdio_handed_over", "engine_daemon"]))
+)
 def test_neovim(scenario, check):
     mode, result, diag = scenario
     if check not in RUNS[mode][2]:
