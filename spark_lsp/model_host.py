@@ -156,6 +156,7 @@ class LocalModel:
         self.name = str(getattr(engine, "name", None) or "model")
         self.tokenizer = engine.tokenizer
         self.config = getattr(engine, "config", None)
+        self.notice: str | None = None  # why it runs here, when the setting asked otherwise
         n = getattr(engine, "context", None) or getattr(
             self.config, "max_position_embeddings", None
         )
@@ -361,6 +362,7 @@ class SharedModel:
         self.config = self.shared.config
         self.context = self.shared.context
         self.needs_tuning = tune
+        self.notice: str | None = None  # this session's (LocalModel.notice)
         self.prefix = f"session-{n}:"
         self._slots: set[str] = set()
         self._closed = False

@@ -127,6 +127,8 @@ class ServerState:
                 self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
                 if self.host.builder is not None and self.host.builder.fim is None:
                     self.editor.show_warning(NO_FIM_MESSAGE.format(name=self.host.name))
+                if getattr(self.host.model, "notice", None):  # e.g. the engine service is down
+                    self.editor.show_warning(self.host.model.notice)
                 if hasattr(self.host.model, "on_health"):  # the engine service: failures told once
                     self.host.model.on_health = lambda up, message: loop.call_soon_threadsafe(
                         self._backend_health, up, message

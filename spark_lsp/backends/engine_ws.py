@@ -526,4 +526,9 @@ def load(
             if attempt < MAX_FAILURES:
                 time.sleep(1.0)
     log.warning("the engine service %s is unavailable: using an in-process engine", target)
-    return fallback()
+    model = fallback()
+    model.notice = (
+        f"The engine service at {target} is unavailable; generating in this process with "
+        f"{model.name} until the server restarts"
+    )
+    return model

@@ -334,6 +334,9 @@ async def test_unreachable_engine_falls_back_to_the_local_engine(tiny_llama, run
         assert isinstance(res, T.InlineCompletionList)
         m = await ed.metrics()
         assert m["loaded"]
+        # the editor is told, once, where the model runs instead
+        told = [x.message for x in client.messages if "engine service" in x.message]
+        assert len(told) == 1 and "ws://127.0.0.1:9 is unavailable" in told[0], told
     finally:
         await client.shutdown_session()
         await client.stop()
