@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config import ModelError, model_name
 from ..hub import served_name
-from . import rundir
+from . import rundir, tls
 from .client_core import EngineUnavailable
 
 #: Seconds a liveness check may take to connect and answer before a service counts as silent.
@@ -54,7 +54,11 @@ class Service:
 
     @property
     def names(self) -> list[str]:
-        return [model_name(m) for m in self.models]
+        """Its models' names: from its record's folders, else (a service elsewhere) as it
+        answered."""
+        return [model_name(m) for m in self.models] or [
+            str(m.get("name")) for m in (self.status or {}).get("models", [])
+        ]
 
     @property
     def label(self) -> str:
@@ -106,10 +110,20 @@ def services() -> list[Service]:
     return out
 
 
-def check(svc: Service, timeout: float = CHECK_TIMEOUT_S) -> Service:
-    """Connect as a client would (the record's token, its pinned certificate) and ask for the
-    service's status: ``answers``, ``answer_ms`` (connect, handshake and status), ``status``
-    (its models, with their cached KV slots), or ``problem``."""
+def remote(url: str, timeout: float = CHECK_TIMEOUT_S) -> Service:
+    """The service at ``url``, not necessarily one of the user's (a team's daemon, a Ray
+    deployment), checked as the language server would connect to it: the token from the user's
+    record for that URL or $SPARK_LSP_ENGINE_TOKEN, its certificate verified against the trust
+    store and $SPARK_LSP_ENGINE_CA."""
+    svc = Service(key="", pid=0, url=url, models=[], record={"token": rundir.token_for(url)})
+    return check(svc, timeout, cafile=os.environ.get(tls.CA_ENV) or None)
+
+
+def check(svc: Service, timeout: float = CHECK_TIMEOUT_S, cafile: str | None = None) -> Service:
+    """Connect as a client would (the record's token, its pinned certificate; ``cafile``: a CA
+    bundle to trust besides the system's) and ask for the service's status: ``answers``,
+    ``answer_ms`` (connect, handshake and status), ``status`` (its models, with their cached KV
+    slots), or ``problem``."""
     from .sync_client import SyncEngineClient  # the WebSocket client only when checking
 
     t0 = time.perf_counter()
@@ -120,6 +134,7 @@ def check(svc: Service, timeout: float = CHECK_TIMEOUT_S) -> Service:
             direct=False,  # the service itself, not a Ray ingress replica's socket
             client="spark-lsp engine list",
             open_timeout=timeout,
+            cafile=cafile,
             pinned_cert=svc.record.get("tls_cert"),
             cancel_flags=False,
         )
@@ -236,7 +251,7 @@ def describe(svc: Service, now: float | None = None) -> str:
     """One line: models, where, pid, how long it has run, and (once checked) whether it answers."""
     said = {m.get("name"): m.get("precision") for m in (svc.status or {}).get("models", [])}
     names = [f"{n} ({said[n]})" if said.get(n) else n for n in svc.names]
-    parts = [", ".join(names) or "?", svc.url, f"pid {svc.pid}"]
+    parts = [", ".join(names) or "?", svc.url] + ([f"pid {svc.pid}"] if svc.pid else [])
     if svc.ray:
         parts.append("Ray Serve")
     if svc.since is not None:

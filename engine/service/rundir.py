@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 ENV_DIR = "SPARK_LSP_RUN_DIR"  # overrides the runtime dir (tests, several users on one account)
+#: Environment variable with the token of a service not found in the user's records (a team's
+#: daemon, a Ray deployment on another machine).
+TOKEN_ENV = "SPARK_LSP_ENGINE_TOKEN"
 
 
 def runtime_dir() -> Path:
@@ -142,3 +145,13 @@ def remove_record(key: str, pid: int | None = None) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def token_for(url: str) -> str | None:
+    """The token of the service at ``url``: from its record in the runtime dir (one of the
+    user's own), else $TOKEN_ENV."""
+    for path in runtime_dir().glob("engine-*.json"):
+        rec = read_record(path.stem.removeprefix("engine-"))
+        if rec is not None and rec.get("url", "").rstrip("/") == url.rstrip("/"):
+            return rec.get("token")
+    return os.environ.get(TOKEN_ENV) or None

@@ -51,7 +51,7 @@ POLL_S = 0.01
 #: Failed connections in a row before the server falls back to the in-process engine.
 MAX_FAILURES = 3
 #: Environment variable with the token of a `ws://` daemon not found in the user's records.
-TOKEN_ENV = "SPARK_LSP_ENGINE_TOKEN"
+TOKEN_ENV = rundir.TOKEN_ENV
 #: Environment variable naming a CA bundle (PEM) to trust for a `wss://` daemon's certificate,
 #: besides the system's trust store (a team's private CA, or a self-signed certificate).
 CA_ENV = tls.CA_ENV
@@ -76,15 +76,6 @@ def shared_model(folder: Path) -> tuple[Tokenizer, Any]:
             tok, _CONFIGS[key] = src.tokenizer, src.config
             _TOKENIZERS[key] = tok
         return tok, _CONFIGS[key]
-
-
-def token_for(url: str) -> str | None:
-    """The token of the daemon at ``url``: from its record in the runtime dir, else $TOKEN_ENV."""
-    for path in rundir.runtime_dir().glob("engine-*.json"):
-        rec = rundir.read_record(path.stem.removeprefix("engine-"))
-        if rec is not None and rec.get("url", "").rstrip("/") == url.rstrip("/"):
-            return rec.get("token")
-    return os.environ.get(TOKEN_ENV) or None
 
 
 def wanted_name(spec: str | None) -> str | None:
@@ -162,7 +153,7 @@ class EngineServiceModel:
             url, token = rec["url"], rec["token"]
             pinned = rec.get("tls_cert")  # a wss daemon of this user: its own certificate
         else:
-            url, token = self.target, token_for(self.target)
+            url, token = self.target, rundir.token_for(self.target)
             pinned = None  # a URL given by the user: verified by its host name
         client = SyncEngineClient.open(  # on Ray Serve: the ingress replica's own socket
             url,

@@ -48,7 +48,15 @@ def register(subparsers) -> None:
         help="the engine services you run, and whether each answers",
         description="List your running engine services (daemons, also those `engine: auto` "
         "started, and `engine serve --ray` deployments) from their records in your runtime "
-        "dir, and ask each for its status as a client would.",
+        "dir, and ask each for its status as a client would; or, given URLs, ask those "
+        "services (a team's: the token from $SPARK_LSP_ENGINE_TOKEN, a private CA from "
+        "$SPARK_LSP_ENGINE_CA) and show the models they serve, by the names `model` takes.",
+    )
+    ls.add_argument(
+        "urls",
+        nargs="*",
+        metavar="URL",
+        help="ws:// or wss:// URLs of services to ask instead of your own",
     )
     ls.add_argument("--json", action="store_true", help="print JSON (without the tokens)")
     ls.set_defaults(func=run_list)
@@ -80,7 +88,10 @@ def register(subparsers) -> None:
 def run_list(args) -> int:
     from engine.service import manage
 
-    found = [manage.check(svc) for svc in manage.services()]
+    if args.urls:
+        found = [manage.remote(url) for url in args.urls]
+    else:
+        found = [manage.check(svc) for svc in manage.services()]
     if args.json:
         print(json.dumps([svc.as_json() for svc in found], indent=1))
     elif not found:

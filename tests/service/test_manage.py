@@ -171,3 +171,32 @@ def test_select_matches_names_paths_keys_and_urls(tmp_path):
         assert manage.select([svc, hub], [want], False) == [hub]
     with pytest.raises(manage.ManageError):
         manage.select([svc, hub], ["qwen2.5-coder-1.5b"], False)
+
+
+def test_list_asks_services_named_by_url_with_the_token_from_the_environment(
+    run_dir, capsys, monkeypatch, tiny_llama, tiny_qwen2
+):
+    """`engine list URL`: a service that is not one of the user's (a team's daemon), asked with
+    $SPARK_LSP_ENGINE_TOKEN as the language server would: the names `model` takes, or why it
+    does not answer."""
+    from engine import Engine
+    from engine.service.local import LocalModels
+    from engine.service.server import EngineServer
+
+    token = "s" * 43
+    engines = [Engine.load(model_dir=m) for m in (tiny_llama, tiny_qwen2)]
+    srv = EngineServer(LocalModels(engines), token=token).open()
+    try:
+        monkeypatch.setenv(rundir.TOKEN_ENV, token)
+        assert cli(["engine", "list", srv.url]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("tiny_llama (fp32), tiny_qwen2 (fp32)  " + srv.url), out
+        assert "answers in" in out and "pid" not in out
+        monkeypatch.setenv(rundir.TOKEN_ENV, "w" * 43)
+        assert cli(["engine", "list", "--json", srv.url]) == 1
+        (listed,) = json.loads(capsys.readouterr().out)
+        assert listed["answers"] is False and "HTTP 401" in listed["problem"]
+        assert cli(["engine", "list", f"ws://127.0.0.1:{free_port()}"]) == 1
+        assert "NOT ANSWERING: cannot reach" in capsys.readouterr().out
+    finally:
+        srv.close()
