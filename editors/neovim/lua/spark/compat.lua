@@ -12,6 +12,13 @@ function M.request(client, method, params, handler, bufnr)
   return client.request(method, params, handler, bufnr)
 end
 
+function M.request_sync(client, method, params, timeout_ms, bufnr)
+  if M.has_011 then
+    return client:request_sync(method, params, timeout_ms, bufnr)
+  end
+  return client.request_sync(method, params, timeout_ms, bufnr)
+end
+
 function M.notify(client, method, params)
   if M.has_011 then
     return client:notify(method, params)

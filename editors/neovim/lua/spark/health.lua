@@ -64,6 +64,22 @@ function M.check()
     local caps = c.server_capabilities or {}
     h.info('inlineCompletionProvider: ' .. tostring(caps.inlineCompletionProvider ~= nil)
       .. ', codeActionProvider: ' .. tostring(caps.codeActionProvider ~= nil))
+    local compat = require('spark.compat')
+    local res = compat.request_sync(c, 'workspace/executeCommand',
+      { command = 'spark.status', arguments = {} }, 3000, 0)
+    local e = res and res.result and res.result.engine
+    if type(e) == 'table' and e.target ~= nil then -- the engine service (`engine` auto or ws://)
+      if e.connected then
+        h.ok(string.format('engine service: %s (%s; setting %s)', tostring(e.engine),
+          tostring(res.result.model), tostring(e.target)))
+      else
+        h.warn(string.format('engine service %s not connected (%s failure(s) in a row)',
+          tostring(e.engine), tostring(e.failures)),
+          { '`spark-lsp engine list` shows your daemons; `spark-lsp engine list URL` asks a given one' })
+      end
+    elseif type(e) == 'table' and e.engine == 'local (fallback)' then
+      h.warn('engine: in-process fallback (the engine service could not be reached)')
+    end
   else
     h.info('server not running yet (starts when a buffer of a configured filetype opens)')
   end

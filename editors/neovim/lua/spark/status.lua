@@ -96,6 +96,11 @@ function M.describe(server_metrics)
       .. 'model calls %s, cancelled %s, superseded %s', tostring(m.model), tostring(m.loaded),
       tostring(m.inlineRequests), tostring(m.typingThrough), tostring(m.modelCalls),
       tostring(m.cancelled), tostring(m.superseded))
+    local e = m.engine
+    if type(e) == 'table' and e.target ~= nil then -- generating in the engine service
+      lines[#lines + 1] = string.format('engine service: %s, %s', tostring(e.engine),
+        e.connected and 'connected' or 'NOT connected')
+    end
   end
   for _, p in pairs(M.progress) do
     lines[#lines + 1] = string.format('running: %s %s', p.title or '', p.message or '')
