@@ -96,7 +96,8 @@ def prompt_files(model_dir: str | Path, tokenizer: Tokenizer | None = None) -> d
         f = folder / name
         if f.is_file():
             try:
-                out[name] = f.read_text(encoding="utf-8")
+                with f.open(encoding="utf-8", newline="") as fh:  # as stored: no newline edits
+                    out[name] = fh.read()
             except (OSError, UnicodeDecodeError) as e:
                 raise ModelError(f"{f}: cannot read: {e}") from None
     return out

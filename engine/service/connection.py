@@ -237,15 +237,19 @@ class Session:
 
     def _model_files(self, msg: P.ModelFiles) -> None:
         """Send a model's prompt files (``engine.service.model_files``), in chunks."""
+        for part in self._file_parts(msg):
+            self._reply(part)
+
+    def _file_parts(self, msg: P.ModelFiles) -> list[dict[str, Any]]:
+        """The messages that answer ``msg``, the files read (a GGUF's made from its header)."""
         try:
             name, files, digest = self.models.prompt_files(msg.model)
         except KeyError:
             raise P.ProtocolError(P.UNKNOWN_MODEL, self._no_model(msg.model), msg.id) from None
-        except ModelError as e:
+        except (ModelError, OSError) as e:
             raise P.ProtocolError(P.UNAVAILABLE, str(e), msg.id) from None
         log.info("engine client %s: sending the prompt files of %s", self.peer, name)
-        for part in model_files.chunks(msg.id, name, files, digest):
-            self._reply(part)
+        return list(model_files.chunks(msg.id, name, files, digest))
 
     def _no_model(self, name: str | None) -> str:
         return f"no model {name!r}; this server has {[m['name'] for m in self.models.describe()]}"
@@ -714,6 +718,23 @@ class Connection(Session):
         self._message(raw)
 
     # -- the transport ---------------------------------------------------------------------------
+    def _model_files(self, msg: P.ModelFiles) -> None:
+        """As the session's, with the files read on a worker thread: the event loop goes on
+        serving every other client meanwhile (a GGUF's files take a few hundred ms to make)."""
+
+        def send(done: asyncio.Future) -> None:
+            try:
+                parts = done.result()
+            except P.ProtocolError as e:
+                parts = [P.error(e.code, e.message, e.id)]
+            except Exception as e:  # never a request left unanswered
+                log.exception("reading the model files failed")
+                parts = [P.error(P.UNAVAILABLE, f"{type(e).__name__}: {e}", msg.id)]
+            for part in parts:
+                self._reply(part)
+
+        self.loop.run_in_executor(None, self._file_parts, msg).add_done_callback(send)
+
     def _reply(self, msg: dict[str, Any]) -> None:
         self._flush(msg.get("id"))
         self.outbox.put_control(msg)

@@ -176,7 +176,7 @@ def fetch(digest: Any, download: Callable[[], dict[str, str]]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:12]}-", dir=root))
     try:
         for name, text in files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
+            (tmp / name).write_text(text, encoding="utf-8", newline="")
         try:
             os.rename(tmp, root / digest)
         except OSError:  # another client put the same folder in place first

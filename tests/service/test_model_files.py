@@ -262,3 +262,36 @@ def test_folders_unused_for_a_month_are_removed_by_the_next_download(cache):
     new = MF.fetch(MF.files_digest(new_files), lambda: new_files)
     assert new.is_dir() and not old.exists() and not stale_tmp.exists()
     assert mine.exists()  # not the cache's
+
+
+async def test_the_asyncio_connection_reads_the_files_off_its_event_loop(tiny_llama, cache):
+    """The Ray ingress's connection (asyncio) makes the files on a worker thread and answers as
+    the daemon does: the chunks and the closing message, or an error with the request's id."""
+    import asyncio
+
+    from engine.service.connection import Connection
+
+    sent: list[dict] = []
+
+    async def send(text: str) -> None:
+        sent.append(json.loads(text))
+
+    conn = Connection(LocalModels([Engine.load(model_dir=tiny_llama)]), send)
+    try:
+        await conn.handle(json.dumps({"type": "hello", "protocol": 1}))
+        await conn.handle(json.dumps({"type": "model_files", "id": "f1"}))
+        await conn.handle(json.dumps({"type": "model_files", "id": "f2", "model": "nope"}))
+        for _ in range(500):
+            ends = {m["id"]: m for m in sent if m["type"] in ("model_files", "error")}
+            if {"f1", "f2"} <= set(ends):
+                break
+            await asyncio.sleep(0.01)
+        assert ends["f2"]["type"] == "error" and ends["f2"]["code"] == P.UNKNOWN_MODEL
+        receiver = MF.Receiver()
+        for m in sent:
+            if m["type"] == "model_file":
+                receiver.add(m)
+        files = receiver.finish(ends["f1"])
+        assert files["tokenizer.json"] == (tiny_llama / "tokenizer.json").read_text()
+    finally:
+        await conn.close()
