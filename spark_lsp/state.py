@@ -133,6 +133,10 @@ class ServerState:
                     self.host.model.on_health = lambda up, message: loop.call_soon_threadsafe(
                         self._backend_health, up, message
                     )
+                if hasattr(self.host.model, "on_changed"):  # its daemon now serves other files
+                    self.host.model.on_changed = lambda why: loop.call_soon_threadsafe(
+                        self._model_changed, why
+                    )
                 self.wafer.get(self.host.model, self.settings)  # start the projection early
                 self._maybe_tune()
             else:
@@ -176,6 +180,12 @@ class ServerState:
 
         backend.on_health = health
         self.editor.log(f"generating with {backend.name} ({backend.kind} backend)")
+
+    def _model_changed(self, why: str) -> None:
+        """The engine service's model changed under this server: load it again (as a change of
+        the `model` setting does), which takes its new tokenizer."""
+        self.editor.log(why, "warning")
+        self.start_loading()
 
     def _backend_health(self, up: bool, message: str) -> None:
         """A remote backend started failing (told once per run of failures) or answers again."""

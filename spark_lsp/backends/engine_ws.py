@@ -118,6 +118,9 @@ class EngineServiceModel:
         self.context: int | None = None
         self.needs_tuning = False
         self.on_health: Callable[[bool, str], None] | None = None
+        #: Told (once) when a given daemon serves other files for the model than it did: the
+        #: server reloads, taking the new tokenizer (its prompts would be in the old one's ids).
+        self.on_changed: Callable[[str], None] | None = None
         self._fallback = fallback
         self._local: Any = None  # the in-process model after MAX_FAILURES failures
         self._client: SyncEngineClient | None = None
@@ -180,11 +183,14 @@ class EngineServiceModel:
                 None,
                 self.files_digest,
             ):
-                raise EngineUnavailable(
-                    f"the engine service at {url} now serves other files for "
-                    f"{info.get('name')} than when this server started (restart the server "
-                    "to use them)"
+                why = (
+                    f"the engine service at {url} now serves {info.get('name')} with other "
+                    "files (a new tokenizer or configuration): reloading the model"
                 )
+                changed, self.on_changed = self.on_changed, None  # told once
+                if changed is not None:
+                    changed(why)
+                raise EngineUnavailable(why)
             if int(info.get("vocab_size", -1)) != int(self.config.vocab_size):
                 raise EngineUnavailable(
                     f"the engine service at {url} serves {info.get('name')} whose vocabulary "

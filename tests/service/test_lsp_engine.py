@@ -7,8 +7,10 @@ engine a real daemon (`engine.service.daemon`) in another process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 URI = "file:///work/sample.py"
 
 
-def start_daemon(model: Path) -> tuple[subprocess.Popen, dict]:
+def start_daemon(model: Path, *args: str) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.service.daemon", "--model", str(model)],
+        [sys.executable, "-m", "engine.service.daemon", "--model", str(model), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=ROOT,
@@ -324,6 +326,39 @@ def test_engine_serve_takes_a_hub_model(tiny_llama, run_dir, tmp_path, monkeypat
         )
         assert bad.returncode != 0
         assert "test-org/missing" in bad.stderr and "Traceback" not in bad.stderr
+
+
+async def test_a_daemon_back_with_another_model_has_the_server_reload_it(
+    tiny_llama, tiny_qwen2, run_dir
+):
+    """The daemon at the URL the server uses is replaced by one serving another model (other
+    files): the server does not go on with the old tokenizer's ids but loads the model again,
+    taking the new daemon's files, and suggests from it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}"
+    first, _ = start_daemon(tiny_llama, "--ws", f"127.0.0.1:{port}")
+    pids = [first.pid]
+    client, ed = await start_editor(None, {"engine": url})
+    try:
+        ed.open(URI, SAMPLE)
+        assert isinstance(await ed.inline(URI, OFFSETS[0]), T.InlineCompletionList)
+        assert (await ed.metrics())["model"] == "tiny_llama"
+        stop(first.pid)
+        second, _ = start_daemon(tiny_qwen2, "--ws", f"127.0.0.1:{port}")
+        pids.append(second.pid)
+        for _ in range(100):
+            with contextlib.suppress(Exception):  # the requests while it reconnects and reloads
+                await ed.inline(URI, OFFSETS[1])
+            if (await ed.metrics())["model"] == "tiny_qwen2":
+                break
+            await asyncio.sleep(0.2)
+        metrics = await ed.metrics()
+        assert metrics["model"] == "tiny_qwen2" and metrics["engine"]["connected"], metrics
+        assert isinstance(await ed.inline(URI, OFFSETS[2]), T.InlineCompletionList)
+    finally:
+        await close([client], pids)
 
 
 async def test_unreachable_engine_falls_back_to_the_local_engine(tiny_llama, run_dir):
