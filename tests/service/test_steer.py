@@ -86,9 +86,15 @@ def test_steering_is_the_same_in_process_and_over_the_service(models):
         typed = plain[:10] + "ZZ_typed"
         steered, resets, _ = read(_gen(model, "steered"), 10, typed)
         assert resets == 1 and steered.startswith(typed) and len(steered) > len(typed), steered
-        # a steer and a cancel right after it: nothing follows the typed text
-        cancelled, _, reason = read(_gen(model, "cancelled"), 10, typed, cancel_after_steer=True)
-        assert reason == "cancelled" and not cancelled[len(typed) :], cancelled
+        # a steer and a cancel right after it: nothing follows the typed text. On a loaded
+        # machine the daemon can make all its tokens before the reader's first chunk, and the
+        # steer then comes after the end (another case, `read`'s docstring): tried again
+        for attempt in range(3):
+            stream = _gen(model, f"cancelled-{attempt}")
+            cancelled, _, reason = read(stream, 10, typed, cancel_after_steer=True)
+            if reason != "length":
+                break
+        assert reason == "cancelled" and not cancelled[len(typed) :], (name, reason, cancelled)
         outputs[name] = (plain, steered)
     assert outputs["local"] == outputs["daemon"]
 
