@@ -5,39 +5,32 @@ local M = {}
 M.has_011 = vim.fn.has('nvim-0.11') == 1
 M.has_native_inline = vim.lsp.inline_completion ~= nil and vim.lsp.inline_completion.enable ~= nil
 
-function M.request(client, method, params, handler, bufnr)
+--- `client:name(...)` on 0.11+, `client.name(...)` before (0.11 made client calls methods).
+local function call(client, name, ...)
   if M.has_011 then
-    return client:request(method, params, handler, bufnr)
+    return client[name](client, ...)
   end
-  return client.request(method, params, handler, bufnr)
+  return client[name](...)
+end
+
+function M.request(client, method, params, handler, bufnr)
+  return call(client, 'request', method, params, handler, bufnr)
 end
 
 function M.request_sync(client, method, params, timeout_ms, bufnr)
-  if M.has_011 then
-    return client:request_sync(method, params, timeout_ms, bufnr)
-  end
-  return client.request_sync(method, params, timeout_ms, bufnr)
+  return call(client, 'request_sync', method, params, timeout_ms, bufnr)
 end
 
 function M.notify(client, method, params)
-  if M.has_011 then
-    return client:notify(method, params)
-  end
-  return client.notify(method, params)
+  return call(client, 'notify', method, params)
 end
 
 function M.is_stopped(client)
-  if M.has_011 then
-    return client:is_stopped()
-  end
-  return client.is_stopped()
+  return call(client, 'is_stopped')
 end
 
 function M.cancel_request(client, id)
-  if M.has_011 then
-    return client:cancel_request(id)
-  end
-  return client.cancel_request(id)
+  return call(client, 'cancel_request', id)
 end
 
 --- Byte column in `line` of an LSP character offset in `enc` units.
