@@ -164,9 +164,11 @@ def slot_key(slot: str | None) -> tuple[str, str] | None:
 
 
 class LocalModels:
-    """The models of a daemon (or a test): ``Engine`` objects by name; the first is the default."""
+    """The models of a daemon (or a test): ``Engine`` objects by name; the first is the default.
+    ``offer_files``: take the digest of each model's prompt files, which ``hello`` then names
+    and ``prompt_files`` sends (``engine.service.model_files``)."""
 
-    def __init__(self, engines: Sequence[Engine]) -> None:
+    def __init__(self, engines: Sequence[Engine], offer_files: bool = True) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
         self.engines: dict[str, Engine] = {}
@@ -176,17 +178,18 @@ class LocalModels:
             self.engines[eng.name] = eng
         self.default = next(iter(self.engines))
         self.workers = Workers()
-        self.files = ServedFiles()
-        self._digests = {
-            name: self.files.offer(e.model_dir, e.tokenizer) for name, e in self.engines.items()
-        }
+        self.files = ServedFiles()  # the models' prompt files, for clients elsewhere
+        if offer_files:
+            for eng in self.engines.values():
+                self.files.offer(eng.model_dir, eng.tokenizer)
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
-        for name, eng in self.engines.items():
+        for eng in self.engines.values():
             info = describe(eng)
-            if self._digests[name] is not None:
-                info["files"] = self._digests[name]
+            digest = self.files.digest(eng.model_dir)
+            if digest is not None:
+                info["files"] = digest
             out.append(info)
         return out
 

@@ -74,10 +74,14 @@ class ServedFiles:
         self._digests[str(path)] = digest
         return digest
 
+    def digest(self, path: str | Path) -> str | None:
+        """The digest ``offer`` took of the model at ``path`` (None: none offered)."""
+        return self._digests.get(str(path))
+
     def read(self, path: str | Path, tokenizer: Any = None) -> tuple[dict[str, str], str]:
         """(files by name, digest) of a model ``offer`` took; ModelError when it offered none
         or they changed on disk since."""
-        want = self._digests.get(str(path))
+        want = self.digest(path)
         if want is None:
             raise ModelError(f"{Path(path).name}: this service does not offer its model files")
         files = prompt_files(path, tokenizer)

@@ -451,7 +451,7 @@ class EngineIngress:
         self.model_dir = resolve_model(model, weights=False)
         self.tokenizer = open_model(self.model_dir).tokenizer
         self.served = ServedFiles()  # its prompt files, offered to clients (``hello``'s files)
-        self.files_digest = self.served.offer(self.model_dir, self.tokenizer)
+        self.served.offer(self.model_dir, self.tokenizer)
         self.token = token
         self.origins = set(origins)
         self.info: dict[str, Any] | None = None
@@ -478,9 +478,8 @@ class EngineIngress:
     async def _models(self, direct: str | None) -> RayModels:
         if self.info is None:
             info = await self.shards.handles[0].describe.remote()
-            if self.files_digest is not None:
-                info = {**info, "files": self.files_digest}
-            self.info = info
+            digest = self.served.digest(self.model_dir)
+            self.info = {**info, "files": digest} if digest is not None else info
         return RayModels(
             self.shards,
             self.tokenizer,

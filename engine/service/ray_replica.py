@@ -65,7 +65,7 @@ class ReplicaModels(LocalModels):
     replica's load (``placement.Documents``) as ``EngineReplica.generate`` counts it."""
 
     def __init__(self, engine: Any, use: Callable[[str], None]) -> None:
-        super().__init__([engine])
+        super().__init__([engine], offer_files=False)  # the ingress serves the model's files
         self.use = use
 
     def start(
