@@ -138,7 +138,7 @@ class ModelConfig:
         return inv
 
 
-def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
+def read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
     """Read a JSON object; ModelError naming the file (and line) when missing or corrupt."""
     if not path.is_file():
         if required:
@@ -200,9 +200,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     """Load ``config.json`` (plus eos ids from ``generation_config.json``) and validate it."""
     folder = model_path(model_dir)
     path = folder / "config.json"
-    raw = _read_json(path)
+    raw = read_json(path)
     assert raw is not None
-    gen = _read_json(folder / "generation_config.json", required=False)
+    gen = read_json(folder / "generation_config.json", required=False)
     return parse_config(raw, path=path, generation=gen)
 
 

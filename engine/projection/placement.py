@@ -13,16 +13,13 @@ Works from a model config alone (no weights): the sizes are all that matter.
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelError, load_config, model_name
+from ..config import ModelError, load_config, model_name, parse_config, read_json
 from ..hub import model_info, parse_spec
 from .chips import Chip
 
@@ -119,13 +116,12 @@ def load_shape(path: str | Path) -> ModelShape:
         raise ModelError(f"{p}: config file not found")
     if p.name == "config.json":
         return ModelShape.from_config(load_config(p.parent), name=p.parent.name or p.stem)
-    with tempfile.TemporaryDirectory() as d:  # load_config reads <folder>/config.json
-        shutil.copy(p, Path(d) / "config.json")
-        try:
-            name = json.loads(p.read_text(encoding="utf-8")).get("_name_or_path") or p.stem
-        except (ValueError, AttributeError):
-            name = p.stem
-        return ModelShape.from_config(load_config(d), name=str(name).split("/")[-1] or p.stem)
+    raw = read_json(p)  # a config.json under another name: errors name this file
+    assert raw is not None
+    name = raw.get("_name_or_path") or p.stem
+    return ModelShape.from_config(
+        parse_config(raw, path=p, name=p.name), name=str(name).split("/")[-1] or p.stem
+    )
 
 
 def _blocks(n: int, parts: int) -> np.ndarray:

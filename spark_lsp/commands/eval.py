@@ -150,6 +150,12 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--n must be >= 1, got {args.n}")
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.context_tokens < 0:
+        return fail(f"--context-tokens must be >= 0, got {args.context_tokens}")
+    if args.bpb_max_bytes < 0:
+        return fail(f"--bpb-max-bytes must be >= 0 (0 = all), got {args.bpb_max_bytes}")
+    if args.threads is not None and args.threads < 1:
+        return fail(f"--threads must be >= 1, got {args.threads}")
     try:
         files = resolve_files(args.files)
         eng = Engine.load(resolve_model(args.model), threads=args.threads)

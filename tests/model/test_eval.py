@@ -178,6 +178,10 @@ def test_eval_cli_errors(tiny_llama, tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope"), "--files", __file__, "--n", "1"]) == 2
     assert "error" in capsys.readouterr().err
     assert main(["eval", "--files", __file__, "--n", "0"]) == 2
+    for flag, value in (("--context-tokens", "-1"), ("--bpb-max-bytes", "-5"), ("--threads", "0")):
+        capsys.readouterr()
+        assert main(["eval", "--files", __file__, flag, value]) == 2
+        assert f"{flag} must be >= " in capsys.readouterr().err
 
 
 def test_served_scores_the_post_processed_suggestion(tiny_llama, tmp_path, capsys):

@@ -105,7 +105,15 @@ def test_bad_config_field_names_the_file(capsys, tmp_path):
     f = tmp_path / "cfg.json"
     f.write_text(json.dumps(bad))
     rc, _, err = cli(capsys, "--config", str(f))
-    assert rc == 2 and "num_key_value_heads" in err
+    assert rc == 2 and "num_key_value_heads" in err and "cfg.json" in err
+
+
+@pytest.mark.parametrize("text", ["root:x:0:0:root:/root:/bin/bash\n", "[1, 2]"])
+def test_a_file_that_is_not_a_config_is_named_in_the_error(capsys, tmp_path, text):
+    f = tmp_path / "passwd"
+    f.write_text(text)
+    rc, _, err = cli(capsys, "--config", str(f))
+    assert rc == 2 and err.startswith(f"spark-lsp wafer: error: {f}: ")
 
 
 def test_bad_grid_rejected_by_parser(capsys):
