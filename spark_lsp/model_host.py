@@ -118,6 +118,9 @@ class Model(Protocol):
 
     name: str
     context: int | None  # tokens it holds, prompt and new together; None when unknown
+    #: where its generations run, as the editor's status shows it ("in-process", "engine
+    #: service ws://…", "llamacpp http://…")
+    where: str
     tokenizer: Any  # engine.tokenizer.Tokenizer
     config: Any  # engine.config.ModelConfig, or None
 
@@ -148,6 +151,7 @@ class LocalModel:
     """The in-process engine (engine.Engine) as a Model."""
 
     steerable = True
+    where = "in-process"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -349,6 +353,7 @@ class SharedModel:
     editors with the same file open each keep their own prefix) and forgotten when it closes."""
 
     steerable = True
+    where = "session host (one engine for its editors)"
 
     def __init__(
         self, owner: SharedModels, key: tuple[str, str], entry: _SharedEntry, n: int, tune: bool

@@ -67,7 +67,8 @@ class Settings:
         None,
         "string",
         "Model: a folder, a .gguf file, a catalogue name (`spark-lsp models list`) or "
-        "hf:ORG/REPO[:FILE.gguf], downloaded on first use. Empty: the bundled default model.",
+        "hf:ORG/REPO[:FILE.gguf], downloaded on first use. Empty: the bundled default model "
+        "(with `engine` a ws:// URL: the service's first model; a name chooses another).",
     )
     max_tokens: int = setting(
         64, "integer", "New tokens for an inline suggestion.", minimum=1, maximum=4096

@@ -188,22 +188,24 @@ class ServerState:
         self.start_loading()
 
     def _backend_health(self, up: bool, message: str) -> None:
-        """A remote backend started failing (told once per run of failures) or answers again."""
+        """A remote backend or the engine service started failing (told once per run of
+        failures) or answers again: logged, shown, and sent as a `spark/status` of kind
+        "health" (`error` null once it answers) for the editor's status bar."""
         if up:
             self.editor.log(message)
         else:
             self.editor.log(message, "error")
             self.editor.show_error(f"spark-lsp: {message}")
         backend = self.host.model
+        payload = {
+            "model": self.host.name,
+            "kind": "health",
+            "engine": getattr(backend, "where", None),
+            "error": None if up else message,
+        }
         if isinstance(backend, RemoteBackend):
-            self.editor.notify_status(
-                {
-                    "model": self.host.name,
-                    "kind": "backend",
-                    "backend": backend.status(),
-                    "error": None if up else message,
-                }
-            )
+            payload["backend"] = backend.status()
+        self.editor.notify_status(payload)
 
     def backend_failed(self, exc: BackendError) -> ServerError:
         """The request's error for a failed backend (the editor was told once, see `_backend_health`)."""
@@ -220,7 +222,8 @@ class ServerState:
             self.metrics.record_generation(stats)
         try:
             wafer = self.wafer.get(self.host.model, self.settings)
-            self.editor.notify_status(status_payload(self.host.name, kind, stats, wafer))
+            where = getattr(self.host.model, "where", None)
+            self.editor.notify_status(status_payload(self.host.name, kind, stats, wafer, where))
         except Exception as exc:
             log.debug("status notification failed: %s", exc)
 

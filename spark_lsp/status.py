@@ -83,10 +83,14 @@ class WaferProjector:
             self._cache[key] = out
 
 
-def status_payload(model: str, kind: str, stats: dict, wafer: dict | None) -> dict:
+def status_payload(
+    model: str, kind: str, stats: dict, wafer: dict | None, where: str | None = None
+) -> dict:
+    """A finished generation's figures; `where` it ran (`Model.where`)."""
     out = {
         "model": model,
         "kind": kind,
+        "engine": where,
         "tokensPerSecond": _num(stats.get("decode_tok_s"), 1),
         "ttftMs": _num(stats.get("ttft_ms")),
         "promptTokens": stats.get("prompt_tokens"),

@@ -658,12 +658,16 @@ class _Outbox:
         self.ready.set()
 
     def put_control(self, msg: dict[str, Any]) -> None:
+        self.reserve()
+        self.put(msg, self.unreserve)
+
+    def reserve(self) -> None:
+        """Count one more undelivered reply (one queued, or a request still being answered)."""
         self.control += 1
         if self.control >= CONTROL_WINDOW:
             self.room.clear()
-        self.put(msg, self._control_sent)
 
-    def _control_sent(self) -> None:
+    def unreserve(self) -> None:
         self.control -= 1
         if self.control < CONTROL_WINDOW:
             self.room.set()
@@ -711,6 +715,8 @@ class Connection(Session):
         self._held: dict[str, _Held] = {}
         self._progress = asyncio.Event()  # a generation ended or a message went out (``close``)
         self._sender = asyncio.ensure_future(self._send_loop())
+        self._files_lock = asyncio.Lock()  # one `model_files` answered at a time
+        self._files_tasks: set[asyncio.Task] = set()
 
     async def handle(self, raw: str | bytes) -> None:
         """One frame from the client, read once fewer than CONTROL_WINDOW replies wait."""
@@ -720,20 +726,29 @@ class Connection(Session):
     # -- the transport ---------------------------------------------------------------------------
     def _model_files(self, msg: P.ModelFiles) -> None:
         """As the session's, with the files read on a worker thread: the event loop goes on
-        serving every other client meanwhile (a GGUF's files take a few hundred ms to make)."""
+        serving every other client meanwhile (a GGUF's files take a few hundred ms to make).
+        One request is answered at a time, and each one waiting counts as an undelivered reply:
+        a client that asks again and again without reading the answers is no longer read (flow
+        control), rather than having the service read and hold a tokenizer per request."""
+        self.outbox.reserve()
+        task = asyncio.ensure_future(self._answer_files(msg))
+        self._files_tasks.add(task)
+        task.add_done_callback(self._files_tasks.discard)
 
-        def send(done: asyncio.Future) -> None:
-            try:
-                parts = done.result()
-            except P.ProtocolError as e:
-                parts = [P.error(e.code, e.message, e.id)]
-            except Exception as e:  # never a request left unanswered
-                log.exception("reading the model files failed")
-                parts = [P.error(P.UNAVAILABLE, f"{type(e).__name__}: {e}", msg.id)]
-            for part in parts:
-                self._reply(part)
-
-        self.loop.run_in_executor(None, self._file_parts, msg).add_done_callback(send)
+    async def _answer_files(self, msg: P.ModelFiles) -> None:
+        try:
+            async with self._files_lock:
+                try:
+                    parts = await self.loop.run_in_executor(None, self._file_parts, msg)
+                except P.ProtocolError as e:
+                    parts = [P.error(e.code, e.message, e.id)]
+                except Exception as e:  # never a request left unanswered
+                    log.exception("reading the model files failed")
+                    parts = [P.error(P.UNAVAILABLE, f"{type(e).__name__}: {e}", msg.id)]
+                for part in parts:
+                    self._reply(part)
+        finally:
+            self.outbox.unreserve()
 
     def _reply(self, msg: dict[str, Any]) -> None:
         self._flush(msg.get("id"))
@@ -813,6 +828,8 @@ class Connection(Session):
         for held in self._held.values():
             if held.timer is not None:
                 held.timer.cancel()
+        for task in list(self._files_tasks):  # files nobody will read
+            task.cancel()
         deadline = self.loop.time() + drain_s
         while (self.runs or self.outbox.items) and not self._sender.done():
             left = deadline - self.loop.time()

@@ -299,6 +299,12 @@ class EngineServiceModel:
             raise BackendError(f"the engine service connection was lost: {exc}") from None
         return EngineStream(self, gen, cancel, (list(ids), params, slot))
 
+    @property
+    def where(self) -> str:
+        if self._local is not None:
+            return "in-process (the engine service did not answer)"
+        return f"engine service {self.url or self.target}"
+
     def status(self) -> dict:
         if self._local is not None:
             return {**self._local.status(), "engine": "local (fallback)"}

@@ -351,6 +351,10 @@ class RemoteBackend:
         return f"the {self.kind} backend at {self.url}"
 
     @property
+    def where(self) -> str:
+        return f"{self.kind} {self.url}"
+
+    @property
     def name(self) -> str:
         return f"{self.model or self.kind} @ {self.url}"
 

@@ -190,6 +190,7 @@ async def test_completion_code_action_and_status_through_the_server(remote_edito
     assert isinstance(items.items, (list, tuple))
     done = [st for st in ed.status if st.get("kind") == "completion"]
     assert done and done[-1]["newTokens"] > 0 and done[-1]["finishReason"], ed.status
+    assert done[-1]["engine"] == f"openai {py_server.url}"  # where it ran, for the status bar
     # a code action: the docstring of add, computed as one edit (liveEdits off)
     line = SAMPLE.splitlines().index("    return a + b")
     rng = T.Range(T.Position(line, 0), T.Position(line, 0))
@@ -298,6 +299,10 @@ async def test_a_dead_backend_is_reported_once_and_backs_off(tiny_llama):
         assert len(errors) == 6 and all("unreachable" in e for e in errors[:1])
         shown = [m for m in client.messages if "unreachable" in m.message]
         assert len(shown) == 1, client.messages  # told once, not per request
+        # and the status bar, which shows it until the backend answers again
+        health = [s for s in ed.status if s.get("kind") == "health"]
+        assert len(health) == 1 and "unreachable" in health[0]["error"], ed.status
+        assert health[0]["engine"] == f"openai {Dead.url}"
         m = await ed.metrics()
         assert (
             m["backend"]["requests"] < 6 and m["backend"]["failed"] >= 1

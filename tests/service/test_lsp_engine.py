@@ -95,6 +95,7 @@ async def test_completions_over_a_daemon_are_those_of_the_local_engine(tiny_llam
         local, led = await start_editor(tiny_llama)
         led.open(URI, SAMPLE)
         expected = await suggestions(led, OFFSETS)
+        assert led.status[-1]["engine"] == "in-process"
         local_libraries = engine_libraries(local._server.pid)
         await local.shutdown_session()
         await local.stop()
@@ -103,6 +104,7 @@ async def test_completions_over_a_daemon_are_those_of_the_local_engine(tiny_llam
         try:
             ed.open(URI, SAMPLE)
             assert await suggestions(ed, OFFSETS) == expected
+            assert ed.status[-1]["engine"] == f"engine service {rec['url']}"
             # a thin client: the engine runtime is the daemon's, never loaded in the server
             assert engine_libraries(client._server.pid) == []
             assert local_libraries != []  # what the check finds in an in-process server
@@ -155,6 +157,9 @@ async def test_auto_starts_one_daemon_that_two_servers_share_and_survives_its_de
             if answers[-1] == first:
                 break
         assert answers[-1] == first, answers
+        health = [s for s in ea.status if s.get("kind") == "health"]
+        if health:  # a request failed on the dead daemon: the status bar was told, then untold
+            assert health[0]["error"] and health[-1]["error"] is None, health
         new = rundir.read_record(key)
         assert new is not None and new["pid"] != rec["pid"]
         pids.append(new["pid"])

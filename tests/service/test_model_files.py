@@ -295,3 +295,63 @@ async def test_the_asyncio_connection_reads_the_files_off_its_event_loop(tiny_ll
         assert files["tokenizer.json"] == (tiny_llama / "tokenizer.json").read_text()
     finally:
         await conn.close()
+
+
+async def test_a_client_asking_again_and_again_without_reading_is_no_longer_read(tiny_llama, cache):
+    """Each `model_files` waiting to be answered counts as an undelivered reply, and one is
+    answered at a time: a client that sends request after request and reads nothing stops being
+    read after CONTROL_WINDOW of them, with at most one set of files being read, rather than
+    having the service read and hold the tokenizer once per request. Once it reads, every
+    request is answered, in order."""
+    import asyncio
+    import threading
+
+    from engine.service.connection import CONTROL_WINDOW, Connection
+
+    reading = asyncio.Event()
+    sent: list[dict] = []
+
+    async def send(text: str) -> None:  # a client that reads nothing until `reading` is set
+        msg = json.loads(text)
+        if msg["type"] != "hello":
+            await reading.wait()
+        sent.append(msg)
+
+    conn = Connection(LocalModels([Engine.load(model_dir=tiny_llama)]), send)
+    busy, most, lock = [0], [0], threading.Lock()
+    file_parts = conn._file_parts
+
+    def counted(msg):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            return file_parts(msg)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    conn._file_parts = counted
+    try:
+        await conn.handle(json.dumps({"type": "hello", "protocol": 1}))
+        handled = 0
+        for i in range(3 * CONTROL_WINDOW):
+            try:
+                await asyncio.wait_for(
+                    conn.handle(json.dumps({"type": "model_files", "id": f"f{i}"})), 2
+                )
+            except asyncio.TimeoutError:
+                break
+            handled += 1
+        assert handled <= CONTROL_WINDOW, handled  # then the server stopped reading
+        assert most[0] == 1
+        reading.set()
+        for _ in range(1000):
+            ends = [m["id"] for m in sent if m["type"] == "model_files"]
+            if len(ends) == handled:
+                break
+            await asyncio.sleep(0.01)
+        assert ends == [f"f{i}" for i in range(handled)]
+        assert not [m for m in sent if m["type"] == "error"]
+    finally:
+        await conn.close()

@@ -504,11 +504,12 @@ local function scenario()
     local m = vim.api.nvim_exec2('messages', { output = true }).output
     return m:find('tokens/s', 1, true) and m:find('server:', 1, true) and m
   end, 5000)
-  record('status_command', status_msg ~= nil, status_msg)
+  -- on the engine service, the status and the health check say where the model runs
+  local on_service = (vim.json.decode(os.getenv('SPARK_TEST_SETTINGS') or '{}').engine or 'local') ~= 'local'
+  record('status_command', status_msg ~= nil
+    and status_msg:find(on_service and 'runs: engine service ws://' or 'runs: ', 1, true) ~= nil, status_msg)
   local ok_health, health_err = pcall(vim.cmd, 'checkhealth spark')
   local health = ok_health and table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n') or health_err
-  -- on the engine service, the health check says where the model runs
-  local on_service = (vim.json.decode(os.getenv('SPARK_TEST_SETTINGS') or '{}').engine or 'local') ~= 'local'
   record('checkhealth', ok_health and health:find('server running', 1, true) ~= nil
     and not health:find('ERROR', 1, true)
     and (not on_service or health:find('engine service: ws://', 1, true) ~= nil), health)

@@ -11,7 +11,8 @@ M.defaults = {
   -- with `cmd`.
   shared = false,
   -- Model: a folder, a .gguf file, a catalogue name (`spark-lsp models list`) or
-  -- 'hf:ORG/REPO[:FILE.gguf]' (downloaded on first use); nil/'' = the bundled default model.
+  -- 'hf:ORG/REPO[:FILE.gguf]' (downloaded on first use); nil/'' = the bundled default model
+  -- (with `engine` a ws:// URL: the service's first model).
   -- Sent as the `model` setting.
   model = nil,
   -- Filetypes to attach to; '*' attaches to every normal file buffer.

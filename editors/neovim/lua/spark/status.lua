@@ -3,7 +3,9 @@
 --- cancel can stop the second.
 local M = {}
 
-M.last = nil -- last spark/status payload
+M.last = nil -- last spark/status payload of a generation
+M.engine = nil -- where generations run ("in-process", "engine service ws://…", "llamacpp http://…")
+M.error = nil -- the engine service's or backend's failure, until it answers again (kind "health")
 M.progress = {} -- token -> { client_id, title, message }
 
 local listeners = {}
@@ -18,7 +20,14 @@ function M.handler(_, result, ctx)
     return
   end
   result.client_id = ctx and ctx.client_id
-  M.last = result
+  if type(result.engine) == 'string' then
+    M.engine = result.engine
+  end
+  if result.kind == 'health' then
+    M.error = type(result.error) == 'string' and result.error or nil
+  else
+    M.last = result
+  end
   for _, fn in ipairs(listeners) do
     pcall(fn, result)
   end
@@ -53,6 +62,9 @@ end
 
 --- A short statusline component: "spark 312 tok/s · TTFT 18 ms · wafer 9.1k tok/s".
 function M.statusline()
+  if M.error then
+    return 'spark unavailable'
+  end
   local s = M.last
   if not s then
     return next(M.progress) and 'spark …' or 'spark'
@@ -74,6 +86,12 @@ end
 function M.describe(server_metrics)
   local lines = {}
   local s = M.last
+  if M.engine then
+    lines[#lines + 1] = 'runs: ' .. M.engine
+  end
+  if M.error then
+    lines[#lines + 1] = 'UNAVAILABLE: ' .. M.error
+  end
   if s then
     lines[#lines + 1] = string.format('model %s — last %s', s.model or '?', s.kind or 'generation')
     local rows = {

@@ -248,6 +248,14 @@ async function main() {
 
     const st = await statusText(page);
     check('status_bar_figures', st && /tok\/s/.test(st) && /TTFT/.test(st), st);
+    // Its tooltip says where generations run (in-process here; with `engine` the service's URL).
+    await page.locator('.statusbar-item', { hasText: 'Spark' }).first().hover();
+    const tip = await page.waitForFunction(() => [...document.querySelectorAll('.monaco-hover, .workbench-hover')]
+      .map((e) => e.textContent || '').find((t) => /Spark LSP/.test(t)) || null, null, { timeout: 10000 })
+      .then((h) => h.jsonValue()).catch(() => null);
+    check('status_bar_tooltip', tip && /runs:\s(in-process|session\shost)/.test(tip), tip);
+    await page.mouse.move(400, 300);
+    await page.keyboard.press('Escape');
 
     // Clicking the status bar item toggles suggestions off and on again.
     const spark = page.locator('.statusbar-item', { hasText: 'Spark' }).first();
