@@ -210,11 +210,14 @@ def start_host(folder: str, timeout_s: float = START_TIMEOUT_S) -> dict:
         raise BridgeError(f"the session host did not start within {timeout_s:g} s")
 
 
-def hello(record: dict, options: dict) -> tuple[socket.socket, dict]:
-    """Connect to the host of `record` and open a session: (the socket, the host's answer)."""
+def hello(
+    record: dict, options: dict, timeout_s: float = HELLO_TIMEOUT_S
+) -> tuple[socket.socket, dict]:
+    """Connect to the host of `record` and open a session: (the socket, the host's answer).
+    `options` {"status": true}: the host answers with its status instead (and closes)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(HELLO_TIMEOUT_S)
+        sock.settimeout(timeout_s)
         sock.connect(record["socket"])
         line = {"protocol": PROTOCOL, "token": record["token"], **options}
         sock.sendall(json.dumps(line).encode() + b"\n")
@@ -235,6 +238,19 @@ def hello(record: dict, options: dict) -> tuple[socket.socket, dict]:
     except BaseException:
         sock.close()
         raise
+
+
+def host_status(record: dict, timeout_s: float = 3.0) -> dict:
+    """What the host of `record` serves (`SessionHost.status`: pid, sessions, shared models);
+    BridgeError or OSError where it does not answer."""
+    if "since" not in record:  # a host older than the status hello would open a session
+        raise BridgeError("an older session host (it answers no status); stop it to update it")
+    sock, reply = hello(record, {"status": True}, timeout_s)
+    sock.close()
+    status = reply.get("status")
+    if not isinstance(status, dict):
+        raise BridgeError("the session host sent no status (an older host)")
+    return status
 
 
 def clear_stale(folder: str) -> bool:

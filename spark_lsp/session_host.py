@@ -124,6 +124,9 @@ class SessionHost:
                     "socket": str(self.socket_path),
                     "token": self.token,
                     "pid": os.getpid(),
+                    # the process's start: `engine stop` signals the pid only while it is this
+                    "started": rundir.process_start(os.getpid()),
+                    "since": time.time(),
                     "protocol": bridge.PROTOCOL,
                     "version": __version__,
                 },
@@ -287,6 +290,9 @@ class SessionHost:
         if hello.get("protocol") != bridge.PROTOCOL:
             refuse(f"bridge protocol {hello.get('protocol')!r}, this host speaks {bridge.PROTOCOL}")
             return None
+        if hello.get("status") is True:  # `spark-lsp engine list`: what it serves, no session
+            writer.write(json.dumps({"ok": True, "status": self.status()}).encode() + b"\n")
+            return None
         model, engine = hello.get("model"), hello.get("engine")
         try:
             if not isinstance(model, (str, type(None))) or not isinstance(
@@ -343,6 +349,17 @@ class SessionHost:
         ls = create_server(model, engine, lambda: self._converter)
         ls.state.wafer = self._wafer  # a model's projection is computed once, not per session
         return ls
+
+    def status(self) -> dict:
+        """What `spark-lsp engine list` shows of the host: its sessions and shared models."""
+        shared = model_host.SHARED
+        return {
+            "pid": os.getpid(),
+            "version": __version__,
+            "sessions": len(self.sessions),
+            "opened": self.opened,
+            "models": shared.describe() if shared is not None else [],
+        }
 
     def info(self, n: int) -> dict:
         """What `spark/metrics` shows of the host in session `n`."""

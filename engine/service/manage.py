@@ -205,35 +205,56 @@ def stop(
     """Ask ``svc`` to stop (SIGTERM: it cancels its generations, delivers their last messages and
     removes its record) and wait up to ``timeout`` s; with ``force``, SIGKILL one that did not
     exit by then.  Returns what happened, in words; raises ManageError where it could not."""
-    started = svc.record.get("started")
-    if not _same_process(svc.pid, started):
-        rundir.remove_record(svc.key, svc.pid)
-        return f"pid {svc.pid} is no longer that service (its record was stale): record removed"
+    return stop_process(
+        svc.pid,
+        svc.record.get("started"),
+        lambda: rundir.remove_record(svc.key, svc.pid),
+        timeout=timeout,
+        force=force,
+        sleep=sleep,
+    )
+
+
+def stop_process(
+    pid: int,
+    started: Any,
+    forget: Callable[[], None],
+    *,
+    timeout: float = STOP_TIMEOUT_S,
+    force: bool = False,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """`stop` for any process that left a record (a daemon, the language servers' session host):
+    ``started`` its start time from the record, ``forget`` removes the record where the process
+    cannot (it is gone, or killed)."""
+    if not _same_process(pid, started):
+        forget()
+        return f"pid {pid} is no longer that service (its record was stale): record removed"
     try:
-        os.kill(svc.pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return "already stopped"
     except PermissionError as e:
-        raise ManageError(f"cannot signal pid {svc.pid}: {e}") from None
+        raise ManageError(f"cannot signal pid {pid}: {e}") from None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _same_process(svc.pid, started):
+        if not _same_process(pid, started):
             return "stopped"
         sleep(0.05)
     if not force:
         raise ManageError(
-            f"pid {svc.pid} did not stop within {timeout:g} s of SIGTERM "
+            f"pid {pid} did not stop within {timeout:g} s of SIGTERM "
             "(--force kills it; its log is in the runtime dir)"
         )
     try:
-        os.kill(svc.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return "stopped"
     for _ in range(100):  # SIGKILL cannot be refused: wait for the kernel to end it
-        if not rundir.pid_alive(svc.pid):
+        if not rundir.pid_alive(pid):
             break
         sleep(0.02)
-    rundir.remove_record(svc.key, svc.pid)  # it had no chance to remove its own
+    forget()  # it had no chance to remove its own
     return f"killed (did not stop within {timeout:g} s of SIGTERM)"
 
 
@@ -255,7 +276,7 @@ def describe(svc: Service, now: float | None = None) -> str:
     if svc.ray:
         parts.append("Ray Serve")
     if svc.since is not None:
-        parts.append(f"up {_duration((now or time.time()) - svc.since)}")
+        parts.append(f"up {duration((now or time.time()) - svc.since)}")
     if svc.answers:
         said = f"answers in {svc.answer_ms:.0f} ms"
         models = (svc.status or {}).get("models", [])
@@ -267,7 +288,7 @@ def describe(svc: Service, now: float | None = None) -> str:
     return "  ".join(parts)
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
     s = max(0, int(s))
     if s < 60:
         return f"{s} s"

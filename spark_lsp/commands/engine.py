@@ -1,10 +1,14 @@
 """`spark-lsp engine serve|list|stop`: run the shared engine daemon (``engine.service``) for
-editors to join, see which of the user's services run, stop them."""
+editors to join, see which of the user's services run, stop them (also the language servers'
+session host, `serve --shared`: the other way editors share one engine)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from typing import Any
 
 from engine.service import options
 
@@ -47,7 +51,8 @@ def register(subparsers) -> None:
         "list",
         help="the engine services you run, and whether each answers",
         description="List your running engine services (daemons, also those `engine: auto` "
-        "started, and `engine serve --ray` deployments) from their records in your runtime "
+        "started, `engine serve --ray` deployments, and the session host that `serve --shared` "
+        "editors share) from their records in your runtime "
         "dir, and ask each for its status as a client would; or, given URLs, ask those "
         "services (a team's: the token from $SPARK_LSP_ENGINE_TOKEN, a private CA from "
         "$SPARK_LSP_ENGINE_CA) and show the models they serve, by the names `model` takes.",
@@ -75,7 +80,17 @@ def register(subparsers) -> None:
         help="a model (its name, folder, or the catalogue name or hf: spec it was served as), "
         "key, pid or URL",
     )
-    st.add_argument("--all", action="store_true", help="stop every engine service you run")
+    st.add_argument(
+        "--all",
+        action="store_true",
+        help="stop every engine service you run, and the session host",
+    )
+    st.add_argument(
+        "--session-host",
+        action="store_true",
+        help="stop the session host of `serve --shared` editors (their sessions end; an editor "
+        "that starts its server again starts a new host)",
+    )
     st.add_argument(
         "--timeout", type=float, default=15.0, help="seconds to wait for each to exit (15)"
     )
@@ -85,34 +100,130 @@ def register(subparsers) -> None:
     st.set_defaults(func=run_stop)
 
 
+def session_host() -> dict[str, Any] | None:
+    """The user's session host (`serve --shared`) as `engine list` shows it: its record's pid,
+    socket and start, and what it answers (`status`) or why it does not (`problem`); None when
+    none runs."""
+    from .. import bridge
+
+    record = bridge.read_record()
+    if record is None:
+        return None
+    out: dict[str, Any] = {
+        "kind": "session-host",
+        "pid": record["pid"],
+        "socket": record["socket"],
+        "since": record.get("since"),
+        "answers": False,
+        "status": None,
+        "problem": None,
+    }
+    try:
+        out["status"] = bridge.host_status(record)
+        out["answers"] = True
+    except (bridge.BridgeError, OSError, ValueError) as exc:
+        out["problem"] = str(exc) or type(exc).__name__
+    return out
+
+
+def describe_host(host: dict[str, Any]) -> str:
+    """One line, as `manage.describe` gives for a daemon: pid, age, sessions, shared models."""
+    from engine.config import model_name
+    from engine.service import manage
+
+    parts = ["session host (serve --shared)", f"pid {host['pid']}"]
+    if isinstance(host.get("since"), (int, float)):
+        parts.append(f"up {manage.duration(time.time() - host['since'])}")
+    status = host.get("status")
+    if status is not None:
+        parts.append(f"{status.get('sessions', 0)} session(s)")
+        for m in status.get("models", []):
+            parts.append(
+                f"{model_name(m.get('model') or '?')} ({m.get('precision')}, "
+                f"{m.get('sessions')} session(s))"
+            )
+    else:
+        parts.append(f"NOT ANSWERING: {host.get('problem')}")
+    return "  ".join(parts)
+
+
 def run_list(args) -> int:
     from engine.service import manage
 
+    host = None
     if args.urls:
         found = [manage.remote(url) for url in args.urls]
     else:
         found = [manage.check(svc) for svc in manage.services()]
+        host = session_host()
     if args.json:
-        print(json.dumps([svc.as_json() for svc in found], indent=1))
-    elif not found:
+        listed = [{"kind": "engine", **svc.as_json()} for svc in found]
+        print(json.dumps(listed + ([host] if host else []), indent=1))
+    elif not found and host is None:
         print("no engine service runs")
     else:
         for svc in found:
             print(manage.describe(svc))
-    return 0 if all(svc.answers for svc in found) else 1
+        if host is not None:
+            print(describe_host(host))
+    return 0 if all(svc.answers for svc in found) and (host is None or host["answers"]) else 1
+
+
+def stop_session_host(args, *, quiet: bool = False) -> int:
+    """`engine stop --session-host` (and `--all`, `quiet` when none runs): SIGTERM the host, as
+    a daemon is stopped."""
+    from engine.service import manage
+
+    from .. import bridge
+
+    record = bridge.read_record()
+    if record is None:
+        if not quiet:
+            print("no session host runs")
+        return 0
+    path = os.path.join(bridge.runtime_dir(), bridge.RECORD)
+
+    def forget() -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    try:
+        said = manage.stop_process(
+            record["pid"], record.get("started"), forget, timeout=args.timeout, force=args.force
+        )
+    except manage.ManageError as e:
+        print(
+            f"spark-lsp engine stop: error: session host (pid {record['pid']}): {e}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"session host (pid {record['pid']}): {said}")
+    return 0
 
 
 def run_stop(args) -> int:
     from engine.service import manage
 
+    if args.session_host and not args.all:
+        if args.which:
+            print("spark-lsp engine stop: error: --session-host takes no MODEL", file=sys.stderr)
+            return 2
+        return stop_session_host(args)
     try:
         chosen = manage.select(manage.services(), args.which, args.all)
     except manage.ManageError as e:
         print(f"spark-lsp engine stop: error: {e}", file=sys.stderr)
         return 2
+    from .. import bridge
+
+    hosted = args.all and bridge.read_record() is not None
+    host = stop_session_host(args, quiet=True) if hosted else 0
     if not chosen:
-        print("no engine service runs")
-        return 0
+        if not hosted:
+            print("no engine service runs")
+        return host
     failed = 0
     for svc in chosen:
         try:
@@ -124,7 +235,7 @@ def run_stop(args) -> int:
             failed += 1
             continue
         print(f"{svc.label} on {svc.url} (pid {svc.pid}): {said}")
-    return 2 if failed else 0
+    return 2 if failed or host else 0
 
 
 def run(args) -> int:

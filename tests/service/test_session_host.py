@@ -406,6 +406,42 @@ async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
     assert not (run_dir / bridge.SOCKET).exists()
 
 
+async def test_engine_list_shows_the_session_host_and_engine_stop_stops_it(
+    tiny_llama, run_dir, capsys
+):
+    """`spark-lsp engine list` shows the host (its sessions and shared models, asked over its
+    socket without opening a session) and `engine stop --session-host` stops it."""
+    from spark_lsp.cli import main
+
+    a, ea = await bridged(tiny_llama)
+    try:
+        rec = bridge.read_record(str(run_dir))
+        host = rec["pid"]
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, ["engine", "list", "--json"]) == 0
+        out = capsys.readouterr().out
+        assert rec["token"] not in out
+        [h] = [x for x in json.loads(out) if x["kind"] == "session-host"]
+        assert h["pid"] == host and h["answers"] and h["status"]["sessions"] == 1, h
+        assert [(m["precision"], m["sessions"]) for m in h["status"]["models"]] == [("auto", 1)]
+        assert await asyncio.to_thread(main, ["engine", "list"]) == 0
+        line = capsys.readouterr().out
+        assert f"session host (serve --shared)  pid {host}  up " in line, line
+        assert f"1 session(s)  {tiny_llama.name} (auto, 1 session(s))" in line, line
+        metrics = await ea.metrics()  # asking opened no session
+        assert metrics["sessionHost"]["sessions"] == 1 and metrics["sessionHost"]["session"] == 1
+        assert await asyncio.to_thread(main, ["engine", "stop", "--session-host"]) == 0
+        assert f"session host (pid {host}): stopped" in capsys.readouterr().out
+        assert not rundir.pid_alive(host) and bridge.read_record(str(run_dir)) is None
+        assert await asyncio.to_thread(main, ["engine", "list"]) == 0
+        assert capsys.readouterr().out == "no engine service runs\n"
+    finally:
+        try:
+            await a.stop()  # its server ended with the host
+        except Exception:  # noqa: BLE001
+            pass
+
+
 @pytest.mark.slow
 def test_sessions_are_isolated_and_one_failing_leaves_the_others(tiny_llama, run_dir):
     a = raw(tiny_llama)
