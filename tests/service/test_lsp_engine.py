@@ -366,6 +366,41 @@ async def test_a_daemon_back_with_another_model_has_the_server_reload_it(
         await close([client], pids)
 
 
+async def test_a_daemon_gone_and_back_is_shown_in_the_editors_status(tiny_llama, run_dir):
+    """The editor's status bar learns that the engine service stopped answering (a `spark/status`
+    of kind "health" with the reason) and, once a daemon answers at the URL again, that it
+    does (the same, `error` null); the request that found it gone failed with the reason."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}"
+    first, _ = start_daemon(tiny_llama, "--ws", f"127.0.0.1:{port}")
+    pids = [first.pid]
+    client, ed = await start_editor(tiny_llama, {"engine": url})
+
+    async def health() -> list[dict]:
+        await ed.metrics()  # a round trip: notifications sent before its answer have arrived
+        return [s for s in ed.status if s.get("kind") == "health"]
+
+    try:
+        ed.open(URI, SAMPLE)
+        expected = await suggestions(ed, OFFSETS[:1])
+        assert await health() == []
+        stop(first.pid)
+        with pytest.raises(Exception, match="engine service"):
+            await ed.inline(URI, OFFSETS[0])
+        told = await health()
+        assert len(told) == 1 and told[0]["engine"] == f"engine service {url}", told
+        assert "unavailable" in told[0]["error"], told
+        second, _ = start_daemon(tiny_llama, "--ws", f"127.0.0.1:{port}")
+        pids.append(second.pid)
+        assert await suggestions(ed, OFFSETS[:1]) == expected
+        told = await health()
+        assert len(told) == 2 and told[1]["error"] is None, told
+    finally:
+        await close([client], pids)
+
+
 async def test_unreachable_engine_falls_back_to_the_local_engine(tiny_llama, run_dir):
     client, ed = await start_editor(tiny_llama, {"engine": "ws://127.0.0.1:9"})
     try:
