@@ -132,8 +132,15 @@ def run(args) -> int:
         path = Path(args.file)
         try:
             text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"spark-lsp demo: {path}: {exc}", file=sys.stderr)
+        except UnicodeDecodeError as exc:
+            print(
+                f"spark-lsp demo: {path}: not a UTF-8 text file (byte {exc.object[exc.start]:#04x} "
+                f"at offset {exc.start})",
+                file=sys.stderr,
+            )
+            return 2
+        except OSError as exc:
+            print(f"spark-lsp demo: {path}: {exc.strerror or exc}", file=sys.stderr)
             return 2
         picked = pick_function(text)
     else:

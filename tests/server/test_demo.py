@@ -83,3 +83,20 @@ def test_the_engines_steps_are_reported_while_a_model_loads():
         r" +\d+\.\d s  building the decoder graph for m", lines[0]
     )
     assert logging.getLogger("engine").level == level
+
+
+@pytest.mark.parametrize(
+    "content,said",
+    [
+        (b"\xff\xfe\x00def f(x):\n", "not a UTF-8 text file (byte 0xff at offset 0)"),
+        (None, "No such file or directory"),
+    ],
+)
+def test_a_file_the_demo_cannot_read_is_refused_in_words(tmp_path, capsys, content, said):
+    from spark_lsp.cli import main
+
+    path = tmp_path / "f.py"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["demo", str(path)]) == 2
+    assert capsys.readouterr().err == f"spark-lsp demo: {path}: {said}\n"
