@@ -54,6 +54,7 @@ class ServerState:
         self.trusted = True
         # in a session host (spark_lsp.session_host): its pid, this session, the shared models
         self.host_info: Callable[[], dict] | None = None
+        self._unhealthy = False  # the editor was told the engine service or backend is down
 
     def observe(self, uri: str, text: str, line: int) -> None:
         """Activity at `line` of a document (open, edit, completion): its chunk may join the
@@ -125,6 +126,7 @@ class ServerState:
                 progress.end("ready" if ok else "failed")
             if ok:
                 self.editor.log(f"model {self.host.name} loaded in {self.host.load_s:.1f} s")
+                self._loaded_healthy()
                 if self.host.builder is not None and self.host.builder.fim is None:
                     self.editor.show_warning(NO_FIM_MESSAGE.format(name=self.host.name))
                 if getattr(self.host.model, "notice", None):  # e.g. the engine service is down
@@ -180,6 +182,7 @@ class ServerState:
 
         backend.on_health = health
         self.editor.log(f"generating with {backend.name} ({backend.kind} backend)")
+        self._loaded_healthy()
 
     def _model_changed(self, why: str) -> None:
         """The engine service's model changed under this server: load it again (as a change of
@@ -196,12 +199,21 @@ class ServerState:
         else:
             self.editor.log(message, "error")
             self.editor.show_error(f"spark-lsp: {message}")
+        self._notify_health(None if up else message)
+
+    def _loaded_healthy(self) -> None:
+        """A model (re)loaded: an editor told that the last one's engine was down is untold."""
+        if self._unhealthy:
+            self._notify_health(None)
+
+    def _notify_health(self, error: str | None) -> None:
+        self._unhealthy = error is not None
         backend = self.host.model
         payload = {
             "model": self.host.name,
             "kind": "health",
             "engine": getattr(backend, "where", None),
-            "error": None if up else message,
+            "error": error,
         }
         if isinstance(backend, RemoteBackend):
             payload["backend"] = backend.status()

@@ -46,7 +46,12 @@ export class StatusItem implements vscode.Disposable {
     this.item.show();
   }
 
-  setState(state: ServerState): void { this.state = state; this.render(); }
+  setState(state: ServerState): void {
+    // a (re)started server has its own engine: what the last one said of its engine is void
+    if (state === 'starting') { this.engine = undefined; this.error = undefined; }
+    this.state = state;
+    this.render();
+  }
   setEnabled(on: boolean): void { this.enabled = on; this.render(); }
   setGenerating(on: boolean): void { this.generating = on; this.render(); }
   /** A generation's figures, or (kind "health") the engine service or backend going away or
