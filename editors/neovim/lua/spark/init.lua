@@ -150,6 +150,7 @@ end
 --- within the restart budget. A clean exit (after shutdown) or Neovim quitting is left alone.
 function M._on_exit(code, signal)
   signal = signal or 0
+  status.engine, status.error = nil, nil -- the next server has its own engine
   if (code == 0 and signal == 0) or signal == 15 then
     return
   end
