@@ -186,8 +186,10 @@ class ServerState:
 
     def _model_changed(self, why: str) -> None:
         """The engine service's model changed under this server: load it again (as a change of
-        the `model` setting does), which takes its new tokenizer."""
+        the `model` setting does), which takes its new tokenizer. Told once, as a warning (the
+        service answers: not an error)."""
         self.editor.log(why, "warning")
+        self.editor.show_warning(f"spark-lsp: {why}")
         self.start_loading()
 
     def _backend_health(self, up: bool, message: str) -> None:

@@ -62,6 +62,11 @@ _CONFIGS: dict[str, Any] = {}  # a model's configuration by path (a few hundred 
 _TOKENIZERS_LOCK = threading.Lock()
 
 
+class ModelChanged(EngineUnavailable):
+    """The daemon now serves other files for the model (`EngineServiceModel.on_changed`): this
+    model's requests fail until the server has loaded the model again."""
+
+
 def shared_model(folder: Path) -> tuple[Tokenizer, Any]:
     """The tokenizer and configuration of `folder` (a model folder or a GGUF file), read once
     (a GGUF's header parsed once for both) and the tokenizer kept while any session uses it: a
@@ -190,7 +195,7 @@ class EngineServiceModel:
                 changed, self.on_changed = self.on_changed, None  # told once
                 if changed is not None:
                     changed(why)
-                raise EngineUnavailable(why)
+                raise ModelChanged(why)
             if int(info.get("vocab_size", -1)) != int(self.config.vocab_size):
                 raise EngineUnavailable(
                     f"the engine service at {url} serves {info.get('name')} whose vocabulary "
@@ -234,6 +239,8 @@ class EngineServiceModel:
                 self._client = None
             try:
                 client = self._connect()
+            except ModelChanged as exc:  # not a failure: the server loads the model again
+                raise BackendError(str(exc)) from None
             except EngineUnavailable as exc:
                 self._failures += 1
                 if self._failures >= MAX_FAILURES and self._fallback is not None:
