@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.lab.models import SYNTHETIC, synthetic_model
 
 from .. import bridge
+from ..model_host import BadModel, model_argument
 from ..rpc_client import LspClient, RpcError, server_cmd
 from .stats import pct
 from .trace import DEFAULT_FILE, keystrokes, pick_function, source_file
@@ -201,6 +202,11 @@ def run(args, plot=None) -> int:
     model = args.model
     if model in SYNTHETIC:  # written once into the bench cache, then served as a folder
         model = str(synthetic_model(model))
+    try:  # a model that is not there is said here, not by a server that exits at start
+        model = model_argument(model)
+    except BadModel as exc:
+        print(f"spark-lsp bench lsp: error: {exc}", file=sys.stderr)
+        return 2
     if args.backend != "local":
         options.update(
             backend=args.backend,

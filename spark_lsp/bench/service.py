@@ -497,6 +497,17 @@ def run(args, plot=None) -> int:
         plot = bench_plot.plotter_for_run("service", plot)
         if plot is None:
             return 2
+    try:
+        ks = [int(k) for k in args.editors.split(",") if k.strip()]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        print(
+            f"spark-lsp bench service: --editors {args.editors!r}: expected positive counts, "
+            "e.g. 1,4,8,16",
+            file=sys.stderr,
+        )
+        return 2
     if args.model:  # a name: resolved once (downloaded, or written: synthetic-*) for every runner
         from engine.lab.models import resolve_model
 
@@ -591,7 +602,6 @@ def run(args, plot=None) -> int:
             t[labels["ws"]]["suggestion_ms"]["p50"] - t["inproc"]["suggestion_ms"]["p50"]
         )
     if args.ray:
-        ks = [int(k) for k in args.editors.split(",") if k.strip()]
         results["ray"] = run_ray(args, uri, trace, params, ks)
     if args.memory:
         results["memory"] = run_memories(args)

@@ -196,3 +196,16 @@ def test_bench_lsp_replays_typing(tiny_llama, shared):
     # after block openers) is served by at most one of: a model call, typing-through
     assert r["inline_requests"] >= r["keystrokes"]
     assert r["model_calls"] + r["typing_through"] <= r["inline_requests"]
+
+
+def test_bench_arguments_that_cannot_run_are_refused_in_words(tmp_path, capsys):
+    """A model that is not there, or editor counts that are not counts, are said before any
+    server starts (a missing model was a server that exited, seen as a traceback)."""
+    from spark_lsp.bench import lsp, service
+
+    assert lsp.main(["--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"spark-lsp bench lsp: error: --model {tmp_path / 'nope'}: not found")
+    for bad in ("0", "a,b", ""):
+        assert service.main(["--editors", bad]) == 2
+        assert "--editors" in capsys.readouterr().err
