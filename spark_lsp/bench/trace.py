@@ -18,7 +18,14 @@ def source_file(file: str | None) -> Path:
 
 def pick_function(source: str, name: str | None) -> tuple[int, int, str]:
     """(body start offset, body end offset, function name): the body is what gets typed."""
-    tree = ast.parse(source)
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise SystemExit(
+            f"spark-lsp bench: the file is not Python{where}: the replay types a Python "
+            "function's body (--file)"
+        ) from None
     lines = source.splitlines(keepends=True)
     starts = [0]
     for ln in lines:

@@ -209,3 +209,11 @@ def test_bench_arguments_that_cannot_run_are_refused_in_words(tmp_path, capsys):
     for bad in ("0", "a,b", ""):
         assert service.main(["--editors", bad]) == 2
         assert "--editors" in capsys.readouterr().err
+
+
+def test_the_typing_replay_takes_only_a_python_file():
+    from spark_lsp.bench.trace import pick_function
+
+    for text in ("root:x:0:0:root:/root:/bin/bash\n", "def f():\x00\n"):
+        with pytest.raises(SystemExit, match="not Python"):
+            pick_function(text, None)
