@@ -95,7 +95,11 @@ def find_vscode(explicit: str | None = None) -> str:
 
 def vsix_content(path: Path) -> dict[str, bytes]:
     """The behaviour-bearing entries of a .vsix (VSIX_CONTENT), to compare two builds."""
-    with zipfile.ZipFile(path) as z:
+    try:
+        z = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise SetupError(f"{path} is not a .vsix (not a zip file)") from None
+    with z:
         names = set(z.namelist())
         missing = [n for n in VSIX_CONTENT if n not in names]
         if missing:

@@ -100,6 +100,13 @@ def test_the_shipped_vsix_is_a_spark_extension_and_differences_are_found(tmp_pat
     assert editor_setup.vsix_differences(shipped, changed) == ["extension/dist/extension.js"]
     assert main(["editor", "check-vsix", str(changed)]) == 2
     assert "npm run package" in capsys.readouterr().err
+    text = tmp_path / "text.vsix"
+    text.write_text("not a zip\n")
+    assert main(["editor", "check-vsix", str(text)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"spark-lsp editor: error: {text} is not a .vsix (not a zip file)\n"
+    )
 
 
 def test_the_package_data_holds_both_editors():

@@ -138,8 +138,10 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         shipped = vsix_path()
         diff = vsix_differences(shipped, args.built)
-    except (SetupError, OSError) as exc:
+    except SetupError as exc:
         return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"{exc.filename or args.built}: {exc.strerror or exc}")
     if diff:
         return _fail(
             f"the shipped {shipped} differs from {args.built} in {', '.join(diff)}: rebuild it "
