@@ -34,6 +34,8 @@ class Sampler:
             raise ValueError(f"top_k={top_k!r} must be >= 0")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed={seed!r} must be a non-negative integer or None")
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)

@@ -119,6 +119,8 @@ def test_prompt_longer_than_context_then_usable(eng):
         ({"top_k": -1}, "top_k"),
         ({"stop": ("",)}, "stop="),
         ({"max_time_s": 0}, "max_time_s=0"),
+        ({"seed": -5, "temperature": 1.0}, "seed=-5"),  # was numpy's error at the first sample
+        ({"seed": 1.5}, "seed=1.5"),
     ],
 )
 def test_bad_generation_params(kw, needle):
