@@ -54,6 +54,7 @@ COMMON = [
     "statusline",
     "status_command",
     "checkhealth",
+    "backend_down_shown",
     "restarts_after_exit",
 ]
 # run name -> (setup()'s inline option, the ghost-text path it must pick, checks)

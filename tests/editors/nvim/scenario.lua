@@ -514,6 +514,38 @@ local function scenario()
     and not health:find('ERROR', 1, true)
     and (not on_service or health:find('engine service: ws://', 1, true) ~= nil), health)
 
+  -- 6b. A backend that does not answer shows in the statusline and :SparkStatus until the server
+  -- generates with one that does (here: its own engine again) ----------------------------------
+  pcall(vim.cmd, 'tabclose')
+  vim.api.nvim_set_current_buf(buf)
+  local notify = vim.notify
+  vim.notify = function() end -- the server's one error popup (window/showMessage) is expected
+  spark.configure({ backend = 'openai', backendUrl = 'http://127.0.0.1:9' })
+  local remote = wait_for(function()
+    local m = server_metrics()
+    return m and m.loaded and type(m.backend) == 'table' and m.backend.kind == 'openai' and m
+  end, 30000, 100)
+  sync_request('textDocument/inlineCompletion', {
+    textDocument = { uri = vim.uri_from_bufnr(buf) },
+    position = { line = 0, character = 0 },
+    context = { triggerKind = 1 },
+  }, 10000, buf)
+  local shown = wait_for(function() return spark.statusline() == 'spark unavailable' end, 10000)
+  vim.cmd('messages clear')
+  vim.cmd('SparkStatus')
+  local down_msg = wait_for(function()
+    local m = vim.api.nvim_exec2('messages', { output = true }).output
+    return m:find('UNAVAILABLE: ', 1, true) and m:find('runs: openai http://127.0.0.1:9', 1, true) and m
+  end, 5000)
+  spark.configure({ backend = 'local' })
+  local back = wait_for(function()
+    local m = server_metrics()
+    return m and m.loaded and spark.statusline() ~= 'spark unavailable' and m
+  end, 60000, 100)
+  vim.notify = notify
+  record('backend_down_shown', remote and shown and down_msg ~= nil and back ~= nil,
+    { remote = remote ~= nil, shown = shown, status = down_msg, now = spark.statusline() })
+
   -- 7. A server that stops on its own is started again for the buffers it served ----------------
   pcall(vim.cmd, 'tabclose')
   vim.api.nvim_set_current_buf(buf)
