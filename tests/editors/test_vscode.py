@@ -74,6 +74,7 @@ def test_vscode_end_to_end(tiny_llama, tmp_path, shared):
         "code_action_edits",
         "status_bar_figures",
         "status_bar_tooltip",
+        "status_bar_unavailable",
         "status_bar_toggles",
         "instruction_edit",
         "settings_reach_server",

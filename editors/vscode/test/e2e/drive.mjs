@@ -5,7 +5,7 @@
 // Env: E2E_URL (code-server URL with ?folder=), E2E_OUT, E2E_MODULES (node_modules holding
 // playwright-core), E2E_CHROMIUM (browser binary), E2E_FILE (file name to open).
 import { createRequire } from 'node:module';
-import { writeFileSync } from 'node:fs';
+import { mkdirSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 
 const require = createRequire(join(process.env.E2E_MODULES, 'noop.js'));
@@ -268,6 +268,45 @@ async function main() {
       .then(() => true).catch(() => false);
     check('status_bar_toggles', off && on, { off, on, now: await statusText(page) });
     mark('toggle');
+
+    // A backend that does not answer shows on the status item (and why, in its tooltip) until
+    // the server generates with one that does: a workspace setting points it at a port nobody
+    // listens on, then is removed (the server goes back to its own engine).
+    const folder = new URL(process.env.E2E_URL).searchParams.get('folder');
+    const wsSettings = join(folder, '.vscode', 'settings.json');
+    mkdirSync(join(folder, '.vscode'), { recursive: true });
+    writeFileSync(wsSettings, JSON.stringify({ 'spark.backend': 'openai', 'spark.backendUrl': 'http://127.0.0.1:9' }));
+    const sparkItem = () => [...document.querySelectorAll('.statusbar-item')].find((e) => /Spark/.test(e.textContent || ''));
+    await page.click('.editor-instance .monaco-editor .view-lines');
+    await page.keyboard.press('Control+End');
+    await page.keyboard.press('Enter');
+    await page.keyboard.type('    x = ', { delay: 30 });
+    let down = false; // asked again until the server runs on the new setting
+    for (let i = 0; i < 10 && !down; i++) {
+      await page.keyboard.type('a', { delay: 30 });
+      await page.keyboard.press('Alt+\\'); // ask now
+      down = await page.waitForFunction(`(${sparkItem})() && /Spark unavailable/.test((${sparkItem})().textContent)`, null, { timeout: 3000 })
+        .then(() => true).catch(() => false);
+    }
+    let downTip = null;
+    if (down) {
+      await page.keyboard.press('F1'); // the server's error toast would cover the status bar
+      await page.waitForSelector('.quick-input-widget input');
+      await page.keyboard.type('Notifications: Clear All Notifications', { delay: 10 });
+      await page.locator('.quick-input-list .monaco-list-row', { hasText: 'Clear All Notifications' }).first().waitFor();
+      await page.keyboard.press('Enter');
+      await page.locator('.statusbar-item', { hasText: 'Spark' }).first().hover();
+      downTip = await page.waitForFunction(() => [...document.querySelectorAll('.monaco-hover, .workbench-hover')]
+        .map((e) => (e.textContent || '').replace(/\u00a0/g, ' ')).find((t) => /unavailable:/.test(t)) || null, null, { timeout: 10000 })
+        .then((h) => h.jsonValue()).catch(() => null);
+      await page.mouse.move(400, 300);
+    }
+    rmSync(join(folder, '.vscode'), { recursive: true, force: true });
+    const back = await page.waitForFunction(`(${sparkItem})() && !/unavailable|starting|loading|error/.test((${sparkItem})().textContent)`, null, { timeout: 60000 })
+      .then(() => true).catch(() => false);
+    check('status_bar_unavailable', down && downTip && /runs: openai http:\/\/127\.0\.0\.1:9/.test(downTip) && back,
+      { down, tip: downTip, back, now: await statusText(page) });
+    mark('unavailable');
 
     // "Edit Selection with Instruction…" from the command palette: select `def add`, give an instruction.
     await page.click('.editor-instance .monaco-editor .view-lines');
