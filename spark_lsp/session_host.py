@@ -353,12 +353,18 @@ class SessionHost:
     def status(self) -> dict:
         """What `spark-lsp engine list` shows of the host: its sessions and shared models."""
         shared = model_host.SHARED
+        runs: dict[str, int] = {}  # where the sessions' models run (`Model.where`): how many
+        for session in list(self.sessions.values()):
+            model = session.ls.state.host.model
+            where = getattr(model, "where", None) if model is not None else "loading"
+            runs[str(where)] = runs.get(str(where), 0) + 1
         return {
             "pid": os.getpid(),
             "version": __version__,
             "sessions": len(self.sessions),
             "opened": self.opened,
             "models": shared.describe() if shared is not None else [],
+            "runs": runs,
         }
 
     def info(self, n: int) -> dict:

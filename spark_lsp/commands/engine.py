@@ -137,6 +137,9 @@ def describe_host(host: dict[str, Any]) -> str:
     status = host.get("status")
     if status is not None:
         parts.append(f"{status.get('sessions', 0)} session(s)")
+        for where, n in sorted((status.get("runs") or {}).items()):
+            if not where.startswith("session host"):  # the shared models follow
+                parts.append(f"{n} on {where}")
         for m in status.get("models", []):
             parts.append(
                 f"{model_name(m.get('model') or '?')} ({m.get('precision')}, "

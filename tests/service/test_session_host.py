@@ -409,37 +409,53 @@ async def test_two_editors_share_one_host_and_one_engine(tiny_llama, run_dir):
 async def test_engine_list_shows_the_session_host_and_engine_stop_stops_it(
     tiny_llama, run_dir, capsys
 ):
-    """`spark-lsp engine list` shows the host (its sessions and shared models, asked over its
-    socket without opening a session) and `engine stop --session-host` stops it."""
+    """`spark-lsp engine list` shows the host (its sessions, where they run, its shared models,
+    asked over its socket without opening a session) beside the daemon a session of it uses;
+    `engine stop --session-host` stops the host alone, `--all` what is left."""
     from spark_lsp.cli import main
 
     a, ea = await bridged(tiny_llama)
+    b, eb = await bridged(tiny_llama, {"engine": "auto"})  # a session on a daemon
     try:
         rec = bridge.read_record(str(run_dir))
         host = rec["pid"]
+        daemon = (await eb.metrics())["engine"]["engine"]
         capsys.readouterr()
         assert await asyncio.to_thread(main, ["engine", "list", "--json"]) == 0
         out = capsys.readouterr().out
         assert rec["token"] not in out
-        [h] = [x for x in json.loads(out) if x["kind"] == "session-host"]
-        assert h["pid"] == host and h["answers"] and h["status"]["sessions"] == 1, h
+        listed = json.loads(out)
+        [h] = [x for x in listed if x["kind"] == "session-host"]
+        assert [x["url"] for x in listed if x["kind"] == "engine"] == [daemon]
+        assert h["pid"] == host and h["answers"] and h["status"]["sessions"] == 2, h
+        assert h["status"]["runs"] == {
+            "session host (one engine for its editors)": 1,
+            f"engine service {daemon}": 1,
+        }, h
         assert [(m["precision"], m["sessions"]) for m in h["status"]["models"]] == [("auto", 1)]
         assert await asyncio.to_thread(main, ["engine", "list"]) == 0
-        line = capsys.readouterr().out
-        assert f"session host (serve --shared)  pid {host}  up " in line, line
-        assert f"1 session(s)  {tiny_llama.name} (auto, 1 session(s))" in line, line
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith(f"session host (serve --shared)  pid {host}  up "), line
+        assert line.endswith(
+            f"2 session(s)  1 on engine service {daemon}  {tiny_llama.name} (auto, 1 session(s))"
+        ), line
         metrics = await ea.metrics()  # asking opened no session
-        assert metrics["sessionHost"]["sessions"] == 1 and metrics["sessionHost"]["session"] == 1
+        assert metrics["sessionHost"]["sessions"] == 2 and metrics["sessionHost"]["session"] == 1
         assert await asyncio.to_thread(main, ["engine", "stop", "--session-host"]) == 0
-        assert f"session host (pid {host}): stopped" in capsys.readouterr().out
+        assert capsys.readouterr().out == f"session host (pid {host}): stopped\n"
         assert not rundir.pid_alive(host) and bridge.read_record(str(run_dir)) is None
+        assert await asyncio.to_thread(main, ["engine", "list", "--json"]) == 0
+        assert [x["kind"] for x in json.loads(capsys.readouterr().out)] == ["engine"]
+        assert await asyncio.to_thread(main, ["engine", "stop", "--all"]) == 0
+        assert f"on {daemon}" in capsys.readouterr().out
         assert await asyncio.to_thread(main, ["engine", "list"]) == 0
         assert capsys.readouterr().out == "no engine service runs\n"
     finally:
-        try:
-            await a.stop()  # its server ended with the host
-        except Exception:  # noqa: BLE001
-            pass
+        for client in (a, b):
+            try:
+                await client.stop()  # its server ended with the host
+            except Exception:  # noqa: BLE001
+                pass
 
 
 @pytest.mark.slow
