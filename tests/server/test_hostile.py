@@ -597,3 +597,63 @@ async def test_finished_handlers_are_forgotten():
     assert w.text(URI) == "x" * 300 + SRC
     assert len(w.ls.protocol._request_futures) == 0
     w.ls.stop_work("test over")
+
+
+def test_a_lone_surrogate_in_a_document_is_read_as_the_replacement_character(tiny_llama):
+    """JSON may escape a lone surrogate (a JavaScript string can hold one). It is no text the
+    tokenizer, Python's parser or UTF-8 takes: a document holding one failed every completion
+    with an internal error. The server reads it as U+FFFD, what the file holds once saved, the
+    same length in every position encoding, so later positions stay right; a surrogate pair (an
+    emoji as `ensure_ascii` escapes it) is untouched."""
+    c = LspClient(server_cmd(str(tiny_llama)))
+    try:
+        c.initialize({"contextTokens": 128, "maxTokens": 8})
+        c.wait_ready()
+        # json.dumps escapes them as an editor's JSON.stringify does: "\\ud800", the pair too
+        text = 'def f():\n    s = "\ud800\U0001f600\udc00"\n    return '
+        c.send_raw(
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "method": "textDocument/didOpen",
+                    "params": {
+                        "textDocument": {
+                            "uri": URI,
+                            "languageId": "python",
+                            "version": 1,
+                            "text": text,
+                        }
+                    },
+                }
+            ).encode()
+        )
+        # an insertion after them, at a UTF-16 column: a lone one counts 1, the emoji 2
+        change = {"start": {"line": 1, "character": 13}, "end": {"line": 1, "character": 13}}
+        c.send_raw(
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "method": "textDocument/didChange",
+                    "params": {
+                        "textDocument": {"uri": URI, "version": 2},
+                        "contentChanges": [{"range": change, "text": "!\udfff"}],
+                    },
+                }
+            ).encode()
+        )
+        doc = c.call("spark/document", {"uri": URI}, 10)
+        assert doc["text"] == 'def f():\n    s = "\ufffd\U0001f600\ufffd!\ufffd"\n    return ', doc
+        for line, character in ((2, 11), (1, 9), (1, 12)):
+            res = c.call(
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": URI},
+                    "position": {"line": line, "character": character},
+                    "context": {"triggerKind": 1},
+                },
+                60,
+            )
+            assert "items" in res, res
+    finally:
+        c.shutdown()
+    assert c.proc.returncode == 0
