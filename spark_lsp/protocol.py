@@ -26,10 +26,8 @@ pygls upgrade is checked against this module alone):
 13. `SparkProtocol._execute_handler`: a finished notification handler is forgotten (pygls keeps
    every one, so memory grew with each keystroke).
 14. `SparkProtocol.structure_message`: a lone surrogate (JSON may escape one, `"\\ud800"`; a
-   JavaScript string can hold one) becomes U+FFFD, as the editor's file will hold when it is saved:
-   it is not text the tokenizer, the parser or UTF-8 can take, so a document holding one failed
-   every completion with an internal error. U+FFFD has the same length in UTF-16 and code points,
-   and in UTF-8 as a surrogate in WTF-8, so every position stays where it was.
+   JavaScript string can hold one) becomes U+FFFD (`engine.wire_text`): a document holding one
+   failed every completion with an internal error.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -55,6 +52,7 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol, lsp_method
 from pygls.workspace import TextDocument, Workspace
 
+from engine import wire_text
 from engine.cancel import Cancelled
 
 from .documents import PositionError, apply_change, lsp_lines
@@ -62,19 +60,6 @@ from .errors import RequestCancelled, SparkError
 from .framing import Framer, not_a_message
 
 log = logging.getLogger("spark_lsp")
-
-#: a JSON escape of a surrogate (a pair, as `ensure_ascii` writes an emoji, or a lone one)
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")  # in a decoded str a pair is one code point: lone
-
-
-def _no_lone_surrogates(value: Any) -> Any:
-    """14. `value` (a str, or a list of them) with each lone surrogate replaced by U+FFFD."""
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [_no_lone_surrogates(v) if isinstance(v, (str, list)) else v for v in value]
-    return value
 
 
 # -- 1. documents with LSP line breaks ------------------------------------------------------------
@@ -181,7 +166,7 @@ class SparkProtocol(LanguageServerProtocol):
         1.5 to 1); json.loads calls this for inner objects first, so a bad one is remembered
         until its message is built. 14. Lone surrogates in its strings become U+FFFD."""
         if self.surrogates:
-            data = {k: _no_lone_surrogates(v) for k, v in data.items()}
+            data = wire_text.clean(data)
         if "jsonrpc" not in data:
             if len(data) == 2 and "line" in data and "character" in data:
                 for v in data.values():
@@ -411,7 +396,7 @@ class SparkLanguageServer(LanguageServer):
         """Parse and handle one message body; nothing a client sends stops the server."""
         try:
             self.protocol.bad_position = None
-            self.protocol.surrogates = _SURROGATE_ESCAPE.search(body) is not None
+            self.protocol.surrogates = wire_text.may_hold_surrogates(body)
             message = json.loads(body, object_hook=self.protocol.structure_message)
             problem = not_a_message(message)
             if problem is not None:  # 10.

@@ -206,6 +206,11 @@ class Session:
                 self._dispatch(msg)
             except P.ProtocolError as e:
                 self._reply(P.error(e.code, e.message, e.id))
+            except Exception as e:  # a fault of ours: this message fails, the connection goes on
+                log.exception("engine client %s: %s failed", self.peer, type(msg).__name__)
+                self._reply(
+                    P.error(P.ENGINE_ERROR, f"{type(e).__name__}: {e}", getattr(msg, "id", None))
+                )
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, P.Hello):

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .. import wire_text
 from ..params import GenerationParams
 
 PROTOCOL_VERSION = 1
@@ -203,6 +204,8 @@ def decode(raw: str | bytes) -> dict[str, Any]:
         msg = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(BAD_JSON, f"not JSON: {e}") from None
+    if wire_text.may_hold_surrogates(raw):  # a lone one is no text to tokenize or send back
+        msg = wire_text.clean(msg)
     if not isinstance(msg, dict):
         raise ProtocolError(BAD_MESSAGE, "a message must be a JSON object")
     if not isinstance(msg.get("type"), str):

@@ -25,6 +25,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from .. import wire_text
 from ..config import ModelError
 from . import protocol as P
 from . import tls
@@ -60,7 +61,10 @@ class _Handler(BaseHTTPRequestHandler):
             n = int(self.headers.get("Content-Length", "0"))
             if not 0 <= n <= P.MAX_MESSAGE_BYTES:
                 return self._reply(413, {"error": "request too large"})
-            req = json.loads(self.rfile.read(n))
+            body = self.rfile.read(n)
+            req = json.loads(body)
+            if wire_text.may_hold_surrogates(body):
+                req = wire_text.clean(req)
             params = P.params_from_json(req.get("params"))
             slot = req.get("slot")
             gen = self.engine.generate(

@@ -536,6 +536,69 @@ async def test_bad_messages_get_error_codes_and_the_socket_stays(client, server)
     assert ok.finish_reason in ("length", "eos")
 
 
+async def test_a_lone_surrogate_is_read_as_the_replacement_character(server):
+    """JSON may escape a lone surrogate: a text prompt holding one was an exception out of the
+    connection's reader, and the client got no reply. It is read as U+FFFD (an id too), and the
+    generation is that of the text with U+FFFD."""
+    ws = await raw_connection(server)
+
+    async def run(gid: str, prompt: str) -> list[dict]:
+        params = {"max_new_tokens": 4, "ignore_eos": True}
+        await ws.send(
+            json.dumps({"type": "generate", "id": gid, "prompt": prompt, "params": params})
+        )
+        out = []
+        while not out or out[-1]["type"] not in ("done", "error"):
+            out.append(await recv_json(ws))
+        return out
+
+    try:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1}))
+        await recv_json(ws)
+        got = await run("s\udc00", "def f():\n    return '\ud800")  # json.dumps escapes them
+        want = await run("t", "def f():\n    return '\ufffd")
+        assert {m["id"] for m in got} == {"s\ufffd"} and got[-1]["type"] == "done", got
+        text = lambda ms: "".join(m.get("text", "") for m in ms)  # noqa: E731
+        assert text(got) == text(want)
+        assert got[-1]["stats"]["prompt_tokens"] == want[-1]["stats"]["prompt_tokens"]
+    finally:
+        await ws.close()
+
+
+async def test_a_fault_of_the_service_fails_the_message_not_the_connection(engine):
+    """An exception the service did not foresee while handling a message (here: encoding the
+    prompt) is an `engine_error` for that message; the connection answers the next one."""
+    sent: list[dict] = []
+
+    async def send(text: str) -> None:
+        sent.append(json.loads(text))
+
+    conn = Connection(LocalModels([engine]), send)
+
+    def boom(model, prompt):
+        raise RuntimeError("boom")
+
+    conn.models.encode = boom
+    try:
+        await conn.handle(json.dumps({"type": "hello", "protocol": 1}))
+        await conn.handle(json.dumps({"type": "generate", "id": "g", "prompt": "x"}))
+        await conn.handle(json.dumps({"type": "status", "id": "s"}))
+        for _ in range(200):
+            if any(m.get("id") == "s" for m in sent):
+                break
+            await asyncio.sleep(0.01)
+        [err] = [m for m in sent if m["type"] == "error"]
+        assert err == {
+            "type": "error",
+            "code": P.ENGINE_ERROR,
+            "message": "RuntimeError: boom",
+            "id": "g",
+        }
+        assert [m["type"] for m in sent if m.get("id") == "s"] == ["status"]
+    finally:
+        await conn.close()
+
+
 async def test_oversized_message_is_refused_and_oversized_frame_closes_cleanly(server):
     ws = await raw_connection(server, max_size=None)
     try:
