@@ -48,6 +48,14 @@ def start_daemon(model: Path, *args: str) -> tuple[subprocess.Popen, dict]:
     raise AssertionError("no daemon record")
 
 
+def free_url() -> tuple[int, str]:
+    """A free loopback port and the ws:// URL of a daemon there (started again at the same one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return port, f"ws://127.0.0.1:{port}"
+
+
 def stop(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
@@ -339,10 +347,7 @@ async def test_a_daemon_back_with_another_model_has_the_server_reload_it(
     """The daemon at the URL the server uses is replaced by one serving another model (other
     files): the server does not go on with the old tokenizer's ids but loads the model again,
     taking the new daemon's files, and suggests from it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"ws://127.0.0.1:{port}"
+    port, url = free_url()
     first, _ = start_daemon(tiny_llama, "--ws", f"127.0.0.1:{port}")
     pids = [first.pid]
     client, ed = await start_editor(None, {"engine": url})
@@ -377,10 +382,7 @@ async def test_a_daemon_gone_and_back_is_shown_in_the_editors_status(tiny_llama,
     """The editor's status bar learns that the engine service stopped answering (a `spark/status`
     of kind "health" with the reason) and, once a daemon answers at the URL again, that it
     does (the same, `error` null); the request that found it gone failed with the reason."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"ws://127.0.0.1:{port}"
+    port, url = free_url()
     first, _ = start_daemon(tiny_llama, "--ws", f"127.0.0.1:{port}")
     pids = [first.pid]
     client, ed = await start_editor(tiny_llama, {"engine": url})
