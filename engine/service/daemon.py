@@ -68,7 +68,10 @@ def load_engines(
 
 
 def read_token_file(path: str) -> str:
-    token = Path(path).expanduser().read_text().strip()
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DaemonError(f"--token-file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if len(token) < 16:
         raise DaemonError(f"{path}: a token needs at least 16 characters")
     return token

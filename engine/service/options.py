@@ -15,6 +15,17 @@ SPINNING = {"off": False, "on": True, "auto": None}
 DEFAULT_SPINNING = "off"
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0 (`--idle-exit -1` exited at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ws",
@@ -80,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--idle-exit",
         metavar="SECONDS",
-        type=float,
+        type=positive_seconds,
         default=None,
         help="exit after this long without a client",
     )

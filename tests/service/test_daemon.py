@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -150,3 +151,22 @@ def test_daemon_engines_do_not_spin_unless_asked():
     assert rt.calm is rt.busy and not rt.busy.spinning
     (eng,) = load_engines([default_model_dir()], slots=1, spinning=SPINNING["auto"])
     assert eng.runtime.calm.spinning  # the bundled model is small: a spinning calm session
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--idle-exit", "-1"], "argument --idle-exit: must be above 0 seconds"),  # exited at once
+        (["--idle-exit", "0"], "argument --idle-exit: must be above 0 seconds"),
+        # Ray's own traceback, after starting a cluster
+        (["--replicas", "0", "--ray"], "argument --replicas: must be at least 1"),
+        (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: No such file"),
+    ],
+)
+def test_engine_serve_refuses_arguments_it_cannot_serve_with(run_dir, capsys, args, said):
+    from spark_lsp.cli import main
+
+    with contextlib.suppress(SystemExit):  # argparse's errors exit 2
+        assert main(["engine", "serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
