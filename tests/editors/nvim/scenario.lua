@@ -84,6 +84,21 @@ local function sync_request(method, params, timeout_ms, buf)
   return res, e
 end
 
+--- :SparkStatus's output, once it holds every one of `needles` (nil if it does not in 5 s).
+local function spark_status_showing(needles)
+  vim.cmd('messages clear')
+  vim.cmd('SparkStatus')
+  return wait_for(function()
+    local m = vim.api.nvim_exec2('messages', { output = true }).output
+    for _, needle in ipairs(needles) do
+      if not m:find(needle, 1, true) then
+        return nil
+      end
+    end
+    return m
+  end, 5000)
+end
+
 local function server_metrics()
   return sync_request('workspace/executeCommand', { command = 'spark.status', arguments = {} })
 end
@@ -498,12 +513,7 @@ local function scenario()
   vim.cmd('SparkToggle')
   record('toggle', on and not off and spark.is_enabled(), { before = on, after = off })
   record('statusline', spark.statusline():match('tok/s') ~= nil, spark.statusline())
-  vim.cmd('messages clear')
-  vim.cmd('SparkStatus')
-  local status_msg = wait_for(function()
-    local m = vim.api.nvim_exec2('messages', { output = true }).output
-    return m:find('tokens/s', 1, true) and m:find('server:', 1, true) and m
-  end, 5000)
+  local status_msg = spark_status_showing({ 'tokens/s', 'server:' })
   -- on the engine service, the status and the health check say where the model runs
   local on_service = (vim.json.decode(os.getenv('SPARK_TEST_SETTINGS') or '{}').engine or 'local') ~= 'local'
   record('status_command', status_msg ~= nil
@@ -531,12 +541,7 @@ local function scenario()
     context = { triggerKind = 1 },
   }, 10000, buf)
   local shown = wait_for(function() return spark.statusline() == 'spark unavailable' end, 10000)
-  vim.cmd('messages clear')
-  vim.cmd('SparkStatus')
-  local down_msg = wait_for(function()
-    local m = vim.api.nvim_exec2('messages', { output = true }).output
-    return m:find('UNAVAILABLE: ', 1, true) and m:find('runs: openai http://127.0.0.1:9', 1, true) and m
-  end, 5000)
+  local down_msg = spark_status_showing({ 'UNAVAILABLE: ', 'runs: openai http://127.0.0.1:9' })
   spark.configure({ backend = 'local' })
   local back = wait_for(function()
     local m = server_metrics()
