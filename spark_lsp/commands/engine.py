@@ -4,7 +4,6 @@ session host, `serve --shared`: the other way editors share one engine)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -12,6 +11,8 @@ import time
 from typing import Any
 
 from engine.service import options
+
+from . import positive_int
 
 
 def register(subparsers) -> None:
@@ -36,7 +37,7 @@ def register(subparsers) -> None:
         action="store_true",
         help="deploy on Ray Serve instead (needs Ray: pip install 'ray[serve]')",
     )
-    s.add_argument("--replicas", type=_at_least_one, default=2, help="engine replicas with --ray")
+    s.add_argument("--replicas", type=positive_int, default=2, help="engine replicas with --ray")
     s.add_argument(
         "--no-direct",
         dest="direct",
@@ -99,16 +100,6 @@ def register(subparsers) -> None:
         "--force", action="store_true", help="SIGKILL a service that did not exit in time"
     )
     st.set_defaults(func=run_stop)
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def session_host() -> dict[str, Any] | None:

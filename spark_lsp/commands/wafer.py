@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from . import positive_int
+
 
 def _grid(text: str) -> tuple[int, int]:
     from engine.wafer.partition import parse_grid
@@ -24,16 +26,6 @@ def _grid(text: str) -> tuple[int, int]:
         return parse_grid(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).replace("--grid ", "")) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return v
 
 
 def _fraction(text: str) -> float:
@@ -79,21 +71,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--context",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="tokens of KV cache each layer region holds (default: min(4096, the model's context))",
     )
     p.add_argument(
         "--prompt-tokens",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="prompt length for the TTFT projection (default: min(context, 4096))",
     )
     p.add_argument(
         "--max-wafers",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="wafers the layout may span (default: the fewest that hold the model)",

@@ -159,7 +159,7 @@ def test_daemon_engines_do_not_spin_unless_asked():
         (["--idle-exit", "-1"], "argument --idle-exit: must be above 0 seconds"),  # exited at once
         (["--idle-exit", "0"], "argument --idle-exit: must be above 0 seconds"),
         # Ray's own traceback, after starting a cluster
-        (["--replicas", "0", "--ray"], "argument --replicas: must be at least 1"),
+        (["--replicas", "0", "--ray"], "argument --replicas: '0': expected a positive integer"),
         (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: No such file"),
     ],
 )
